@@ -1,0 +1,89 @@
+"""The one typed description of how a weight is quantized.
+
+`QuantSpec` is frozen and validated on construction; recipes map 1:1 onto its fields, and
+`glmq.formats.compressed_tensors.quantization_args` is the single place that translates it into
+compressed-tensors' `QuantizationArgs`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Method(str, enum.Enum):
+    RTN = "rtn"
+    GPTQ = "gptq"
+
+
+SUPPORTED_BITS = (4, 8)
+# vLLM's Marlin kernels take exactly these group sizes (formats.md §3a); anything else would not serve.
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one Linear weight `[N, K]` becomes integers.
+
+    Attributes:
+        num_bits: 4 (int4, packed 8 per int32) or 8 (int8, packed 4 per int32).
+        group_size: contiguous input columns that share one scale; K must be a multiple of it.
+        symmetric: True -> scale = absmax / (2^(b-1) - 0.5), no zero point (what vLLM/SGLang MoE need).
+            False -> min/max scale with an int zero point (written as `weight_zero_point`).
+        method: "rtn" or "gptq".
+        act_order: GPTQ only: process columns by decreasing Hessian diagonal ("static" act-order);
+            the written format is unchanged (no g_idx).
+        damp: GPTQ only: dampening added to the Hessian diagonal, as a fraction of its mean.
+        block_size: GPTQ only: columns per lazy-batch block (paper §4, "Lazy Batch-Updates").
+    """
+
+    num_bits: int = 4
+    group_size: int = 128
+    symmetric: bool = True
+    method: Method = Method.RTN
+    act_order: bool = False
+    damp: float = 0.01
+    block_size: int = 128
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "method", Method(self.method))
+        if self.num_bits not in SUPPORTED_BITS:
+            raise ValueError(f"num_bits must be one of {SUPPORTED_BITS}, got {self.num_bits}")
+        if self.group_size not in SUPPORTED_GROUP_SIZES:
+            raise ValueError(
+                f"group_size must be one of {SUPPORTED_GROUP_SIZES} (the sizes vLLM's Marlin kernels "
+                f"serve), got {self.group_size}"
+            )
+        if not 0.0 <= self.damp < 1.0:
+            raise ValueError(f"damp must be in [0, 1), got {self.damp}")
+        if self.block_size <= 0 or self.block_size % self.group_size and self.group_size % self.block_size:
+            raise ValueError(
+                f"block_size {self.block_size} and group_size {self.group_size} must divide one another"
+            )
+
+    @property
+    def q_min(self) -> int:
+        return -(1 << (self.num_bits - 1))
+
+    @property
+    def q_max(self) -> int:
+        return (1 << (self.num_bits - 1)) - 1
+
+    @property
+    def pack_factor(self) -> int:
+        """Quantized values per int32 word."""
+        return 32 // self.num_bits
+
+    def check_shape(self, shape: tuple[int, ...]) -> str | None:
+        """Return why a weight of `shape` cannot take this spec, or None if it can."""
+        if len(shape) != 2:
+            return f"expected a 2-D Linear weight, got shape {list(shape)}"
+        k = shape[1]
+        if k % self.group_size:
+            return (
+                f"input dimension {k} is not a multiple of group_size {self.group_size}; "
+                f"use a recipe with a group size that divides {k}, or keep this tensor unquantized"
+            )
+        if k % self.pack_factor:
+            return f"input dimension {k} is not a multiple of {self.pack_factor} (int32 packing)"
+        return None
