@@ -1,0 +1,70 @@
+"""Perplexity and KL divergence of next-token distributions, source vs quantized checkpoints.
+
+Models are read through glmq's own readers (formats/dense.py), written as a plain float copy in a
+temporary folder and loaded with transformers' own model class for the config, so no serving engine
+is needed and every format goes through the same forward code.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from glmq.formats.dense import dense_config, iter_dense
+
+
+def load_model(checkpoint: str | Path, dtype: torch.dtype = torch.float32):
+    """A transformers CausalLM holding the checkpoint's weights, dequantized to `dtype`."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory(prefix="glmq-eval-") as tmp:
+        tensors = dict(iter_dense(checkpoint, dtype))
+        save_file(tensors, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+        del tensors
+        (Path(tmp) / "config.json").write_text(json.dumps(dense_config(checkpoint)))
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype)
+    return model.eval()
+
+
+def token_windows(tokenizer_dir: str | Path, text_file: str | Path, seq_len: int, count: int) -> torch.Tensor:
+    """The first `count` non-overlapping windows of `seq_len` tokens of a text file, `[count, seq_len]`."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    ids = tok(Path(text_file).read_text(), return_tensors="pt", add_special_tokens=False).input_ids[0]
+    n = min(count, ids.numel() // seq_len)
+    if n == 0:
+        raise ValueError(f"{text_file}: shorter than one window of {seq_len} tokens")
+    return ids[: n * seq_len].view(n, seq_len)
+
+
+@torch.no_grad()
+def log_probs(model, windows: torch.Tensor, batch: int = 8) -> torch.Tensor:
+    """Next-token log-probabilities `[W, T-1, V]` (float32) for every window."""
+    out = []
+    for i in range(0, windows.shape[0], batch):
+        logits = model(windows[i:i + batch]).logits[:, :-1].float()
+        out.append(torch.log_softmax(logits, dim=-1))
+    return torch.cat(out)
+
+
+@dataclass
+class Scores:
+    perplexity: float
+    kl_to_source: float | None  # mean per-token KL(source || this)
+
+
+def perplexity(lp: torch.Tensor, windows: torch.Tensor) -> float:
+    nll = -lp.gather(-1, windows[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return math.exp(nll.double().mean().item())
+
+
+def mean_kl(lp_source: torch.Tensor, lp_other: torch.Tensor) -> float:
+    return (lp_source.exp() * (lp_source - lp_other)).sum(-1).double().mean().item()

@@ -1,0 +1,91 @@
+"""The layer-input Hessian GPTQ needs: H = (2/n) sum_t x_t x_t^T over n calibration tokens.
+
+`HessianAccumulator` keeps the raw float32 sum S = sum x x^T and the token count n, and divides only in
+`finalize()`. Keeping the sum (instead of the reference gptq.py's running average, which rescales H by
+n/(n+m) on every batch) makes batching and merging plain additions: accumulators from several batches,
+workers or processes combine exactly, weighted by their token counts, and `state_dict()` holds only
+tensors, so a `torch.distributed.all_reduce` of both entries or a safetensors file carries it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class HessianAccumulator:
+    """Running sum of x x^T over the tokens fed to one Linear layer.
+
+    Attributes:
+        xxt_sum: float32 `[K, K]`, sum over tokens of x x^T.
+        num_tokens: tokens accumulated so far.
+    """
+
+    def __init__(self, num_columns: int, device: torch.device | str | None = None) -> None:
+        """Args: num_columns: K, the layer's input size; device: where the sum lives (CPU or CUDA)."""
+        if num_columns <= 0:
+            raise ValueError(f"num_columns must be positive, got {num_columns}")
+        self.xxt_sum = torch.zeros(num_columns, num_columns, dtype=torch.float32, device=device)
+        self.num_tokens = 0
+
+    @property
+    def num_columns(self) -> int:
+        return self.xxt_sum.shape[0]
+
+    def add(self, x: torch.Tensor) -> None:
+        """Accumulate activations `x` `[..., K]` (any leading dims, any float dtype, any device).
+
+        Every leading index is one token. The product runs in float32 on the accumulator's device.
+        """
+        k = self.num_columns
+        if x.shape[-1] != k:
+            raise ValueError(f"activations have {x.shape[-1]} features, the accumulator expects {k}")
+        x = x.reshape(-1, k).to(device=self.xxt_sum.device, dtype=torch.float32)  # (T, K)
+        self.xxt_sum.addmm_(x.t(), x)
+        self.num_tokens += x.shape[0]
+
+    def merge(self, other: HessianAccumulator) -> HessianAccumulator:
+        """Add `other`'s tokens to this accumulator (in place) and return self.
+
+        Raises:
+            ValueError: if the two have different K.
+        """
+        if other.num_columns != self.num_columns:
+            raise ValueError(f"cannot merge Hessians of size {other.num_columns} and {self.num_columns}")
+        self.xxt_sum += other.xxt_sum.to(self.xxt_sum.device)
+        self.num_tokens += other.num_tokens
+        return self
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """{"xxt_sum": float32 [K, K], "num_tokens": int64 scalar}: plain tensors (torch.save, safetensors)."""
+        return {"xxt_sum": self.xxt_sum, "num_tokens": torch.tensor(self.num_tokens, dtype=torch.int64)}
+
+    @classmethod
+    def from_state_dict(
+        cls, state: dict[str, torch.Tensor], device: torch.device | str | None = None
+    ) -> HessianAccumulator:
+        """Inverse of `state_dict`, optionally moving the sum to `device`."""
+        xxt = state["xxt_sum"]
+        if xxt.ndim != 2 or xxt.shape[0] != xxt.shape[1]:
+            raise ValueError(f"xxt_sum must be a square matrix, got {list(xxt.shape)}")
+        acc = cls(xxt.shape[0], device=device if device is not None else xxt.device)
+        acc.xxt_sum.copy_(xxt)
+        acc.num_tokens = int(state["num_tokens"])
+        return acc
+
+    def finalize(self) -> torch.Tensor:
+        """H = (2 / n) * sum x x^T, float32 `[K, K]`; all zeros when no token was seen.
+
+        An all-zero H makes `quantize_gptq` fall back to RTN and record it (`Fallback.EMPTY_HESSIAN`),
+        which is what a MoE expert that no calibration token was routed to should get.
+
+        Raises:
+            ValueError: if the sum holds NaN/Inf (overflowing activations).
+        """
+        if not torch.isfinite(self.xxt_sum).all():
+            raise ValueError(
+                f"Hessian sum over {self.num_tokens} tokens has NaN/Inf entries: the calibration "
+                "activations overflowed; check the calibration forward's dtype and inputs"
+            )
+        if self.num_tokens == 0:
+            return torch.zeros_like(self.xxt_sum)
+        return self.xxt_sum * (2.0 / self.num_tokens)

@@ -1,0 +1,87 @@
+"""The one place that speaks compressed-tensors: recipe -> `quantization_config`, ignore lists.
+
+The config is built with compressed-tensors' own pydantic models (so it parses with the installed
+version), then reduced to the key set that every compressed-tensors release vLLM and SGLang may ship
+accepts: `QuantizationArgs`/`QuantizationScheme` are `extra="forbid"`, and `scale_dtype`/`zp_dtype`
+exist only from 0.13 on (formats.md §2d), so they are dropped.
+"""
+
+from __future__ import annotations
+
+from compressed_tensors import __version__ as CT_VERSION
+from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+from compressed_tensors.utils.match import match_name
+
+from glmq.formats.families import IGNORE_PATTERNS, TensorClass
+from glmq.quantize.spec import QuantSpec
+
+# QuantizationArgs keys present in every compressed-tensors release from 0.9 to 0.20
+_ARGS_KEYS = ("num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic",
+              "actorder", "observer", "observer_kwargs")
+_SCHEME_KEYS = ("targets", "weights", "input_activations", "output_activations", "format")
+_TOP_KEYS = ("config_groups", "quant_method", "kv_cache_scheme", "format", "quantization_status",
+             "global_compression_ratio", "ignore")
+
+
+def quantization_args(spec: QuantSpec) -> QuantizationArgs:
+    """The single translation of a QuantSpec into compressed-tensors terms."""
+    return QuantizationArgs(num_bits=spec.num_bits, type="int", symmetric=spec.symmetric, strategy="group",
+                            group_size=spec.group_size, dynamic=False, actorder=None, observer="minmax")
+
+
+def _fp8_block_scheme(targets: list[str]) -> QuantizationScheme:
+    return QuantizationScheme(
+        targets=targets,
+        weights=QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="block",
+                                 block_structure=[128, 128], dynamic=False, observer="static_minmax"),
+        input_activations=QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="group",
+                                           group_size=128, dynamic=True, observer=None),
+        format="float-quantized",
+    )
+
+
+def _strip_args(d: dict | None) -> dict | None:
+    return None if d is None else {k: d[k] for k in _ARGS_KEYS if k in d}
+
+
+def _strip_scheme(d: dict) -> dict:
+    out = {k: d.get(k) for k in _SCHEME_KEYS}
+    for k in ("weights", "input_activations", "output_activations"):
+        out[k] = _strip_args(out[k])
+    return out
+
+
+def ignore_list(unquantized: set[TensorClass]) -> list[str]:
+    """Anchored ignore entries for the Linear classes that stay unquantized, in a stable order."""
+    return [p for cls in IGNORE_PATTERNS if cls in unquantized for p in IGNORE_PATTERNS[cls]]
+
+
+def build_config(spec: QuantSpec, ignore: list[str], keep_fp8_targets: list[str] | None = None) -> dict:
+    """The `quantization_config` dict for config.json.
+
+    Args:
+        spec: the INT weight spec of group_0 (targets "Linear": the literal target older vLLM and
+            SGLang look up; everything not quantized is excluded through `ignore`).
+        ignore: anchored `re:` patterns / exact names of unquantized Linear modules.
+        keep_fp8_targets: module regexes kept in FP8-block form (group_1, float-quantized); the
+            top-level format then becomes "mixed-precision".
+    """
+    groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=quantization_args(spec),
+                                            format="pack-quantized")}
+    if keep_fp8_targets:
+        groups["group_1"] = _fp8_block_scheme(keep_fp8_targets)
+    fmt = "mixed-precision" if keep_fp8_targets else "pack-quantized"
+    qc = QuantizationConfig(config_groups=groups, quant_method="compressed-tensors", format=fmt,
+                            quantization_status="compressed", ignore=ignore)
+    d = qc.model_dump()
+    out = {k: d.get(k) for k in _TOP_KEYS}
+    out["config_groups"] = {name: _strip_scheme(g) for name, g in d["config_groups"].items()}
+    out["sparsity_config"] = {}
+    out["transform_config"] = {}
+    out["version"] = CT_VERSION
+    return out
+
+
+def is_ignored(module: str, ignore: list[str]) -> bool:
+    """Whether a module matches an ignore entry, by compressed-tensors' own matcher (as loaders do)."""
+    return any(match_name(module, pat) for pat in ignore)

@@ -1,0 +1,91 @@
+"""Read any checkpoint glmq knows (FP8 block, compressed-tensors FP8, pack-quantized INT, dense)
+back as plain floating-point tensors under the on-disk Hugging Face names.
+
+Used by evaluation and validation: the INT weights are unpacked with glmq's own packer (which the
+tests hold bit-exact against compressed-tensors), FP8 with the same dequantizer the converter uses.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from glmq.formats import fp8
+from glmq.formats.source import INDEX_NAME, SINGLE_NAME
+from glmq.quantize.pack import unpack_int32, unpack_zero_point
+
+
+def _weight_map(root: Path) -> dict[str, str]:
+    idx = root / INDEX_NAME
+    if idx.exists():
+        return json.loads(idx.read_text())["weight_map"]
+    with safe_open(str(root / SINGLE_NAME), "pt") as f:
+        return {k: SINGLE_NAME for k in f.keys()}
+
+
+def dequantize_packed(packed: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int], num_bits: int,
+                      group_size: int, zero_point: torch.Tensor | None = None) -> torch.Tensor:
+    """pack-quantized tensors of one Linear -> `[N, K]` in the scale dtype: (q - zp) * scale."""
+    n, k = shape
+    q = unpack_int32(packed, k, num_bits).view(n, k // group_size, group_size).to(scale.dtype)
+    if zero_point is not None:
+        q = q - unpack_zero_point(zero_point, n, num_bits).to(scale.dtype).unsqueeze(-1)
+    return (q * scale.unsqueeze(-1)).reshape(n, k)
+
+
+def iter_dense(root: str | Path, dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) with every quantized weight turned back into a `dtype` `.weight`.
+
+    Scale/packing companions are consumed; other tensors pass through (float ones cast to `dtype`).
+    """
+    root = Path(root)
+    config = json.loads((root / "config.json").read_text())
+    qc = config.get("quantization_config") or {}
+    wm = _weight_map(root)
+    handles: dict[str, object] = {}
+
+    def get(name: str) -> torch.Tensor:
+        shard = wm[name]
+        if shard not in handles:
+            handles[shard] = safe_open(str(root / shard), "pt")
+        return handles[shard].get_tensor(name)
+
+    int_args = _int_args(qc)
+    block = tuple(qc["weight_block_size"]) if qc.get("quant_method") == "fp8" else None
+    skip = {"weight_scale", "weight_scale_inv", "weight_shape", "weight_zero_point", "input_scale", "weight_g_idx"}
+    for name in sorted(wm):
+        module, _, leaf = name.rpartition(".")
+        if leaf in skip:
+            continue
+        if leaf == "weight_packed":
+            bits, group = int_args
+            zp = get(f"{module}.weight_zero_point") if f"{module}.weight_zero_point" in wm else None
+            shape = tuple(int(x) for x in get(f"{module}.weight_shape").tolist())
+            w = dequantize_packed(get(name), get(f"{module}.weight_scale"), shape, bits, group, zp)
+            yield f"{module}.weight", w.to(dtype)
+            continue
+        t = get(name)
+        if t.dtype == torch.float8_e4m3fn:
+            if block is not None:
+                t = fp8.dequantize_block(t, get(f"{module}.weight_scale_inv"), block)
+            else:
+                t = fp8.dequantize_channel(t, get(f"{module}.weight_scale"))
+        yield name, t.to(dtype) if t.is_floating_point() else t
+
+
+def _int_args(qc: dict) -> tuple[int, int] | None:
+    for g in (qc.get("config_groups") or {}).values():
+        w = g.get("weights") or {}
+        if w.get("type") == "int":
+            return int(w["num_bits"]), int(w["group_size"])
+    return None
+
+
+def dense_config(root: str | Path) -> dict:
+    config = json.loads((Path(root) / "config.json").read_text())
+    config.pop("quantization_config", None)
+    return config

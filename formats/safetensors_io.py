@@ -1,0 +1,228 @@
+"""safetensors I/O at the edges: header reads for planning, lazy tensor reads, streaming atomic writes.
+
+Reading tensors goes through `safetensors.safe_open` (lazy, mmap-backed). Two things are
+hand-written because the library does not offer them:
+  * `read_header`: the raw header with byte offsets, so planning can check a shard's size against
+    its header (a truncated download) and count bytes without touching tensor data;
+  * `StreamingWriter`: safetensors only writes a whole dict of in-memory tensors, which would make
+    peak memory the size of an output shard. The header depends only on names, dtypes and shapes,
+    which the plan knows, so we write it first and stream each tensor's bytes into place, hashing
+    them as they go. The file is written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# safetensors dtype strings <-> torch dtypes (the subset these checkpoints use)
+DTYPES: dict[str, torch.dtype] = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "BOOL": torch.bool,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+ITEMSIZE: dict[str, int] = {k: torch.empty(0, dtype=v).element_size() for k, v in DTYPES.items()}
+
+TMP_SUFFIX = ".glmq-tmp"
+MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+
+
+class CheckpointError(ValueError):
+    """Bad input: the message names the file, the tensor and what to do."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor as its shard's header describes it."""
+
+    name: str
+    shard: str
+    dtype: str  # safetensors dtype string, e.g. "F8_E4M3"
+    shape: tuple[int, ...]
+    begin: int  # byte offsets inside the data section
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str], int]:
+    """Parse a shard's header.
+
+    Returns:
+        (entries by name, `__metadata__`, data section start offset).
+    Raises:
+        CheckpointError: unreadable, truncated or inconsistent header or file size.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: file is {size} bytes, too short for a safetensors header; re-download it")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER or 8 + n > size:
+            raise CheckpointError(f"{path}: header length {n} does not fit the file ({size} bytes); the file is truncated or not safetensors")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise CheckpointError(f"{path}: header is not valid JSON ({e}); re-download the shard") from e
+    meta = header.pop("__metadata__", None) or {}
+    entries: dict[str, TensorEntry] = {}
+    data_len = 0
+    for name, info in header.items():
+        dtype, shape, (b, e) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{path}: tensor {name} has dtype {dtype}, which glmq does not read")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if e - b != numel * ITEMSIZE[dtype]:
+            raise CheckpointError(f"{path}: tensor {name}: offsets [{b}, {e}) do not match {dtype} {list(shape)}")
+        entries[name] = TensorEntry(name, path.name, dtype, shape, b, e)
+        data_len = max(data_len, e)
+    if 8 + n + data_len > size:
+        missing = 8 + n + data_len - size
+        raise CheckpointError(
+            f"{path}: file is {size} bytes but its header needs {8 + n + data_len} ({missing} bytes missing): "
+            f"the shard is truncated; re-download it"
+        )
+    return entries, meta, 8 + n
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a contiguous CPU tensor, without a copy."""
+    t = t.detach().contiguous()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+
+
+@dataclass(frozen=True)
+class OutSpec:
+    """An output tensor planned before its data exists."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * ITEMSIZE[self.dtype]
+
+
+def layout(specs: list[OutSpec], metadata: dict[str, str]) -> tuple[bytes, dict[str, int]]:
+    """The header bytes and each tensor's absolute file offset for a planned file.
+
+    Tensors are laid out by decreasing element size (then in the given order), as safetensors does,
+    so that every tensor is aligned for zero-copy mmap loads.
+    """
+    order = sorted(range(len(specs)), key=lambda i: (-ITEMSIZE[specs[i].dtype], i))
+    header: dict[str, object] = {"__metadata__": metadata}
+    pos = 0
+    rel: dict[str, int] = {}
+    for i in order:
+        s = specs[i]
+        header[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [pos, pos + s.nbytes]}
+        rel[s.name] = pos
+        pos += s.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    start = 8 + len(raw)
+    return struct.pack("<Q", len(raw)) + raw, {k: start + v for k, v in rel.items()}
+
+
+class StreamingWriter:
+    """Write one planned safetensors file tensor by tensor (row blocks allowed), atomically.
+
+    Usage: `w = StreamingWriter(path, specs)`, then `w.write(name, tensor)` for each spec (one or
+    several calls per tensor, in row order), then `w.commit()` -> per-tensor sha256. Until `commit`
+    the data lives in `<path>.glmq-tmp`; `abort()` removes it.
+    """
+
+    def __init__(self, path: Path, specs: list[OutSpec], metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        self.tmp = self.path.with_name(self.path.name + TMP_SUFFIX)
+        self.specs = {s.name: s for s in specs}
+        head, self.offsets = layout(specs, metadata or {"format": "pt"})
+        self.written = {s.name: 0 for s in specs}
+        self.hashes = {s.name: hashlib.sha256() for s in specs}
+        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(self.fd, head, 0)
+        self.size = len(head) + sum(s.nbytes for s in specs)
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        """Append the bytes of `t` (the next rows of tensor `name`) at their place in the file."""
+        spec = self.specs[name]
+        if DTYPE_NAMES.get(t.dtype) != spec.dtype:
+            raise ValueError(f"{self.path.name}: {name} planned as {spec.dtype}, got {t.dtype}")
+        buf = tensor_bytes(t)
+        done = self.written[name]
+        if done + buf.nbytes > spec.nbytes:
+            raise ValueError(f"{self.path.name}: {name} overflows its planned {spec.nbytes} bytes")
+        os.pwrite(self.fd, buf, self.offsets[name] + done)
+        self.hashes[name].update(buf)
+        self.written[name] = done + buf.nbytes
+
+    def commit(self) -> dict[str, str]:
+        """Check every tensor is complete, fsync, rename into place; return name -> sha256 hex."""
+        short = [n for n, s in self.specs.items() if self.written[n] != s.nbytes]
+        if short:
+            self.abort()
+            raise ValueError(f"{self.path.name}: tensors not fully written: {short[:5]}")
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+        os.replace(self.tmp, self.path)
+        return {n: h.hexdigest() for n, h in self.hashes.items()}
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.tmp.unlink(missing_ok=True)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a small text file under a temporary name, fsync, rename."""
+    tmp = Path(str(path) + TMP_SUFFIX)
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def file_tensor_hashes(path: Path) -> dict[str, str]:
+    """sha256 of every tensor's bytes in a safetensors file (what `StreamingWriter.commit` returned)."""
+    entries, _, start = read_header(path)
+    out = {}
+    with open(path, "rb") as f:
+        for e in sorted(entries.values(), key=lambda e: e.begin):
+            f.seek(start + e.begin)
+            h = hashlib.sha256()
+            left = e.nbytes
+            while left:
+                chunk = f.read(min(left, 64 << 20))
+                h.update(chunk)
+                left -= len(chunk)
+            out[e.name] = h.hexdigest()
+    return out

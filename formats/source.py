@@ -1,0 +1,159 @@
+"""The source checkpoint: config, shard index and every shard header, read before any tensor data.
+
+Three source formats are recognised from config.json's `quantization_config`:
+  * `fp8-block`: DeepSeek/GLM `quant_method: "fp8"`, `fmt: "e4m3"`, `weight_block_size: [bn, bk]`;
+    weight float8_e4m3fn + float32 `weight_scale_inv` `[ceil(N/bn), ceil(K/bk)]`, *multiplied*.
+  * `fp8-ct`: compressed-tensors `float-quantized` FP8, per-channel or per-tensor `weight_scale`.
+  * `dense`: plain BF16/FP16/FP32, no quantization_config.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from glmq.formats.families import Family, family_for
+from glmq.formats.safetensors_io import CheckpointError, TensorEntry, read_header
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+# files never copied as side files: the shards and index are rewritten, glmq's own bookkeeping is ours
+_NOT_SIDE = {INDEX_NAME, "config.json"}
+
+
+class SourceFormat(str, enum.Enum):
+    FP8_BLOCK = "fp8-block"
+    FP8_CT = "fp8-ct"
+    DENSE = "dense"
+
+
+@dataclass
+class Source:
+    """Everything known about a checkpoint from its headers.
+
+    Attributes:
+        entries: every tensor by name (dtype, shape, shard, byte offsets).
+        shards: shard file names in index order.
+        block: FP8 block size (bn, bk) for fp8-block sources.
+        side_files: other files to copy (tokenizer, generation config, chat template, custom code).
+    """
+
+    root: Path
+    config: dict
+    family: Family
+    fmt: SourceFormat
+    entries: dict[str, TensorEntry]
+    shards: list[str]
+    shard_bytes: dict[str, int]
+    block: tuple[int, int] | None = None
+    side_files: list[str] = field(default_factory=list)
+    header_digest: str = ""
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.shard_bytes.values())
+
+    def path(self, shard: str) -> Path:
+        return self.root / shard
+
+
+def _load_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not found; point --model at a Hugging Face checkpoint folder") from None
+    except ValueError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+
+
+def detect_format(config: dict, config_path: Path) -> tuple[SourceFormat, tuple[int, int] | None]:
+    qc = config.get("quantization_config")
+    if not qc:
+        return SourceFormat.DENSE, None
+    method = qc.get("quant_method")
+    if method == "fp8":
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise CheckpointError(f"{config_path}: FP8 fmt {qc.get('fmt')!r} is not supported (only e4m3)")
+        block = qc.get("weight_block_size")
+        if not (isinstance(block, list) and len(block) == 2):
+            raise CheckpointError(
+                f"{config_path}: quant_method 'fp8' without a 2-element weight_block_size; glmq reads "
+                f"DeepSeek-style block FP8 only"
+            )
+        return SourceFormat.FP8_BLOCK, (int(block[0]), int(block[1]))
+    if method == "compressed-tensors":
+        if qc.get("format") != "float-quantized":
+            raise CheckpointError(
+                f"{config_path}: compressed-tensors format {qc.get('format')!r} as a source is not "
+                f"supported; glmq reads 'float-quantized' FP8 (it writes pack-quantized itself)"
+            )
+        return SourceFormat.FP8_CT, None
+    raise CheckpointError(
+        f"{config_path}: quantization_config.quant_method {method!r} is not a source glmq reads "
+        f"(fp8 block, compressed-tensors float-quantized, or unquantized)"
+    )
+
+
+def _weight_map(root: Path) -> dict[str, str]:
+    index = root / INDEX_NAME
+    if index.exists():
+        wm = _load_json(index).get("weight_map")
+        if not isinstance(wm, dict) or not wm:
+            raise CheckpointError(f"{index}: has no weight_map")
+        return wm
+    single = root / SINGLE_NAME
+    if single.exists():
+        entries, _, _ = read_header(single)
+        return {name: SINGLE_NAME for name in entries}
+    raise CheckpointError(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME} found; is this a checkpoint folder?")
+
+
+def open_source(path: str | Path) -> Source:
+    """Read config.json, the index and every shard header; check they agree.
+
+    Raises:
+        CheckpointError / UnknownArchitectureError naming the file and tensor at fault.
+    """
+    import hashlib
+
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: not a directory; --model takes a checkpoint folder")
+    config_path = root / "config.json"
+    config = _load_json(config_path)
+    family = family_for(config, str(config_path))
+    fmt, block = detect_format(config, config_path)
+    wm = _weight_map(root)
+    shards = sorted(set(wm.values()))
+    entries: dict[str, TensorEntry] = {}
+    shard_bytes: dict[str, int] = {}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    for shard in shards:
+        p = root / shard
+        if not p.exists():
+            raise CheckpointError(f"{p}: listed in {INDEX_NAME} but missing; re-download it")
+        found, _, start = read_header(p)
+        shard_bytes[shard] = p.stat().st_size
+        digest.update(f"{shard}:{shard_bytes[shard]}:".encode())
+        for name, e in sorted(found.items()):
+            digest.update(f"{name}:{e.dtype}:{e.shape}:{e.begin}:{e.end};".encode())
+            if wm.get(name) != shard:
+                raise CheckpointError(
+                    f"{p}: holds tensor {name}, which {INDEX_NAME} places in {wm.get(name)}; the index is "
+                    f"stale or the shard is from another revision"
+                )
+            entries[name] = e
+    missing = [n for n in wm if n not in entries]
+    if missing:
+        raise CheckpointError(
+            f"{root / wm[missing[0]]}: tensor {missing[0]} is in {INDEX_NAME} but not in the shard "
+            f"({len(missing)} such tensors); re-download the shard"
+        )
+    side = sorted(
+        f.name for f in root.iterdir()
+        if f.is_file() and f.name not in _NOT_SIDE and f.name not in shard_bytes
+        and not f.name.endswith(".safetensors") and not f.name.startswith(".")
+    )
+    return Source(root, config, family, fmt, entries, shards, shard_bytes, block, side, digest.hexdigest())

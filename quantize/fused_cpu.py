@@ -1,0 +1,213 @@
+"""One-pass CPU kernels: FP8-block (or BF16) weight -> packed INT4/INT8 + group scales.
+
+Why hand-written: in eager PyTorch the same conversion is eight full passes over the weight
+(fp8->f32, block-scale multiply, ->bf16, group absmax, divide, round, clamp, pack), and fp8->f32 alone
+runs at ~200 M elements/s on this CPU; the whole chain reached ~55 MB/s of FP8 input, far below the
+disk. No library fuses "dequantize DeepSeek block FP8, then group-quantize and pack for
+compressed-tensors". These numba kernels do it in one pass per row, in parallel over rows.
+
+They reproduce the eager path (`glmq.quantize.rtn` after `glmq.formats.fp8.dequantize_block`) bit
+for bit, which tests/test_fused_cpu.py asserts:
+  * fp8 decode through an exact 256-entry table; block scale multiply in float32 (as
+    compressed-tensors' FP8BlockDequantizer does), then round-to-nearest-even to bf16;
+  * scale = bf16(absmax / 7.5) (int4) or bf16(absmax / 127.5) (int8), zero -> bf16 eps;
+  * q = rint(clamp(bf16(w / scale), q_min, q_max)), rint = round half to even = torch.round;
+  * packing as compressed-tensors: u = q + 2^(b-1), LSB first into little-endian int32 words.
+Only symmetric specs take this path; asymmetric ones use the eager path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+try:  # numba is a core dependency; the import guard only keeps `import glmq` light elsewhere.
+    import numba
+    from numba import njit, prange
+except ImportError:  # pragma: no cover - exercised only on installs without numba
+    numba = None
+
+from glmq.quantize.spec import QuantSpec
+
+_BF16_EPS = float(torch.finfo(torch.bfloat16).eps)
+
+
+def fp8_e4m3_table() -> np.ndarray:
+    """float32 value of each of the 256 float8_e4m3fn bit patterns (NaN for 0x7f/0xff)."""
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+
+
+def available() -> bool:
+    return numba is not None
+
+
+if numba is not None:
+    # Written as short loops over one row held in L1/L2, each simple enough for LLVM to vectorize
+    # (the bf16 rounding is integer arithmetic on the float32 bit pattern, c10::BFloat16's
+    # round-to-nearest-even for finite values).
+
+    @njit(inline="always")
+    def _round_bf16_inplace(bits):
+        for c in range(bits.shape[0]):
+            b = bits[c]
+            bits[c] = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+
+    @njit(inline="always")
+    def _not_finite(vals):
+        big = np.float32(0.0)
+        for c in range(vals.shape[0]):
+            big = max(big, abs(vals[c]))
+        # max() drops NaN on some paths, so test NaN separately through the sum
+        total = np.float32(0.0)
+        for c in range(vals.shape[0]):
+            total += vals[c] * np.float32(0.0)
+        return not (big <= np.float32(3.4028234663852886e38)) or total != total
+
+    @njit(inline="always")
+    def _quant_row(vals, tmp, out_row, scale_row, group, qmax, half_range, eps, bits):
+        """Quantize one row of bf16-exact float32 values group by group and pack it (u8 view)."""
+        k = vals.shape[0]
+        per_byte = 8 // bits
+        offset = np.float32(qmax + 1)
+        lo = np.float32(-(qmax + 1))
+        hi = np.float32(qmax)
+        tbits = tmp.view(np.uint32)
+        ngroups = k // group
+        sc = np.empty(ngroups, dtype=np.float32)
+        for gi in range(ngroups):
+            amax = np.float32(0.0)
+            for i in range(gi * group, (gi + 1) * group):
+                amax = max(amax, abs(vals[i]))
+            sc[gi] = amax / np.float32(half_range)
+        _round_bf16_inplace(sc.view(np.uint32))
+        for gi in range(ngroups):
+            if sc[gi] == 0:
+                sc[gi] = np.float32(eps)
+            scale_row[gi] = np.uint16(sc[gi:gi + 1].view(np.uint32)[0] >> np.uint32(16))
+        for gi in range(ngroups):
+            s = sc[gi]
+            for i in range(gi * group, (gi + 1) * group):
+                tmp[i] = vals[i] / s
+        _round_bf16_inplace(tbits)
+        for i in range(k):
+            tmp[i] = np.rint(min(max(tmp[i], lo), hi)) + offset
+        if bits == 4:
+            for i in range(k // 2):
+                out_row[i] = np.uint8(np.int32(tmp[2 * i]) | (np.int32(tmp[2 * i + 1]) << 4))
+        else:
+            for i in range(k):
+                out_row[i] = np.uint8(np.int32(tmp[i]))
+
+    @njit(parallel=True, cache=True, nogil=True)
+    def _fp8_block_kernel(w8, sinv, lut, bn, bk, out, scales, bad, group, qmax, half_range, eps, bits):
+        n, k = w8.shape
+        for r in prange(n):
+            vals = np.empty(k, dtype=np.float32)
+            tmp = np.empty(k, dtype=np.float32)
+            srow = sinv[r // bn]
+            for c in range(k):
+                vals[c] = lut[w8[r, c]] * srow[c // bk]
+            _round_bf16_inplace(vals.view(np.uint32))
+            bad[r] = _not_finite(vals)
+            _quant_row(vals, tmp, out[r], scales[r], group, qmax, half_range, eps, bits)
+
+    @njit(parallel=True, cache=True, nogil=True)
+    def _fp8_block_dequant_kernel(w8, sinv, lut, bn, bk, out_bits, bad):
+        n, k = w8.shape
+        for r in prange(n):
+            vals = np.empty(k, dtype=np.float32)
+            srow = sinv[r // bn]
+            for c in range(k):
+                vals[c] = lut[w8[r, c]] * srow[c // bk]
+            vb = vals.view(np.uint32)
+            _round_bf16_inplace(vb)
+            bad[r] = _not_finite(vals)
+            for c in range(k):
+                out_bits[r, c] = np.uint16(vb[c] >> np.uint32(16))
+
+    @njit(parallel=True, cache=True, nogil=True)
+    def _bf16_kernel(w16, out, scales, bad, group, qmax, half_range, eps, bits):
+        n, k = w16.shape
+        for r in prange(n):
+            vals = np.empty(k, dtype=np.float32)
+            tmp = np.empty(k, dtype=np.float32)
+            vb = vals.view(np.uint32)
+            for c in range(k):
+                vb[c] = np.uint32(w16[r, c]) << np.uint32(16)
+            bad[r] = _not_finite(vals)
+            _quant_row(vals, tmp, out[r], scales[r], group, qmax, half_range, eps, bits)
+
+
+class NonFiniteWeightError(ValueError):
+    pass
+
+
+def _outputs(n: int, k: int, spec: QuantSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    packed = np.empty((n, k * spec.num_bits // 8), dtype=np.uint8)
+    scales = np.empty((n, k // spec.group_size), dtype=np.uint16)
+    return packed, scales, np.zeros(n, dtype=np.bool_)
+
+
+def _args(spec: QuantSpec) -> tuple:
+    return (spec.group_size, spec.q_max, (spec.q_max - spec.q_min) / 2.0, _BF16_EPS, spec.num_bits)
+
+
+def _check(bad: np.ndarray) -> None:
+    if bad.any():
+        rows = np.flatnonzero(bad)
+        raise NonFiniteWeightError(f"NaN or Inf in rows {rows[:8].tolist()}{' ...' if len(rows) > 8 else ''}")
+
+
+def _lut() -> np.ndarray:
+    global _LUT
+    if _LUT is None:
+        _LUT = fp8_e4m3_table()
+    return _LUT
+
+
+_LUT = None
+
+
+def quantize_fp8_block(
+    w8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], spec: QuantSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 block weight -> (weight_packed int32 [N, K*b/32], weight_scale bf16 [N, K/g]).
+
+    Args:
+        w8: float8_e4m3fn `[N, K]` on CPU.
+        scale_inv: float32 `[ceil(N/bn), ceil(K/bk)]`, multiplied per block.
+        block: (bn, bk), usually (128, 128).
+        spec: symmetric, 4 or 8 bits; K % group_size == 0.
+    Raises:
+        NonFiniteWeightError: the dequantized weight holds NaN or Inf.
+    """
+    n, k = w8.shape
+    packed, scales, bad = _outputs(n, k, spec)
+    _fp8_block_kernel(
+        w8.contiguous().view(torch.uint8).numpy(), scale_inv.float().contiguous().numpy(), _lut(),
+        block[0], block[1], packed, scales, bad, *_args(spec),
+    )
+    _check(bad)
+    return torch.from_numpy(packed).view(torch.int32), torch.from_numpy(scales).view(torch.bfloat16)
+
+
+def dequantize_fp8_block(w8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """FP8 block weight `[N, K]` -> bf16 `[N, K]`, bit-identical to compressed-tensors' dequantizer."""
+    n, k = w8.shape
+    out = np.empty((n, k), dtype=np.uint16)
+    bad = np.zeros(n, dtype=np.bool_)
+    _fp8_block_dequant_kernel(
+        w8.contiguous().view(torch.uint8).numpy(), scale_inv.float().contiguous().numpy(), _lut(),
+        block[0], block[1], out, bad,
+    )
+    _check(bad)
+    return torch.from_numpy(out).view(torch.bfloat16)
+
+
+def quantize_bf16(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """BF16 weight `[N, K]` -> (weight_packed int32, weight_scale bf16), as `quantize_fp8_block`."""
+    n, k = w.shape
+    packed, scales, bad = _outputs(n, k, spec)
+    _bf16_kernel(w.contiguous().view(torch.int16).numpy().view(np.uint16), packed, scales, bad, *_args(spec))
+    _check(bad)
+    return torch.from_numpy(packed).view(torch.int32), torch.from_numpy(scales).view(torch.bfloat16)

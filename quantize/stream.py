@@ -1,0 +1,383 @@
+"""The streaming engine: plan -> validate -> process (one source shard at a time) -> write.
+
+Memory is bounded by one source shard's mapped pages plus a few row blocks in flight: tensors are
+read lazily with `safe_open` in row blocks of about `CHUNK_BYTES`, converted, and streamed into
+output files whose headers the plan fixed in advance. A loader thread reads the next row blocks
+and a writer thread writes and hashes finished ones while the main thread computes.
+
+Crash safety: each output file is written under a temporary name and renamed when complete, then
+recorded with its tensor checksums in the manifest; the index and config.json are written last. A
+rerun with the same source and recipe verifies the recorded files and redoes only the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import resource
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from glmq import __version__
+from glmq.formats import compressed_tensors as ct
+from glmq.formats.families import LINEAR_CLASSES
+from glmq.formats.manifest import MANIFEST_NAME, REPORT_NAME, Manifest
+from glmq.formats.safetensors_io import TMP_SUFFIX, CheckpointError, OutSpec, StreamingWriter, atomic_write_text, file_tensor_hashes
+from glmq.formats.source import INDEX_NAME, Source
+from glmq.quantize import ops
+from glmq.quantize.plan import Action, Item, OutFile, Plan
+
+log = logging.getLogger("glmq")
+CHUNK_BYTES = 64 << 20  # source bytes per row block: big enough to amortise calls, small for memory
+
+
+class OutputDirError(CheckpointError):
+    pass
+
+
+def plan_identity(plan: Plan) -> dict:
+    return {
+        "glmq_version": __version__,
+        "source_digest": plan.source.header_digest,
+        "recipe": plan.recipe.to_dict(),
+        "max_shard_bytes": plan.max_shard_bytes,
+        "files": [f.name for f in plan.files],
+    }
+
+
+# ----------------------------------------------------------------------------------------- output dir
+def prepare_output(plan: Plan, out: Path) -> Manifest:
+    """Create the output folder, or resume the interrupted run of this very plan that it holds.
+
+    Raises:
+        OutputDirError: the folder holds anything else.
+    """
+    identity = plan_identity(plan)
+    if out.exists() and not out.is_dir():
+        raise OutputDirError(f"{out}: exists and is not a directory; choose another --output")
+    out.mkdir(parents=True, exist_ok=True)
+    existing = [p for p in out.iterdir()]
+    man = Manifest.load(out)
+    if man is None:
+        if existing:
+            raise OutputDirError(
+                f"{out}: not empty and holds no interrupted glmq run ({len(existing)} entries, e.g. "
+                f"{existing[0].name}); choose an empty or new --output folder, or remove this one"
+            )
+        man = Manifest(identity)
+        man.save(out)
+        return man
+    if man.identity != identity:
+        diff = sorted(k for k in identity if identity[k] != man.identity.get(k))
+        raise OutputDirError(
+            f"{out / MANIFEST_NAME}: this folder holds a glmq run of a different source/recipe/settings "
+            f"(differs in: {', '.join(diff)}); use a new --output folder, or remove this one to start over"
+        )
+    for p in existing:  # half-written files of the interrupted run
+        if p.name.endswith(TMP_SUFFIX):
+            p.unlink()
+    kept = {}
+    for name, rec in man.files.items():
+        path = out / name
+        try:
+            ok = path.exists() and file_tensor_hashes(path) == rec["tensors"]
+        except (CheckpointError, OSError):
+            ok = False
+        if ok:
+            kept[name] = rec
+        else:
+            log.warning("%s: recorded as finished but does not check out; converting it again", path)
+            path.unlink(missing_ok=True)
+    man.files = kept
+    man.complete = man.complete and len(kept) == len(plan.files)
+    man.save(out)
+    return man
+
+
+# ----------------------------------------------------------------------------------------- reading
+class Reader:
+    """Lazy row-block reads through safe_open, one handle per shard, opened on demand."""
+
+    def __init__(self, source: Source):
+        self.source = source
+        self.handles: dict[str, object] = {}
+
+    def _h(self, shard: str):
+        if shard not in self.handles:
+            self.handles[shard] = safe_open(str(self.source.path(shard)), framework="pt")
+        return self.handles[shard]
+
+    def rows(self, entry, r0: int | None = None, r1: int | None = None) -> torch.Tensor:
+        h = self._h(entry.shard)
+        try:
+            if r0 is None or len(entry.shape) == 0:
+                return h.get_tensor(entry.name)
+            return h.get_slice(entry.name)[r0:r1]
+        except Exception as e:  # safetensors raises several types; name the tensor and shard
+            raise CheckpointError(f"{self.source.path(entry.shard)}: reading tensor {entry.name} failed: {e}") from e
+
+    def close_except(self, keep: set[str]) -> None:
+        """Drop handles (and their mapped pages) of shards the current work no longer needs."""
+        for shard in [s for s in self.handles if s not in keep]:
+            del self.handles[shard]
+
+
+@dataclass
+class Unit:
+    """A row block of one item: what the loader reads and the main thread converts."""
+
+    item: Item
+    r0: int
+    r1: int
+    data: dict | None = None
+
+
+def row_blocks(item: Item, block: tuple[int, int] | None) -> list[tuple[int, int]]:
+    shape = item.src.shape
+    if len(shape) < 2 or item.src.nbytes <= CHUNK_BYTES:
+        return [(0, shape[0] if shape else 0)]
+    align = 128 if block is None else block[0]
+    rows = max(align, (CHUNK_BYTES // (item.src.nbytes // shape[0])) // align * align)
+    return [(r, min(r + rows, shape[0])) for r in range(0, shape[0], rows)]
+
+
+def load_unit(reader: Reader, u: Unit, block: tuple[int, int] | None) -> Unit:
+    """Read one row block (runs in the loader thread, the only user of `reader`)."""
+    it = u.item
+    reader.close_except({it.src.shard} | {e.shard for e in it.companions.values()})
+    whole = (u.r0, u.r1) == (0, it.src.shape[0] if it.src.shape else 0)
+    w = reader.rows(it.src) if whole else reader.rows(it.src, u.r0, u.r1)
+    data = {"w": w}
+    for key, e in it.companions.items():
+        if key == "weight_scale_inv" and not whole:
+            bn = block[0]
+            data[key] = reader.rows(e, u.r0 // bn, -(-u.r1 // bn))
+        elif key == "weight_scale" and not whole and e.shape and e.shape[0] == it.src.shape[0]:
+            data[key] = reader.rows(e, u.r0, u.r1)
+        else:
+            data[key] = reader.rows(e)
+    u.data = data
+    return u
+
+
+# ----------------------------------------------------------------------------------------- compute
+def convert_unit(u: Unit, plan: Plan, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    """Turn one loaded row block into (output name, tensor rows) pairs, on `device`, returned on CPU."""
+    it, d = u.item, u.data
+    fmt = plan.source.fmt.value
+    block = plan.source.block
+    scale = d.get("weight_scale_inv", d.get("weight_scale"))
+    if it.action is Action.COPY:
+        return [(it.name, d["w"])]
+    if it.action is Action.KEEP_FP8:
+        return [(it.name, d["w"]), (f"{it.module}.weight_scale", d["weight_scale_inv"])]
+    w = d["w"].to(device, non_blocking=True)
+    scale = None if scale is None else scale.to(device, non_blocking=True)
+    if it.action is Action.DEQUANTIZE:
+        return [(it.name, ops.decode(w, scale, fmt, block).cpu())]
+    res = ops.quantize_rows(w, scale, fmt, block, plan.recipe.spec)
+    out = [(f"{it.module}.{k}", v) for k, v in res.items()]
+    if u.r1 == it.src.shape[0]:
+        out.append((f"{it.module}.weight_shape", torch.tensor(list(it.src.shape), dtype=torch.int64)))
+    return out
+
+
+# ----------------------------------------------------------------------------------------- engine
+@dataclass
+class RunStats:
+    bytes_in: int = 0
+    bytes_out: int = 0
+    files_written: int = 0
+    files_skipped: int = 0
+    seconds: float = 0.0
+
+
+def _units(plan: Plan, todo: list[OutFile]):
+    for f in todo:
+        for it in f.items:
+            for r0, r1 in row_blocks(it, plan.source.block):
+                yield f, Unit(it, r0, r1)
+
+
+class _Writer(threading.Thread):
+    """Writes (file, name, tensor) jobs in order; commits a file when told. Errors surface on join."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.q: queue.Queue = queue.Queue(maxsize=4)
+        self.error: BaseException | None = None
+
+    def run(self):
+        while True:
+            job = self.q.get()
+            if job is None:
+                return
+            if self.error is not None:
+                continue
+            try:
+                job()
+            except BaseException as e:  # re-raised in the main thread by check()
+                self.error = e
+
+    def submit(self, fn):
+        self.check()
+        self.q.put(fn)
+
+    def check(self):
+        if self.error is not None:
+            raise self.error
+
+    def finish(self):
+        self.q.put(None)
+        self.join()
+        self.check()
+
+
+def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True) -> dict:
+    """Convert the planned checkpoint into `out`; return the run report (also written to disk)."""
+    t0 = time.perf_counter()
+    out = Path(out)
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: no CUDA device is visible to PyTorch; use --device cpu")
+    man = prepare_output(plan, out)
+    todo = [f for f in plan.files if f.name not in man.files]
+    stats = RunStats(files_skipped=len(plan.files) - len(todo))
+    total_in = sum(it.in_bytes for f in todo for it in f.items)
+    bar = _progress(total_in, progress)
+    reader = Reader(plan.source)
+    writer = _Writer()
+    writer.start()
+    writers: dict[str, StreamingWriter] = {}
+    lock = threading.Lock()
+
+    def commit(f: OutFile, w: StreamingWriter):
+        hashes = w.commit()
+        with lock:
+            man.files[f.name] = {"source_shard": f.source_shard, "bytes": w.size, "tensors": hashes}
+            man.save(out)
+
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="glmq-load") as pool:
+            units = _units(plan, todo)
+            pending = []
+            for _ in range(2):  # prefetch depth: two row blocks ahead
+                nxt = next(units, None)
+                if nxt:
+                    pending.append((nxt[0], pool.submit(load_unit, reader, nxt[1], plan.source.block)))
+            remaining = {f.name: sum(len(row_blocks(it, plan.source.block)) for it in f.items) for f in todo}
+            while pending:
+                f, fut = pending.pop(0)
+                u = fut.result()
+                nxt = next(units, None)
+                if nxt:
+                    pending.append((nxt[0], pool.submit(load_unit, reader, nxt[1], plan.source.block)))
+                if f.name not in writers:
+                    specs = [o for it in f.items for o in it.outputs]
+                    writers[f.name] = StreamingWriter(out / f.name, specs)
+                results = convert_unit(u, plan, dev)
+                w = writers[f.name]
+                for name, t in results:
+                    writer.submit(lambda w=w, name=name, t=t: w.write(name, t))
+                nbytes = u.item.in_bytes * (u.r1 - u.r0) // max(1, u.item.src.shape[0] if u.item.src.shape else 1)
+                stats.bytes_in += nbytes
+                bar.update(nbytes)
+                remaining[f.name] -= 1
+                if remaining[f.name] == 0:
+                    writer.submit(lambda f=f, w=writers.pop(f.name): commit(f, w))
+                    stats.files_written += 1
+        writer.finish()
+    except BaseException:
+        bar.close()
+        for w in writers.values():
+            w.abort()
+        if writer.is_alive():
+            writer.q.put(None)
+        raise
+    bar.close()
+    finish_checkpoint(plan, out, man)
+    stats.bytes_out = plan.bytes_out
+    stats.seconds = time.perf_counter() - t0
+    report = make_report(plan, stats, device)
+    atomic_write_text(out / REPORT_NAME, json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="glmq quantize",
+                disable=not enabled, dynamic_ncols=True, smoothing=0.1)
+
+
+# ----------------------------------------------------------------------------------------- finish
+def output_config(plan: Plan) -> dict:
+    """The source config with its quantization_config replaced by the compressed-tensors one."""
+    cfg = {k: v for k, v in plan.source.config.items() if k != "quantization_config"}
+    present = {it.cls for it in plan.items if it.cls in LINEAR_CLASSES and it.name.endswith(".weight")}
+    unquantized = present - set(plan.recipe.targets)
+    ignore = ct.ignore_list(unquantized)
+    keep = sorted({f"re:^{it.module.replace('.', chr(92) + '.')}$" for it in plan.items if it.action is Action.KEEP_FP8})
+    check_ignore(plan, ignore, keep)
+    cfg["quantization_config"] = ct.build_config(plan.recipe.spec, ignore, keep or None)
+    return cfg
+
+
+def check_ignore(plan: Plan, ignore: list[str], keep: list[str]) -> None:
+    """Every Linear module is quantized exactly when the config says so (as loaders match names)."""
+    for module, action in plan.linear_modules().items():
+        ignored = ct.is_ignored(module, ignore) or ct.is_ignored(module, keep)
+        if ignored == (action is Action.QUANTIZE):
+            raise AssertionError(f"internal: ignore list disagrees with the plan for {module} ({action.value})")
+
+
+def finish_checkpoint(plan: Plan, out: Path, man: Manifest) -> None:
+    """Side files, then the index, then config.json (the file that makes the folder a checkpoint)."""
+    for name in plan.source.side_files:
+        dst = out / name
+        tmp = Path(str(dst) + TMP_SUFFIX)
+        shutil.copyfile(plan.source.root / name, tmp)
+        os.replace(tmp, dst)
+    weight_map = {o.name: f.name for f in plan.files for it in f.items for o in it.outputs}
+    index = {"metadata": {"total_size": sum(f.nbytes for f in plan.files)}, "weight_map": dict(sorted(weight_map.items()))}
+    atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+    atomic_write_text(out / "config.json", json.dumps(output_config(plan), indent=2) + "\n")
+    man.complete = True
+    man.save(out)
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def make_report(plan: Plan, stats: RunStats, device: str) -> dict:
+    rep = {
+        "glmq_version": __version__,
+        "source": str(plan.source.root),
+        "source_format": plan.source.fmt.value,
+        "family": plan.source.family.name,
+        "recipe": plan.recipe.to_dict(),
+        "device": device,
+        "files": len(plan.files),
+        "files_skipped_resumed": stats.files_skipped,
+        "bytes_in_total": plan.source.total_bytes,
+        "bytes_in_processed": stats.bytes_in,
+        "bytes_out": stats.bytes_out,
+        "seconds": round(stats.seconds, 3),
+        "throughput_in_GBps": round(stats.bytes_in / stats.seconds / 1e9, 4) if stats.seconds else None,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "by_class": plan.by_class(),
+        "mtp_tensors": sum(it.mtp for it in plan.items),
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        rep["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+    return rep
