@@ -407,11 +407,11 @@ def w4a16_matmul(
     check_common(x, group_size)
     m, k = x.shape
     check_k(k, group_size)
-    n = weight_packed.shape[0] if weight_packed.ndim == 2 else -1
     if weight_packed.ndim != 2 or weight_scale.ndim != 2:
         raise ValueError(
             f"weight_packed and weight_scale must be 2-D, got {list(weight_packed.shape)} and {list(weight_scale.shape)}"
         )
+    n = weight_packed.shape[0]
     check_packed("weight", weight_packed, weight_scale, (n, k), group_size, x.device)
     check_out(out, (m, n), x)
     cfg = config or choose_config(m, n, k, group_size, sm_count(x.device))
@@ -430,8 +430,11 @@ def _launch(x, wp, ws, out, group_size: int, cfg: DenseConfig) -> None:
     per = -(-groups // cfg.split_k)
     split = -(-groups // per)  # no empty splits
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-    scratch = torch.empty(split if split > 1 else 0, m, n, dtype=torch.float32, device=x.device)
-    tickets = _tickets(x.device, tiles) if split > 1 else scratch
+    if split > 1:
+        scratch = torch.empty(split, m, n, dtype=torch.float32, device=x.device)  # fp32 partials
+        tickets = _tickets(x.device, tiles)
+    else:
+        scratch = tickets = out  # not dereferenced when SPLIT_K == 1
     args = (x, wp, ws, out, scratch, tickets, m, n, x.stride(0), wp.stride(0), ws.stride(0), out.stride(0), per, groups)
     grid = (tiles, split)
     if cfg.kind is KernelKind.GEMV:

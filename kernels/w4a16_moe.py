@@ -1,0 +1,278 @@
+"""Fused MoE over compressed-tensors int4 experts (W4A16), the way a serving engine runs GLM-5's MoE.
+
+    y[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),   e = topk_ids[t, j]
+
+Weights are the checkpoint's per-expert tensors stacked on a leading expert dim, layout unchanged
+(formats.md §2c, reference.py for the w13 convention):
+    w13_packed int32 [E, 2I, H/8]  rows [0, I) gate_proj, [I, 2I) up_proj;  w13_scale [E, 2I, H/g]
+    w2_packed  int32 [E, H, I/8]   down_proj;                                w2_scale  [E, H, I/g]
+
+Steps (three launches plus the alignment's small torch ops):
+  1. `moe_align_block_size` (torch, no host sync, so it can be captured in a CUDA graph): sort the
+     M*topk (token, slot) assignments by expert and pad each expert's run to a multiple of BLOCK_M;
+     every BLOCK_M block of the sorted list then belongs to one expert.
+  2. gate_up kernel: one launch over all (block, column-tile) pairs; each program computes the gate
+     and the up tile of the same columns with two accumulators and writes silu(gate) * up, so the
+     SiLU gating is fused and the [M*topk, 2I] pre-activation never reaches memory.
+  3. down kernel: the same kernel without the gate, multiplying each row by its router weight and
+     writing row (t, j) of a [M, topk, H] buffer.
+  4. `torch.sum` over topk (fp32 accumulation inside torch), i.e. a fixed-order, deterministic
+     per-token reduction instead of atomics.
+Both kernels reuse the dense MMA building blocks (`_mma_group`: int4 unpack in registers, tl.dot per
+quantization group); a block of padded rows costs a 16-row tensor-core tile, which at decode sizes is
+cheap next to streaming the expert's weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from glmq.kernels.w4a16_dense import (
+    _INTERPRETED,
+    DEFAULT_SM_COUNT,
+    _mma_group,
+    _next_pow2,
+    check_common,
+    check_k,
+    check_out,
+    check_packed,
+    sm_count,
+)
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Launch parameters of the fused MoE; `choose_moe_config` picks them.
+
+    Attributes:
+        block_m: sorted assignments per program (>= 16, power of two); each expert's run is padded to it.
+        block_n_up: columns of I per gate_up program (it computes gate and up for these columns).
+        block_n_down: columns of H per down program.
+        scale_b: scale the weight tile before the dot (large blocks) or the group's dot result (small).
+        num_warps, num_stages: Triton launch options.
+    """
+
+    block_m: int
+    block_n_up: int
+    block_n_down: int
+    scale_b: bool = False
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n_up", "block_n_down"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"MoeConfig.{name} must be a power of two >= 16, got {v}")
+
+
+def choose_moe_config(
+    m: int, topk: int, num_experts: int, inter: int, hidden: int, sms: int = DEFAULT_SM_COUNT
+) -> MoeConfig:
+    """Deterministic configuration from the routing size.
+
+    BLOCK_M follows the mean tokens per active expert (16 at decode, up to 64 at prefill); the
+    column tiles shrink until there are ~4 programs per SM, since decode MoE is bandwidth-bound.
+    """
+    assignments = m * topk
+    active = max(1, min(num_experts, assignments))
+    block_m = min(64, max(16, _next_pow2(-(-assignments // active))))
+    blocks = -(-assignments // block_m) + active  # upper bound on non-empty blocks
+
+    def cols(n: int) -> int:
+        for bn in (128, 64, 32):
+            if blocks * -(-n // bn) >= 4 * sms:
+                return bn
+        return 32
+
+    return MoeConfig(block_m, cols(inter), cols(hidden), scale_b=block_m >= 64)
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Sort (token, slot) assignments by expert, padding each expert's run to a multiple of block_m.
+
+    Runs on the device with static shapes (no `.item()`), so it works inside a CUDA graph.
+
+    Args:
+        topk_ids: integer `[M, topk]` expert ids in [0, num_experts).
+        block_m: block size of the grouped GEMM.
+        num_experts: E.
+    Returns:
+        sorted_ids: int32 `[P]`, flat assignment index t*topk + j, grouped by expert; padding slots
+            hold M*topk (an invalid index). P = a static upper bound, a multiple of block_m.
+        expert_ids: int32 `[P / block_m]`, expert of each block; num_experts for blocks past the end.
+        num_blocks: P / block_m (host int: the grid size).
+    """
+    flat = topk_ids.reshape(-1).long()  # (T,)
+    t = flat.numel()
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).index_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m  # (E,)
+    ends = padded.cumsum(0)  # padded run of expert e is [ends[e] - padded[e], ends[e])
+    order = torch.argsort(flat, stable=True)  # assignments grouped by expert, token order inside
+    sorted_e = flat[order]
+    rank = torch.arange(t, device=dev) - (counts.cumsum(0) - counts)[sorted_e]  # index inside its run
+    # Non-empty experts <= min(E, T), each padded by < block_m: a bound known on the host.
+    num_blocks = -(-(t + min(num_experts, t) * (block_m - 1)) // block_m)
+    sorted_ids = torch.full((num_blocks * block_m,), t, dtype=torch.int32, device=dev)
+    sorted_ids[(ends - padded)[sorted_e] + rank] = order.to(torch.int32)
+    block_start = torch.arange(0, num_blocks * block_m, block_m, device=dev)
+    expert_ids = torch.searchsorted(ends, block_start, right=True).to(torch.int32)
+    return sorted_ids, expert_ids, num_blocks
+
+
+@triton.jit
+def _moe_kernel(
+    a_ptr, w_ptr, s_ptr, c_ptr, sorted_ids_ptr, expert_ids_ptr, router_w_ptr,
+    N, num_valid, num_groups, num_experts,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
+    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SCALE_B: tl.constexpr, EMULATE_DOT: tl.constexpr,
+):  # fmt: skip
+    """grid = (num_blocks * cdiv(N, BLOCK_N),). One expert's BLOCK_M sorted rows x BLOCK_N columns.
+
+    Row r of block b is assignment i = sorted_ids[b*BLOCK_M + r] (i >= num_valid: padding). It reads
+    activation row i // A_ROW_DIV (x[token] for gate_up, h[i] for down) and writes output row i.
+    GATED: weight rows [0, N) are gate and [N, 2N) up; the output is silu(gate) * up.
+    ROUTED: the output row is multiplied by router_w[i].
+    """
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // n_tiles
+    pid_n = pid % n_tiles
+    expert = tl.load(expert_ids_ptr + pid_m)
+    if expert >= num_experts:  # block past the last expert's padded run
+        return
+    WPG: tl.constexpr = GROUP // 8
+    ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = ids < num_valid
+    a_rows = tl.where(valid, ids // A_ROW_DIV, 0)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, GROUP)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + rk[None, :]  # (BM, GROUP)
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + (rn % N)[:, None] * stride_wn + tl.arange(0, WPG)[None, :]
+    s_ptrs = s_ptr + expert.to(tl.int64) * stride_se + (rn % N) * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for g in range(0, num_groups):
+        a = tl.load(a_ptrs + g * GROUP)
+        acc = _mma_group(a, w_ptrs + g * WPG, s_ptrs + g, acc, GROUP, SCALE_B, EMULATE_DOT)
+        if GATED:  # the up rows of the same columns sit N rows further down
+            up_w = w_ptrs + N * stride_wn + g * WPG
+            acc_up = _mma_group(a, up_w, s_ptrs + N * stride_sn + g, acc_up, GROUP, SCALE_B, EMULATE_DOT)
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if ROUTED:
+        acc = acc * tl.load(router_w_ptr + ids, mask=valid, other=0.0).to(tl.float32)[:, None]
+    mask = valid[:, None] & (rn[None, :] < N)
+    tl.store(c_ptr + ids[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_moe(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, group_size) -> None:
+    check_common(x, group_size)
+    m, hidden = x.shape
+    check_k(hidden, group_size, "hidden size H")
+    if w13_packed.ndim != 3 or w2_packed.ndim != 3:
+        raise ValueError(
+            f"w13_packed and w2_packed must be 3-D [E, rows, cols/8], got {list(w13_packed.shape)} "
+            f"and {list(w2_packed.shape)}"
+        )
+    num_experts, two_i = w13_packed.shape[:2]
+    if two_i % 2:
+        raise ValueError(f"w13_packed has {two_i} rows per expert; expected 2I (gate rows then up rows)")
+    inter = two_i // 2
+    check_k(inter, group_size, "intermediate size I")
+    check_packed("w13", w13_packed, w13_scale, (num_experts, two_i, hidden), group_size, x.device)
+    check_packed("w2", w2_packed, w2_scale, (num_experts, hidden, inter), group_size, x.device)
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != m or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32/int64 [M={m}, topk], got {topk_ids.dtype} {list(topk_ids.shape)}")
+    if topk_weights.shape != topk_ids.shape or not topk_weights.is_floating_point():
+        raise ValueError(
+            f"topk_weights must be a float tensor of topk_ids' shape {list(topk_ids.shape)}, "
+            f"got {topk_weights.dtype} {list(topk_weights.shape)}"
+        )
+    for t, name in ((topk_ids, "topk_ids"), (topk_weights, "topk_weights")):
+        if t.device != x.device or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous on {x.device}")
+
+
+def fused_moe_w4a16(
+    x: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    group_size: int,
+    *,
+    out: torch.Tensor | None = None,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """Routed SwiGLU experts with int4 weights: the MoE block of GLM-5 minus router and shared expert.
+
+    Args:
+        x: float16/bfloat16 `[M, H]`, contiguous.
+        w13_packed: int32 `[E, 2I, H/8]`; rows [0, I) gate_proj, [I, 2I) up_proj.
+        w13_scale: float16/bfloat16/float32 `[E, 2I, H/group_size]`.
+        w2_packed: int32 `[E, H, I/8]` (down_proj).
+        w2_scale: float16/bfloat16/float32 `[E, H, I/group_size]`.
+        topk_weights: float `[M, topk]` router weights (applied after down_proj).
+        topk_ids: int32/int64 `[M, topk]`, values in [0, E) (not checked: that would sync with the
+            GPU; out-of-range ids fail inside torch's index_add_).
+        group_size: 32, 64 or 128; H and I must be multiples of it.
+        out: optional `[M, H]` buffer of x's dtype; every element is written.
+        config: optional launch override (tests, tuning); default `choose_moe_config`.
+    Returns:
+        `[M, H]` in x's dtype (`out` if given).
+    Raises:
+        ValueError: on any unsupported dtype, shape, layout or device.
+    """
+    _check_moe(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, group_size)
+    m, hidden = x.shape
+    num_experts, inter = w13_packed.shape[0], w13_packed.shape[1] // 2
+    topk = topk_ids.shape[1]
+    check_out(out, (m, hidden), x)
+    cfg = config or choose_moe_config(m, topk, num_experts, inter, hidden, sm_count(x.device))
+
+    out = torch.empty(m, hidden, dtype=x.dtype, device=x.device) if out is None else out
+    if m == 0 or topk == 0:
+        return out.zero_()
+    sorted_ids, expert_ids, num_blocks = moe_align_block_size(topk_ids, cfg.block_m, num_experts)
+    h = torch.empty(m * topk, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up per assignment
+    y = torch.empty(m, topk, hidden, dtype=x.dtype, device=x.device)  # weighted expert outputs
+    _launch_experts(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, sorted_ids, expert_ids,
+                    num_blocks, h, y, group_size, cfg)  # fmt: skip
+    return torch.sum(y, dim=1, out=out)
+
+
+def _launch_experts(x, w13p, w13s, w2p, w2s, topk_weights, sorted_ids, expert_ids, num_blocks, h, y, g, cfg):
+    """The two grouped GEMM launches; `h` `[T, I]` and `y` `[M, topk, H]` are written."""
+    m, hidden = x.shape
+    num_experts, inter = w13p.shape[0], w13p.shape[1] // 2
+    topk = y.shape[1]
+    common = dict(
+        num_valid=m * topk, num_experts=num_experts, GROUP=g, BLOCK_M=cfg.block_m, SCALE_B=cfg.scale_b,
+        EMULATE_DOT=_INTERPRETED and x.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    _moe_kernel[(num_blocks * triton.cdiv(inter, cfg.block_n_up),)](
+        x, w13p, w13s, h, sorted_ids, expert_ids, topk_weights,
+        inter, num_groups=hidden // g,
+        stride_am=x.stride(0), stride_we=w13p.stride(0), stride_wn=w13p.stride(1),
+        stride_se=w13s.stride(0), stride_sn=w13s.stride(1), stride_cm=h.stride(0),
+        A_ROW_DIV=topk, GATED=True, ROUTED=False, BLOCK_N=cfg.block_n_up, **common,
+    )  # fmt: skip
+    _moe_kernel[(num_blocks * triton.cdiv(hidden, cfg.block_n_down),)](
+        h, w2p, w2s, y, sorted_ids, expert_ids, topk_weights,
+        hidden, num_groups=inter // g,
+        stride_am=h.stride(0), stride_we=w2p.stride(0), stride_wn=w2p.stride(1),
+        stride_se=w2s.stride(0), stride_sn=w2s.stride(1), stride_cm=hidden,
+        A_ROW_DIV=1, GATED=False, ROUTED=True, BLOCK_N=cfg.block_n_down, **common,
+    )  # fmt: skip

@@ -1,0 +1,227 @@
+"""End-to-end conversion of generated checkpoints with the real GLM-5 / GLM-4.x / DeepSeek-V3 layouts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from glmq import recipes
+from glmq.formats.dense import iter_dense
+from glmq.formats.fp8 import dequantize_block, dequantize_channel
+from glmq.formats.source import open_source
+from glmq.quantize import stream
+from glmq.quantize.plan import make_plan
+
+OLD_CT_ARGS_KEYS = {"num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic",
+                    "actorder", "observer", "observer_kwargs"}
+
+
+def convert(src: Path, out: Path, recipe: str = "int4-w4a16", max_shard_bytes: int = 5 * 10**9) -> dict:
+    plan = make_plan(open_source(src), recipes.load(recipe), max_shard_bytes)
+    return stream.run(plan, out, progress=False)
+
+
+def assert_within_half_step(w_q: torch.Tensor, w_src: torch.Tensor, scale: torch.Tensor, name: str) -> None:
+    """|w_q - w_src| <= step/2, up to the bf16 rounding compressed-tensors' own math applies.
+
+    Two bf16 roundings that compressed-tensors' own math has sit on top of the half step:
+    w/scale is rounded to bf16 before it is rounded to an integer (7.516 -> 7.5 -> 8 -> clamped to 7:
+    up to 1/32 step past the half), and the dequantized q * scale is a bf16 product (|q| <= 8, half an
+    ulp is 2^-8 relative: up to 1/32 step). So the bound is step * (1/2 + 1/16).
+    """
+    step = scale.float().repeat_interleave(w_q.shape[1] // scale.shape[1], dim=1)
+    ratio = (w_q.float() - w_src.float()).abs() / step
+    assert ratio.max().item() <= 0.5 + 1 / 16 + 1e-6, f"{name}: error {ratio.max().item():.4f} steps"
+    assert ratio.mean().item() < 0.3, f"{name}: mean error {ratio.mean().item():.3f} steps (uniform rounding gives 0.25)"
+
+
+def tensors(root: Path) -> dict[str, torch.Tensor]:
+    wm = json.loads((root / "model.safetensors.index.json").read_text())["weight_map"]
+    out = {}
+    for shard in sorted(set(wm.values())):
+        with safe_open(str(root / shard), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    assert set(out) == set(wm), "index and shards disagree"
+    return out
+
+
+@pytest.fixture(scope="module")
+def glm5(make_ckpt, tmp_path_factory):
+    src = make_ckpt("glm_moe_dsa", "fp8-block")
+    out = tmp_path_factory.mktemp("glm5-out") / "int4"
+    report = convert(src, out, max_shard_bytes=400_000)
+    return src, out, report
+
+
+def test_glm5_layout_and_config(glm5):
+    src, out, report = glm5
+    cfg = json.loads((src / "config.json").read_text())
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    t = tensors(out)
+    n_layers, n_exp = cfg["num_hidden_layers"], cfg["n_routed_experts"]
+    moe_layers = [i for i in range(n_layers + 1) if i >= cfg["first_k_dense_replace"]]
+    for i in moe_layers:  # MTP layer (index n_layers) included
+        for e in range(n_exp):
+            for p in ("gate_proj", "up_proj", "down_proj"):
+                m = f"model.layers.{i}.mlp.experts.{e}.{p}"
+                packed, scale, shape = t[f"{m}.weight_packed"], t[f"{m}.weight_scale"], t[f"{m}.weight_shape"]
+                n, k = shape.tolist()
+                assert packed.dtype == torch.int32 and tuple(packed.shape) == (n, k // 8)
+                assert scale.dtype == torch.bfloat16 and tuple(scale.shape) == (n, k // 128)
+                assert shape.dtype == torch.int64
+                assert f"{m}.weight" not in t and f"{m}.weight_scale_inv" not in t
+    assert not any(k.endswith(("weight_scale_inv", "weight_zero_point", "weight_g_idx")) for k in t)
+    assert all(v.dtype != torch.float8_e4m3fn for v in t.values()), "FP8 left in a W4A16 checkpoint"
+    assert t["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert t["model.layers.0.self_attn.q_a_proj.weight"].dtype == torch.bfloat16
+    # config: one group targeting Linear, pack-quantized at group and top level, old-CT key set
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
+    assert qc["quantization_status"] == "compressed"
+    (group,) = qc["config_groups"].values()
+    assert group["targets"] == ["Linear"] and group["format"] == "pack-quantized"
+    assert set(group["weights"]) == OLD_CT_ARGS_KEYS
+    assert group["weights"]["group_size"] == 128 and group["weights"]["symmetric"] is True
+    assert all(p == "lm_head" or p.startswith("re:") for p in qc["ignore"])
+    assert "quantization_config" not in {k for k, v in qc.items() if k == "scale_dtype"}
+    # side files copied, report written
+    for name in ("generation_config.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (out / name).read_bytes() == (src / name).read_bytes()
+    assert report["files"] > 1 and report["bytes_out"] > 0
+
+
+def test_config_parses_with_compressed_tensors_and_ignore_matches_storage(glm5):
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.utils.match import match_name
+
+    _, out, _ = glm5
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    QuantizationConfig.model_validate(qc)
+    t = tensors(out)
+    for name in t:
+        module, _, leaf = name.rpartition(".")
+        ignored = any(match_name(module, p) for p in qc["ignore"])
+        if leaf == "weight_packed":
+            assert not ignored, f"{module} is quantized but ignored"
+        elif leaf == "weight" and t[name].ndim == 2 and ".embed_tokens" not in name and "norm" not in module:
+            assert ignored, f"{module} is stored unquantized but not ignored"
+
+
+def test_every_weight_within_half_a_scale_step_of_the_fp8_source(glm5):
+    src, out, _ = glm5
+    deq = dict(iter_dense(out, torch.float32))
+    srcd = dict(iter_dense(src, torch.float32))
+    t = tensors(out)
+    checked = 0
+    for name, w in deq.items():
+        module = name.rpartition(".")[0]
+        if f"{module}.weight_scale" in t:
+            assert_within_half_step(w, srcd[name], t[f"{module}.weight_scale"], name)
+            checked += 1
+        else:
+            assert torch.equal(w, srcd[name].float()), f"{name}: unquantized tensor changed"
+    assert checked > 0
+
+
+def ct_decompress(out: Path) -> dict[str, torch.Tensor]:
+    """Decompress every packed module of a checkpoint with compressed-tensors' own compressor."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    group = qc["config_groups"]["group_0"]
+    scheme = QuantizationScheme.model_validate(group)
+    compressor = BaseCompressor.load_from_registry(group.get("format") or qc["format"])
+    t = tensors(out)
+    result = {}
+    for packed_name in (k for k in t if k.endswith(".weight_packed")):
+        module = packed_name.rpartition(".")[0]
+        local = {k.rpartition(".")[2]: v for k, v in t.items() if k.rpartition(".")[0] == module}
+        result[f"{module}.weight"] = compressor.decompress(local, scheme)["weight"]
+    return result
+
+
+def test_compressed_tensors_decompression_reproduces_our_weights(glm5):
+    """compressed-tensors' own decompression gives exactly our dequantized weights."""
+    _, out, _ = glm5
+    ours = dict(iter_dense(out, torch.bfloat16))
+    theirs = ct_decompress(out)
+    assert len(theirs) > 0
+    for name, w in theirs.items():
+        assert w.dtype == torch.bfloat16 and torch.equal(w, ours[name]), name
+
+
+@pytest.mark.parametrize("family,fmt", [("glm4_moe", "fp8-block"), ("deepseek_v3", "fp8-block"),
+                                        ("glm_moe_dsa", "fp8-ct"), ("glm_moe_dsa", "bf16")])
+def test_other_families_and_formats_convert(make_ckpt, tmp_path, family, fmt):
+    src = make_ckpt(family, fmt)
+    out = tmp_path / "out"
+    convert(src, out)
+    t = tensors(out)
+    assert any(k.endswith("experts.0.gate_proj.weight_packed") for k in t)
+    assert not any(v.dtype == torch.float8_e4m3fn for v in t.values())
+    deq = dict(iter_dense(out, torch.float32))
+    srcd = dict(iter_dense(src, torch.float32))
+    for name in deq:
+        module = name.rpartition(".")[0]
+        if f"{module}.weight_scale" in t:
+            assert_within_half_step(deq[name], srcd[name], t[f"{module}.weight_scale"], name)
+
+
+def test_all_linear_recipe_quantizes_attention_but_not_indexer(make_ckpt, tmp_path):
+    src = make_ckpt("glm_moe_dsa", "fp8-block")
+    out = tmp_path / "out"
+    convert(src, out, "int4-w4a16-all-linear")
+    t = tensors(out)
+    assert "model.layers.1.self_attn.q_a_proj.weight_packed" in t
+    assert "model.layers.1.self_attn.kv_a_proj_with_mqa.weight_packed" in t
+    assert "model.layers.0.mlp.gate_proj.weight_packed" in t
+    assert "model.layers.1.mlp.shared_experts.down_proj.weight_packed" in t
+    assert t["model.layers.1.self_attn.indexer.wk.weight"].dtype == torch.bfloat16
+    assert t["lm_head.weight"].dtype == torch.bfloat16
+
+
+def test_g32_and_asymmetric_recipes(make_ckpt, tmp_path):
+    src = make_ckpt("glm_moe_dsa", "fp8-block")
+    convert(src, tmp_path / "g32", "int4-w4a16-g32")
+    t = tensors(tmp_path / "g32")
+    m = "model.layers.1.mlp.experts.0.down_proj"
+    assert t[f"{m}.weight_scale"].shape[1] * 32 == t[f"{m}.weight_shape"][1].item()
+    asym = tmp_path / "asym.yaml"
+    asym.write_text("name: asym\ntargets: [routed_expert]\nnum_bits: 4\ngroup_size: 64\nsymmetric: false\n")
+    convert(src, tmp_path / "asym", str(asym))
+    t = tensors(tmp_path / "asym")
+    assert t[f"{m}.weight_zero_point"].dtype == torch.int32
+    ours = dict(iter_dense(tmp_path / "asym", torch.bfloat16))
+    theirs = ct_decompress(tmp_path / "asym")
+    assert torch.equal(theirs[f"{m}.weight"], ours[f"{m}.weight"])
+
+
+def test_deterministic_output(make_ckpt, tmp_path):
+    src = make_ckpt("glm_moe_dsa", "fp8-block")
+    convert(src, tmp_path / "a", max_shard_bytes=300_000)
+    convert(src, tmp_path / "b", max_shard_bytes=300_000)
+    names = sorted(p.name for p in (tmp_path / "a").iterdir() if p.name != "glmq_report.json")
+    assert names == sorted(p.name for p in (tmp_path / "b").iterdir() if p.name != "glmq_report.json")
+    for n in names:
+        assert (tmp_path / "a" / n).read_bytes() == (tmp_path / "b" / n).read_bytes(), n
+
+
+def test_fp8_ct_per_tensor_scales(make_ckpt, tmp_path):
+    src = make_ckpt("glm4_moe", "fp8-ct", fp8_ct_strategy="tensor")
+    convert(src, tmp_path / "o")
+    with safe_open(str(next(src.glob("model-*.safetensors"))), "pt") as f:
+        assert f is not None
+    assert (tmp_path / "o" / "config.json").exists()
+
+
+def test_dequantizers_agree_with_definition():
+    w8 = (torch.randn(130, 260) * 4).to(torch.float8_e4m3fn)
+    s = torch.rand(2, 3) + 0.5
+    ref = w8.float() * s.repeat_interleave(128, 0)[:130].repeat_interleave(128, 1)[:, :260]
+    assert torch.equal(dequantize_block(w8, s, (128, 128)), ref.to(torch.bfloat16))
+    sc = torch.rand(130, 1)
+    assert torch.equal(dequantize_channel(w8, sc), (w8.float() * sc).to(torch.bfloat16))
