@@ -144,15 +144,16 @@ def _mma_group(a, w_ptrs, s_ptrs, acc, GROUP: tl.constexpr, SCALE_B: tl.constexp
 
 
 @triton.jit
-def _write_tile(acc, out_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_om, tile_id, pid_k, SPLIT_K: tl.constexpr):
+def _write_tile(acc, out_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_om, tile_id, pid_k, split_k, SPLIT: tl.constexpr):
     """Store a `[BM, BN]` fp32 tile, reducing split-K partials deterministically.
 
-    ws_ptr: fp32 `[SPLIT_K, M, N]` scratch (unused when SPLIT_K == 1); cnt_ptr: int32 per-tile
-    tickets, zero on entry and left zero on exit.
+    ws_ptr: fp32 `[split_k, M, N]` scratch (unused unless SPLIT); cnt_ptr: int32 per-tile tickets,
+    zero on entry and left zero on exit. split_k is a run-time value so that shapes with different
+    splits share one compiled kernel; SPLIT (split_k > 1) is the compile-time switch.
     """
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
-    if SPLIT_K == 1:
+    if not SPLIT:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         mn = M * N
@@ -162,11 +163,11 @@ def _write_tile(acc, out_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_om, tile_id,
         # atomic, as cooperative groups' grid sync does).
         tl.debug_barrier()
         ticket = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
-        if ticket == SPLIT_K - 1:
+        if ticket == split_k - 1:
             # Last split of this tile: sum every partial in split order, so the bits do not depend
             # on which split finished first. ".cg" reads at L2, where the other SMs' stores are.
             total = tl.load(ws, mask=mask, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT_K):
+            for s in range(1, split_k):
                 total += tl.load(ws + s * mn, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.store(cnt_ptr + tile_id, 0)  # re-arm for the next launch
@@ -180,10 +181,10 @@ def _write_tile(acc, out_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_om, tile_id,
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, stride_xm, stride_wn, stride_sn, stride_om, groups_per_split, num_groups,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    M, N, stride_xm, stride_wn, stride_sn, stride_om, groups_per_split, num_groups, split_k,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K). CUDA-core y = x @ dequant(W).T."""
+    """grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k). CUDA-core y = x @ dequant(W).T."""
     tile = tl.program_id(0)
     pid_k = tl.program_id(1)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -211,17 +212,17 @@ def _gemv_kernel(
             else:
                 acc = tl.where(rows[:, None] == i, acc + part[None, :], acc)
     rm = pid_m * BLOCK_M + rows
-    _write_tile(acc, out_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_om, tile, pid_k, SPLIT_K)
+    _write_tile(acc, out_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_om, tile, pid_k, split_k, SPLIT)
 
 
 @triton.jit
 def _mma_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, stride_xm, stride_wn, stride_sn, stride_om, groups_per_split, num_groups,
+    M, N, stride_xm, stride_wn, stride_sn, stride_om, groups_per_split, num_groups, split_k,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, SCALE_B: tl.constexpr, EMULATE_DOT: tl.constexpr,
+    SPLIT: tl.constexpr, SCALE_B: tl.constexpr, EMULATE_DOT: tl.constexpr,
 ):  # fmt: skip
-    """grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K). Tensor-core y = x @ dequant(W).T."""
+    """grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k). Tensor-core y = x @ dequant(W).T."""
     tile = tl.program_id(0)
     pid_k = tl.program_id(1)
     # Grouped launch order (Triton matmul tutorial): GROUP_M row-tiles share each weight column tile.
@@ -245,7 +246,7 @@ def _mma_kernel(
     for g in range(g_lo, g_hi):
         a = tl.load(a_ptrs + g * GROUP)
         acc = _mma_group(a, w_ptrs + g * WPG, s_ptrs + g, acc, GROUP, SCALE_B, EMULATE_DOT)
-    _write_tile(acc, out_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_om, tile, pid_k, SPLIT_K)
+    _write_tile(acc, out_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_om, tile, pid_k, split_k, SPLIT)
 
 
 _INTERPRETED = type(_mma_kernel).__name__ == "InterpretedFunction"
@@ -435,16 +436,17 @@ def _launch(x, wp, ws, out, group_size: int, cfg: DenseConfig) -> None:
         tickets = _tickets(x.device, tiles)
     else:
         scratch = tickets = out  # not dereferenced when SPLIT_K == 1
-    args = (x, wp, ws, out, scratch, tickets, m, n, x.stride(0), wp.stride(0), ws.stride(0), out.stride(0), per, groups)
+    args = (x, wp, ws, out, scratch, tickets, m, n, x.stride(0), wp.stride(0), ws.stride(0), out.stride(0), per, groups,
+            split)  # fmt: skip
     grid = (tiles, split)
     if cfg.kind is KernelKind.GEMV:
         _gemv_kernel[grid](
-            *args, GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=split,
+            *args, GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=split > 1,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     else:
         _mma_kernel[grid](
             *args, GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
-            SPLIT_K=split, SCALE_B=cfg.scale_b, EMULATE_DOT=_INTERPRETED and x.dtype == torch.bfloat16,
+            SPLIT=split > 1, SCALE_B=cfg.scale_b, EMULATE_DOT=_INTERPRETED and x.dtype == torch.bfloat16,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip

@@ -7,10 +7,13 @@ Weights are the checkpoint's per-expert tensors stacked on a leading expert dim,
     w13_packed int32 [E, 2I, H/8]  rows [0, I) gate_proj, [I, 2I) up_proj;  w13_scale [E, 2I, H/g]
     w2_packed  int32 [E, H, I/8]   down_proj;                                w2_scale  [E, H, I/g]
 
-Steps (three launches plus the alignment's small torch ops):
-  1. `moe_align_block_size` (torch, no host sync, so it can be captured in a CUDA graph): sort the
-     M*topk (token, slot) assignments by expert and pad each expert's run to a multiple of BLOCK_M;
-     every BLOCK_M block of the sorted list then belongs to one expert.
+Steps (four launches at decode sizes):
+  1. `moe_align_block_size`: sort the M*topk (token, slot) assignments by expert, stably, and pad
+     each expert's run to a multiple of BLOCK_M; every BLOCK_M block of the sorted list then belongs
+     to one expert. Written in torch (no host sync, so it can be captured in a CUDA graph); that is
+     ~25 tiny kernels, which at decode would cost about as much as streaming the experts' weights,
+     so up to ALIGN_ONE_LAUNCH_MAX assignments the same result comes from one single-program Triton
+     launch (`_align_kernel`, tested for equality with the torch path).
   2. gate_up kernel: one launch over all (block, column-tile) pairs; each program computes the gate
      and the up tile of the same columns with two accumulators and writes silu(gate) * up, so the
      SiLU gating is fused and the [M*topk, 2I] pre-activation never reaches memory.
@@ -42,6 +45,10 @@ from glmq.kernels.w4a16_dense import (
     check_packed,
     sm_count,
 )
+
+# Up to this many (token, slot) assignments the alignment runs as one Triton program (O(T * E) work
+# in a single CTA); above it, the torch sort (tuning knob: ~M = 128 at top-8).
+ALIGN_ONE_LAUNCH_MAX = 1024
 
 
 @dataclass(frozen=True)
@@ -92,25 +99,36 @@ def choose_moe_config(
     return MoeConfig(block_m, cols(inter), cols(hidden), scale_b=block_m >= 64)
 
 
+def align_num_blocks(assignments: int, block_m: int, num_experts: int) -> int:
+    """Static bound on the blocks of the aligned list: non-empty experts <= min(E, T), each padded by < block_m."""
+    return -(-(assignments + min(num_experts, assignments) * (block_m - 1)) // block_m)
+
+
 def moe_align_block_size(
-    topk_ids: torch.Tensor, block_m: int, num_experts: int
+    topk_ids: torch.Tensor, block_m: int, num_experts: int, *, one_launch: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Sort (token, slot) assignments by expert, padding each expert's run to a multiple of block_m.
 
-    Runs on the device with static shapes (no `.item()`), so it works inside a CUDA graph.
+    Runs on the device with static shapes (no `.item()`), so it works inside a CUDA graph. Within an
+    expert the assignments keep their flat order (stable), so both implementations agree exactly.
 
     Args:
-        topk_ids: integer `[M, topk]` expert ids in [0, num_experts).
+        topk_ids: int32/int64 `[M, topk]` expert ids in [0, num_experts) (not checked: that would sync).
         block_m: block size of the grouped GEMM.
         num_experts: E.
+        one_launch: force the single Triton launch (True) or the torch ops (False); default by size.
     Returns:
         sorted_ids: int32 `[P]`, flat assignment index t*topk + j, grouped by expert; padding slots
-            hold M*topk (an invalid index). P = a static upper bound, a multiple of block_m.
-        expert_ids: int32 `[P / block_m]`, expert of each block; num_experts for blocks past the end.
-        num_blocks: P / block_m (host int: the grid size).
+            hold M*topk (an invalid index). P = num_blocks * block_m, a static upper bound.
+        expert_ids: int32 `[num_blocks]`, expert of each block; num_experts for blocks past the end.
+        num_blocks: host int (the grid size), `align_num_blocks(M*topk, block_m, E)`.
     """
+    t = topk_ids.numel()
+    if one_launch is None:
+        one_launch = t <= ALIGN_ONE_LAUNCH_MAX
+    if one_launch:
+        return _align_one_launch(topk_ids.reshape(-1), block_m, num_experts)
     flat = topk_ids.reshape(-1).long()  # (T,)
-    t = flat.numel()
     dev = flat.device
     counts = torch.zeros(num_experts, dtype=torch.long, device=dev).index_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m  # (E,)
@@ -118,12 +136,61 @@ def moe_align_block_size(
     order = torch.argsort(flat, stable=True)  # assignments grouped by expert, token order inside
     sorted_e = flat[order]
     rank = torch.arange(t, device=dev) - (counts.cumsum(0) - counts)[sorted_e]  # index inside its run
-    # Non-empty experts <= min(E, T), each padded by < block_m: a bound known on the host.
-    num_blocks = -(-(t + min(num_experts, t) * (block_m - 1)) // block_m)
+    num_blocks = align_num_blocks(t, block_m, num_experts)
     sorted_ids = torch.full((num_blocks * block_m,), t, dtype=torch.int32, device=dev)
     sorted_ids[(ends - padded)[sorted_e] + rank] = order.to(torch.int32)
     block_start = torch.arange(0, num_blocks * block_m, block_m, device=dev)
     expert_ids = torch.searchsorted(ends, block_start, right=True).to(torch.int32)
+    return sorted_ids, expert_ids, num_blocks
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, T, num_experts, num_blocks,
+    BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """grid = (1,). `moe_align_block_size` in one program: counts, padded offsets, expert of each
+    block, then each assignment's slot = padded start of its expert + its rank among the earlier
+    assignments of that expert (a running one-hot prefix sum: stable, no sort, no atomics)."""
+    ex = tl.arange(0, E_P2)
+    counts = tl.zeros([E_P2], dtype=tl.int32)
+    for c in range(0, T, CHUNK):
+        r = c + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + r, mask=r < T, other=-1)
+        counts += tl.sum((e[:, None] == ex[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)  # expert e's run is [ends[e] - padded[e], ends[e])
+    for b in range(0, num_blocks, CHUNK):
+        rb = b + tl.arange(0, CHUNK)
+        # expert of the block starting at s = #{e < E : ends[e] <= s}  (E for blocks past the end)
+        done = (ends[None, :] <= (rb * BLOCK_M)[:, None]) & (ex[None, :] < num_experts)
+        tl.store(expert_ids_ptr + rb, tl.sum(done.to(tl.int32), axis=1), mask=rb < num_blocks)
+    for p in range(0, num_blocks * BLOCK_M, CHUNK):
+        rp = p + tl.arange(0, CHUNK)
+        tl.store(sorted_ids_ptr + rp, T, mask=rp < num_blocks * BLOCK_M)  # padding marker
+    tl.debug_barrier()  # the markers land before the scatter below overwrites the used slots
+    seen = ends - padded  # next free slot of each expert
+    for c in range(0, T, CHUNK):
+        r = c + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + r, mask=r < T, other=-1)
+        hit = (e[:, None] == ex[None, :]).to(tl.int32)  # (CHUNK, E_P2): one 1 per valid row
+        slot = tl.sum(hit * (tl.cumsum(hit, axis=0) - 1 + seen[None, :]), axis=1)
+        tl.store(sorted_ids_ptr + slot, r, mask=(r < T) & (tl.sum(hit, axis=1) > 0))
+        seen += tl.sum(hit, axis=0)
+
+
+def _align_one_launch(flat_ids: torch.Tensor, block_m: int, num_experts: int):
+    """`moe_align_block_size` for contiguous int32/int64 `[T]` ids, as one `_align_kernel` launch."""
+    t = flat_ids.numel()
+    num_blocks = align_num_blocks(t, block_m, num_experts)
+    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=flat_ids.device)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=flat_ids.device)
+    e_p2 = _next_pow2(num_experts)
+    chunk = max(16, min(256, 8192 // e_p2))  # ~8K one-hot elements per step
+    _align_kernel[(1,)](
+        flat_ids, sorted_ids, expert_ids, t, num_experts, num_blocks,
+        BLOCK_M=block_m, E_P2=e_p2, CHUNK=chunk, num_warps=4,
+    )  # fmt: skip
     return sorted_ids, expert_ids, num_blocks
 
 

@@ -284,7 +284,13 @@ def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True)
                 if f.name not in writers:
                     specs = [o for it in f.items for o in it.outputs]
                     writers[f.name] = StreamingWriter(out / f.name, specs)
-                results = convert_unit(u, plan, dev)
+                try:
+                    results = convert_unit(u, plan, dev)
+                except ValueError as e:  # e.g. NaN/Inf in a weight: name the tensor and shard
+                    raise CheckpointError(
+                        f"{plan.source.path(u.item.src.shard)}: tensor {u.item.name} (rows {u.r0}-{u.r1}): {e}; "
+                        f"the source weight is corrupt, re-download the shard"
+                    ) from e
                 w = writers[f.name]
                 for name, t in results:
                     writer.submit(lambda w=w, name=name, t=t: w.write(name, t))

@@ -1,0 +1,143 @@
+"""Bad input: a clear error naming file and tensor, a non-zero exit, and nothing that looks complete."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+def glmq(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "glmq", *args], capture_output=True, text=True)
+
+
+def copy_ckpt(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def index(root: Path) -> dict:
+    return json.loads((root / "model.safetensors.index.json").read_text())
+
+
+def rewrite_shard(root: Path, shard: str, edit) -> None:
+    """Load a shard, let `edit(dict)` change it, save it back (and fix the index)."""
+    with safe_open(str(root / shard), "pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    edit(t)
+    save_file(t, str(root / shard), metadata={"format": "pt"})
+    idx = index(root)
+    idx["weight_map"] = {k: v for k, v in idx["weight_map"].items() if v != shard or k in t}
+    idx["weight_map"].update({k: shard for k in t})
+    (root / "model.safetensors.index.json").write_text(json.dumps(idx))
+
+
+def shard_of(root: Path, name: str) -> str:
+    return index(root)["weight_map"][name]
+
+
+def assert_fails(r: subprocess.CompletedProcess, out: Path, *needles: str, fresh: bool = True) -> None:
+    assert r.returncode != 0, r.stdout
+    for n in needles:
+        assert n in r.stderr, f"{n!r} not in: {r.stderr[-1500:]}"
+    assert not (out / "config.json").exists()
+    if fresh:
+        assert not (out / "model.safetensors.index.json").exists()
+    assert "Traceback" not in r.stderr, r.stderr[-1500:]
+
+
+EXPERT = "model.layers.1.mlp.experts.3.down_proj.weight"
+
+
+@pytest.fixture
+def ckpt(make_ckpt, tmp_path):
+    return copy_ckpt(make_ckpt("glm_moe_dsa", "fp8-block"), tmp_path / "src")
+
+
+def test_truncated_shard(ckpt, tmp_path):
+    shard = shard_of(ckpt, EXPERT)
+    p = ckpt / shard
+    p.write_bytes(p.read_bytes()[:-1000])
+    out = tmp_path / "out"
+    assert_fails(glmq("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress"), out, shard, "truncated")
+
+
+def test_missing_weight_scale_inv(ckpt, tmp_path):
+    name = EXPERT + "_scale_inv"
+    rewrite_shard(ckpt, shard_of(ckpt, name), lambda t: t.pop(name))
+    out = tmp_path / "out"
+    assert_fails(glmq("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress"), out, EXPERT, "_scale_inv", "re-download")
+
+
+def test_wrong_dtype(ckpt, tmp_path):
+    rewrite_shard(ckpt, shard_of(ckpt, EXPERT), lambda t: t.__setitem__(EXPERT, t[EXPERT].view(torch.int8)))
+    out = tmp_path / "out"
+    assert_fails(glmq("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress"), out, EXPERT, "I8", shard_of(ckpt, EXPERT))
+
+
+def test_shape_the_group_size_does_not_divide(make_ckpt, tmp_path):
+    src = copy_ckpt(make_ckpt("glm_moe_dsa", "bf16"), tmp_path / "src")
+    name = "model.layers.1.mlp.experts.0.gate_proj.weight"
+    rewrite_shard(src, shard_of(src, name), lambda t: t.__setitem__(name, t[name][:, :200].contiguous()))
+    out = tmp_path / "out"
+    assert_fails(glmq("quantize", "-m", str(src), "-o", str(out), "--no-progress"), out, name, "group_size 128")
+
+
+def test_unknown_architecture(ckpt, tmp_path):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    assert_fails(glmq("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress"), out, "config.json", "llama", "families.py")
+
+
+def test_output_dir_with_other_content(ckpt, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert_fails(glmq("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress"), out, str(out), "not empty")
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_output_dir_of_another_recipe(ckpt, tmp_path):
+    out = tmp_path / "out"
+    assert glmq("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress").returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    (out / "config.json").unlink()
+    r = glmq("quantize", "-m", str(ckpt), "-o", str(out), "-r", "int4-w4a16-g32", "--no-progress")
+    assert_fails(r, out, "glmq_manifest.json", "different source/recipe", fresh=False)
+    assert all((out / n).read_bytes() == b for n, b in before.items() if n != "config.json")
+
+
+def test_nan_weight_names_the_tensor(ckpt, tmp_path):
+    def poison(t):
+        t[EXPERT].view(torch.uint8)[0, 0] = 0x7F
+
+    rewrite_shard(ckpt, shard_of(ckpt, EXPERT), poison)
+    out = tmp_path / "out"
+    assert_fails(glmq("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress"), out, EXPERT, "NaN")
+
+
+def test_unknown_recipe_key(ckpt, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntargets: [routed_expert]\ngroup_sise: 64\n")
+    out = tmp_path / "out"
+    assert_fails(glmq("quantize", "-m", str(ckpt), "-o", str(out), "-r", str(bad)), out, "group_sise", "unknown key")
+
+
+def test_header_length_beyond_file(ckpt, tmp_path):
+    shard = shard_of(ckpt, EXPERT)
+    p = ckpt / shard
+    data = bytearray(p.read_bytes())
+    data[:8] = struct.pack("<Q", len(data) * 2)
+    p.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    assert_fails(glmq("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress"), out, shard)

@@ -1,0 +1,386 @@
+"""Triton W4A16 kernels (dense GEMM, fused MoE) against the float32 references in kernels/reference.py.
+
+Without a GPU the kernels run in Triton's interpreter on CPU. Triton reads TRITON_INTERPRET when a
+`@triton.jit` decorator runs, i.e. when glmq.kernels.w4a16_* is imported, so this module sets it
+before that import (and reloads the kernel modules if something imported them earlier without it).
+With a GPU the same tests run compiled on cuda, plus the `gpu`-marked tests at GLM-5 shapes.
+
+Error bounds. The kernels accumulate in fp32 (K-dependent error ~1e-6, negligible) and round their
+output, and for the MoE also the gated activation h and each expert's weighted output, to the
+activation dtype. The error is therefore a few ulps of that dtype: fp16 has an ulp of 2^-10
+relative; bf16 2^-7 (the interpreter truncates fp32 -> bf16, where GPUs round to nearest, which
+halves it). We assert max|y - ref| / max|ref| below 4 ulps (fp16 4e-3, bf16 3e-2) and an SQNR floor
+(fp16 55 dB, bf16 35 dB; measured ~68 and ~39-45 dB). A bit-order, group or scale bug produces
+errors of order 1 (SQNR < 20 dB) and fails both. Outputs are pre-filled with NaN, so a tile the
+kernel forgets to write fails the NaN check.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before glmq.kernels' @triton.jit decorators run
+pytest.importorskip("triton")
+
+from glmq.kernels import reference as R  # noqa: E402
+from glmq.kernels import w4a16_dense as D  # noqa: E402
+from glmq.kernels import w4a16_moe as MO  # noqa: E402
+from glmq.quantize.pack import pack_int32, pack_zero_point  # noqa: E402
+from glmq.quantize.rtn import QWeight, dequantize, quantize_rtn  # noqa: E402
+from glmq.quantize.spec import QuantSpec  # noqa: E402
+
+if not torch.cuda.is_available() and not D._INTERPRETED:  # imported earlier without the flag
+    D = importlib.reload(D)
+    MO = importlib.reload(MO)
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = (torch.float16, torch.bfloat16)
+GROUPS = (32, 64, 128)
+REL_TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
+SQNR_DB = {torch.float16: 55.0, torch.bfloat16: 35.0}
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=32)
+def quantized(*shape: int, group_size: int, scale_dtype=torch.bfloat16, seed: int = 0):
+    """RTN-quantize a random `[..., N, K]` weight: (packed int32 [..., N, K/8], scale [..., N, K/g])."""
+    *lead, n, k = shape
+    w = torch.randn(math.prod(lead) * n, k, generator=torch.Generator().manual_seed(seed))
+    qw = quantize_rtn(w.to(DEV, scale_dtype), QuantSpec(group_size=group_size))
+    return pack_int32(qw.q).reshape(*lead, n, k // 8), qw.scale.reshape(*lead, n, k // group_size)
+
+
+def acts(m: int, k: int, dtype, seed: int = 1) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEV)
+
+
+def routing(m: int, num_experts: int, topk: int, seed: int = 2):
+    logits = torch.randn(m, num_experts, generator=torch.Generator().manual_seed(seed))
+    weights, ids = torch.softmax(logits, dim=-1).topk(topk, dim=-1)
+    return weights.to(DEV), ids.to(DEV)
+
+
+def assert_close(y: torch.Tensor, ref: torch.Tensor, dtype) -> None:
+    assert not torch.isnan(y).any(), "output still holds NaN poison: some tile was not written"
+    err = (y.float() - ref).abs().max() / ref.abs().max()
+    sqnr = 20 * torch.log10(ref.norm() / (y.float() - ref).norm())
+    assert err < REL_TOL[dtype], f"max rel err {err:.3e} >= {REL_TOL[dtype]}"
+    assert sqnr > SQNR_DB[dtype], f"SQNR {sqnr:.1f} dB <= {SQNR_DB[dtype]}"
+
+
+def poisoned(m: int, n: int, dtype) -> torch.Tensor:
+    return torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
+
+
+def run_dense(m, n, k, g, dtype, config=None, scale_dtype=torch.bfloat16):
+    wp, ws = quantized(n, k, group_size=g, scale_dtype=scale_dtype)
+    x = acts(m, k, dtype)
+    out = poisoned(m, n, dtype)
+    y = D.w4a16_matmul(x, wp, ws, g, out=out, config=config)
+    assert y is out and y.dtype == dtype and y.shape == (m, n)
+    assert_close(y, R.w4a16_matmul_ref(x, wp, ws, g), dtype)
+    return y
+
+
+# ------------------------------------------------------------------------------------------------
+# reference
+# ------------------------------------------------------------------------------------------------
+
+
+def test_dequantize_packed_golden_words():
+    # formats.md §2c worked example: q = [1..7, -8] packs to 0x0FEDCBA9; q = [0]*8 to 0x88888888.
+    packed = torch.tensor([[267242409, -2004318072, 0, 0]], dtype=torch.int32)
+    w = R.dequantize_packed(packed, torch.tensor([[2.0]]), group_size=32)
+    expect = torch.tensor([1, 2, 3, 4, 5, 6, 7, -8] + [0] * 8 + [-8] * 16, dtype=torch.float32) * 2
+    assert torch.equal(w, expect[None])
+
+
+@pytest.mark.parametrize("g", GROUPS)
+def test_dequantize_packed_matches_rtn(g):
+    w = torch.randn(40, 384)
+    qw = quantize_rtn(w, QuantSpec(group_size=g))
+    assert torch.equal(R.dequantize_packed(pack_int32(qw.q), qw.scale, g), dequantize(qw, g))
+    aq = quantize_rtn(w, QuantSpec(group_size=g, symmetric=False))
+    want = dequantize(QWeight(aq.q, aq.scale, aq.zero_point), g)
+    assert torch.equal(R.dequantize_packed(pack_int32(aq.q), aq.scale, g, aq.zero_point), want)
+    assert torch.equal(R.dequantize_packed(pack_int32(aq.q), aq.scale, g, pack_zero_point(aq.zero_point)), want)
+
+
+# ------------------------------------------------------------------------------------------------
+# dense GEMM
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("g", GROUPS)
+@pytest.mark.parametrize("m", [1, 3, 17, 118])
+def test_dense_default_config(m, g, dtype):
+    run_dense(m, 200, 384, g, dtype)  # N = 200: not a multiple of any block_n
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("g", [32, 128])
+def test_dense_m1024(g, dtype):
+    run_dense(1024, 96, 256, g, dtype)
+
+
+@pytest.mark.parametrize(
+    "m, config",
+    [
+        (1, D.DenseConfig("gemv", 1, 32, split_k=1)),
+        (3, D.DenseConfig("gemv", 4, 64, split_k=5)),  # masked 4th row; 12 groups in splits of 3
+        (2, D.DenseConfig("gemv", 2, 16, split_k=12)),  # one group per split
+        (1, D.DenseConfig("mma", 16, 64, split_k=2)),
+        (17, D.DenseConfig("mma", 32, 32, split_k=1, scale_b=True)),
+        (17, D.DenseConfig("mma", 16, 128, split_k=4, scale_b=False)),  # 2 row tiles x 2 col tiles x 4
+        (118, D.DenseConfig("mma", 64, 64, split_k=3, scale_b=True, group_m=2)),
+    ],
+    ids=lambda v: str(v) if isinstance(v, int) else f"{v.kind.value}-{v.block_m}x{v.block_n}-s{v.split_k}-b{int(v.scale_b)}",
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dense_forced_configs(m, config, dtype):
+    run_dense(m, 136, 384, 32, dtype, config=config)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32], ids=str)
+def test_dense_scale_dtypes_and_short_k(scale_dtype):
+    run_dense(5, 136, 96, 32, torch.float16, scale_dtype=scale_dtype)  # K = 96: three groups of 32
+
+
+def test_dense_split_k_is_deterministic_and_rearms_tickets():
+    wp, ws = quantized(200, 384, group_size=32)
+    x = acts(2, 384, torch.bfloat16)
+    cfg = D.DenseConfig("gemv", 2, 64, split_k=4)
+    y1 = D.w4a16_matmul(x, wp, ws, 32, config=cfg)
+    y2 = D.w4a16_matmul(x, wp, ws, 32, config=cfg)
+    assert torch.equal(y1, y2)
+    assert not D._tickets(DEV, 1).any(), "split-K tickets must be left at zero for the next launch"
+
+
+def test_dense_empty_m():
+    wp, ws = quantized(64, 128, group_size=128)
+    y = D.w4a16_matmul(torch.empty(0, 128, dtype=torch.float16, device=DEV), wp, ws, 128)
+    assert y.shape == (0, 64)
+
+
+def test_choose_config_buckets():
+    decode = D.choose_config(1, 24576, 6144, 128)
+    assert decode.kind is D.KernelKind.GEMV and decode.block_m == 1
+    assert D.choose_config(1, 6144, 12288, 128).split_k > 1  # 96 column tiles < 132 SMs
+    mid = D.choose_config(16, 6144, 12288, 128)
+    assert mid.kind is D.KernelKind.MMA and mid.block_m == 16 and not mid.scale_b and mid.split_k > 1
+    big = D.choose_config(2048, 24576, 6144, 128)
+    assert big.kind is D.KernelKind.MMA and big.block_m == 128 and big.scale_b and big.split_k == 1
+    assert D.split_groups(tiles=10, num_groups=12, target_ctas=1000) == (3, 4)  # >= 4 groups per split
+
+
+# ------------------------------------------------------------------------------------------------
+# fused MoE
+# ------------------------------------------------------------------------------------------------
+
+
+def run_moe(m, hidden, inter, num_experts, topk, g, dtype, config=None):
+    w13p, w13s = quantized(num_experts, 2 * inter, hidden, group_size=g, seed=3)
+    w2p, w2s = quantized(num_experts, hidden, inter, group_size=g, seed=4)
+    x = acts(m, hidden, dtype)
+    tw, ti = routing(m, num_experts, topk)
+    out = poisoned(m, hidden, dtype)
+    y = MO.fused_moe_w4a16(x, w13p, w13s, w2p, w2s, tw, ti, g, out=out, config=config)
+    assert y is out
+    assert_close(y, R.moe_w4a16_ref(x, w13p, w13s, w2p, w2s, ti, tw, g), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("g", GROUPS)
+@pytest.mark.parametrize("m", [1, 3, 17, 118])
+def test_moe(m, g, dtype):
+    # Whole-width column tiles keep the interpreter fast; the tiling itself is covered below.
+    config = MO.MoeConfig(block_m=64 if m > 64 else 16, block_n_up=128, block_n_down=256, scale_b=m > 64)
+    run_moe(m, 256, 128, num_experts=8, topk=3, g=g, dtype=dtype, config=config)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_moe_column_tails_and_default_config(dtype):
+    # I = 160 and H = 96 are not multiples of 64: the last column tile of both launches is masked.
+    run_moe(5, 96, 160, num_experts=6, topk=2, g=32, dtype=dtype, config=MO.MoeConfig(16, 64, 64))
+    run_moe(2, 96, 64, num_experts=4, topk=2, g=32, dtype=dtype)  # choose_moe_config's tiles
+
+
+ALIGN_CASES = [(1, 8, 256, 16), (37, 3, 8, 16), (50, 4, 8, 64), (3, 2, 6, 16), (40, 8, 256, 16)]
+
+
+@pytest.mark.parametrize("one_launch", [True, False], ids=["triton", "torch"])
+@pytest.mark.parametrize("m, topk, num_experts, block_m", ALIGN_CASES)
+def test_moe_align_block_size(m, topk, num_experts, block_m, one_launch):
+    _, ids = routing(m, num_experts, topk)
+    sorted_ids, expert_ids, num_blocks = MO.moe_align_block_size(ids, block_m, num_experts, one_launch=one_launch)
+    t = m * topk
+    assert sorted_ids.shape == (num_blocks * block_m,) and expert_ids.shape == (num_blocks,)
+    valid = sorted_ids < t
+    assert torch.equal(torch.sort(sorted_ids[valid]).values.long(), torch.arange(t, device=DEV))  # each once
+    blocks = sorted_ids.view(num_blocks, block_m)
+    flat = ids.reshape(-1)
+    for b in range(num_blocks):
+        rows = blocks[b][blocks[b] < t].long()
+        if expert_ids[b] == num_experts:  # past the end: padding only
+            assert rows.numel() == 0
+        else:
+            assert rows.numel() > 0 and bool((flat[rows] == expert_ids[b]).all())
+    used = int((expert_ids < num_experts).sum())
+    counts = torch.bincount(flat, minlength=num_experts)
+    assert used == int(((counts + block_m - 1) // block_m).sum())
+
+
+@pytest.mark.parametrize("m, topk, num_experts, block_m", ALIGN_CASES)
+def test_moe_align_paths_agree(m, topk, num_experts, block_m):
+    _, ids = routing(m, num_experts, topk)
+    one = MO.moe_align_block_size(ids.to(torch.int32), block_m, num_experts, one_launch=True)
+    ops = MO.moe_align_block_size(ids, block_m, num_experts, one_launch=False)
+    assert torch.equal(one[0], ops[0]) and torch.equal(one[1], ops[1]) and one[2] == ops[2]
+
+
+def test_choose_moe_config():
+    decode = MO.choose_moe_config(1, 8, 256, 2048, 6144)
+    assert decode.block_m == 16 and not decode.scale_b
+    prefill = MO.choose_moe_config(2048, 8, 256, 2048, 6144)
+    assert prefill.block_m == 64 and prefill.scale_b
+
+
+# ------------------------------------------------------------------------------------------------
+# preconditions
+# ------------------------------------------------------------------------------------------------
+
+
+def _dense_inputs(m=3, n=64, k=256, g=128):
+    wp, ws = quantized(n, k, group_size=g)
+    return acts(m, k, torch.float16), wp, ws
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda a: {**a, "x": a["x"].float()}, "float16 or bfloat16"),
+        (lambda a: {**a, "x": a["x"][None]}, "2-D"),
+        (lambda a: {**a, "x": a["x"].repeat(1, 2)[:, ::2]}, "x must be contiguous"),
+        (lambda a: {**a, "group_size": 16}, "group_size must be one of"),
+        (lambda a: {**a, "group_size": 256}, "group_size must be one of"),
+        (lambda a: {**a, "x": a["x"][:, :100].contiguous()}, "multiple of 8"),
+        (lambda a: {**a, "x": a["x"][:, :96].contiguous()}, "multiple of group_size"),
+        (lambda a: {**a, "weight_packed": a["weight_packed"].long()}, "weight_packed must be int32"),
+        (lambda a: {**a, "weight_scale": a["weight_scale"].to(torch.int32)}, "weight_scale must be float16"),
+        (lambda a: {**a, "weight_packed": a["weight_packed"][:, :16]}, "weight_packed has shape"),
+        (lambda a: {**a, "weight_packed": a["weight_packed"][None]}, "must be 2-D"),
+        (lambda a: {**a, "weight_scale": a["weight_scale"][:32]}, "weight_scale has shape"),
+        (lambda a: {**a, "weight_scale": a["weight_scale"].repeat(1, 2)}, "weight_scale has shape"),
+        (
+            lambda a: {**a, "weight_packed": a["weight_packed"].t().contiguous().t()},
+            "weight_packed must be contiguous",
+        ),
+        (lambda a: {**a, "weight_scale": a["weight_scale"].to("meta")}, "weight_scale is on meta"),
+        (lambda a: {**a, "out": torch.empty(3, 64, dtype=torch.bfloat16, device=DEV)}, "out must be"),
+        (lambda a: {**a, "out": torch.empty(3, 65, dtype=torch.float16, device=DEV)}, "out must be"),
+        (lambda a: {**a, "out": torch.empty(64, 3, dtype=torch.float16, device=DEV).t()}, "out must be contiguous"),
+    ],
+)
+def test_dense_preconditions(mutate, match):
+    x, wp, ws = _dense_inputs()
+    args = mutate({"x": x, "weight_packed": wp, "weight_scale": ws, "group_size": 128, "out": None})
+    with pytest.raises(ValueError, match=match):
+        D.w4a16_matmul(**args)
+
+
+def test_dense_needs_cuda_outside_interpreter(monkeypatch):
+    monkeypatch.setattr(D, "_INTERPRETED", False)
+    x, wp, ws = _dense_inputs()
+    with pytest.raises(ValueError, match="need a CUDA device"):
+        D.w4a16_matmul(x.cpu(), wp.cpu(), ws.cpu(), 128)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(kind="mma", block_m=8, block_n=64), "block_m >= 16"),
+        (dict(kind="gemv", block_m=16, block_n=64), "block_m <= 8"),
+        (dict(kind="gemv", block_m=1, block_n=48), "power of two"),
+        (dict(kind="gemv", block_m=1, block_n=8), "block_n must be >= 16"),
+        (dict(kind="mma", block_m=16, block_n=64, split_k=0), "split_k"),
+        (dict(kind="wgmma", block_m=16, block_n=64), "is not a valid KernelKind"),
+    ],
+)
+def test_dense_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        D.DenseConfig(**kwargs)
+
+
+def _moe_inputs(m=3, hidden=128, inter=64, num_experts=4, topk=2, g=32):
+    w13p, w13s = quantized(num_experts, 2 * inter, hidden, group_size=g)
+    w2p, w2s = quantized(num_experts, hidden, inter, group_size=g)
+    tw, ti = routing(m, num_experts, topk)
+    return dict(
+        x=acts(m, hidden, torch.bfloat16), w13_packed=w13p, w13_scale=w13s, w2_packed=w2p, w2_scale=w2s,
+        topk_weights=tw, topk_ids=ti, group_size=g,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda a: {**a, "x": a["x"].float()}, "float16 or bfloat16"),
+        (lambda a: {**a, "group_size": 48}, "group_size must be one of"),
+        (lambda a: {**a, "group_size": 128}, "intermediate size I = 64 must be a multiple of group_size 128"),
+        (lambda a: {**a, "x": a["x"][:, :120].contiguous()}, "multiple of group_size"),
+        (lambda a: {**a, "w13_packed": a["w13_packed"][0]}, "must be 3-D"),
+        (lambda a: {**a, "w13_packed": a["w13_packed"][:, :127]}, "expected 2I"),
+        (lambda a: {**a, "w13_packed": a["w13_packed"].float()}, "w13_packed must be int32"),
+        (lambda a: {**a, "w13_scale": a["w13_scale"][:, :, :2]}, "w13_scale has shape"),
+        (lambda a: {**a, "w2_packed": a["w2_packed"][:, :64]}, "w2_packed has shape"),
+        (lambda a: {**a, "w2_scale": a["w2_scale"].to(torch.int8)}, "w2_scale must be float16"),
+        (lambda a: {**a, "w2_scale": a["w2_scale"].transpose(1, 2).contiguous().transpose(1, 2)}, "contiguous"),
+        (lambda a: {**a, "topk_ids": a["topk_ids"].float()}, "topk_ids must be int32/int64"),
+        (lambda a: {**a, "topk_ids": a["topk_ids"][:2]}, "topk_ids must be"),
+        (lambda a: {**a, "topk_weights": a["topk_weights"][:, :1]}, "topk_weights must be"),
+        (lambda a: {**a, "topk_weights": a["topk_weights"].to(torch.int32)}, "topk_weights must be"),
+        (lambda a: {**a, "topk_ids": a["topk_ids"].t().contiguous().t()}, "topk_ids must be contiguous"),
+        (lambda a: {**a, "out": torch.empty(3, 128, dtype=torch.float16, device=DEV)}, "out must be"),
+    ],
+)
+def test_moe_preconditions(mutate, match):
+    with pytest.raises(ValueError, match=match):
+        MO.fused_moe_w4a16(**mutate(_moe_inputs()))
+
+
+def test_moe_config_validation():
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        MO.MoeConfig(block_m=8, block_n_up=64, block_n_down=64)
+
+
+# ------------------------------------------------------------------------------------------------
+# GLM-5 shapes on a GPU
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n, k", [(24576, 6144), (6144, 12288), (4096, 6144), (6144, 2048)])
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 256, 1024])
+def test_dense_glm_shapes_gpu(m, n, k):
+    run_dense(m, n, k, 128, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [1, 16, 256])
+def test_moe_glm_shapes_gpu(m):
+    run_moe(m, 6144, 2048, num_experts=256, topk=8, g=128, dtype=torch.bfloat16)
