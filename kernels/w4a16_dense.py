@@ -435,7 +435,7 @@ def _launch(x, wp, ws, out, group_size: int, cfg: DenseConfig) -> None:
         scratch = torch.empty(split, m, n, dtype=torch.float32, device=x.device)  # fp32 partials
         tickets = _tickets(x.device, tiles)
     else:
-        scratch = tickets = out  # not dereferenced when SPLIT_K == 1
+        scratch = tickets = out  # not dereferenced without SPLIT
     args = (x, wp, ws, out, scratch, tickets, m, n, x.stride(0), wp.stride(0), ws.stride(0), out.stride(0), per, groups,
             split)  # fmt: skip
     grid = (tiles, split)
