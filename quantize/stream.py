@@ -28,7 +28,6 @@ import torch
 from safetensors import safe_open
 
 from glmq import __version__
-from glmq.formats import compressed_tensors as ct
 from glmq.formats.families import LINEAR_CLASSES
 from glmq.formats.manifest import MANIFEST_NAME, REPORT_NAME, Manifest
 from glmq.formats.safetensors_io import TMP_SUFFIX, CheckpointError, OutSpec, StreamingWriter, atomic_write_text, file_tensor_hashes
@@ -245,6 +244,10 @@ class _Writer(threading.Thread):
 def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True) -> dict:
     """Convert the planned checkpoint into `out`; return the run report (also written to disk)."""
     t0 = time.perf_counter()
+    # compressed-tensors takes seconds to import (it pulls in transformers) and is needed only for the
+    # config at the end: import it in the background while the conversion runs.
+    ct_import = threading.Thread(target=_import_ct, daemon=True)
+    ct_import.start()
     out = Path(out)
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -310,12 +313,17 @@ def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True)
             writer.q.put(None)
         raise
     bar.close()
+    ct_import.join()
     finish_checkpoint(plan, out, man)
     stats.bytes_out = plan.bytes_out
     stats.seconds = time.perf_counter() - t0
     report = make_report(plan, stats, device)
     atomic_write_text(out / REPORT_NAME, json.dumps(report, indent=1) + "\n")
     return report
+
+
+def _import_ct() -> None:
+    import glmq.formats.compressed_tensors  # noqa: F401
 
 
 def _progress(total: int, enabled: bool):
@@ -328,6 +336,8 @@ def _progress(total: int, enabled: bool):
 # ----------------------------------------------------------------------------------------- finish
 def output_config(plan: Plan) -> dict:
     """The source config with its quantization_config replaced by the compressed-tensors one."""
+    from glmq.formats import compressed_tensors as ct
+
     cfg = {k: v for k, v in plan.source.config.items() if k != "quantization_config"}
     present = {it.cls for it in plan.items if it.cls in LINEAR_CLASSES and it.name.endswith(".weight")}
     unquantized = present - set(plan.recipe.targets)
@@ -340,6 +350,8 @@ def output_config(plan: Plan) -> dict:
 
 def check_ignore(plan: Plan, ignore: list[str], keep: list[str]) -> None:
     """Every Linear module is quantized exactly when the config says so (as loaders match names)."""
+    from glmq.formats import compressed_tensors as ct
+
     for module, action in plan.linear_modules().items():
         ignored = ct.is_ignored(module, ignore) or ct.is_ignored(module, keep)
         if ignored == (action is Action.QUANTIZE):

@@ -1,0 +1,606 @@
+"""Benchmark glmq's W4A16 Triton kernels on one GPU at GLM-5 shapes, against cuBLAS, tinygemm and the
+bandwidth floor.
+
+    pip install --no-deps -e .          # makes the checkout importable as `glmq`
+    python scripts/bench_kernels.py --out DIR          # ~3-5 minutes on one H200
+    python scripts/bench_kernels.py --smoke --out DIR  # CPU self-test of this script (interpreter, tiny shapes)
+
+What is timed (symmetric int4, group 128, bf16 activations and scales):
+  dense   y = x @ W.T for [N, K] in {6144->24576, 12288->6144, the expert's 6144->2*2048 and 2048->6144}
+          at M in {1, 4, 16, 64, 256, 2048}, plus 8192x8192 at M = 1 (seen on H200 before: floor ~8.3 us,
+          cuBLAS ~45-49 us, _weight_int4pack_mm ~25 us):
+            glmq        glmq.kernels.w4a16_dense.w4a16_matmul on the compressed-tensors tensors
+            cublas-fp16 / cublas-bf16   torch.nn.functional.linear with the dequantized weight
+            int4pack    torch._weight_int4pack_mm (tinygemm) with its own packing
+                        (torch._convert_weight_to_int4pack(uint8 [N, K/2], inner_k_tiles=8), scales and zeros
+                        [K/g, N, 2] bf16; x must be bf16); recorded "unavailable" with the reason if it fails
+            floor       (packed + scale bytes) / measured device-to-device copy rate
+  moe     GLM-5 routed experts: E = 256, H = 6144, I = 2048, top-8, at the same M:
+            glmq-fused        fused_moe_w4a16 (alignment included)
+            glmq-kernels      its two grouped GEMM launches + the top-k sum, alignment precomputed
+            bf16-grouped      gather + torch._grouped_mm (gate_up) + SiLU*up + torch._grouped_mm (down) + weighted
+                              index_add, routing metadata precomputed (not timed)
+            bf16-loop         the same per active expert with torch.matmul (M <= 16 only)
+            floor             packed + scale bytes of the experts the routing touches / copy rate
+
+Method: every implementation is checked against glmq.kernels.reference first (a wrong result is
+recorded and not timed). Timing replays a CUDA graph of `inner` rounds over R copies of the weights
+(R chosen so that the copies are >= 4x the L2 cache, so no call finds its weights in L2), after a
+warm-up; the median of 15 replays divided by the calls per replay is reported in microseconds. The
+graph removes Python launch overhead, as a serving engine's decode graphs do. If capture fails, the
+same loop is timed eagerly with CUDA events (the "mode" field says which).
+
+Outputs in --out (default $OUT, else ./bench-out): bench_kernels.json, bench_kernels.md, bench_kernels.png
+(if matplotlib imports).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("bench_kernels")
+
+GROUP = 128
+M_LIST = (1, 4, 16, 64, 256, 2048)
+DENSE = {  # name -> (N, K); "large" shapes carry the >= 3x cuBLAS target
+    "dense 6144->24576": (24576, 6144),
+    "dense 12288->6144": (6144, 12288),
+    "expert w13 6144->2x2048": (4096, 6144),
+    "expert w2 2048->6144": (6144, 2048),
+}
+LARGE = ("dense 6144->24576", "dense 12288->6144", "square 8192x8192")
+SQUARE = ("square 8192x8192", 8192, 8192)
+MOE = dict(experts=256, hidden=6144, inter=2048, topk=8)
+SMOKE_DENSE = {"smoke 256->96": (96, 256), "smoke 128->64": (64, 128)}
+SMOKE_SQUARE = ("smoke square 128", 128, 128)
+SMOKE_MOE = dict(experts=8, hidden=256, inter=128, topk=2)
+SMOKE_M = (1, 3, 17)
+REL_TOL = 3e-2  # bf16 output: a few ulps (2^-8) of max|ref|; layout bugs give O(1) errors
+
+
+@dataclasses.dataclass
+class Record:
+    op: str  # "dense" | "moe" | "copy"
+    shape: str
+    m: int
+    impl: str
+    status: str = "ok"  # ok | wrong | unavailable | skipped
+    us: float | None = None
+    rel_err: float | None = None
+    mode: str = ""
+    note: str = ""
+    bytes_moved: int | None = None
+    flops: float | None = None
+
+
+class Bench:
+    """Timing and bookkeeping for one run."""
+
+    def __init__(self, device: torch.device, budget_s: float, smoke: bool):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.deadline = time.monotonic() + budget_s
+        self.smoke = smoke
+        self.records: list[Record] = []
+        props = torch.cuda.get_device_properties(device) if self.cuda else None
+        self.l2_bytes = getattr(props, "L2_cache_size", 50 << 20) if props else 50 << 20
+        self.copy_rate = self.measure_copy_rate()
+
+    # ---- timing ---------------------------------------------------------------------------------
+
+    def out_of_time(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def copies(self, bytes_per_copy: int) -> int:
+        """Weight copies to rotate through so that consecutive calls miss L2."""
+        return max(1, min(8, math.ceil(4 * self.l2_bytes / max(bytes_per_copy, 1))))
+
+    def time_us(self, calls: list[Callable[[], object]]) -> tuple[float, str]:
+        """Median microseconds per call of `calls` (run round-robin)."""
+        if not self.cuda:
+            for c in calls:
+                c()
+            t0 = time.perf_counter()
+            for c in calls:
+                c()
+            return (time.perf_counter() - t0) * 1e6 / len(calls), "cpu-wall"
+        try:
+            return self._graph_us(calls), "cuda-graph"
+        except Exception as exc:  # capture can fail for ops that sync or allocate on the host
+            log.warning("graph capture failed (%s); timing eagerly", exc)
+            torch.cuda.synchronize()
+            return self._eager_us(calls), "eager-events"
+
+    def _rounds_for(self, calls, target_ms: float) -> int:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for c in calls:
+            c()
+        end.record()
+        end.synchronize()
+        return max(1, min(200, math.ceil(target_ms / max(start.elapsed_time(end), 1e-3))))
+
+    def _graph_us(self, calls) -> float:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up (JIT, allocator) on the capture stream
+            for c in calls:
+                c()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        rounds = self._rounds_for(calls, target_ms=5.0)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(rounds):
+                for c in calls:
+                    c()
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(15):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        del graph
+        return statistics.median(times) * 1e3 / (rounds * len(calls))
+
+    def _eager_us(self, calls) -> float:
+        for c in calls:
+            c()
+        rounds = self._rounds_for(calls, target_ms=5.0)
+        times = []
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(15):
+            start.record()
+            for _ in range(rounds):
+                for c in calls:
+                    c()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times) * 1e3 / (rounds * len(calls))
+
+    def measure_copy_rate(self) -> float:
+        """Device-to-device copy rate in bytes/s, counting read + write (the floor's denominator)."""
+        n = (1 << 30) if self.cuda else (1 << 24)
+        src = torch.empty(n, dtype=torch.uint8, device=self.device)
+        dst = torch.empty_like(src)
+        us, mode = self.time_us([lambda: dst.copy_(src)])
+        rate = 2 * n / (us * 1e-6)
+        self.records.append(Record("copy", f"{n >> 20} MiB", 0, "d2d-copy", us=us, mode=mode, bytes_moved=2 * n))
+        log.info("device-to-device copy: %.1f us for %d MiB -> %.2f TB/s (read + write)", us, n >> 20, rate / 1e12)
+        del src, dst
+        return rate
+
+    # ---- bookkeeping -----------------------------------------------------------------------------
+
+    def run(self, op, shape, m, impl, make: Callable[[], tuple[list[Callable], torch.Tensor]], ref, nbytes=None,
+            flops=None, note="") -> Record:  # fmt: skip
+        """Build an implementation (`make` -> (calls, first output)), check it against `ref`, time it."""
+        rec = Record(op, shape, m, impl, note=note, bytes_moved=nbytes, flops=flops)
+        self.records.append(rec)
+        if self.out_of_time():
+            rec.status, rec.note = "skipped", "time budget spent"
+            return rec
+        try:
+            calls, y = make()
+        except Exception as exc:  # e.g. torch._weight_int4pack_mm missing for this build or shape
+            rec.status, rec.note = "unavailable", f"{type(exc).__name__}: {exc}"[:300]
+            log.info("%-28s M=%-5d %-14s unavailable: %s", shape, m, impl, rec.note)
+            return rec
+        rec.rel_err = rel_err(y, ref)
+        if not rec.rel_err < REL_TOL:
+            rec.status = "wrong"
+            log.error("%-28s M=%-5d %-14s WRONG: rel err %.3g", shape, m, impl, rec.rel_err)
+            return rec
+        rec.us, rec.mode = self.time_us(calls)
+        log.info("%-28s M=%-5d %-14s %10.1f us  (err %.1e)", shape, m, impl, rec.us, rec.rel_err)
+        return rec
+
+    def floor(self, op, shape, m, nbytes) -> None:
+        self.records.append(Record(op, shape, m, "floor", us=nbytes / self.copy_rate * 1e6, bytes_moved=nbytes))
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    y = y.float()
+    if not torch.isfinite(y).all():
+        return float("inf")
+    return float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def random_int4(*shape: int, device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random packed int4 weight `[..., N, K]`: int32 [..., N, K/8] (uniform nibbles), bf16 scales."""
+    *lead, n, k = shape
+    gen = torch.Generator(device=device).manual_seed(seed)
+    packed = torch.randint(-(2**31), 2**31 - 1, (*lead, n, k // 8), dtype=torch.int32, device=device, generator=gen)
+    scale = (torch.rand(*lead, n, k // GROUP, device=device, generator=gen) * 0.01 + 0.002).to(torch.bfloat16)
+    return packed, scale
+
+
+def packed_bytes(wp: torch.Tensor, ws: torch.Tensor) -> int:
+    return wp.numel() * wp.element_size() + ws.numel() * ws.element_size()
+
+
+# ---- dense ----------------------------------------------------------------------------------------
+
+
+def int4pack_weights(wp: torch.Tensor, ws: torch.Tensor):
+    """compressed-tensors int4 -> tinygemm's (_convert_weight_to_int4pack, [K/g, N, 2] scales+zeros).
+
+    tinygemm dequantizes w = (u - 8) * scale + zero (aten/src/ATen/native/cuda/int4mm.cu), so zero = 0
+    reproduces the symmetric format. Its uint8 input holds k = 2i in the high nibble of byte i;
+    compressed-tensors' little-endian words hold it in the low nibble, hence the swap.
+    """
+    u8 = wp.contiguous().view(torch.uint8)  # (N, K/2): low nibble = even k
+    swapped = ((u8 & 0xF) << 4) | (u8 >> 4)
+    w4 = torch._convert_weight_to_int4pack(swapped.contiguous(), 8)
+    sz = torch.stack([ws.to(torch.bfloat16), torch.zeros_like(ws, dtype=torch.bfloat16)], dim=-1)
+    return w4, sz.transpose(0, 1).contiguous()
+
+
+def bench_dense(b: Bench, shape: str, n: int, k: int, ms, seed: int) -> None:
+    from glmq.kernels import reference as R
+    from glmq.kernels.w4a16_dense import w4a16_matmul
+
+    wp, ws = random_int4(n, k, device=b.device, seed=seed)
+    w32 = R.dequantize_packed(wp, ws, GROUP)  # (N, K) fp32: the reference weight
+    nbytes = packed_bytes(wp, ws)
+    # Weight copies, built once per shape and rotated so that no call finds its weights in L2.
+    ours_w = [(wp, ws)] + [(wp.clone(), ws.clone()) for _ in range(b.copies(nbytes) - 1)]
+    w16 = {dt: [w32.to(dt) for _ in range(b.copies(n * k * 2))] for dt in (torch.float16, torch.bfloat16)}
+    try:
+        packs = [int4pack_weights(p, s) for p, s in ours_w]
+    except Exception as exc:  # recorded per M below
+        packs = exc
+    for m in ms:
+        if b.out_of_time():
+            break
+        x = torch.randn(m, k, device=b.device).to(torch.bfloat16)
+        ref = x.float() @ w32.T
+        flops = 2.0 * m * n * k
+        b.floor("dense", shape, m, nbytes)
+
+        def ours():
+            return [lambda p=p, s=s: w4a16_matmul(x, p, s, GROUP) for p, s in ours_w], w4a16_matmul(x, wp, ws, GROUP)
+
+        b.run("dense", shape, m, "glmq", ours, ref, nbytes, flops)
+        for dt, name in ((torch.float16, "cublas-fp16"), (torch.bfloat16, "cublas-bf16")):
+
+            def cublas(dt=dt):
+                xd = x.to(dt)
+                return [lambda w=w: F.linear(xd, w) for w in w16[dt]], F.linear(xd, w16[dt][0])
+
+            b.run("dense", shape, m, name, cublas, ref, n * k * 2, flops)
+
+        def int4pack():
+            if isinstance(packs, Exception):
+                raise packs
+            fns = [lambda w=w, s=s: torch._weight_int4pack_mm(x, w, GROUP, s) for w, s in packs]
+            return fns, fns[0]()
+
+        b.run("dense", shape, m, "int4pack", int4pack, ref, nbytes, flops)
+    del ours_w, w16, packs, w32
+    if b.cuda:
+        torch.cuda.empty_cache()
+
+
+# ---- MoE ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Routing:
+    x: torch.Tensor  # (M, H) bf16
+    weights: torch.Tensor  # (M, topk) fp32
+    ids: torch.Tensor  # (M, topk) int64
+    token_of_sorted: torch.Tensor  # (T,) token of each assignment, grouped by expert
+    weight_of_sorted: torch.Tensor  # (T,) its router weight
+    offs: torch.Tensor  # (E,) int32 cumulative rows per expert (torch._grouped_mm)
+    experts_touched: int
+
+    def per_expert(self) -> list:
+        """[(e, token indices, router weights)] of the active experts, for the loop baseline (syncs)."""
+        out = []
+        for e in torch.unique(self.ids).tolist():
+            tok, slot = torch.nonzero(self.ids == e, as_tuple=True)
+            out.append((e, tok, self.weights[tok, slot]))
+        return out
+
+
+def make_routing(m: int, cfg: dict, device, seed: int) -> Routing:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(m, cfg["hidden"], device=device, generator=gen).to(torch.bfloat16)
+    logits = torch.randn(m, cfg["experts"], device=device, generator=gen)
+    weights, ids = torch.softmax(logits, dim=-1).topk(cfg["topk"], dim=-1)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=cfg["experts"])
+    return Routing(
+        x, weights, ids, order // cfg["topk"], weights.reshape(-1)[order], counts.cumsum(0).to(torch.int32),
+        int((counts > 0).sum()),
+    )  # fmt: skip
+
+
+def bf16_grouped(r: Routing, w13_t, w2_t, inter: int):
+    xs = r.x.index_select(0, r.token_of_sorted)
+    gu = torch._grouped_mm(xs, w13_t, offs=r.offs)  # (T, 2I)
+    h = F.silu(gu[:, :inter]) * gu[:, inter:]
+    y = torch._grouped_mm(h, w2_t, offs=r.offs) * r.weight_of_sorted[:, None].to(h.dtype)
+    return torch.zeros_like(r.x).index_add_(0, r.token_of_sorted, y)
+
+
+def bf16_loop(r: Routing, plan: list, w13, w2, inter: int):
+    out = torch.zeros_like(r.x, dtype=torch.float32)
+    for e, tok, wt in plan:
+        gu = r.x[tok] @ w13[e].T
+        h = F.silu(gu[:, :inter]) * gu[:, inter:]
+        out.index_add_(0, tok, (h @ w2[e].T).float() * wt[:, None])
+    return out.to(r.x.dtype)
+
+
+def bench_moe(b: Bench, cfg: dict, ms, seed: int) -> None:
+    from glmq.kernels import reference as R
+    from glmq.kernels import w4a16_moe as MO
+
+    e_, h_, i_, topk = cfg["experts"], cfg["hidden"], cfg["inter"], cfg["topk"]
+    shape = f"moe E={e_} H={h_} I={i_} top{topk}"
+    w13p, w13s = random_int4(e_, 2 * i_, h_, device=b.device, seed=seed)
+    w2p, w2s = random_int4(e_, h_, i_, device=b.device, seed=seed + 1)
+    # BF16 experts = the same weights dequantized (so both sides compute the same function).
+    w13 = torch.empty(e_, 2 * i_, h_, dtype=torch.bfloat16, device=b.device)
+    w2 = torch.empty(e_, h_, i_, dtype=torch.bfloat16, device=b.device)
+    for e in range(e_):
+        w13[e] = R.dequantize_packed(w13p[e], w13s[e], GROUP)
+        w2[e] = R.dequantize_packed(w2p[e], w2s[e], GROUP)
+    expert_bytes = (packed_bytes(w13p, w13s) + packed_bytes(w2p, w2s)) // e_
+    args = (w13p, w13s, w2p, w2s)
+    for m in ms:
+        if b.out_of_time():
+            break
+        routes = [make_routing(m, cfg, b.device, seed + 10 * j + m) for j in range(3)]
+        r0 = routes[0]
+        n_ref = min(m, 8)  # the fp32 reference dequantizes every expert it meets: check a few tokens
+        ref_small = R.moe_w4a16_ref(r0.x[:n_ref], *args, r0.ids[:n_ref], r0.weights[:n_ref], GROUP)
+        flops = 2.0 * m * topk * 3 * h_ * i_
+        b.floor("moe", shape, m, r0.experts_touched * expert_bytes)
+
+        def check(fn):
+            def make():
+                y = fn(r0)
+                return [lambda r=r: fn(r) for r in routes], y[:n_ref]
+
+            return make
+
+        def fused(r):
+            return MO.fused_moe_w4a16(r.x, *args, r.weights, r.ids, GROUP)
+
+        b.run("moe", shape, m, "glmq-fused", check(fused), ref_small, r0.experts_touched * expert_bytes, flops)
+
+        mcfg = MO.choose_moe_config(m, topk, e_, i_, h_, torch.cuda.get_device_properties(b.device).multi_processor_count
+                                    if b.cuda else MO.DEFAULT_SM_COUNT)  # fmt: skip
+        aligned = {id(r): MO.moe_align_block_size(r.ids, mcfg.block_m, e_) for r in routes}
+
+        def kernels_only(r):
+            sorted_ids, expert_ids, nb = aligned[id(r)]
+            h = torch.empty(m * topk, i_, dtype=r.x.dtype, device=r.x.device)
+            y = torch.empty(m, topk, h_, dtype=r.x.dtype, device=r.x.device)
+            MO._launch_experts(r.x, *args, r.weights, sorted_ids, expert_ids, nb, h, y, GROUP, mcfg)
+            return y.sum(dim=1)
+
+        b.run("moe", shape, m, "glmq-kernels", check(kernels_only), ref_small, None, flops, note="alignment not timed")
+        w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)  # (E, H, 2I), (E, I, H) views: K-major B
+        grouped = b.run("moe", shape, m, "bf16-grouped", check(lambda r: bf16_grouped(r, w13_t, w2_t, i_)), ref_small,
+                        None, flops, note="torch._grouped_mm; routing metadata not timed")  # fmt: skip
+        if m <= 16 or grouped.status == "unavailable":
+            plans = {id(r): r.per_expert() for r in routes}
+            b.run("moe", shape, m, "bf16-loop", check(lambda r: bf16_loop(r, plans[id(r)], w13, w2, i_)), ref_small,
+                  None, flops, note="matmul per active expert; routing not timed")  # fmt: skip
+    del w13, w2
+
+
+# ---- report ---------------------------------------------------------------------------------------
+
+
+def index(records: list[Record]) -> dict:
+    return {(r.op, r.shape, r.m, r.impl): r for r in records}
+
+
+def cell(r: Record | None) -> str:
+    if r is None:
+        return ""
+    if r.status == "ok":
+        return f"{r.us:.1f}"
+    return {"unavailable": "n/a", "skipped": "skip", "wrong": "WRONG"}[r.status]
+
+
+def speedup(base: Record | None, ours: Record | None) -> float | None:
+    if base and ours and base.status == ours.status == "ok":
+        return base.us / ours.us
+    return None
+
+
+def fmt_x(v: float | None, pct: bool = False) -> str:
+    if v is None:
+        return ""
+    return f"{100 * v:.0f}%" if pct else f"{v:.2f}x"
+
+
+def targets(records: list[Record]) -> list[dict]:
+    """The GPU-tuning targets, checked against this run."""
+    idx = index(records)
+    out = []
+
+    def add(name, ok, detail):
+        out.append({"target": name, "met": ok, "detail": detail})
+
+    dense_shapes = dict.fromkeys(r.shape for r in records if r.op == "dense")
+    for shape in dense_shapes:
+        for m in sorted({r.m for r in records if r.shape == shape}):
+            ours = idx.get(("dense", shape, m, "glmq"))
+            if not ours or ours.status != "ok":
+                continue
+            fp16 = speedup(idx.get(("dense", shape, m, "cublas-fp16")), ours)
+            floor = speedup(idx.get(("dense", shape, m, "floor")), ours)
+            i4 = speedup(idx.get(("dense", shape, m, "int4pack")), ours)
+            if m <= 16 and shape in LARGE and fp16 is not None:
+                add(">=3x cuBLAS fp16 (M<=16, large)", fp16 >= 3, f"{shape} M={m}: {fp16:.2f}x")
+            if m <= 16 and floor is not None:
+                add(">=70% of bandwidth floor (M<=16)", floor >= 0.7, f"{shape} M={m}: {100 * floor:.0f}%")
+            if m <= 64 and fp16 is not None:
+                add("not slower than cuBLAS fp16 (M<=64)", fp16 >= 1, f"{shape} M={m}: {fp16:.2f}x")
+            if i4 is not None:
+                add("faster than _weight_int4pack_mm", i4 > 1, f"{shape} M={m}: {i4:.2f}x")
+    for r in records:
+        if r.op == "moe" and r.impl == "glmq-fused" and r.status == "ok" and r.m <= 64:
+            bases = [idx.get(("moe", r.shape, r.m, b)) for b in ("bf16-grouped", "bf16-loop")]
+            best = min((b.us for b in bases if b and b.status == "ok"), default=None)
+            if best is not None:
+                add("fused MoE >=2.5x BF16 experts (decode)", best / r.us >= 2.5, f"M={r.m}: {best / r.us:.2f}x")
+    return out
+
+
+def markdown(records: list[Record], env: dict) -> str:
+    idx = index(records)
+    lines = ["# glmq W4A16 kernel benchmark", "", "```", json.dumps(env, indent=1), "```", ""]
+    lines += ["Median microseconds per call (CUDA-graph replay, weights rotated past L2). floor = packed+scale",
+              "bytes / device-to-device copy rate. eff = floor / glmq.", ""]  # fmt: skip
+    for shape in dict.fromkeys(r.shape for r in records if r.op == "dense"):
+        lines += [f"## {shape}", "", "| M | glmq | cuBLAS fp16 | cuBLAS bf16 | int4pack | floor | eff | vs fp16 | vs int4pack |",
+                  "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for m in sorted({r.m for r in records if r.shape == shape}):
+            g = lambda impl: idx.get(("dense", shape, m, impl))  # noqa: E731
+            lines.append(
+                f"| {m} | {cell(g('glmq'))} | {cell(g('cublas-fp16'))} | {cell(g('cublas-bf16'))} | "
+                f"{cell(g('int4pack'))} | {cell(g('floor'))} | {fmt_x(speedup(g('floor'), g('glmq')), True)} | "
+                f"{fmt_x(speedup(g('cublas-fp16'), g('glmq')))} | {fmt_x(speedup(g('int4pack'), g('glmq')))} |"
+            )
+        lines.append("")
+    for shape in dict.fromkeys(r.shape for r in records if r.op == "moe"):
+        lines += [f"## {shape}", "", "| M | glmq fused | glmq kernels only | bf16 grouped | bf16 loop | floor | eff | vs best bf16 |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for m in sorted({r.m for r in records if r.shape == shape}):
+            g = lambda impl: idx.get(("moe", shape, m, impl))  # noqa: E731
+            bf = [x for x in (g("bf16-grouped"), g("bf16-loop")) if x and x.status == "ok"]
+            best = min(bf, key=lambda x: x.us) if bf else None
+            lines.append(
+                f"| {m} | {cell(g('glmq-fused'))} | {cell(g('glmq-kernels'))} | {cell(g('bf16-grouped'))} | "
+                f"{cell(g('bf16-loop'))} | {cell(g('floor'))} | {fmt_x(speedup(g('floor'), g('glmq-fused')), True)} | "
+                f"{fmt_x(speedup(best, g('glmq-fused')))} |"
+            )
+        lines.append("")
+    lines += ["## Targets", "", "| target | met | detail |", "|---|---|---|"]
+    lines += [f"| {t['target']} | {'yes' if t['met'] else 'NO'} | {t['detail']} |" for t in targets(records)]
+    notes = [r for r in records if r.status in ("unavailable", "wrong")]
+    if notes:
+        lines += ["", "## Not timed", ""]
+        lines += [f"- {r.shape} M={r.m} {r.impl}: {r.status} {r.note or f'rel err {r.rel_err:.3g}'}" for r in notes]
+    return "\n".join(lines) + "\n"
+
+
+def plot(records: list[Record], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.info("matplotlib not importable: no plot")
+        return False
+    shapes = list(dict.fromkeys(r.shape for r in records if r.op in ("dense", "moe")))
+    cols = 3
+    rows = -(-len(shapes) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.2 * rows), squeeze=False)
+    for ax, shape in zip(axes.flat, shapes):
+        rs = [r for r in records if r.shape == shape and r.status == "ok"]
+        for impl in dict.fromkeys(r.impl for r in rs):
+            pts = sorted((r.m, r.us) for r in rs if r.impl == impl)
+            ax.plot(*zip(*pts), marker="o", linestyle="--" if impl == "floor" else "-", label=impl)
+        ax.set(xscale="log", yscale="log", title=shape, xlabel="M", ylabel="us / call")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(shapes) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def environment(b: Bench) -> dict:
+    import triton
+
+    env = {
+        "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+        "device": torch.cuda.get_device_name(b.device) if b.cuda else "cpu (TRITON_INTERPRET smoke run)",
+        "copy_rate_TBps": round(b.copy_rate / 1e12, 3), "l2_MiB": b.l2_bytes >> 20, "group_size": GROUP,
+        "activations": "bf16", "scales": "bf16",
+    }  # fmt: skip
+    if b.cuda:
+        p = torch.cuda.get_device_properties(b.device)
+        env.update(sms=p.multi_processor_count, cuda=torch.version.cuda)
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")), help="output directory")
+    ap.add_argument("--budget-s", type=float, default=270.0, help="stop starting new measurements after this")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1")
+    ap.add_argument("--skip-moe", action="store_true")
+    ap.add_argument("--skip-dense", action="store_true")
+    ap.add_argument("--m", type=int, nargs="+", help=f"override the M list {M_LIST}")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        ap.error("no CUDA device: run on a GPU, or pass --smoke for a CPU self-test of this script")
+    if not cuda:
+        os.environ["TRITON_INTERPRET"] = "1"  # before glmq.kernels is imported (bench_* import it lazily)
+    device = torch.device("cuda" if cuda else "cpu")
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 references stay fp32
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    b = Bench(device, args.budget_s, args.smoke)
+
+    square, dense, moe, ms = (SMOKE_SQUARE, SMOKE_DENSE, SMOKE_MOE, SMOKE_M) if args.smoke else (SQUARE, DENSE, MOE, M_LIST)
+    ms = tuple(args.m) if args.m else ms
+    if not args.skip_dense:
+        bench_dense(b, square[0], square[1], square[2], ms[:1], seed=1)
+    if not args.skip_moe:
+        bench_moe(b, moe, ms, seed=100)
+    if not args.skip_dense:
+        for j, (name, (n, k)) in enumerate(dense.items()):
+            bench_dense(b, name, n, k, ms, seed=10 + j)
+
+    env = environment(b)
+    env["wall_s"] = round(time.monotonic() - t0, 1)
+    result = {"env": env, "records": [dataclasses.asdict(r) for r in b.records], "targets": targets(b.records)}
+    (args.out / "bench_kernels.json").write_text(json.dumps(result, indent=1))
+    (args.out / "bench_kernels.md").write_text(markdown(b.records, env))
+    try:
+        plotted = plot(b.records, args.out / "bench_kernels.png")
+    except Exception as exc:  # the JSON and the table are already written
+        log.warning("plot failed: %s", exc)
+        plotted = False
+    log.info("wrote %s/bench_kernels.{json,md%s} in %.0f s", args.out, ",png" if plotted else "", env["wall_s"])
+    bad = [r for r in b.records if r.status == "wrong" and r.impl.startswith("glmq")]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

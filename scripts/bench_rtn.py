@@ -1,0 +1,134 @@
+"""Benchmark: glmq RTN throughput and peak RSS against the I/O floor and llm-compressor's model_free_ptq.
+
+One run, one machine, one generated FP8 checkpoint with GLM-5's real expert shapes (6144x2048):
+  (a) copy:  read every input shard and write the same bytes (64 MB chunks, fsync) -- the I/O floor;
+  (b) peer:  llm-compressor `model_free_ptq(scheme="W4A16", converter=FP8BlockDequantizer(...))`,
+             experts only (run in its own venv, --peer-python, since it pins its own dependencies);
+  (c) glmq:  `glmq quantize --recipe int4-w4a16 --device cpu|cuda`.
+Each job runs in a fresh child process; wall time is measured around it and peak RSS is the child's
+ru_maxrss. Jobs are interleaved over --repeats rounds and medians are reported.
+
+    python scripts/bench_rtn.py --work /tmp/bench --peer-python /tmp/peer-venv/bin/python --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_MEASURE = r"""
+import resource, subprocess, sys, time, json
+t = time.perf_counter(); r = subprocess.run(sys.argv[1:]); dt = time.perf_counter() - t
+print(json.dumps({"rc": r.returncode, "seconds": dt, "peak_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))
+"""
+
+_COPY = r"""
+import os, sys
+src, dst = sys.argv[1], sys.argv[2]
+os.makedirs(dst, exist_ok=True)
+for name in sorted(os.listdir(src)):
+    with open(os.path.join(src, name), "rb") as fi, open(os.path.join(dst, name), "wb") as fo:
+        while True:
+            b = fi.read(64 << 20)
+            if not b:
+                break
+            fo.write(b)
+        fo.flush(); os.fsync(fo.fileno())
+"""
+
+_PEER = r"""
+import sys
+from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
+from llmcompressor import model_free_ptq
+ignore = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj$",
+          "re:.*mlp\\.gate$", "re:.*eh_proj$", "re:.*embed_tokens$", "re:.*shared_head.*"]
+model_free_ptq(sys.argv[1], sys.argv[2], scheme="W4A16", ignore=ignore,
+               converter=FP8BlockDequantizer(targets=["re:.*"], ignore=["lm_head", "re:.*embed_tokens$", "re:.*eh_proj$", "re:.*mlp\\.gate$", "re:.*weights_proj$", "re:.*shared_head.*", "re:.*norm$"]), device="cpu")
+"""
+
+
+def measure(cmd: list[str]) -> dict:
+    out = subprocess.run([sys.executable, "-c", _MEASURE, *cmd], capture_output=True, text=True)
+    line = out.stdout.strip().splitlines()[-1]
+    res = json.loads(line)
+    if res["rc"] != 0:
+        raise RuntimeError(f"{cmd[:4]} failed: {out.stderr[-2000:]}")
+    return res
+
+
+def dir_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.iterdir() if f.is_file())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/glmq-bench"))
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers (plus one MTP layer)")
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--shard-mb", type=int, default=500)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--peer-python", default=None, help="python of a venv with llmcompressor; omit to skip the peer")
+    ap.add_argument("--glmq", default=None, help="command prefix to run glmq (default: this python -m glmq)")
+    ap.add_argument("--out", type=Path, default=None, help="write the JSON result here")
+    args = ap.parse_args()
+
+    from glmq.formats import fixtures
+
+    src = args.work / "src-fp8"
+    if not (src / "config.json").exists():
+        t = time.perf_counter()
+        fixtures.make_checkpoint(src, "glm_moe_dsa", preset="bench", max_shard_bytes=args.shard_mb * 10**6,
+                                 config_overrides={"num_hidden_layers": args.layers, "n_routed_experts": args.experts})
+        print(f"generated {dir_bytes(src) / 1e9:.2f} GB in {time.perf_counter() - t:.0f} s", flush=True)
+    in_bytes = dir_bytes(src)
+    glmq_cmd = (args.glmq.split() if args.glmq else [sys.executable, "-m", "glmq"])
+    jobs = {
+        "copy": lambda o: [sys.executable, "-c", _COPY, str(src), str(o)],
+        "glmq": lambda o: [*glmq_cmd, "quantize", "-m", str(src), "-o", str(o), "--device", args.device, "--no-progress"],
+    }
+    if args.peer_python:
+        jobs["peer"] = lambda o: [args.peer_python, "-c", _PEER, str(src), str(o)]
+    for name in os.listdir(src):  # warm the page cache so the first job is not penalised
+        with open(src / name, "rb") as f:
+            while f.read(64 << 20):
+                pass
+    results: dict[str, list[dict]] = {k: [] for k in jobs}
+    for r in range(args.repeats):
+        for name, cmd in jobs.items():
+            o = args.work / f"out-{name}"
+            shutil.rmtree(o, ignore_errors=True)
+            res = measure(cmd(o))
+            res["bytes_out"] = dir_bytes(o)
+            results[name].append(res)
+            print(f"round {r} {name}: {res['seconds']:.2f} s, peak RSS {res['peak_rss'] / 1e9:.2f} GB", flush=True)
+    med = {k: {"seconds": statistics.median(x["seconds"] for x in v),
+               "peak_rss": statistics.median(x["peak_rss"] for x in v),
+               "bytes_out": v[-1]["bytes_out"]} for k, v in results.items()}
+    largest = max(f.stat().st_size for f in src.glob("*.safetensors"))
+    summary = {
+        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()} {os.cpu_count()} cpus {platform.machine()}",
+        "device": args.device, "input_bytes": in_bytes, "largest_shard": largest, "repeats": args.repeats,
+        "median": med, "runs": results,
+        "glmq_GBps": in_bytes / med["glmq"]["seconds"] / 1e9,
+        "glmq_over_copy": med["glmq"]["seconds"] / med["copy"]["seconds"],
+        "glmq_rss_minus_largest_shard_GB": (med["glmq"]["peak_rss"] - largest) / 1e9,
+    }
+    if "peer" in med:
+        summary["peer_over_copy"] = med["peer"]["seconds"] / med["copy"]["seconds"]
+        summary["glmq_over_peer"] = med["glmq"]["seconds"] / med["peer"]["seconds"]
+    print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(summary, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
