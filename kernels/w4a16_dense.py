@@ -5,8 +5,8 @@
 Layout: the checkpoint's own (formats.md §2c), no repacking. Row n of `weight_packed` is K/8 int32
 words, K-contiguous, nibble k%8 of word k//8 = q + 8, LSB first. A program loads a `[BLOCK_N, g/8]`
 word tile per quantization group: with g >= 32 that is >= 16 contiguous bytes per row, which
-Triton turns into 16-byte vector loads (row stride K/8 words is specialised as a multiple of 16
-for every real K), so the weights stream at full width without a load-time `prepack()`. A repack
+Triton turns into 16-byte vector loads (it specialises the row stride K/8 on divisibility by 16,
+true for every GLM shape), so the weights stream at full width without a load-time `prepack()`. A repack
 (Marlin-style interleave into the mma fragment order) would save the in-register shuffle between
 the unpacked tile and the dot operand; whether that is worth a second weight format is a question
 for GPU profiling, and this file keeps the format the converter writes.
@@ -425,6 +425,7 @@ def w4a16_matmul(
 
 
 def _launch(x, wp, ws, out, group_size: int, cfg: DenseConfig) -> None:
+    """Allocate the split-K scratch (if any) and launch the kernel `cfg` names; writes `out`."""
     m, k = x.shape
     n = wp.shape[0]
     groups = k // group_size

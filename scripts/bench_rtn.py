@@ -86,7 +86,10 @@ def main() -> None:
     src = args.work / "src-fp8"
     if not (src / "config.json").exists():
         t = time.perf_counter()
+        # split_partners=False: llm-compressor's model_free_ptq fails on a shard that holds only scales
+        # ("Could not find inverse_weight_map for shard ..."), which the split layout produces.
         fixtures.make_checkpoint(src, "glm_moe_dsa", preset="bench", max_shard_bytes=args.shard_mb * 10**6,
+                                 split_partners=False,
                                  config_overrides={"num_hidden_layers": args.layers, "n_routed_experts": args.experts})
         print(f"generated {dir_bytes(src) / 1e9:.2f} GB in {time.perf_counter() - t:.0f} s", flush=True)
     in_bytes = dir_bytes(src)

@@ -1,9 +1,13 @@
 """Triton W4A16 kernels (dense GEMM, fused MoE) against the float32 references in kernels/reference.py.
 
 Without a GPU the kernels run in Triton's interpreter on CPU. Triton reads TRITON_INTERPRET when a
-`@triton.jit` decorator runs, i.e. when glmq.kernels.w4a16_* is imported, so this module sets it
-before that import (and reloads the kernel modules if something imported them earlier without it).
-With a GPU the same tests run compiled on cuda, plus the `gpu`-marked tests at GLM-5 shapes.
+`@triton.jit` decorator runs, and triton.language's own helpers (tl.zeros, ...) are decorated when
+triton is first imported, so the flag must be set before anything imports triton: this module sets
+it at collection. If triton was already imported without it (compressed_tensors imports triton, so a
+test module collected earlier could do that), the in-process tests skip and
+`test_kernel_suite_in_fresh_interpreter` runs this file again in a subprocess with the flag set, so
+failures still fail. With a GPU the same tests run compiled on cuda, plus the `gpu`-marked tests at
+GLM-5 shapes.
 
 Error bounds. The kernels accumulate in fp32 (K-dependent error ~1e-6, negligible) and round their
 output, and for the MoE also the gated activation h and each expert's weighted output, to the
@@ -18,15 +22,21 @@ kernel forgets to write fails the NaN check.
 from __future__ import annotations
 
 import functools
-import importlib
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+# True when triton is already imported in compiled mode on a machine without a GPU.
+TRITON_TOO_EARLY = (
+    not torch.cuda.is_available() and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+)
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before glmq.kernels' @triton.jit decorators run
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton and glmq.kernels' @triton.jit decorators
 pytest.importorskip("triton")
 
 from glmq.kernels import reference as R  # noqa: E402
@@ -36,16 +46,26 @@ from glmq.quantize.pack import pack_int32, pack_zero_point  # noqa: E402
 from glmq.quantize.rtn import QWeight, dequantize, quantize_rtn  # noqa: E402
 from glmq.quantize.spec import QuantSpec  # noqa: E402
 
-if not torch.cuda.is_available() and not D._INTERPRETED:  # imported earlier without the flag
-    D = importlib.reload(D)
-    MO = importlib.reload(MO)
-
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = (torch.float16, torch.bfloat16)
 GROUPS = (32, 64, 128)
 REL_TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
 SQNR_DB = {torch.float16: 55.0, torch.bfloat16: 35.0}
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def _kernels_runnable(request):
+    if TRITON_TOO_EARLY and request.node.originalname != "test_kernel_suite_in_fresh_interpreter":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; see test_kernel_suite_in_fresh_interpreter")
+
+
+@pytest.mark.skipif(not TRITON_TOO_EARLY, reason="the kernel tests run in this process")
+def test_kernel_suite_in_fresh_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", __file__]
+    proc = subprocess.run(cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -55,9 +75,19 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
 
 @functools.lru_cache(maxsize=32)
 def quantized(*shape: int, group_size: int, scale_dtype=torch.bfloat16, seed: int = 0):
-    """RTN-quantize a random `[..., N, K]` weight: (packed int32 [..., N, K/8], scale [..., N, K/g])."""
+    """A random `[..., N, K]` int4 weight: (packed int32 [..., N, K/8], scale [..., N, K/g]).
+
+    RTN-quantized from a Gaussian weight (realistic scales), except for GPU-sized tensors (the 256
+    GLM-5 experts), whose nibbles and scales are drawn directly on the device.
+    """
     *lead, n, k = shape
-    w = torch.randn(math.prod(lead) * n, k, generator=torch.Generator().manual_seed(seed))
+    rows = math.prod(lead) * n
+    if rows * k > 1 << 28:
+        gen = torch.Generator(device=DEV).manual_seed(seed)
+        packed = torch.randint(-(2**31), 2**31 - 1, (*lead, n, k // 8), dtype=torch.int32, device=DEV, generator=gen)
+        scale = torch.rand(*lead, n, k // group_size, device=DEV, generator=gen) * 0.01 + 0.002
+        return packed, scale.to(scale_dtype)
+    w = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
     qw = quantize_rtn(w.to(DEV, scale_dtype), QuantSpec(group_size=group_size))
     return pack_int32(qw.q).reshape(*lead, n, k // 8), qw.scale.reshape(*lead, n, k // group_size)
 
