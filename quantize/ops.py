@@ -49,3 +49,12 @@ def quantize_rows(w: torch.Tensor, scale: torch.Tensor | None, fmt: str, block: 
     if qw.zero_point is not None:
         out["weight_zero_point"] = pack_zero_point(qw.zero_point, spec.num_bits).cpu()
     return out
+
+
+def pack_rows(qw, r0: int, r1: int, spec: QuantSpec) -> dict[str, torch.Tensor]:
+    """Rows [r0, r1) of an already-quantized weight (QWeight, CPU) in the written format."""
+    out = {"weight_packed": pack_int32(qw.q[r0:r1].contiguous(), spec.num_bits),
+           "weight_scale": qw.scale[r0:r1].contiguous()}
+    if qw.zero_point is not None:
+        out["weight_zero_point"] = pack_zero_point(qw.zero_point[r0:r1].contiguous(), spec.num_bits)
+    return out

@@ -149,9 +149,18 @@ def row_blocks(item: Item, block: tuple[int, int] | None) -> list[tuple[int, int
     return [(r, min(r + rows, shape[0])) for r in range(0, shape[0], rows)]
 
 
-def load_unit(reader: Reader, u: Unit, block: tuple[int, int] | None) -> Unit:
-    """Read one row block (runs in the loader thread, the only user of `reader`)."""
+def load_unit(reader: Reader, u: Unit, block: tuple[int, int] | None, quantized=None) -> Unit:
+    """Read one row block (runs in the loader thread, the only user of `reader`).
+
+    With `quantized` (module -> QWeight or None, e.g. GPTQ results), a QUANTIZE item whose integers
+    are already known takes them from there instead of reading and rounding the source.
+    """
     it = u.item
+    if quantized is not None and it.action is Action.QUANTIZE:
+        qw = quantized(it.module)
+        if qw is not None:
+            u.data = {"qw": qw}
+            return u
     reader.close_except({it.src.shard} | {e.shard for e in it.companions.values()})
     whole = (u.r0, u.r1) == (0, it.src.shape[0] if it.src.shape else 0)
     w = reader.rows(it.src) if whole else reader.rows(it.src, u.r0, u.r1)
@@ -179,15 +188,24 @@ def convert_unit(u: Unit, plan: Plan, device: torch.device) -> list[tuple[str, t
         return [(it.name, d["w"])]
     if it.action is Action.KEEP_FP8:
         return [(it.name, d["w"]), (f"{it.module}.weight_scale", d["weight_scale_inv"])]
-    w = d["w"].to(device, non_blocking=True)
-    scale = None if scale is None else scale.to(device, non_blocking=True)
-    if it.action is Action.DEQUANTIZE:
-        return [(it.name, ops.decode(w, scale, fmt, block).cpu())]
-    res = ops.quantize_rows(w, scale, fmt, block, plan.recipe.spec)
+    if "qw" in d:  # integers computed elsewhere (GPTQ): pack this row block of them
+        res = ops.pack_rows(d["qw"], u.r0, u.r1, plan.recipe.spec)
+    else:
+        res = _convert_source_rows(it, d, scale, fmt, block, plan, device)
+        if it.action is Action.DEQUANTIZE:
+            return res
     out = [(f"{it.module}.{k}", v) for k, v in res.items()]
     if u.r1 == it.src.shape[0]:
         out.append((f"{it.module}.weight_shape", torch.tensor(list(it.src.shape), dtype=torch.int64)))
     return out
+
+
+def _convert_source_rows(it, d, scale, fmt, block, plan, device):
+    w = d["w"].to(device, non_blocking=True)
+    scale = None if scale is None else scale.to(device, non_blocking=True)
+    if it.action is Action.DEQUANTIZE:
+        return [(it.name, ops.decode(w, scale, fmt, block).cpu())]
+    return ops.quantize_rows(w, scale, fmt, block, plan.recipe.spec)
 
 
 # ----------------------------------------------------------------------------------------- engine
@@ -241,8 +259,15 @@ class _Writer(threading.Thread):
         self.check()
 
 
-def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True) -> dict:
-    """Convert the planned checkpoint into `out`; return the run report (also written to disk)."""
+def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True, quantized=None,
+        extra_report: dict | None = None) -> dict:
+    """Convert the planned checkpoint into `out`; return the run report (also written to disk).
+
+    Args:
+        quantized: optional `module name -> QWeight | None`; QUANTIZE items it answers are written
+            from those integers and scales (GPTQ) instead of round-to-nearest of the source.
+        extra_report: merged into the run report (e.g. the GPTQ calibration report).
+    """
     t0 = time.perf_counter()
     # compressed-tensors takes seconds to import (it pulls in transformers) and is needed only for the
     # config at the end: import it in the background while the conversion runs.
@@ -276,14 +301,14 @@ def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True)
             for _ in range(2):  # prefetch depth: two row blocks ahead
                 nxt = next(units, None)
                 if nxt:
-                    pending.append((nxt[0], pool.submit(load_unit, reader, nxt[1], plan.source.block)))
+                    pending.append((nxt[0], pool.submit(load_unit, reader, nxt[1], plan.source.block, quantized)))
             remaining = {f.name: sum(len(row_blocks(it, plan.source.block)) for it in f.items) for f in todo}
             while pending:
                 f, fut = pending.pop(0)
                 u = fut.result()
                 nxt = next(units, None)
                 if nxt:
-                    pending.append((nxt[0], pool.submit(load_unit, reader, nxt[1], plan.source.block)))
+                    pending.append((nxt[0], pool.submit(load_unit, reader, nxt[1], plan.source.block, quantized)))
                 if f.name not in writers:
                     specs = [o for it in f.items for o in it.outputs]
                     writers[f.name] = StreamingWriter(out / f.name, specs)
@@ -318,6 +343,7 @@ def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True)
     stats.bytes_out = plan.bytes_out
     stats.seconds = time.perf_counter() - t0
     report = make_report(plan, stats, device)
+    report.update(extra_report or {})
     atomic_write_text(out / REPORT_NAME, json.dumps(report, indent=1) + "\n")
     return report
 

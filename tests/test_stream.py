@@ -225,3 +225,23 @@ def test_dequantizers_agree_with_definition():
     assert torch.equal(dequantize_block(w8, s, (128, 128)), ref.to(torch.bfloat16))
     sc = torch.rand(130, 1)
     assert torch.equal(dequantize_channel(w8, sc), (w8.float() * sc).to(torch.bfloat16))
+
+
+def test_precomputed_integers_hook_writes_the_same_bytes(make_ckpt, tmp_path):
+    """`stream.run(quantized=...)` (the GPTQ entry point) writes given QWeights in the same format."""
+    from glmq.quantize.rtn import quantize_rtn
+
+    src = make_ckpt("glm_moe_dsa", "fp8-block")
+    plan = make_plan(open_source(src), recipes.load("int4-w4a16"), 300_000)
+    stream.run(plan, tmp_path / "a", progress=False)
+    dense = dict(iter_dense(src, torch.bfloat16))
+    asked = []
+
+    def provider(module):
+        asked.append(module)
+        return quantize_rtn(dense[f"{module}.weight"], plan.recipe.spec)
+
+    stream.run(plan, tmp_path / "b", progress=False, quantized=provider)
+    assert sorted(asked) == sorted(plan.quantized_modules())
+    for f in plan.files:
+        assert (tmp_path / "a" / f.name).read_bytes() == (tmp_path / "b" / f.name).read_bytes()
