@@ -19,6 +19,7 @@ import queue
 import resource
 import shutil
 import threading
+import zlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from glmq.quantize.plan import Action, Item, OutFile, Plan
 
 log = logging.getLogger("glmq")
 CHUNK_BYTES = 64 << 20  # source bytes per row block: big enough to amortise calls, small for memory
+PREFETCH = 3  # row blocks read ahead of the one being converted
 
 
 class OutputDirError(CheckpointError):
@@ -225,38 +227,62 @@ def _units(plan: Plan, todo: list[OutFile]):
                 yield f, Unit(it, r0, r1)
 
 
-class _Writer(threading.Thread):
-    """Writes (file, name, tensor) jobs in order; commits a file when told. Errors surface on join."""
+class _WritePipeline:
+    """Writes row blocks on `lanes` threads and commits finished files on another.
 
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.q: queue.Queue = queue.Queue(maxsize=4)
-        self.error: BaseException | None = None
+    A tensor always goes to the same lane, so its row blocks arrive in order for its running sha256;
+    different tensors are written and hashed in parallel (pwrite and hashlib release the GIL). A
+    file's commit (fsync, rename, manifest) waits for that file's writes only, so it overlaps with
+    the next file's. At most `max_pending` row blocks wait in memory.
+    """
 
-    def run(self):
-        while True:
-            job = self.q.get()
-            if job is None:
-                return
-            if self.error is not None:
-                continue
-            try:
-                job()
-            except BaseException as e:  # re-raised in the main thread by check()
-                self.error = e
+    def __init__(self, lanes: int, max_pending: int):
+        self.lanes = [ThreadPoolExecutor(1, thread_name_prefix=f"glmq-write{i}") for i in range(lanes)]
+        self.committer = ThreadPoolExecutor(1, thread_name_prefix="glmq-commit")
+        self.slots = threading.BoundedSemaphore(max_pending)
+        self.file_futures: dict[str, list] = {}
+        self.commits: list = []
+        self.busy = {"write_hash": 0.0, "commit_fsync": 0.0}
+        self._lock = threading.Lock()
 
-    def submit(self, fn):
+    def _timed(self, key: str, fn, *args):
+        t = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            with self._lock:
+                self.busy[key] += time.perf_counter() - t
+
+    def write(self, fname: str, w: StreamingWriter, name: str, t: torch.Tensor) -> None:
         self.check()
-        self.q.put(fn)
+        self.slots.acquire()
+        lane = self.lanes[zlib.crc32(name.encode()) % len(self.lanes)]
+        fut = lane.submit(self._timed, "write_hash", w.write, name, t)
+        fut.add_done_callback(lambda _: self.slots.release())
+        self.file_futures.setdefault(fname, []).append(fut)
 
-    def check(self):
-        if self.error is not None:
-            raise self.error
+    def commit(self, fname: str, fn) -> None:
+        futures = self.file_futures.pop(fname, [])
 
-    def finish(self):
-        self.q.put(None)
-        self.join()
-        self.check()
+        def job():
+            for f in futures:
+                f.result()  # a failed write fails the commit
+            self._timed("commit_fsync", fn)
+
+        self.commits.append(self.committer.submit(job))
+
+    def check(self) -> None:
+        for f in [f for f in self.commits if f.done()]:
+            f.result()
+
+    def finish(self) -> None:
+        for f in self.commits:
+            f.result()
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        for ex in (*self.lanes, self.committer):
+            ex.shutdown(wait=True, cancel_futures=True)
 
 
 def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True, quantized=None,
@@ -283,9 +309,18 @@ def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True,
     total_in = sum(it.in_bytes for f in todo for it in f.items)
     bar = _progress(total_in, progress)
     reader = Reader(plan.source)
-    writer = _Writer()
-    writer.start()
+    lanes = max(1, min(4, (os.cpu_count() or 2) // 2))
+    writer = _WritePipeline(lanes, max_pending=8)
     writers: dict[str, StreamingWriter] = {}
+    busy = {"load": 0.0, "convert": 0.0}
+
+    def load(u: Unit) -> Unit:
+        t = time.perf_counter()
+        try:
+            return load_unit(reader, u, plan.source.block, quantized)
+        finally:
+            busy["load"] += time.perf_counter() - t
+
     lock = threading.Lock()
 
     def commit(f: OutFile, w: StreamingWriter):
@@ -298,20 +333,21 @@ def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True,
         with ThreadPoolExecutor(1, thread_name_prefix="glmq-load") as pool:
             units = _units(plan, todo)
             pending = []
-            for _ in range(2):  # prefetch depth: two row blocks ahead
+            for _ in range(PREFETCH):
                 nxt = next(units, None)
                 if nxt:
-                    pending.append((nxt[0], pool.submit(load_unit, reader, nxt[1], plan.source.block, quantized)))
+                    pending.append((nxt[0], pool.submit(load, nxt[1])))
             remaining = {f.name: sum(len(row_blocks(it, plan.source.block)) for it in f.items) for f in todo}
             while pending:
                 f, fut = pending.pop(0)
                 u = fut.result()
                 nxt = next(units, None)
                 if nxt:
-                    pending.append((nxt[0], pool.submit(load_unit, reader, nxt[1], plan.source.block, quantized)))
+                    pending.append((nxt[0], pool.submit(load, nxt[1])))
                 if f.name not in writers:
                     specs = [o for it in f.items for o in it.outputs]
                     writers[f.name] = StreamingWriter(out / f.name, specs)
+                t_conv = time.perf_counter()
                 try:
                     results = convert_unit(u, plan, dev)
                 except ValueError as e:  # e.g. NaN/Inf in a weight: name the tensor and shard
@@ -319,23 +355,23 @@ def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True,
                         f"{plan.source.path(u.item.src.shard)}: tensor {u.item.name} (rows {u.r0}-{u.r1}): {e}; "
                         f"the source weight is corrupt, re-download the shard"
                     ) from e
+                busy["convert"] += time.perf_counter() - t_conv
                 w = writers[f.name]
                 for name, t in results:
-                    writer.submit(lambda w=w, name=name, t=t: w.write(name, t))
+                    writer.write(f.name, w, name, t)
                 nbytes = u.item.in_bytes * (u.r1 - u.r0) // max(1, u.item.src.shape[0] if u.item.src.shape else 1)
                 stats.bytes_in += nbytes
                 bar.update(nbytes)
                 remaining[f.name] -= 1
                 if remaining[f.name] == 0:
-                    writer.submit(lambda f=f, w=writers.pop(f.name): commit(f, w))
+                    writer.commit(f.name, lambda f=f, w=writers.pop(f.name): commit(f, w))
                     stats.files_written += 1
         writer.finish()
     except BaseException:
         bar.close()
+        writer.shutdown()
         for w in writers.values():
             w.abort()
-        if writer.is_alive():
-            writer.q.put(None)
         raise
     bar.close()
     ct_import.join()
@@ -343,6 +379,7 @@ def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True,
     stats.bytes_out = plan.bytes_out
     stats.seconds = time.perf_counter() - t0
     report = make_report(plan, stats, device)
+    report["stage_busy_seconds"] = {k: round(v, 3) for k, v in {**busy, **writer.busy}.items()}
     report.update(extra_report or {})
     atomic_write_text(out / REPORT_NAME, json.dumps(report, indent=1) + "\n")
     return report

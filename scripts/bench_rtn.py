@@ -111,6 +111,10 @@ def main() -> None:
             shutil.rmtree(o, ignore_errors=True)
             res = measure(cmd(o))
             res["bytes_out"] = dir_bytes(o)
+            if (o / "glmq_report.json").exists():  # glmq's own timing: from the start of run(), no imports
+                rep = json.loads((o / "glmq_report.json").read_text())
+                res["run_seconds"] = rep["seconds"]
+                res["stage_busy_seconds"] = rep.get("stage_busy_seconds")
             results[name].append(res)
             print(f"round {r} {name}: {res['seconds']:.2f} s, peak RSS {res['peak_rss'] / 1e9:.2f} GB", flush=True)
     med = {k: {"seconds": statistics.median(x["seconds"] for x in v),
@@ -123,6 +127,8 @@ def main() -> None:
         "median": med, "runs": results,
         "glmq_GBps": in_bytes / med["glmq"]["seconds"] / 1e9,
         "glmq_over_copy": med["glmq"]["seconds"] / med["copy"]["seconds"],
+        "glmq_run_seconds_median": statistics.median(x["run_seconds"] for x in results["glmq"]),
+        "glmq_stage_busy_last": results["glmq"][-1].get("stage_busy_seconds"),
         "glmq_rss_minus_largest_shard_GB": (med["glmq"]["peak_rss"] - largest) / 1e9,
     }
     if "peer" in med:
