@@ -30,7 +30,7 @@ def decode(w: torch.Tensor, scale: torch.Tensor | None, fmt: str, block: tuple[i
 
 def quantize_rows(w: torch.Tensor, scale: torch.Tensor | None, fmt: str, block: tuple[int, int] | None,
                   spec: QuantSpec) -> dict[str, torch.Tensor]:
-    """Row block of a source weight -> {"weight_packed", "weight_scale"[, "weight_zero_point"]} on CPU.
+    """Row block of a source weight -> {"weight_packed", "weight_scale"[, "weight_zero_point"]} on w's device.
 
     Args:
         w: `[r, K]` rows, float8_e4m3fn (with `scale`) or a float dtype.
@@ -45,9 +45,9 @@ def quantize_rows(w: torch.Tensor, scale: torch.Tensor | None, fmt: str, block: 
         packed, sc = fused_cpu.quantize_bf16(w, spec)
         return {"weight_packed": packed, "weight_scale": sc}
     qw = quantize_rtn(decode(w, scale, fmt, block), spec)
-    out = {"weight_packed": pack_int32(qw.q, spec.num_bits).cpu(), "weight_scale": qw.scale.cpu()}
+    out = {"weight_packed": pack_int32(qw.q, spec.num_bits), "weight_scale": qw.scale}
     if qw.zero_point is not None:
-        out["weight_zero_point"] = pack_zero_point(qw.zero_point, spec.num_bits).cpu()
+        out["weight_zero_point"] = pack_zero_point(qw.zero_point, spec.num_bits)
     return out
 
 

@@ -151,7 +151,8 @@ def row_blocks(item: Item, block: tuple[int, int] | None) -> list[tuple[int, int
     return [(r, min(r + rows, shape[0])) for r in range(0, shape[0], rows)]
 
 
-def load_unit(reader: Reader, u: Unit, block: tuple[int, int] | None, quantized=None) -> Unit:
+def load_unit(reader: Reader, u: Unit, block: tuple[int, int] | None, quantized=None,
+              device: torch.device | None = None) -> Unit:
     """Read one row block (runs in the loader thread, the only user of `reader`).
 
     With `quantized` (module -> QWeight or None, e.g. GPTQ results), a QUANTIZE item whose integers
@@ -175,13 +176,19 @@ def load_unit(reader: Reader, u: Unit, block: tuple[int, int] | None, quantized=
             data[key] = reader.rows(e, u.r0, u.r1)
         else:
             data[key] = reader.rows(e)
+    if device is not None and device.type != "cpu" and it.action in (Action.QUANTIZE, Action.DEQUANTIZE):
+        # host-to-device copies happen here, in the loader thread, off the converting thread
+        data = {k: v.to(device) for k, v in data.items()}
     u.data = data
     return u
 
 
 # ----------------------------------------------------------------------------------------- compute
 def convert_unit(u: Unit, plan: Plan, device: torch.device) -> list[tuple[str, torch.Tensor]]:
-    """Turn one loaded row block into (output name, tensor rows) pairs, on `device`, returned on CPU."""
+    """Turn one loaded row block into (output name, tensor rows) pairs, computed on `device`.
+
+    Results may stay on the device: the write lanes copy them back (`tensor_bytes`), so device-to-host
+    copies overlap with the next block's compute."""
     it, d = u.item, u.data
     fmt = plan.source.fmt.value
     block = plan.source.block
@@ -206,7 +213,7 @@ def _convert_source_rows(it, d, scale, fmt, block, plan, device):
     w = d["w"].to(device, non_blocking=True)
     scale = None if scale is None else scale.to(device, non_blocking=True)
     if it.action is Action.DEQUANTIZE:
-        return [(it.name, ops.decode(w, scale, fmt, block).cpu())]
+        return [(it.name, ops.decode(w, scale, fmt, block))]
     return ops.quantize_rows(w, scale, fmt, block, plan.recipe.spec)
 
 
@@ -317,7 +324,7 @@ def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True,
     def load(u: Unit) -> Unit:
         t = time.perf_counter()
         try:
-            return load_unit(reader, u, plan.source.block, quantized)
+            return load_unit(reader, u, plan.source.block, quantized, dev)
         finally:
             busy["load"] += time.perf_counter() - t
 
