@@ -14,5 +14,6 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
 PARTS=${PARTS:-tests kernels rtn}
 [[ $PARTS == *tests* ]] && python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gptq.py tests/test_cuda_path.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
+[[ $PARTS == *cudapath* ]] && python3 -m pytest -q -p no:cacheprovider tests/test_cuda_path.py 2>&1 | tail -8 | tee "$OUT/cuda_path_tests.txt"
 [[ $PARTS == *kernels* ]] && timeout 330 python3 scripts/bench_kernels.py --out "$OUT" 2>&1 | tail -60 | tee "$OUT/bench_kernels.log"
 [[ $PARTS == *rtn* ]] && timeout 400 python3 scripts/bench_rtn.py --work /tmp/glmq-bench --layers 3 --device cuda --repeats 3 --out "$OUT/bench_rtn_cuda.json" 2>&1 | tail -40 | tee "$OUT/bench_rtn_cuda.log"
