@@ -66,6 +66,7 @@ def hf_config(source: Source, attn_implementation: str = "sdpa"):
     cfg = {k: v for k, v in source.config.items() if k not in _DROP_CONFIG_KEYS}
     config = getattr(mod, spec.config)(**cfg)
     config._attn_implementation = attn_implementation
+    config._experts_implementation = "eager"  # the loop calibration/collect.py taps, also when not tapping
     return config
 
 

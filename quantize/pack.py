@@ -44,7 +44,7 @@ def pack_int32(q: torch.Tensor, num_bits: int = 4) -> torch.Tensor:
     offset = 1 << (num_bits - 1)
     # (q + offset) fits in uint8 for B <= 8; doing it as an int8 add with wraparound then viewing as
     # uint8 gives the same bits without a wider temporary.
-    u = (q + torch.tensor(-128 + offset, dtype=torch.int8, device=q.device)).view(torch.uint8) ^ 0x80
+    u = (q + (offset - 128)).view(torch.uint8) ^ 0x80  # int8 + Python int stays int8 (wraps)
     if pad:
         # compressed-tensors pads the row with zeros *after* the offset is added: raw 0 nibbles.
         u = torch.nn.functional.pad(u, (0, pad))
