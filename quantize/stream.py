@@ -302,10 +302,9 @@ def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True,
         extra_report: merged into the run report (e.g. the GPTQ calibration report).
     """
     t0 = time.perf_counter()
-    # compressed-tensors takes seconds to import (it pulls in transformers) and is needed only for the
-    # config at the end: import it in the background while the conversion runs.
-    ct_import = threading.Thread(target=_import_ct, daemon=True)
-    ct_import.start()
+    # compressed-tensors (needed for the config at the end) pulls in transformers: import it now, not
+    # in a background thread, where its pure-Python import would compete for the GIL with the pipeline.
+    _import_ct()
     out = Path(out)
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -381,7 +380,6 @@ def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True,
             w.abort()
         raise
     bar.close()
-    ct_import.join()
     finish_checkpoint(plan, out, man)
     stats.bytes_out = plan.bytes_out
     stats.seconds = time.perf_counter() - t0

@@ -67,9 +67,10 @@ _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)
 # are one replicated layer (`DeepSeekV2FusedQkvAProjLinear`, disable_tp=True); other leaves: replicated.
 COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj", "lm_head", "head"})
 ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
-# Layers vLLM builds without a quant_config, so a packed weight there cannot load.
-NO_QUANT_LAYERS = {TensorClass.ROUTER: "vLLM's GateLinear router takes no quant_config",
-                   TensorClass.INDEXER: "vLLM fuses indexer.wk + weights_proj with quant_config=None"}
+# Layers vLLM builds without a quant_config (deepseek_v2.py), so a packed weight there cannot load.
+NO_QUANT_LAYERS = {"gate": "vLLM's GateLinear router takes no quant_config",
+                   "wk": "vLLM fuses indexer.wk + weights_proj with quant_config=None",
+                   "weights_proj": "vLLM fuses indexer.wk + weights_proj with quant_config=None"}
 
 
 class CannotValidate(Exception):
@@ -120,10 +121,13 @@ class CheckResult:
         return sorted(self.failures, key=lambda f: -(f.value or 0.0))[:n]
 
     def to_dict(self) -> dict:
-        row = lambda f: {k: v for k, v in vars(f).items() if v is not None}  # noqa: E731
         return {"status": self.status.value, "checked": self.checked, "failed": len(self.failures),
-                "failures": [row(f) for f in self.worst(len(self.failures))],
-                "warnings": [row(f) for f in self.warnings], "skipped": self.skipped, "details": self.details}
+                "failures": [_row(f) for f in self.worst(len(self.failures))],
+                "warnings": [_row(f) for f in self.warnings], "skipped": self.skipped, "details": self.details}
+
+
+def _row(f: Finding) -> dict:
+    return {k: v for k, v in vars(f).items() if v is not None}
 
 
 @dataclass
@@ -544,12 +548,13 @@ def check_serving(modules: dict[str, Module], groups: list[Group], shapes: dict,
         g = group_for(name, groups)
         if g is None:
             continue
-        if m.cls in NO_QUANT_LAYERS:
-            note(m, "layer takes no quantization", NO_QUANT_LAYERS[m.cls])
+        leaf = name.rpartition(".")[2]
+        if m.cls in (TensorClass.ROUTER, TensorClass.INDEXER) and leaf in NO_QUANT_LAYERS:
+            note(m, "layer takes no quantization", NO_QUANT_LAYERS[leaf])
         if m.cls is TensorClass.ROUTED_EXPERT:
             experts[layer_index(name)].append(m)
             continue
-        for rule, numbers in dense_rules(name.rpartition(".")[2], *shapes[name], tp, g):
+        for rule, numbers in dense_rules(leaf, *shapes[name], tp, g):
             note(m, rule, numbers)
     for layer, mods in sorted(experts.items()):
         gate = next((m for m in mods if m.name.endswith(("gate_proj", "up_proj"))), None)
@@ -683,21 +688,27 @@ class ModuleScan:
         m, g = self.modules[name], self.scheme[name]
         shape = _shape_value(t.get("weight_shape"))
         self.shapes[name] = shape
-        where = {"tensor": f"{name}.weight_scale", "shard": m.parts.get("weight_scale", m.parts[next(iter(m.parts))]).shard}
+        shard = m.shard()
         if "weight_scale" in t and (why := scale_problem(t["weight_scale"].float())):
             with self.lock:
-                self.numerics.fail(f"{name}.weight_scale: {why}", value=math.inf, **where)
+                self.numerics.fail(f"{name}.weight_scale: {why}", tensor=f"{name}.weight_scale", shard=shard, value=math.inf)
             return
         if name not in self.sampled or shape is None or int_module_problems(m, g, shape) or g.num_bits != 4:
             return  # structure reports the problem; int8 has no W8A16 kernel here
         x = _activations(self.seed, name, shape[1])
-        with self.gpu if self.device == "cuda" else _NULL:
-            err, bound, path = matmul_error(x, t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"), shape, g, self.device)
+        try:
+            with self.gpu if self.device == "cuda" else _NULL:
+                err, bound, path = matmul_error(x, t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"),
+                                                shape, g, self.device)
+        except (ValueError, RuntimeError) as e:  # a layout the kernel rejects: report it, do not crash the gate
+            with self.lock:
+                self.numerics.fail(f"{name}: the W4A16 matmul could not run: {e}", tensor=name, shard=shard, value=math.inf)
+            return
         with self.lock:
             self.errors.append((name, err, bound, path))
             if not err <= bound:
                 self.numerics.fail(f"{name}: W4A16 matmul ({path}) relative error {err:.3g} > bound {bound:g} "
-                                   f"(max|y - ref| / max|ref| against float64)", tensor=name, shard=where["shard"], value=err)
+                                   f"(max|y - ref| / max|ref| against float64)", tensor=name, shard=shard, value=err)
 
     def result(self) -> CheckResult:
         res = self.numerics
@@ -758,8 +769,10 @@ def scan_shards(ck: Checkpoint, keep: set[str], sink, workers: int) -> tuple[dic
 
 
 def _scan_one(path: Path, entries: dict[str, TensorEntry], start: int, keep: set[str], sink) -> dict[str, str]:
+    """Hash one shard front to back; decode the kept tensors from the bytes just hashed."""
     out = {}
-    chunk = None
+    big = max((e.nbytes for e in entries.values() if e.name not in keep), default=0)
+    chunk = memoryview(bytearray(min(READ_CHUNK, big)))  # reused for every tensor not kept
     with open(path, "rb", buffering=0) as f:
         for e in sorted(entries.values(), key=lambda e: e.begin):
             f.seek(start + e.begin)
@@ -770,11 +783,8 @@ def _scan_one(path: Path, entries: dict[str, TensorEntry], start: int, keep: set
                 t = torch.frombuffer(buf, dtype=DTYPES[e.dtype]) if e.nbytes else torch.empty(0, dtype=DTYPES[e.dtype])
                 sink(e.name, t.reshape(e.shape))
                 continue
-            chunk = chunk if chunk is not None else memoryview(bytearray(min(READ_CHUNK, max(e.nbytes, 1))))
             h, left = hashlib.sha256(), e.nbytes
             while left:
-                if len(chunk) < min(left, READ_CHUNK):
-                    chunk = memoryview(bytearray(min(left, READ_CHUNK)))
                 view = chunk[:min(left, len(chunk))]
                 _read_exact(f, view)
                 h.update(view)
@@ -890,7 +900,8 @@ def compare_with_source(ck: Checkpoint, source: Path, modules: dict[str, Module]
         raise CannotValidate(f"--source {source}: cannot read it ({type(e).__name__}: {e})") from e
     for module in sorted(scheme.keys() - {n.rpartition(".")[0] for n in seen}):
         res.fail(f"{module}: quantized, but the source has no {module}.weight", tensor=module)
-    for name in sorted(n for n in entries if n.rpartition(".")[0] not in scheme and n not in seen):
+    for name in sorted(n for n in entries if n.rpartition(".")[0] not in scheme and n not in seen
+                       and n.rpartition(".")[2] not in COMPANIONS):
         res.fail(f"{name}: in the checkpoint but not in the source", tensor=name, shard=entries[name].shard)
     errs = [e for e in errs if e is not None]
     per_layer: dict[str, float] = {}
@@ -903,16 +914,20 @@ def compare_with_source(ck: Checkpoint, source: Path, modules: dict[str, Module]
 
 
 def _compare_one(module, w_src, g, shape, get, method, res, dequantize_packed):
+    """One quantized weight against its source; returns (module, error) or None."""
     res.checked += 1
-    zp = get(f"{module}.weight_zero_point") if not g.symmetric else None
-    scale = get(f"{module}.weight_scale")
-    w_q = dequantize_packed(get(f"{module}.weight_packed"), scale.double(), shape, g.num_bits, g.group_size or shape[1], zp)
     if tuple(w_src.shape) != shape:
         res.fail(f"{module}: weight_shape {list(shape)} but the source weight is {list(w_src.shape)}", tensor=module)
         return None
-    err, bound = weight_error(w_q, w_src.double(), scale, method, g.symmetric)
-    res.details["bound_steps" if bound else "metric"] = bound or "relative Frobenius error (GPTQ: no bound)"
-    if not math.isfinite(err) or (bound is not None and err > bound):
+    zp = get(f"{module}.weight_zero_point") if not g.symmetric else None
+    scale = get(f"{module}.weight_scale")
+    w_q = dequantize_packed(get(f"{module}.weight_packed"), scale.double(), shape, g.num_bits, g.group_size or shape[1], zp)
+    err, bound = weight_error(w_q, w_src.double(), scale, method, g.symmetric)  # exact (float64) dequantization
+    if bound is not None:
+        res.details["bound_steps"] = bound
+    if not math.isfinite(err):
+        res.fail(f"{module}: the dequantized weight is not finite", tensor=module, value=math.inf)
+    elif bound is not None and err > bound:
         res.fail(f"{module}: max |w_q - w_src| = {err:.4f} scale steps > bound {bound:.4f} (RTN, "
                  f"{'symmetric' if g.symmetric else 'asymmetric'})", tensor=module, value=err)
     return module, err

@@ -152,5 +152,36 @@ def recipes_cmd():
         click.echo(f"{name:28s} {r.description}")
 
 
+@main.command("validate")
+@click.argument("checkpoint", type=click.Path())
+@click.option("--source", default=None, type=click.Path(), help="Source checkpoint: compare weights (RTN bound; GPTQ: error per layer).")
+@click.option("--sample", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
+              help="Fraction of quantized modules that get the matmul / source checks (deterministic with --seed).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="cuda: run the Triton W4A16 kernel; cpu: its float32 reference.")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Tensor-parallel degree the vLLM Marlin / Marlin-MoE shape rules are checked at.")
+@click.option("--no-serving", is_flag=True, help="Skip the serving rules (a checkpoint not meant for vLLM/SGLang).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Also write the report as JSON.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the activations and the sample.")
+def validate_cmd(checkpoint, source, sample, device, tp, no_serving, json_out, seed):
+    """Check a converted checkpoint: structure, index, config, serving shapes, numerics, integrity.
+
+    Exit code 0: valid; 1: invalid (a check failed, serving rules at --tp included); 2: could not run.
+    """
+    from glmq.quantize import validate as v
+
+    try:
+        report = v.validate(checkpoint, source, sample=sample, device=device, tp=tp, seed=seed, serving=not no_serving)
+    except v.CannotValidate as e:
+        if json_out:
+            Path(json_out).write_text(json.dumps({"checkpoint": checkpoint, "valid": None, "exit_code": 2, "error": str(e)}) + "\n")
+        _fail(e, code=2)
+    click.echo(v.format_report(report))
+    if json_out:
+        Path(json_out).write_text(json.dumps(report.to_dict(), indent=1) + "\n")
+    sys.exit(report.exit_code)
+
+
 if __name__ == "__main__":
     main()

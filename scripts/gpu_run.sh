@@ -6,6 +6,7 @@ set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  python3 -m compileall -q /tmp/site >/dev/null  # as a normal pip install would
 fi
 # import the checkout as the package `glmq` without installing it
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/glmq
