@@ -12,7 +12,10 @@ from compressed_tensors import __version__ as CT_VERSION
 from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 from compressed_tensors.utils.match import match_name
 
-from glmq.formats.families import IGNORE_PATTERNS, TensorClass
+import json
+import sys
+
+from glmq.formats.families import ignore_list  # noqa: F401  (re-exported: the ignore list is part of the config)
 from glmq.quantize.spec import QuantSpec
 
 # QuantizationArgs keys present in every compressed-tensors release from 0.9 to 0.20
@@ -51,11 +54,6 @@ def _strip_scheme(d: dict) -> dict:
     return out
 
 
-def ignore_list(unquantized: set[TensorClass]) -> list[str]:
-    """Anchored ignore entries for the Linear classes that stay unquantized, in a stable order."""
-    return [p for cls in IGNORE_PATTERNS if cls in unquantized for p in IGNORE_PATTERNS[cls]]
-
-
 def build_config(spec: QuantSpec, ignore: list[str], keep_fp8_targets: list[str] | None = None) -> dict:
     """The `quantization_config` dict for config.json.
 
@@ -85,3 +83,33 @@ def build_config(spec: QuantSpec, ignore: list[str], keep_fp8_targets: list[str]
 def is_ignored(module: str, ignore: list[str]) -> bool:
     """Whether a module matches an ignore entry, by compressed-tensors' own matcher (as loaders do)."""
     return any(match_name(module, pat) for pat in ignore)
+
+
+def config_from_request(req: dict) -> dict:
+    """Build the quantization_config and check the ignore list against every Linear module.
+
+    Args:
+        req: {"spec": QuantSpec fields, "ignore": [...], "keep": [...], "modules": {name: quantized}}.
+    Raises:
+        ValueError: a module's stored form disagrees with what loaders will read from the config.
+    """
+    spec = QuantSpec(**req["spec"])
+    ignore, keep = req["ignore"], req["keep"]
+    for module, quantized in req["modules"].items():
+        if (is_ignored(module, ignore) or is_ignored(module, keep)) == quantized:
+            raise ValueError(f"internal: the ignore list disagrees with the plan for {module} (quantized={quantized})")
+    return build_config(spec, ignore, keep or None)
+
+
+def main() -> None:
+    """`python -m glmq.formats.compressed_tensors`: request JSON on stdin -> config JSON on stdout.
+
+    The converter runs this in a child process at the start of a run: importing compressed-tensors
+    (which imports transformers) costs seconds of pure-Python work that would otherwise hold the GIL
+    the conversion pipeline needs.
+    """
+    json.dump(config_from_request(json.load(sys.stdin)), sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -59,6 +59,11 @@ IGNORE_PATTERNS: dict[TensorClass, tuple[str, ...]] = {
     TensorClass.LM_HEAD: ("lm_head", r"re:.*shared_head\.head$"),
 }
 
+def ignore_list(unquantized: set[TensorClass]) -> list[str]:
+    """Anchored ignore entries for the Linear classes that stay unquantized, in a stable order."""
+    return [p for cls in IGNORE_PATTERNS if cls in unquantized for p in IGNORE_PATTERNS[cls]]
+
+
 # Modules a serving engine fuses into one layer; all members must share one scheme (formats.md §3a).
 FUSED_PARTNERS: tuple[tuple[str, ...], ...] = (
     ("q_proj", "k_proj", "v_proj"),

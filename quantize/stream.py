@@ -12,12 +12,15 @@ rerun with the same source and recipe verifies the recorded files and redoes onl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import queue
 import resource
 import shutil
+import subprocess
+import sys
 import threading
 import zlib
 import time
@@ -29,7 +32,7 @@ import torch
 from safetensors import safe_open
 
 from glmq import __version__
-from glmq.formats.families import LINEAR_CLASSES
+from glmq.formats.families import LINEAR_CLASSES, ignore_list
 from glmq.formats.manifest import MANIFEST_NAME, REPORT_NAME, Manifest
 from glmq.formats.safetensors_io import TMP_SUFFIX, CheckpointError, OutSpec, StreamingWriter, atomic_write_text, file_tensor_hashes
 from glmq.formats.source import INDEX_NAME, Source
@@ -302,14 +305,16 @@ def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True,
         extra_report: merged into the run report (e.g. the GPTQ calibration report).
     """
     t0 = time.perf_counter()
-    # compressed-tensors (needed for the config at the end) pulls in transformers: import it now, not
-    # in a background thread, where its pure-Python import would compete for the GIL with the pipeline.
-    _import_ct()
+    phases: dict[str, float] = {}
+    config_job = ConfigJob(plan)
+    phases["import"] = time.perf_counter() - t0
     out = Path(out)
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is visible to PyTorch; use --device cpu")
     man = prepare_output(plan, out)
+    phases["prepare_output"] = time.perf_counter() - t0 - phases["import"]
+    t_pipe = time.perf_counter()
     todo = [f for f in plan.files if f.name not in man.files]
     stats = RunStats(files_skipped=len(plan.files) - len(todo))
     total_in = sum(it.in_bytes for f in todo for it in f.items)
@@ -375,23 +380,26 @@ def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True,
         writer.finish()
     except BaseException:
         bar.close()
+        config_job.cancel()
         writer.shutdown()
         for w in writers.values():
             w.abort()
         raise
     bar.close()
-    finish_checkpoint(plan, out, man)
+    phases["pipeline"] = time.perf_counter() - t_pipe
+    t_fin = time.perf_counter()
+    qc = config_job.result()
+    phases["config_wait"] = time.perf_counter() - t_fin
+    finish_checkpoint(plan, out, man, qc)
+    phases["finish"] = time.perf_counter() - t_fin
     stats.bytes_out = plan.bytes_out
     stats.seconds = time.perf_counter() - t0
     report = make_report(plan, stats, device)
     report["stage_busy_seconds"] = {k: round(v, 3) for k, v in {**busy, **writer.busy}.items()}
+    report["phase_seconds"] = {k: round(v, 3) for k, v in phases.items()}
     report.update(extra_report or {})
     atomic_write_text(out / REPORT_NAME, json.dumps(report, indent=1) + "\n")
     return report
-
-
-def _import_ct() -> None:
-    import glmq.formats.compressed_tensors  # noqa: F401
 
 
 def _progress(total: int, enabled: bool):
@@ -402,31 +410,45 @@ def _progress(total: int, enabled: bool):
 
 
 # ----------------------------------------------------------------------------------------- finish
-def output_config(plan: Plan) -> dict:
-    """The source config with its quantization_config replaced by the compressed-tensors one."""
-    from glmq.formats import compressed_tensors as ct
-
-    cfg = {k: v for k, v in plan.source.config.items() if k != "quantization_config"}
+def config_request(plan: Plan) -> dict:
+    """What the compressed-tensors config depends on: spec, ignore and keep lists, every Linear module."""
     present = {it.cls for it in plan.items if it.cls in LINEAR_CLASSES and it.name.endswith(".weight")}
-    unquantized = present - set(plan.recipe.targets)
-    ignore = ct.ignore_list(unquantized)
+    ignore = ignore_list(present - set(plan.recipe.targets))
     keep = sorted({f"re:^{it.module.replace('.', chr(92) + '.')}$" for it in plan.items if it.action is Action.KEEP_FP8})
-    check_ignore(plan, ignore, keep)
-    cfg["quantization_config"] = ct.build_config(plan.recipe.spec, ignore, keep or None)
+    spec = {k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(plan.recipe.spec).items()}
+    modules = {m: a is Action.QUANTIZE for m, a in plan.linear_modules().items()}
+    return {"spec": spec, "ignore": ignore, "keep": keep, "modules": modules}
+
+
+class ConfigJob:
+    """Builds the quantization_config in a child process while the conversion runs (see
+    `glmq.formats.compressed_tensors.main` for why)."""
+
+    def __init__(self, plan: Plan):
+        self.proc = subprocess.Popen([sys.executable, "-m", "glmq.formats.compressed_tensors"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.request = json.dumps(config_request(plan))
+
+    def result(self) -> dict:
+        out, err = self.proc.communicate(self.request, timeout=600)
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"building the compressed-tensors config failed:\n{err[-3000:]}")
+        return json.loads(out)
+
+    def cancel(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def output_config(plan: Plan, quantization_config: dict) -> dict:
+    """The source config with its quantization_config replaced by the compressed-tensors one."""
+    cfg = {k: v for k, v in plan.source.config.items() if k != "quantization_config"}
+    cfg["quantization_config"] = quantization_config
     return cfg
 
 
-def check_ignore(plan: Plan, ignore: list[str], keep: list[str]) -> None:
-    """Every Linear module is quantized exactly when the config says so (as loaders match names)."""
-    from glmq.formats import compressed_tensors as ct
-
-    for module, action in plan.linear_modules().items():
-        ignored = ct.is_ignored(module, ignore) or ct.is_ignored(module, keep)
-        if ignored == (action is Action.QUANTIZE):
-            raise AssertionError(f"internal: ignore list disagrees with the plan for {module} ({action.value})")
-
-
-def finish_checkpoint(plan: Plan, out: Path, man: Manifest) -> None:
+def finish_checkpoint(plan: Plan, out: Path, man: Manifest, quantization_config: dict) -> None:
     """Side files, then the index, then config.json (the file that makes the folder a checkpoint)."""
     for name in plan.source.side_files:
         dst = out / name
@@ -436,7 +458,7 @@ def finish_checkpoint(plan: Plan, out: Path, man: Manifest) -> None:
     weight_map = {o.name: f.name for f in plan.files for it in f.items for o in it.outputs}
     index = {"metadata": {"total_size": sum(f.nbytes for f in plan.files)}, "weight_map": dict(sorted(weight_map.items()))}
     atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
-    atomic_write_text(out / "config.json", json.dumps(output_config(plan), indent=2) + "\n")
+    atomic_write_text(out / "config.json", json.dumps(output_config(plan, quantization_config), indent=2) + "\n")
     man.complete = True
     man.save(out)
 

@@ -115,6 +115,7 @@ def main() -> None:
                 rep = json.loads((o / "glmq_report.json").read_text())
                 res["run_seconds"] = rep["seconds"]
                 res["stage_busy_seconds"] = rep.get("stage_busy_seconds")
+                res["phase_seconds"] = rep.get("phase_seconds")
             results[name].append(res)
             print(f"round {r} {name}: {res['seconds']:.2f} s, peak RSS {res['peak_rss'] / 1e9:.2f} GB", flush=True)
     med = {k: {"seconds": statistics.median(x["seconds"] for x in v),
@@ -129,6 +130,7 @@ def main() -> None:
         "glmq_over_copy": med["glmq"]["seconds"] / med["copy"]["seconds"],
         "glmq_run_seconds_median": statistics.median(x["run_seconds"] for x in results["glmq"]),
         "glmq_stage_busy_last": results["glmq"][-1].get("stage_busy_seconds"),
+        "glmq_phase_seconds_last": results["glmq"][-1].get("phase_seconds"),
         "glmq_rss_minus_largest_shard_GB": (med["glmq"]["peak_rss"] - largest) / 1e9,
     }
     if "peer" in med:

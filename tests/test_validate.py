@@ -1,0 +1,373 @@
+"""`glmq validate`: passes on what glmq writes, and fails with the right message on each kind of damage."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from glmq import recipes
+from glmq.formats.safetensors_io import read_header
+from glmq.formats.source import open_source
+from glmq.quantize import stream
+from glmq.quantize import validate as v
+from glmq.quantize.plan import make_plan
+from glmq.scripts.cli import main
+
+EXPERT = "model.layers.1.mlp.experts.3.down_proj"
+ASYM = "name: asym\ntargets: [routed_expert]\nnum_bits: 4\ngroup_size: 64\nsymmetric: false\n"
+# kv_a_proj_with_mqa has kv_lora + rope = 160 rows in the tiny preset, which no Marlin tile divides
+# (GLM-5's is 576); rope 64 makes it 192, so the all-linear recipe gives a servable checkpoint.
+SERVABLE_MLA = {"config_overrides": {"qk_rope_head_dim": 64}}
+
+
+# ----------------------------------------------------------------------------------------- helpers
+def convert(src: Path, out: Path, recipe: str, quantized=None, method: str | None = None) -> Path:
+    plan = make_plan(open_source(src), recipes.load(recipe).with_method(method), 400_000)
+    stream.run(plan, out, progress=False, quantized=quantized)
+    return out
+
+
+def index(root: Path) -> dict:
+    return json.loads((root / "model.safetensors.index.json").read_text())
+
+
+def shard_of(root: Path, name: str) -> str:
+    return index(root)["weight_map"][name]
+
+
+def rewrite_shard(root: Path, shard: str, edit) -> None:
+    """Load a shard, let `edit(dict)` change it, save it back (and fix the index, total_size included)."""
+    with safe_open(str(root / shard), "pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    old = sum(x.numel() * x.element_size() for x in t.values())
+    edit(t)
+    save_file(t, str(root / shard), metadata={"format": "pt"})
+    idx = index(root)
+    idx["weight_map"] = {k: s for k, s in idx["weight_map"].items() if s != shard or k in t}
+    idx["weight_map"].update({k: shard for k in t})
+    idx["metadata"]["total_size"] += sum(x.numel() * x.element_size() for x in t.values()) - old
+    (root / "model.safetensors.index.json").write_text(json.dumps(idx))
+
+
+def edit_config(root: Path, edit) -> None:
+    cfg = json.loads((root / "config.json").read_text())
+    edit(cfg["quantization_config"])
+    (root / "config.json").write_text(json.dumps(cfg))
+
+
+def failures(rep: v.Report, check: str) -> list[str]:
+    return [f.message for f in rep.checks[check].failures]
+
+
+def failed_checks(rep: v.Report) -> set[str]:
+    return {k for k, c in rep.checks.items() if c.status is v.Status.FAIL}
+
+
+def assert_all_pass(rep: v.Report) -> None:
+    bad = {k: c.status.value for k, c in rep.checks.items() if c.status is not v.Status.PASS}
+    assert rep.valid and rep.exit_code == 0 and not bad, (bad, v.format_report(rep))
+
+
+@pytest.fixture(scope="module")
+def converted(make_ckpt, tmp_path_factory):
+    """(family, recipe, fixture kwargs) -> (source, output), converted once per module."""
+    cache: dict = {}
+
+    def get(family: str = "glm_moe_dsa", recipe: str = "int4-w4a16", **kw) -> tuple[Path, Path]:
+        key = (family, recipe, repr(sorted(kw.items())))
+        if key not in cache:
+            src = make_ckpt(family, "fp8-block", **kw)
+            if recipe == "asym":
+                recipe = str(tmp_path_factory.mktemp("recipe") / "asym.yaml")
+                Path(recipe).write_text(ASYM)
+            cache[key] = src, convert(src, tmp_path_factory.mktemp(f"{family}-out") / "int4", recipe)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture
+def damaged(converted, tmp_path):
+    """A private copy of the glm_moe_dsa int4-w4a16 output, to break."""
+    _, out = converted()
+    return Path(shutil.copytree(out, tmp_path / "ckpt"))
+
+
+# ----------------------------------------------------------------------------------------- passes
+@pytest.mark.parametrize("family,recipe,kw", [
+    ("glm_moe_dsa", "int4-w4a16", {}),
+    ("glm_moe_dsa", "int4-w4a16-all-linear", SERVABLE_MLA),
+    ("glm_moe_dsa", "int4-w4a16-g32", {}),
+    ("glm4_moe", "int4-w4a16", {}),
+    ("deepseek_v3", "int4-w4a16", {}),
+])
+def test_passes_on_glmq_output_with_and_without_source(converted, family, recipe, kw):
+    src, out = converted(family, recipe, **kw)
+    rep = v.validate(out)
+    assert_all_pass(rep)
+    assert "source" not in rep.checks
+    n = rep.settings["quantized_modules"]
+    assert n > 0 and rep.checks["numerics"].details["sampled"] == n
+    assert rep.checks["integrity"].checked == rep.settings["tensors"]
+    rep = v.validate(out, src)
+    assert_all_pass(rep)
+    d = rep.checks["source"].details
+    assert d["method"] == "rtn" and d["compared"] == n and d["bound_steps"] == 0.5 + 1 / 16
+    assert 0.25 < d["worst"][0]["error"] <= 0.5625  # RTN: about half a step, never more than the bound
+    assert rep.checks["source"].checked > n  # unquantized tensors compared too (bit-identical)
+
+
+def test_asymmetric_recipe_is_well_formed_but_not_servable_as_moe(converted):
+    src, out = converted("glm_moe_dsa", "asym")
+    rep = v.validate(out, src)
+    assert failed_checks(rep) == {"serving"}
+    (msg,) = failures(rep, "serving")
+    assert "routed_expert: symmetric weights fails for 72 module(s)" in msg and "Marlin-MoE" in msg
+    assert rep.checks["source"].details["bound_steps"] == 0.5 + 1 / 8
+    rep = v.validate(out, src, serving=False)
+    assert rep.valid and rep.checks["serving"].status is v.Status.SKIP
+
+
+def test_serving_rules_name_the_class_rule_and_numbers(converted):
+    _, out = converted("glm_moe_dsa", "int4-w4a16-all-linear")  # tiny MLA: kv_a_proj_with_mqa has 160 rows
+    rep = v.validate(out)
+    assert failed_checks(rep) == {"serving"}
+    (msg,) = failures(rep, "serving")
+    assert msg.startswith("attention: output_size_per_partition % 64 == 0 fails for 4 module(s)")
+    assert "kv_a_proj_with_mqa: N = 160, replicated at tp 1: 160 % 64 = 32" in msg
+    classes = rep.checks["serving"].details["classes"]
+    assert classes["attention"]["failed"] == 4 and classes["routed_expert"]["failed"] == 0
+    _, out = converted()  # moe_intermediate 128: fine at tp 1, 128 / 2 = 64 is not a multiple of 128
+    assert v.validate(out, tp=1).valid
+    rep = v.validate(out, tp=2)
+    assert failed_checks(rep) == {"serving"}
+    assert "128 / 2 = 64, % 128 = 64" in failures(rep, "serving")[0]
+
+
+def test_gptq_checkpoint_reports_error_per_layer_instead_of_a_bound(make_ckpt, tmp_path):
+    from glmq.formats.dense import iter_dense
+    from glmq.quantize.rtn import quantize_rtn
+    from glmq.quantize.spec import QuantSpec
+
+    src = make_ckpt("glm_moe_dsa", "fp8-block")
+    dense = dict(iter_dense(src, torch.bfloat16))
+    gen = torch.Generator().manual_seed(0)
+
+    def perturbed(module):  # integers that are not RTN of the source, as GPTQ's are not
+        w = dense[f"{module}.weight"]
+        return quantize_rtn(w + 0.3 * w.std() * torch.randn(w.shape, generator=gen).to(w.dtype), QuantSpec())
+
+    out = convert(src, tmp_path / "gptq", "int4-w4a16", quantized=perturbed, method="gptq")
+    rep = v.validate(out, src)
+    assert_all_pass(rep)
+    d = rep.checks["source"].details
+    assert d["method"] == "gptq" and "bound_steps" not in d
+    assert set(d["per_layer"]) == {"1", "2", "3"} and all(0.05 < e < 1.0 for e in d["per_layer"].values())
+    man = json.loads((out / "glmq_manifest.json").read_text())
+    man["identity"]["recipe"]["method"] = "rtn"  # judged as RTN, the same weights break the half-step bound
+    (out / "glmq_manifest.json").write_text(json.dumps(man))
+    assert failed_checks(v.validate(out, src)) == {"source"}
+
+
+# ----------------------------------------------------------------------------------------- failures
+def test_flipped_byte_fails_integrity_naming_tensor_and_shard(damaged):
+    name = f"{EXPERT}.weight_packed"
+    shard = shard_of(damaged, name)
+    entries, _, start = read_header(damaged / shard)
+    data = bytearray((damaged / shard).read_bytes())
+    data[start + entries[name].begin + 100] ^= 0x10
+    (damaged / shard).write_bytes(bytes(data))
+    rep = v.validate(damaged)
+    assert failed_checks(rep) == {"integrity"}
+    (msg,) = failures(rep, "integrity")
+    assert shard in msg and name in msg and "sha256" in msg
+
+
+def test_missing_tensor(damaged):
+    name = f"{EXPERT}.weight_scale"
+    rewrite_shard(damaged, shard_of(damaged, name), lambda t: t.pop(name))
+    rep = v.validate(damaged)
+    assert failed_checks(rep) == {"structure", "integrity"}
+    assert failures(rep, "structure") == [f"{name} is missing (group_0 promises it)"]
+    assert any(name in m and "not in the shard" in m for m in failures(rep, "integrity"))
+
+
+def test_missing_expert(damaged):
+    names = [f"{EXPERT}.{leaf}" for leaf in ("weight_packed", "weight_scale", "weight_shape")]
+    rewrite_shard(damaged, shard_of(damaged, names[0]), lambda t: [t.pop(n) for n in names])
+    rep = v.validate(damaged)
+    assert "model.layers.1.mlp.experts: 1 of 24 expert projections missing (config n_routed_experts = 8), " \
+           "e.g. experts.3.down_proj" in failures(rep, "structure")
+    assert failed_checks(rep) == {"structure", "integrity"}
+
+
+def test_nan_scale(damaged):
+    name = f"{EXPERT}.weight_scale"
+    rewrite_shard(damaged, shard_of(damaged, name), lambda t: t[name].__setitem__((0, 0), float("nan")))
+    rep = v.validate(damaged)
+    assert failed_checks(rep) == {"numerics", "integrity"}
+    assert failures(rep, "numerics") == [f"{name}: 1 NaN/Inf and 0 zero/negative of 256 scales"]
+
+
+def test_edited_weight_shape(damaged):
+    name = f"{EXPERT}.weight_shape"
+    rewrite_shard(damaged, shard_of(damaged, name), lambda t: t.__setitem__(name, torch.tensor([256, 256])))
+    rep = v.validate(damaged)
+    assert failed_checks(rep) == {"structure", "integrity"}
+    assert f"{EXPERT}.weight_packed has shape [256, 16], expected [256, 32] for weight_shape [256, 256] with " \
+           f"num_bits 4, group_size 128" in failures(rep, "structure")
+
+
+def test_tensor_resaved_with_another_shape(damaged):
+    name = f"{EXPERT}.weight_scale"
+    rewrite_shard(damaged, shard_of(damaged, name), lambda t: t.__setitem__(name, t[name][:128].contiguous()))
+    rep = v.validate(damaged)
+    assert failed_checks(rep) == {"structure", "integrity"}
+    assert failures(rep, "structure") == [f"{name} has shape [128, 1], expected [256, 1] for weight_shape [256, 128] "
+                                          f"with num_bits 4, group_size 128"]
+
+
+def test_config_group_size_disagrees_with_tensors(damaged):
+    edit_config(damaged, lambda qc: qc["config_groups"]["group_0"]["weights"].__setitem__("group_size", 64))
+    rep = v.validate(damaged)
+    assert failed_checks(rep) == {"structure"}  # the tensors themselves are intact
+    msgs = failures(rep, "structure")
+    assert len(msgs) == 72 and all("weight_scale has shape" in m and "group_size 64" in m for m in msgs)
+
+
+def test_quantized_module_added_to_ignore(damaged):
+    edit_config(damaged, lambda qc: qc["ignore"].append("re:.*experts\\.3\\.down_proj$"))
+    rep = v.validate(damaged)
+    assert failed_checks(rep) == {"structure"}
+    msgs = failures(rep, "structure")
+    assert len(msgs) == 3 and all("matches ignore entry 're:.*experts\\\\.3\\\\.down_proj$'" in m for m in msgs)
+
+
+def test_unquantized_linear_missing_from_ignore(damaged):
+    edit_config(damaged, lambda qc: qc["ignore"].remove("lm_head"))
+    assert failures(v.validate(damaged), "structure") == [
+        "lm_head.weight is stored unquantized (BF16) but matches no ignore entry: vLLM would build it as INT and "
+        "find no weight_packed"]
+
+
+def test_config_keys_older_compressed_tensors_rejects(damaged):
+    edit_config(damaged, lambda qc: qc["config_groups"]["group_0"]["weights"].update(scale_dtype=None, zp_dtype=None))
+    msgs = failures(v.validate(damaged), "config")
+    assert len(msgs) == 2 and all("compressed-tensors < 0.13 rejects this key" in m for m in msgs)
+    edit_config(damaged, lambda qc: qc["config_groups"]["group_0"]["weights"].update(num_bitz=4))
+    assert any("does not parse with compressed-tensors" in m for m in failures(v.validate(damaged), "config"))
+
+
+def test_leftovers_fp8_and_scale_inv(damaged):
+    def add(t):
+        t["model.layers.0.self_attn.o_proj.weight_scale_inv"] = torch.ones(2, 2)
+        t["model.layers.0.self_attn.o_proj.weight"] = t["model.layers.0.self_attn.o_proj.weight"].to(torch.float8_e4m3fn)
+
+    rewrite_shard(damaged, shard_of(damaged, "model.layers.0.self_attn.o_proj.weight"), add)
+    msgs = failures(v.validate(damaged), "structure")
+    assert "model.layers.0.self_attn.o_proj.weight_scale_inv: an FP8-source scale left in a compressed-tensors " \
+           "checkpoint" in msgs
+    assert "model.layers.0.self_attn.o_proj.weight is F8_E4M3 but no float-quantized config group targets it" in msgs
+
+
+def test_index_inconsistencies(damaged):
+    idx = index(damaged)
+    idx["metadata"]["total_size"] += 8
+    idx["weight_map"]["model.layers.9.mlp.gate.weight"] = idx["weight_map"]["lm_head.weight"]
+    text = json.dumps(idx).replace('"lm_head.weight": ', '"lm_head.weight": "x", "lm_head.weight": ', 1)
+    (damaged / "model.safetensors.index.json").write_text(text)
+    msgs = failures(v.validate(damaged), "index")
+    assert any("total_size" in m and "(-8)" in m for m in msgs)
+    assert any("model.layers.9.mlp.gate.weight is placed in" in m and "does not hold it" in m for m in msgs)
+    assert "model.safetensors.index.json: tensor lm_head.weight is listed more than once" in msgs
+
+
+def test_without_manifest_warns_and_passes(damaged):
+    (damaged / "glmq_manifest.json").unlink()
+    rep = v.validate(damaged)
+    assert rep.valid and rep.checks["integrity"].status is v.Status.SKIP
+    assert "cannot check integrity" in rep.checks["integrity"].warnings[0].message
+
+
+def test_source_mismatch_fails(converted, make_ckpt):
+    _, out = converted()
+    other = make_ckpt("glm_moe_dsa", "fp8-block", seed=1)  # same layout, other weights
+    rep = v.validate(out, other)
+    assert failed_checks(rep) == {"source"}
+    msgs = failures(rep, "source")
+    assert any(m.startswith(f"{EXPERT}: max |w_q - w_src| = ") and "> bound 0.5625 (RTN, symmetric)" in m for m in msgs)
+    assert "lm_head.weight: stored unquantized but differs from the source" in msgs
+
+
+def test_numerics_catch_a_wrong_kernel(damaged, monkeypatch):
+    from glmq.kernels import reference
+
+    real = reference.dequantize_packed
+    monkeypatch.setattr(reference, "dequantize_packed", lambda p, s, g, zp=None: real(p, s.flip(1), g, zp))
+    rep = v.validate(damaged, sample=0.1, seed=1)
+    assert failed_checks(rep) == {"numerics"}
+    assert all("W4A16 matmul (reference) relative error" in m for m in failures(rep, "numerics"))
+
+
+def test_sample_is_deterministic(damaged):
+    names = [f"m{i}" for i in range(72)]
+    a = v.sample_modules(names, 0.25, seed=3)
+    assert len(a) == 18 and a == v.sample_modules(names, 0.25, seed=3) != v.sample_modules(names, 0.25, seed=4)
+    assert v.sample_modules(names, 1e-9, seed=0) and v.sample_modules(names, 1.0, 0) == set(names)
+    rep = v.validate(damaged, sample=0.25, seed=3)
+    assert rep.valid and rep.checks["numerics"].details["sampled"] == 18
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_kernel_path(converted):
+    src, out = converted()
+    rep = v.validate(out, src, device="cuda")
+    assert_all_pass(rep)
+    assert rep.checks["numerics"].details["paths"] == ["triton"] and rep.checks["numerics"].details["bounds"] == [1e-2]
+
+
+# ----------------------------------------------------------------------------------------- CLI
+def test_cli_table_json_and_exit_codes(converted, tmp_path):
+    src, out = converted()
+    runner = CliRunner()
+    r = runner.invoke(main, ["validate", str(out), "--source", str(src), "--json", str(tmp_path / "r.json")])
+    assert r.exit_code == 0, r.output
+    assert "verdict: VALID (exit 0)" in r.output and "integrity  pass" in r.output
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["valid"] is True and doc["exit_code"] == 0 and set(doc["checks"]) == {
+        "config", "structure", "index", "serving", "numerics", "source", "integrity"}
+    r = runner.invoke(main, ["validate", str(out), "--tp", "2", "--json", str(tmp_path / "r.json")])
+    assert r.exit_code == 1 and "verdict: INVALID (exit 1)" in r.output
+    assert json.loads((tmp_path / "r.json").read_text())["checks"]["serving"]["status"] == "fail"
+    if not torch.cuda.is_available():
+        r = runner.invoke(main, ["validate", str(out), "--device", "cuda"])
+        assert r.exit_code == 2 and "no CUDA device" in r.output
+    assert runner.invoke(main, ["validate", str(out), "--sample", "0"]).exit_code == 2
+
+
+def test_subprocess_exit_codes(damaged, tmp_path):
+    name = f"{EXPERT}.weight_packed"
+    shard = shard_of(damaged, name)
+    entries, _, start = read_header(damaged / shard)
+    with open(damaged / shard, "r+b") as f:
+        f.seek(start + entries[name].begin)
+        byte = f.read(1)[0]
+        f.seek(start + entries[name].begin)
+        f.write(bytes([byte ^ 1]))
+    r = subprocess.run([sys.executable, "-m", "glmq", "validate", str(damaged)], capture_output=True, text=True)
+    assert r.returncode == 1 and name in r.stdout and shard in r.stdout, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    (damaged / "config.json").unlink()
+    r = subprocess.run([sys.executable, "-m", "glmq", "validate", str(damaged), "--json", str(tmp_path / "r.json")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "config.json: not found" in r.stderr and "Traceback" not in r.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["exit_code"] == 2
