@@ -62,6 +62,9 @@ REL_ERR_BOUND = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-4}
 RTN_BOUND_STEPS = {True: 0.5 + 1 / 16, False: 0.5 + 1 / 8}
 ACT_ROWS = 16  # activation rows per numerics check (the CUDA path also runs row 0 alone: GEMV kernel)
 READ_CHUNK = 64 << 20
+# Weight elements per row block when dequantizing on the CPU: ~8 MB float64 temporaries that the
+# allocator reuses, instead of fresh 100 MB ones per expert (page faults cost more than the math).
+DEQUANT_BLOCK = 1 << 20
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj$")
 # vLLM's parallel layout per module leaf (deepseek_v2.py / glm4_moe.py): q_a_proj + kv_a_proj_with_mqa
 # are one replicated layer (`DeepSeekV2FusedQkvAProjLinear`, disable_tp=True); other leaves: replicated.
@@ -607,39 +610,50 @@ def _activations(seed: int, module: str, k: int) -> torch.Tensor:
     return torch.randn(ACT_ROWS, k, generator=gen).to(torch.bfloat16)
 
 
+def _row_blocks(n: int, k: int) -> list[tuple[int, int]]:
+    """Row ranges of about DEQUANT_BLOCK elements, starting on multiples of 8 (zero points pack 8 rows)."""
+    rows = max(8, DEQUANT_BLOCK // max(k, 1) // 8 * 8)
+    return [(r, min(r + rows, n)) for r in range(0, n, rows)]
+
+
 def matmul_error(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None,
                  shape: tuple[int, int], g: Group, device: str) -> tuple[float, float, str]:
     """Relative error of the W4A16 matmul against float64 `x @ dequant(W).T`.
 
     Args:
-        x: bf16 `[M, K]` activations (CPU). packed int32 `[N, K/8]`, scale `[N, K/g]`, zp int32
-        `[ceil(N/8), K/g]` or None, as stored.
+        x: bf16 `[M, K]` activations (CPU); packed int32 `[N, K/8]`, scale `[N, K/g]`, zp int32
+            `[ceil(N/8), K/g]` or None, as stored; shape `(N, K)`; g the module's INT group.
     Returns:
-        (max|y - ref| / max|ref|, bound for y's dtype, path: "triton" | "reference").
+        (max|y - ref| / max|ref| (inf if y is not finite), the bound for y's dtype, "triton" | "reference").
     """
     from glmq.formats.dense import dequantize_packed
     from glmq.kernels import reference
 
-    gs = g.group_size or shape[1]
+    (n, k), gs = shape, g.group_size or shape[1]
     dev = torch.device(device)
     x, packed, scale = x.to(dev), packed.to(dev), scale.to(dev)
     zp = None if zp is None else zp.to(dev)
-    ref = x.double() @ dequantize_packed(packed, scale.double(), shape, g.num_bits, gs, zp).T  # (M, N) float64
-    ys = []
-    if dev.type == "cuda" and zp is None and gs in (32, 64, 128):
+    triton = dev.type == "cuda" and zp is None and gs in (32, 64, 128)
+    x64, ref = x.double(), torch.empty(x.shape[0], n, dtype=torch.float64, device=dev)
+    y = None if triton else torch.empty(x.shape[0], n, dtype=torch.float32, device=dev)
+    for r0, r1 in _row_blocks(n, k):
+        p, s, z = packed[r0:r1], scale[r0:r1], None if zp is None else zp[r0 // 8:-(-r1 // 8)]
+        ref[:, r0:r1] = x64 @ dequantize_packed(p, s.double(), (r1 - r0, k), g.num_bits, gs, z).T
+        if y is not None:  # the kernels' float32 reference: the same layout definition, no Triton
+            y[:, r0:r1] = (reference.w4a16_matmul_ref(x, p, s, gs) if z is None
+                           else x.float() @ reference.dequantize_packed(p, s, gs, z).T)
+    if triton:
         from glmq.kernels.w4a16_dense import w4a16_matmul
 
-        ys = [(w4a16_matmul(x, packed, scale, gs), ref), (w4a16_matmul(x[:1].contiguous(), packed, scale, gs), ref[:1])]
-        path = "triton"
-    else:  # the kernels' float32 reference (the same layout definition, no Triton)
-        w = reference.dequantize_packed(packed, scale, gs, zp)  # (N, K) float32
-        ys, path = [(x.float() @ w.T, ref)], "reference"
+        runs = [(w4a16_matmul(x, packed, scale, gs), ref), (w4a16_matmul(x[:1].contiguous(), packed, scale, gs), ref[:1])]
+    else:
+        runs = [(y, ref)]
     err = 0.0
-    for y, r in ys:
-        if not torch.isfinite(y).all():
-            return math.inf, REL_ERR_BOUND[y.dtype], path
-        err = max(err, ((y.double() - r).abs().max() / r.abs().max().clamp_min(1e-30)).item())
-    return err, REL_ERR_BOUND[ys[0][0].dtype], path
+    for out, r in runs:
+        if not torch.isfinite(out).all():
+            return math.inf, REL_ERR_BOUND[out.dtype], "triton" if triton else "reference"
+        err = max(err, ((out.double() - r).abs().max() / r.abs().max().clamp_min(1e-30)).item())
+    return err, REL_ERR_BOUND[runs[0][0].dtype], "triton" if triton else "reference"
 
 
 def scale_problem(scale: torch.Tensor) -> str | None:
@@ -850,13 +864,30 @@ def recipe_method(ck: Checkpoint) -> str:
     return str(rec.get("method", "rtn"))
 
 
-def weight_error(w_q: torch.Tensor, w_src: torch.Tensor, scale: torch.Tensor, method: str,
-                 symmetric: bool) -> tuple[float, float | None]:
-    """(error, bound): RTN max |w_q - w_src| in scale steps; GPTQ relative Frobenius error, no bound."""
+def weight_error(packed: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, shape: tuple[int, int],
+                 g: Group, w_src: torch.Tensor, method: str) -> tuple[float, float | None]:
+    """Stored weight vs source weight `[N, K]`: (error, bound).
+
+    RTN: max |w_q - w_src| in scale steps, bound RTN_BOUND_STEPS. GPTQ: relative Frobenius error
+    ||w_q - w_src|| / ||w_src||, no bound. Dequantization runs in float32, which is exact here:
+    |q - zp| <= 2^b - 1 times a bf16 scale needs at most b + 8 significant bits.
+    """
+    from glmq.formats.dense import dequantize_packed
+
+    (n, k), gs = shape, g.group_size or shape[1]
+    worst, num, den = 0.0, 0.0, 0.0
+    for r0, r1 in _row_blocks(n, k):
+        z = None if zp is None else zp[r0 // (32 // g.num_bits):-(-r1 // (32 // g.num_bits))]
+        s = scale[r0:r1].float()
+        d = dequantize_packed(packed[r0:r1], s, (r1 - r0, k), g.num_bits, gs, z) - w_src[r0:r1].float()
+        if method == "gptq":
+            num += d.double().square().sum().item()
+            den += w_src[r0:r1].double().square().sum().item()
+        else:
+            worst = max(worst, (d.view(r1 - r0, -1, gs).abs() / s.unsqueeze(-1)).amax().item())
     if method == "gptq":
-        return ((w_q - w_src).norm() / w_src.norm().clamp_min(1e-30)).item(), None
-    step = scale.double().repeat_interleave(w_q.shape[1] // scale.shape[1], dim=1)
-    return ((w_q - w_src).abs() / step).max().item(), RTN_BOUND_STEPS[symmetric]
+        return math.sqrt(num / den) if den > 0 else math.inf, None
+    return worst, RTN_BOUND_STEPS[g.symmetric]
 
 
 def compare_with_source(ck: Checkpoint, source: Path, modules: dict[str, Module], scheme: dict[str, Group],
@@ -868,7 +899,7 @@ def compare_with_source(ck: Checkpoint, source: Path, modules: dict[str, Module]
     """
     from safetensors import safe_open
 
-    from glmq.formats.dense import dequantize_packed, iter_dense
+    from glmq.formats.dense import iter_dense
 
     method = recipe_method(ck)
     res = CheckResult("source", details={"source": str(source), "method": method, "worst": [], "per_layer": {}})
@@ -883,18 +914,19 @@ def compare_with_source(ck: Checkpoint, source: Path, modules: dict[str, Module]
 
     seen, errs = set(), []
     try:
-        for name, w in iter_dense(source, torch.float32):
+        # bf16, the dtype glmq quantized from: FP8 sources dequantize to it exactly as the converter does
+        for name, w in iter_dense(source, torch.bfloat16):
             module, _, leaf = name.rpartition(".")
             seen.add(name)
             g = scheme.get(module)
             if g is not None and leaf == "weight":
                 if module in sampled and shapes.get(module) and not int_module_problems(modules[module], g, shapes[module]):
-                    errs.append(_compare_one(module, w, g, shapes[module], get, method, res, dequantize_packed))
+                    errs.append(_compare_one(module, w, g, shapes[module], get, method, res))
             elif name not in entries:
                 res.fail(f"source tensor {name} has no counterpart in the checkpoint", tensor=name)
             elif entries[name].dtype != "F8_E4M3":  # FP8 kept as FP8 (mixed precision) is not compared
-                res.checked += 1
-                if not torch.equal(get(name).to(torch.float32), w):
+                res.checked += 1  # bit-identical for bf16 tensors; others (an F32 bias) compared as bf16
+                if not torch.equal(get(name).to(w.dtype), w):
                     res.fail(f"{name}: stored unquantized but differs from the source", tensor=name, shard=entries[name].shard)
     except (OSError, KeyError, ValueError) as e:
         raise CannotValidate(f"--source {source}: cannot read it ({type(e).__name__}: {e})") from e
@@ -913,16 +945,14 @@ def compare_with_source(ck: Checkpoint, source: Path, modules: dict[str, Module]
     return res
 
 
-def _compare_one(module, w_src, g, shape, get, method, res, dequantize_packed):
+def _compare_one(module, w_src, g, shape, get, method, res):
     """One quantized weight against its source; returns (module, error) or None."""
     res.checked += 1
     if tuple(w_src.shape) != shape:
         res.fail(f"{module}: weight_shape {list(shape)} but the source weight is {list(w_src.shape)}", tensor=module)
         return None
     zp = get(f"{module}.weight_zero_point") if not g.symmetric else None
-    scale = get(f"{module}.weight_scale")
-    w_q = dequantize_packed(get(f"{module}.weight_packed"), scale.double(), shape, g.num_bits, g.group_size or shape[1], zp)
-    err, bound = weight_error(w_q, w_src.double(), scale, method, g.symmetric)  # exact (float64) dequantization
+    err, bound = weight_error(get(f"{module}.weight_packed"), get(f"{module}.weight_scale"), zp, shape, g, w_src, method)
     if bound is not None:
         res.details["bound_steps"] = bound
     if not math.isfinite(err):
