@@ -14,18 +14,22 @@ Seven checks, each a function that returns a `CheckResult` (I/O stays at the edg
   numerics   scales finite and > 0 (all modules); for a sampled fraction, the W4A16 kernel (Triton on
              CUDA, `kernels/reference.py` on CPU) against a float64 matmul of the dequantized weight.
   source     (with a source) dequantized weights within the RTN bound of the source weights (GPTQ:
-             relative error reported per layer), unquantized tensors bit-identical.
+             relative error reported per layer), unquantized tensors unchanged (compared in bf16).
   integrity  each tensor's sha256 against `glmq_manifest.json` (no manifest: a warning).
 Cost: after the headers, every shard is read once, front to back, by a small thread pool; each
 tensor's bytes are hashed, and those the numerics need are decoded from the same buffer and checked
-as soon as their module is complete, so memory stays at one module per thread. A source adds one
-read of the source and of the output's weights.
+as soon as their module is complete, so memory stays at one module per thread and nothing is read
+twice. The floor is sha256 (~1.5 GB/s per core). On the CPU the numerics cost ~25 ns per weight
+(two dequantizations: float64 and the kernels' float32 reference), far more than reading 0.5 byte:
+use --device cuda or --sample for large checkpoints. A source adds one pass of `iter_dense` over
+the source and a second read of the compared output tensors.
 
 Exit codes (`Report.exit_code`, `CannotValidate`): 0 valid, 1 invalid, 2 could not run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import json
@@ -51,24 +55,26 @@ INT_LEAVES = ("weight_packed", "weight_shape", "weight_zero_point", "weight_g_id
 COMPANIONS = ("weight_scale", "weight_scale_inv", "input_scale", *INT_LEAVES)
 LEAF_DTYPES = {"weight_packed": ("I32",), "weight_scale": ("BF16", "F16", "F32"), "weight_shape": ("I64", "I32"),
                "weight_zero_point": ("I32",), "weight_g_idx": ("I32",)}
-# Kernel output vs float64 reference, max|y - ref| / max|ref|. Output rounding alone reaches u * max|ref|
-# (unit roundoff u: bf16 2^-8, fp16 2^-11); fp32 accumulation adds ~sqrt(K) * 2^-24. The bound is
-# ~2.5 u, so a wrong nibble order, group, scale or row (errors of order 1) cannot pass.
-REL_ERR_BOUND = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-4}
+# Kernel output vs float64 reference, max|y - ref| / max|ref|, by the output dtype. The Triton kernel
+# writes bf16 (bf16 activations): its rounding alone reaches u * max|ref| (u = 2^-8), fp32 accumulation
+# adds ~sqrt(K) * 2^-24, so 1e-2 = 2.56 u. The CPU reference path returns float32 (error ~1e-7):
+# 1e-4. Any layout mistake (nibble order, group, scale row) gives errors of order 1.
+REL_ERR_BOUND = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
 # RTN |w_q - w_src| in scale steps. Symmetric: 1/2 + 1/16 (tests/test_stream.py
 # `assert_within_half_step`: two bf16 roundings of 1/32 step each). Asymmetric: the range is
 # bf16(bf16(max - min) / 15), up to 2 u = 2^-7 short of max - min, i.e. 15 * 2^-7 < 1/8 step at the
 # clamped end; the zero point's rounding is the 1/2 (measured worst: 0.616 steps).
 RTN_BOUND_STEPS = {True: 0.5 + 1 / 16, False: 0.5 + 1 / 8}
 ACT_ROWS = 16  # activation rows per numerics check (the CUDA path also runs row 0 alone: GEMV kernel)
-READ_CHUNK = 64 << 20
+READ_CHUNK = 1 << 20  # hashed while still in cache: a 64 MB buffer made read + sha256 1.6x slower
 # Weight elements per row block when dequantizing on the CPU: ~8 MB float64 temporaries that the
 # allocator reuses, instead of fresh 100 MB ones per expert (page faults cost more than the math).
 DEQUANT_BLOCK = 1 << 20
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj$")
 # vLLM's parallel layout per module leaf (deepseek_v2.py / glm4_moe.py): q_a_proj + kv_a_proj_with_mqa
 # are one replicated layer (`DeepSeekV2FusedQkvAProjLinear`, disable_tp=True); other leaves: replicated.
-COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj", "lm_head", "head"})
+COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj",
+                             "lm_head", "head"})
 ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
 # Layers vLLM builds without a quant_config (deepseek_v2.py), so a packed weight there cannot load.
 NO_QUANT_LAYERS = {"gate": "vLLM's GateLinear router takes no quant_config",
@@ -203,8 +209,8 @@ def load_checkpoint(root: Path) -> Checkpoint:
         except (CheckpointError, OSError) as e:
             index.fail(str(e), shard=shard)
     check_index(weight_map, total, shards, index)
-    stray = sorted(p.name for p in root.glob("*.safetensors") if p.name not in set(weight_map.values()))
-    for name in stray:
+    listed = set(weight_map.values())
+    for name in sorted(p.name for p in root.glob("*.safetensors") if p.name not in listed):
         index.warn(f"{name}: a safetensors file the index does not reference (loaders skip it)", shard=name)
     ck = Checkpoint(root, config, config_error, weight_map, shards, starts, index, None)
     try:
@@ -254,6 +260,8 @@ def check_index(weight_map: dict[str, str], total: int | None, shards: dict[str,
                 res: CheckResult) -> CheckResult:
     """Index entries <-> shard headers, duplicates, total_size (pure; adds to `res`)."""
     res.checked = len(weight_map)
+    if not weight_map and not res.failures:
+        res.fail(f"{INDEX_NAME}: the weight_map lists no tensors")
     seen: dict[str, str] = {}
     for shard, entries in shards.items():
         for name in entries:
@@ -265,10 +273,12 @@ def check_index(weight_map: dict[str, str], total: int | None, shards: dict[str,
                 res.fail(f"{shard}: holds tensor {name}, but {INDEX_NAME} {where}", tensor=name, shard=shard)
     for name, shard in weight_map.items():
         if shard in shards and name not in shards[shard]:
-            res.fail(f"{INDEX_NAME}: tensor {name} is placed in {shard}, which does not hold it", tensor=name, shard=shard)
+            res.fail(f"{INDEX_NAME}: tensor {name} is placed in {shard}, which does not hold it",
+                     tensor=name, shard=shard)
     actual = sum(e.nbytes for es in shards.values() for e in es.values())
     if total is not None and total != actual:
-        res.fail(f"{INDEX_NAME}: metadata.total_size is {total} but the tensors hold {actual} bytes ({actual - total:+d})")
+        res.fail(f"{INDEX_NAME}: metadata.total_size is {total} but the tensors hold {actual} bytes "
+                 f"({actual - total:+d})")
     res.details["total_bytes"] = actual
     return res
 
@@ -295,45 +305,61 @@ def _ct():
     return compressed_tensors
 
 
-def check_config(config: dict | None, error: str | None) -> tuple[CheckResult, list[Group], list[str]]:
-    """Returns (result, config groups, ignore list)."""
-    res = CheckResult("config")
+@dataclass
+class QuantConfig:
+    """config.json's quantization_config, parsed without compressed-tensors (so reading can start
+    while it imports); `problems` are what that parse found."""
+
+    qc: dict
+    groups: list[Group]
+    ignore: list[str]
+    problems: list[str]
+
+
+def read_quant_config(config: dict | None, error: str | None) -> QuantConfig:
+    """Parse the quantization_config (pure)."""
     if config is None:
-        res.fail(error or "config.json is not a JSON object")
-        return res, [], []
+        return QuantConfig({}, [], [], [error or "config.json is not a JSON object"])
     qc = config.get("quantization_config")
     if not isinstance(qc, dict):
-        res.fail("config.json has no quantization_config: not a quantized checkpoint")
-        return res, [], []
+        return QuantConfig({}, [], [], ["config.json has no quantization_config: not a quantized checkpoint"])
     expect = {"quant_method": ("compressed-tensors",), "format": ("pack-quantized", "mixed-precision"),
               "quantization_status": ("compressed",)}
-    for key, ok in expect.items():
-        if qc.get(key) not in ok:
-            res.fail(f"quantization_config.{key} is {qc.get(key)!r}, expected {' or '.join(map(repr, ok))}")
+    problems = [f"quantization_config.{key} is {qc.get(key)!r}, expected {' or '.join(map(repr, ok))}"
+                for key, ok in expect.items() if qc.get(key) not in ok]
+    groups = _parse_groups(qc.get("config_groups") or {}, qc.get("format"), problems)
+    ignore = qc.get("ignore") or []
+    if not (isinstance(ignore, list) and all(isinstance(p, str) for p in ignore)):
+        problems.append("quantization_config.ignore is not a list of strings")
+        ignore = []
+    return QuantConfig(qc, groups, ignore, problems)
+
+
+def check_config(q: QuantConfig) -> CheckResult:
+    """The parse's problems, plus compressed-tensors' own parse and the keys older releases reject."""
+    res = CheckResult("config", checked=len(q.qc.get("config_groups") or {}))
+    for msg in q.problems:
+        res.fail(msg)
+    if not q.qc:
+        return res
     ct = _ct()
     try:
-        ct.QuantizationConfig.model_validate(qc)
+        ct.QuantizationConfig.model_validate(q.qc)
     except (ValueError, TypeError) as e:
         res.fail(f"quantization_config does not parse with compressed-tensors {ct.CT_VERSION}: "
                  + " | ".join(str(e).splitlines()[:3]))
-    groups_in = qc.get("config_groups") or {}
-    for gname, g in groups_in.items():
+    for gname, g in (q.qc.get("config_groups") or {}).items():
         for key in sorted(set(g) - set(ct._SCHEME_KEYS)):
-            res.fail(f"config_groups.{gname}.{key}: a scheme key older compressed-tensors releases reject (extra=forbid)")
+            res.fail(f"config_groups.{gname}.{key}: a scheme key older compressed-tensors releases reject "
+                     f"(extra=forbid)")
         for role in ("weights", "input_activations", "output_activations"):
             for key in sorted(set(g.get(role) or {}) - set(ct._ARGS_KEYS)):
                 res.fail(f"config_groups.{gname}.{role}.{key}: compressed-tensors < 0.13 rejects this key "
                          f"(QuantizationArgs is extra=forbid; vLLM/SGLang validate with the CT they ship); remove it")
-    groups = _parse_groups(groups_in, qc.get("format"), res)
-    res.checked = len(groups_in)
-    ignore = qc.get("ignore") or []
-    if not (isinstance(ignore, list) and all(isinstance(p, str) for p in ignore)):
-        res.fail("quantization_config.ignore is not a list of strings")
-        ignore = []
-    return res, groups, ignore
+    return res
 
 
-def _parse_groups(groups: dict, top_format: str | None, res: CheckResult) -> list[Group]:
+def _parse_groups(groups: dict, top_format: str | None, problems: list[str]) -> list[Group]:
     out = []
     for gname, g in groups.items():
         w, fmt = g.get("weights") or {}, g.get("format") or top_format
@@ -343,14 +369,14 @@ def _parse_groups(groups: dict, top_format: str | None, res: CheckResult) -> lis
             out.append(Group(gname, targets, "float", int(w.get("num_bits", 8)), block=tuple(bs) if bs else None))
             continue
         if w.get("type") != "int" or fmt != "pack-quantized":
-            res.fail(f"config_groups.{gname}: weights type {w.get('type')!r} with format {fmt!r}; glmq validates "
-                     f"INT pack-quantized and FP8 float-quantized groups")
+            problems.append(f"config_groups.{gname}: weights type {w.get('type')!r} with format {fmt!r}; glmq "
+                            f"validates INT pack-quantized and FP8 float-quantized groups")
             continue
         strategy, gs = w.get("strategy"), w.get("group_size")
         if w.get("num_bits") not in (4, 8) or strategy not in ("group", "channel") or (
                 strategy == "group" and not (isinstance(gs, int) and gs > 0)):
-            res.fail(f"config_groups.{gname}.weights: num_bits {w.get('num_bits')}, strategy {strategy!r}, group_size "
-                     f"{gs}: not a layout pack-quantized serves (4/8 bits, group with a positive size, or channel)")
+            problems.append(f"config_groups.{gname}.weights: num_bits {w.get('num_bits')}, strategy {strategy!r}, "
+                            f"group_size {gs}: not a pack-quantized layout (4/8 bits; group with a size, or channel)")
             continue
         out.append(Group(gname, targets, "int", int(w["num_bits"]), gs if strategy == "group" else None,
                          bool(w.get("symmetric", True)), w.get("actorder")))
@@ -359,9 +385,9 @@ def _parse_groups(groups: dict, top_format: str | None, res: CheckResult) -> lis
 
 def group_for(module: str, groups: list[Group]) -> Group | None:
     """The group that governs `module`, by vLLM's priority: a name/regex target, then "Linear"."""
-    ct = _ct()
     for g in groups:
-        if ct.is_ignored(module, [t for t in g.targets if t != "Linear"]):
+        names = [t for t in g.targets if t != "Linear"]
+        if names and _ct().is_ignored(module, names):  # compressed-tensors' matcher, as loaders use
             return g
     return next((g for g in groups if "Linear" in g.targets), None)
 
@@ -377,7 +403,8 @@ class Module:
 
     @property
     def is_int(self) -> bool:
-        return bool(set(INT_LEAVES) & self.parts.keys()) or ("weight_scale" in self.parts and "weight" not in self.parts)
+        p = self.parts
+        return bool(set(INT_LEAVES) & p.keys()) or ("weight_scale" in p and "weight" not in p)
 
     @property
     def is_fp8(self) -> bool:
@@ -459,6 +486,11 @@ def check_structure(modules: dict[str, Module], groups: list[Group], shapes: dic
                 res.fail(f"{m.name}.weight is F8_E4M3 but no float-quantized config group targets it", **where)
             elif "weight_scale" not in m.parts:
                 res.fail(f"{m.name}.weight_scale is missing (FP8 weight of {fg.name})", **where)
+            elif fg.block and len(w8 := m.parts["weight"].shape) == 2:
+                want = (-(-w8[0] // fg.block[0]), -(-w8[1] // fg.block[1]))
+                if tuple(m.parts["weight_scale"].shape) != want:
+                    res.fail(f"{m.name}.weight_scale has shape {list(m.parts['weight_scale'].shape)}, expected "
+                             f"{list(want)} for FP8 weight {list(w8)} in {fg.block[0]}x{fg.block[1]} blocks", **where)
         else:
             stray = [leaf for leaf in m.parts if leaf in COMPANIONS and leaf != "weight_scale_inv"]
             if stray:
@@ -490,7 +522,8 @@ def _check_experts(modules: dict[str, Module], config: dict, res: CheckResult) -
         if missing:
             e, p = missing[0]
             res.fail(f"model.layers.{layer}.mlp.experts: {len(missing)} of {3 * n} expert projections missing "
-                     f"(config n_routed_experts = {n}), e.g. experts.{e}.{p}_proj", tensor=f"model.layers.{layer}.mlp.experts")
+                     f"(config n_routed_experts = {n}), e.g. experts.{e}.{p}_proj",
+                     tensor=f"model.layers.{layer}.mlp.experts")
 
 
 # ----------------------------------------------------------------------------------------- serving
@@ -499,7 +532,8 @@ def dense_rules(leaf: str, n: int, k: int, tp: int, g: Group) -> list[tuple[str,
     col, row = leaf in COLUMN_PARALLEL, leaf in ROW_PARALLEL
     out = []
     if (col and n % tp) or (row and k % tp):
-        out.append(("tensor-parallel split", f"{'N' if col else 'K'} = {n if col else k} is not divisible by tp = {tp}"))
+        dim, size = ("N", n) if col else ("K", k)
+        out.append(("tensor-parallel split", f"{dim} = {size} is not divisible by tp = {tp}"))
         return out
     n_p, k_p = (n // tp if col else n), (k // tp if row else k)
     split = "column-parallel" if col else "row-parallel" if row else "replicated"
@@ -572,14 +606,17 @@ def check_serving(modules: dict[str, Module], groups: list[Group], shapes: dict,
             res.fail(f"ignore entry {pat!r} is not a regex: SGLang matches it as a case-insensitive substring and "
                      f"would leave {len(hit)} quantized module(s) (e.g. {hit[0]}) unquantized; use an anchored 're:'")
     if not any("Linear" in g.targets for g in groups if g.kind == "int"):
-        res.warn("no INT group targets 'Linear': older vLLM (WNA16 Marlin-MoE) and SGLang before PR #29761 raise KeyError")
+        res.warn("no INT group targets 'Linear': older vLLM (WNA16 Marlin-MoE) and SGLang before PR #29761 "
+                 "raise KeyError")
     if quant and qc.get("format") != "pack-quantized":
-        res.warn(f"top-level format {qc.get('format')!r}: older SGLang reads it for W4A16 MoE and needs 'pack-quantized'")
+        res.warn(f"top-level format {qc.get('format')!r}: older SGLang reads it for W4A16 MoE and needs "
+                 f"'pack-quantized'")
     for (cls, rule), (example, numbers, count) in sorted(bad.items()):
         res.fail(f"{cls}: {rule} fails for {count} module(s), e.g. {example}: {numbers}", tensor=example, value=count)
     for cls, row in rows.items():
         row["failed"] = len(row["failed"])
-        row["rules"] = [{"rule": r, "modules": c, "example": ex, "numbers": nb} for (k, r), (ex, nb, c) in bad.items() if k == cls]
+        row["rules"] = [{"rule": r, "modules": c, "example": ex, "numbers": nb}
+                        for (k, r), (ex, nb, c) in bad.items() if k == cls]
     res.checked = len(quant)
     return res
 
@@ -594,7 +631,10 @@ def _check_partners(modules: dict[str, Module], res: CheckResult) -> None:
             if (hit := _EXPERT.match(name)) is not None:
                 by_parent[f"model.layers.{hit[1]}.mlp.experts"][f"{hit[2]}.{hit[3]}_proj"] = m.is_int
     for parent, leaves in sorted(by_parent.items()):
-        sets = [list(leaves)] if parent.endswith(".mlp.experts") else [[x for x in grp if x in leaves] for grp in FUSED_PARTNERS]
+        if parent.endswith(".mlp.experts"):
+            sets = [list(leaves)]
+        else:
+            sets = [[x for x in grp if x in leaves] for grp in FUSED_PARTNERS]
         for members in sets:
             if len({leaves[x] for x in members}) > 1:
                 q = sorted(x for x in members if leaves[x])
@@ -636,7 +676,7 @@ def matmul_error(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zp:
     triton = dev.type == "cuda" and zp is None and gs in (32, 64, 128)
     x64, ref = x.double(), torch.empty(x.shape[0], n, dtype=torch.float64, device=dev)
     y = None if triton else torch.empty(x.shape[0], n, dtype=torch.float32, device=dev)
-    for r0, r1 in _row_blocks(n, k):
+    for r0, r1 in _row_blocks(n, k) if dev.type == "cpu" else [(0, n)]:
         p, s, z = packed[r0:r1], scale[r0:r1], None if zp is None else zp[r0 // 8:-(-r1 // 8)]
         ref[:, r0:r1] = x64 @ dequantize_packed(p, s.double(), (r1 - r0, k), g.num_bits, gs, z).T
         if y is not None:  # the kernels' float32 reference: the same layout definition, no Triton
@@ -645,7 +685,8 @@ def matmul_error(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zp:
     if triton:
         from glmq.kernels.w4a16_dense import w4a16_matmul
 
-        runs = [(w4a16_matmul(x, packed, scale, gs), ref), (w4a16_matmul(x[:1].contiguous(), packed, scale, gs), ref[:1])]
+        runs = [(w4a16_matmul(x, packed, scale, gs), ref),  # MMA kernel
+                (w4a16_matmul(x[:1].contiguous(), packed, scale, gs), ref[:1])]  # GEMV kernel
     else:
         runs = [(y, ref)]
     err = 0.0
@@ -676,7 +717,8 @@ class ModuleScan:
         self.modules, self.scheme, self.sampled, self.device, self.seed = modules, scheme, sampled, device, seed
         self.want: dict[str, dict[str, str]] = {}
         for name, g in scheme.items():
-            leaves = ("weight_shape", "weight_scale") + (("weight_packed", "weight_zero_point") if name in sampled else ())
+            leaves = ("weight_shape", "weight_scale")
+            leaves += ("weight_packed", "weight_zero_point") if name in sampled else ()
             self.want[name] = {leaf: f"{name}.{leaf}" for leaf in leaves if leaf in modules[name].parts}
         self.owner = {t: (m, leaf) for m, leaves in self.want.items() for leaf, t in leaves.items()}
         self.keep = set(self.owner)
@@ -705,18 +747,20 @@ class ModuleScan:
         shard = m.shard()
         if "weight_scale" in t and (why := scale_problem(t["weight_scale"].float())):
             with self.lock:
-                self.numerics.fail(f"{name}.weight_scale: {why}", tensor=f"{name}.weight_scale", shard=shard, value=math.inf)
+                self.numerics.fail(f"{name}.weight_scale: {why}", tensor=f"{name}.weight_scale", shard=shard,
+                                   value=math.inf)
             return
         if name not in self.sampled or shape is None or int_module_problems(m, g, shape) or g.num_bits != 4:
             return  # structure reports the problem; int8 has no W8A16 kernel here
         x = _activations(self.seed, name, shape[1])
         try:
-            with self.gpu if self.device == "cuda" else _NULL:
+            with self.gpu if self.device == "cuda" else contextlib.nullcontext():
                 err, bound, path = matmul_error(x, t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"),
                                                 shape, g, self.device)
         except (ValueError, RuntimeError) as e:  # a layout the kernel rejects: report it, do not crash the gate
             with self.lock:
-                self.numerics.fail(f"{name}: the W4A16 matmul could not run: {e}", tensor=name, shard=shard, value=math.inf)
+                self.numerics.fail(f"{name}: the W4A16 matmul could not run: {e}", tensor=name, shard=shard,
+                                   value=math.inf)
             return
         with self.lock:
             self.errors.append((name, err, bound, path))
@@ -729,19 +773,9 @@ class ModuleScan:
         res.checked = len(self.errors)
         res.details.update(sampled=len(self.errors), quantized=len(self.scheme),
                            paths=sorted({p for *_, p in self.errors}), bounds=sorted({b for _, _, b, _ in self.errors}),
-                           worst=[{"module": n, "rel_err": e} for n, e, _, _ in sorted(self.errors, key=lambda r: -r[1])[:5]])
+                           worst=[{"module": n, "rel_err": e}
+                                  for n, e, *_ in sorted(self.errors, key=lambda r: -r[1])[:5]])
         return res
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NULL = _Null()
 
 
 def _shape_value(t: torch.Tensor | None) -> tuple[int, int] | None:
@@ -829,11 +863,13 @@ def check_integrity(manifest: Manifest | None, error: str | None, hashes: dict[s
         res.skipped = "no manifest"
         return res
     if not manifest.complete:
-        res.fail(f"{MANIFEST_NAME}: complete is false: the conversion did not finish; re-run the same glmq quantize to resume")
+        res.fail(f"{MANIFEST_NAME}: complete is false: the conversion did not finish; re-run the same glmq quantize "
+                 f"to resume")
     for shard, rec in sorted(manifest.files.items()):
         got = hashes.get(shard)
         if got is None:
-            res.fail(f"{shard}: recorded in {MANIFEST_NAME} but not read (missing, unreadable or not in the index)", shard=shard)
+            res.fail(f"{shard}: recorded in {MANIFEST_NAME} but not read (missing, unreadable or not in the index)",
+                     shard=shard)
             continue
         if rec.get("bytes") is not None and sizes.get(shard) != rec["bytes"]:
             res.fail(f"{shard}: {sizes.get(shard)} bytes, the manifest recorded {rec['bytes']}", shard=shard)
@@ -843,8 +879,9 @@ def check_integrity(manifest: Manifest | None, error: str | None, hashes: dict[s
             if name not in got:
                 res.fail(f"{shard}: tensor {name} is in the manifest but not in the shard", tensor=name, shard=shard)
             elif got[name] != digest:
-                res.fail(f"{shard}: tensor {name}: sha256 {got[name][:16]} != manifest {digest[:16]}: its bytes changed "
-                         f"after glmq wrote them; re-download or re-convert this shard", tensor=name, shard=shard)
+                res.fail(f"{shard}: tensor {name}: sha256 {got[name][:16]} != manifest {digest[:16]}: its bytes "
+                         f"changed after glmq wrote them; re-download or re-convert this shard",
+                         tensor=name, shard=shard)
         for name in sorted(got.keys() - want.keys()):
             res.fail(f"{shard}: tensor {name} is not recorded in the manifest", tensor=name, shard=shard)
     for shard in sorted(hashes.keys() - manifest.files.keys()):
@@ -899,8 +936,6 @@ def compare_with_source(ck: Checkpoint, source: Path, modules: dict[str, Module]
     """
     from safetensors import safe_open
 
-    from glmq.formats.dense import iter_dense
-
     method = recipe_method(ck)
     res = CheckResult("source", details={"source": str(source), "method": method, "worst": [], "per_layer": {}})
     handles: dict[str, object] = {}
@@ -913,23 +948,20 @@ def compare_with_source(ck: Checkpoint, source: Path, modules: dict[str, Module]
         return handles[e.shard].get_tensor(name)
 
     seen, errs = set(), []
-    try:
-        # bf16, the dtype glmq quantized from: FP8 sources dequantize to it exactly as the converter does
-        for name, w in iter_dense(source, torch.bfloat16):
-            module, _, leaf = name.rpartition(".")
-            seen.add(name)
-            g = scheme.get(module)
-            if g is not None and leaf == "weight":
-                if module in sampled and shapes.get(module) and not int_module_problems(modules[module], g, shapes[module]):
-                    errs.append(_compare_one(module, w, g, shapes[module], get, method, res))
-            elif name not in entries:
-                res.fail(f"source tensor {name} has no counterpart in the checkpoint", tensor=name)
-            elif entries[name].dtype != "F8_E4M3":  # FP8 kept as FP8 (mixed precision) is not compared
-                res.checked += 1  # bit-identical for bf16 tensors; others (an F32 bias) compared as bf16
-                if not torch.equal(get(name).to(w.dtype), w):
-                    res.fail(f"{name}: stored unquantized but differs from the source", tensor=name, shard=entries[name].shard)
-    except (OSError, KeyError, ValueError) as e:
-        raise CannotValidate(f"--source {source}: cannot read it ({type(e).__name__}: {e})") from e
+    for name, w in _read_source(source):
+        module, _, leaf = name.rpartition(".")
+        seen.add(name)
+        g = scheme.get(module)
+        if g is not None and leaf == "weight":
+            if module in sampled and shapes.get(module) and not int_module_problems(modules[module], g, shapes[module]):
+                errs.append(_compare_one(module, w, g, shapes[module], get, method, res))
+        elif name not in entries:
+            res.fail(f"source tensor {name} has no counterpart in the checkpoint", tensor=name)
+        elif entries[name].dtype != "F8_E4M3":  # FP8 kept as FP8 (mixed precision) is not compared
+            res.checked += 1  # bit-identical for bf16 tensors; others (an F32 bias) compared as bf16
+            if not torch.equal(get(name).to(w.dtype), w):
+                res.fail(f"{name}: stored unquantized but differs from the source", tensor=name,
+                         shard=entries[name].shard)
     for module in sorted(scheme.keys() - {n.rpartition(".")[0] for n in seen}):
         res.fail(f"{module}: quantized, but the source has no {module}.weight", tensor=module)
     for name in sorted(n for n in entries if n.rpartition(".")[0] not in scheme and n not in seen
@@ -945,6 +977,17 @@ def compare_with_source(ck: Checkpoint, source: Path, modules: dict[str, Module]
     return res
 
 
+def _read_source(source: Path):
+    """(name, bf16 tensor) of the source, as `iter_dense` gives them: bf16 is the dtype glmq quantized
+    from (FP8 sources dequantize to it exactly as the converter does). Read errors -> CannotValidate."""
+    from glmq.formats.dense import iter_dense
+
+    try:
+        yield from iter_dense(source, torch.bfloat16)
+    except (OSError, KeyError, ValueError) as e:
+        raise CannotValidate(f"--source {source}: cannot read it ({type(e).__name__}: {e})") from e
+
+
 def _compare_one(module, w_src, g, shape, get, method, res):
     """One quantized weight against its source; returns (module, error) or None."""
     res.checked += 1
@@ -952,7 +995,8 @@ def _compare_one(module, w_src, g, shape, get, method, res):
         res.fail(f"{module}: weight_shape {list(shape)} but the source weight is {list(w_src.shape)}", tensor=module)
         return None
     zp = get(f"{module}.weight_zero_point") if not g.symmetric else None
-    err, bound = weight_error(get(f"{module}.weight_packed"), get(f"{module}.weight_scale"), zp, shape, g, w_src, method)
+    packed, scale = get(f"{module}.weight_packed"), get(f"{module}.weight_scale")
+    err, bound = weight_error(packed, scale, zp, shape, g, w_src, method)
     if bound is not None:
         res.details["bound_steps"] = bound
     if not math.isfinite(err):
@@ -991,34 +1035,57 @@ def validate(checkpoint: str | Path, source: str | Path | None = None, *, sample
         raise CannotValidate("--device cuda: no CUDA device is visible to PyTorch; use --device cpu")
     if source is not None and not (Path(source) / "config.json").is_file():
         raise CannotValidate(f"--source {source}: no config.json there; point it at the source checkpoint folder")
-    ct_import = threading.Thread(target=_ct, daemon=True)  # seconds of imports, overlapped with header reads
-    ct_import.start()
     root = Path(checkpoint)
     ck = load_checkpoint(root)
+    # compressed-tensors takes seconds to import (transformers); only the checks after the read need it
+    ct_import = threading.Thread(target=_ct, daemon=True)
+    ct_import.start()
     modules = modules_of(ck.entries())
-    ct_import.join()
-    config, groups, ignore = check_config(ck.config, ck.config_error)
-    scheme = {n: g for n, m in modules.items() if m.is_int and (g := group_for(n, groups)) is not None and g.kind == "int"}
+    q = read_quant_config(ck.config, ck.config_error)
+    groups, ignore = q.groups, q.ignore
+    scheme = {n: g for n, m in modules.items()
+              if m.is_int and (g := group_for(n, groups)) is not None and g.kind == "int"}
     sampled = sample_modules(list(scheme), sample, seed)
     scan = ModuleScan(modules, scheme, sampled, device, seed)
-    hashes, read_errors = scan_shards(ck, scan.keep, scan.add, workers or min(8, os.cpu_count() or 1))
+    with _one_intra_op_thread():
+        hashes, read_errors = scan_shards(ck, scan.keep, scan.add, workers or min(8, os.cpu_count() or 1))
+        source_res = (None if source is None
+                      else compare_with_source(ck, Path(source), modules, scheme, sampled, scan.shapes))
+    ct_import.join()
+    try:
+        _ct()
+    except ImportError as e:
+        raise CannotValidate(f"compressed-tensors cannot be imported ({e}); the config checks need it") from e
     for msg in read_errors:
         ck.index.fail(msg)
-    checks = {"config": config, "structure": check_structure(modules, groups, scan.shapes, ignore, ck.config),
+    checks = {"config": check_config(q), "structure": check_structure(modules, groups, scan.shapes, ignore, ck.config),
               "index": ck.index}
     if serving:
-        checks["serving"] = check_serving(modules, groups, scan.shapes, ignore, (ck.config or {}).get("quantization_config") or {}, tp)
+        checks["serving"] = check_serving(modules, groups, scan.shapes, ignore, q.qc, tp)
     else:
         checks["serving"] = CheckResult("serving", skipped="skipped (serving=False / --no-serving)")
     checks["numerics"] = scan.result()
-    if source is not None:
-        checks["source"] = compare_with_source(ck, Path(source), modules, scheme, sampled, scan.shapes)
+    if source_res is not None:
+        checks["source"] = source_res
     sizes = {s: (root / s).stat().st_size for s in hashes}
     checks["integrity"] = check_integrity(ck.manifest, ck.manifest_error, hashes, sizes)
     settings = {"source": str(source) if source else None, "sample": sample, "device": device, "tp": tp, "seed": seed,
                 "serving": serving, "shards": len(ck.shards), "tensors": sum(len(e) for e in ck.shards.values()),
                 "quantized_modules": len(scheme)}
     return Report(str(root), settings, checks, time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def _one_intra_op_thread():
+    """Validation parallelises over shards with its own threads (one per core); torch's intra-op
+    threads on top of them oversubscribe the cores, which made element-wise ops up to 20x slower on a
+    busy 2-core machine. Restored on exit."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def format_report(rep: Report, worst: int = 5) -> str:
@@ -1044,7 +1111,8 @@ def _summary(c: CheckResult) -> str:
     if c.skipped:
         return c.skipped
     if c.name == "serving":
-        return "; ".join(f"{cls} {r['modules'] - r['failed']}/{r['modules']} ok" for cls, r in sorted(d["classes"].items()))
+        rows = sorted(d["classes"].items())
+        return "; ".join(f"{cls} {r['modules'] - r['failed']}/{r['modules']} ok" for cls, r in rows)
     if c.name == "numerics" and d.get("worst"):
         w = d["worst"][0]
         return (f"{d['sampled']}/{d['quantized']} sampled via {','.join(d['paths'])}; worst rel err {w['rel_err']:.2e} "
