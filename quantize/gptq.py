@@ -110,45 +110,73 @@ def quantize_gptq(
         ValueError: if the shapes do not fit the spec, `w` is not floating point, or `h` is not a
             finite `[K, K]` matrix.
     """
-    _check_inputs(w, h, spec)
+    return quantize_gptq_batch(w.unsqueeze(0), h.unsqueeze(0), spec, clip_search=clip_search)[0]
+
+
+def quantize_gptq_batch(
+    w: torch.Tensor, h: torch.Tensor, spec: QuantSpec, *, clip_search: bool = False
+) -> list[GPTQResult]:
+    """`quantize_gptq` of B weights of one shape, each with its own Hessian, in one column loop.
+
+    The routed experts of a layer are B same-shape problems; looping over columns once for all of them
+    instead of once per expert divides the Python and kernel-launch overhead of Alg. 1 by B, which
+    dominates for GLM-5's 256 experts on a GPU. Every operation of the loop is row-wise or per batch
+    element, so element b gets the decisions `quantize_gptq(w[b], h[b])` makes. With act_order the
+    column order differs per element, so the elements run one at a time.
+
+    Args:
+        w: `[B, N, K]` float weights; h: `[B, K, K]` Hessians. Other arguments as `quantize_gptq`.
+    Returns:
+        one GPTQResult per element, in order.
+    """
+    if w.ndim != 3 or h.ndim != 3 or h.shape[0] != w.shape[0]:
+        raise ValueError(f"quantize_gptq_batch needs w [B, N, K] and h [B, K, K], got {list(w.shape)} and {list(h.shape)}")
+    if spec.act_order and w.shape[0] > 1:
+        return [r for b in range(w.shape[0]) for r in quantize_gptq_batch(w[b:b + 1], h[b:b + 1], spec,
+                                                                          clip_search=clip_search)]
+    for b in range(w.shape[0]):
+        _check_inputs(w[b], h[b], spec)
     h = h.to(device=w.device, dtype=torch.float32)
-    rtn = quantize_rtn(w, spec)
-    error_rtn = hessian_error(w, dequantize(rtn, spec.group_size), h)
+    rtn = [quantize_rtn(w[b], spec) for b in range(w.shape[0])]
+    error_rtn = [hessian_error(w[b], dequantize(rtn[b], spec.group_size), h[b]) for b in range(w.shape[0])]
+    dead = torch.diagonal(h, dim1=-2, dim2=-1) == 0  # (B, K)
+    n_dead = dead.sum(1).tolist()
+    out: list[GPTQResult | None] = [None] * w.shape[0]
+    for b in range(w.shape[0]):
+        if n_dead[b] == h.shape[-1]:
+            logger.warning("GPTQ: empty Hessian (no calibration tokens); falling back to RTN")
+            out[b] = GPTQResult(rtn[b], error_rtn[b], error_rtn[b], spec.damp, False, Fallback.EMPTY_HESSIAN, n_dead[b])
 
-    dead = torch.diag(h) == 0
-    n_dead = int(dead.sum())
-    if n_dead == h.shape[0]:
-        logger.warning("GPTQ: empty Hessian (no calibration tokens); falling back to RTN")
-        return GPTQResult(rtn, error_rtn, error_rtn, spec.damp, False, Fallback.EMPTY_HESSIAN, n_dead)
-
-    H = h.clone()
-    W = w.float().clone()  # (N, K) float32
-    H[dead, dead] = 1  # dead inputs: any weight works, so pick 0 (reference gptq.py)
-    W[:, dead] = 0
-    # Static act-order (paper §4 note / reference `--act-order`): largest diag(H) first; stable sort
-    # so ties keep their original order and the permutation is reproducible across devices.
-    perm = (
-        torch.argsort(torch.diag(H), descending=True, stable=True)
-        if spec.act_order
-        else torch.arange(W.shape[1], device=W.device)
-    )
-    W, H = W[:, perm], H[perm][:, perm]
-
-    hinv, damp = _inverse_hessian_cholesky(H, spec.damp)
-    damp_increased = damp != spec.damp
-    if damp_increased:
-        logger.warning("GPTQ: Hessian not positive definite at damp=%g; used damp=%g", spec.damp, damp)
-    if hinv is None:
-        logger.warning("GPTQ: Hessian not positive definite even at damp=%g; falling back to RTN", damp)
-        return GPTQResult(
-            rtn, error_rtn, error_rtn, damp, damp_increased, Fallback.NOT_POSITIVE_DEFINITE, n_dead
-        )
-
-    clip_h = H if clip_search else None
-    q, scale, zp = _gptq_loop(W, hinv, perm, spec, w.dtype, clip_h)
-    qweight = QWeight(q[:, torch.argsort(perm)].contiguous(), scale, zp)
-    error_gptq = hessian_error(w, dequantize(qweight, spec.group_size), h)
-    return GPTQResult(qweight, error_gptq, error_rtn, damp, damp_increased, None, n_dead)
+    live = [b for b in range(w.shape[0]) if out[b] is None]
+    if live:
+        H = h[live].clone()
+        W = w[live].float()  # (B, N, K) float32, a copy
+        torch.diagonal(H, dim1=-2, dim2=-1).masked_fill_(dead[live], 1)  # dead inputs: weight 0 (reference gptq.py)
+        W.masked_fill_(dead[live].unsqueeze(1), 0)
+        # Static act-order (paper §4 note / reference `--act-order`): largest diag(H) first; stable sort
+        # so ties keep their original order and the permutation is reproducible across devices. B == 1 here.
+        perm = (torch.argsort(torch.diagonal(H[0]), descending=True, stable=True) if spec.act_order
+                else torch.arange(W.shape[-1], device=W.device))
+        W, H = W[:, :, perm], H[:, perm][:, :, perm]
+        hinv, damps = _inverse_hessian_cholesky(H, spec.damp)
+        ok = [j for j in range(len(live)) if hinv[j] is not None]
+        for j, b in enumerate(live):
+            if damps[j] != spec.damp:
+                logger.warning("GPTQ: Hessian not positive definite at damp=%g; used damp=%g", spec.damp, damps[j])
+            if hinv[j] is None:
+                logger.warning("GPTQ: Hessian not positive definite even at damp=%g; falling back to RTN", damps[j])
+                out[b] = GPTQResult(rtn[b], error_rtn[b], error_rtn[b], damps[j], damps[j] != spec.damp,
+                                    Fallback.NOT_POSITIVE_DEFINITE, n_dead[b])
+        if ok:
+            clip_h = H[ok] if clip_search else None
+            q, scale, zp = _gptq_loop(W[ok], torch.stack([hinv[j] for j in ok]), perm, spec, w.dtype, clip_h)
+            q = q[:, :, torch.argsort(perm)]
+            for i, j in enumerate(ok):
+                b = live[j]
+                qw = QWeight(q[i].contiguous(), scale[i], None if zp is None else zp[i])
+                err = hessian_error(w[b], dequantize(qw, spec.group_size), h[b])
+                out[b] = GPTQResult(qw, err, error_rtn[b], damps[j], damps[j] != spec.damp, None, n_dead[b])
+    return out
 
 
 def _check_inputs(w: torch.Tensor, h: torch.Tensor, spec: QuantSpec) -> None:
@@ -170,24 +198,37 @@ def _check_inputs(w: torch.Tensor, h: torch.Tensor, spec: QuantSpec) -> None:
         )
 
 
-def _inverse_hessian_cholesky(H: torch.Tensor, damp: float) -> tuple[torch.Tensor | None, float]:
-    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1 (paper §4, "Cholesky Reformulation").
+def _inverse_hessian_cholesky(H: torch.Tensor, damp: float) -> tuple[list[torch.Tensor | None], list[float]]:
+    """Upper Cholesky factors of (H + damp * mean(diag H) * I)^-1 (paper §4, "Cholesky Reformulation").
 
-    Retries with 10x the dampening fraction (starting from at least 1e-3) while Cholesky fails, up to
-    MAX_DAMP. Returns (U float32 [K, K], fraction used), or (None, last fraction) if none worked.
+    H is `[B, K, K]`. Each element whose Cholesky fails is retried with 10x the dampening fraction
+    (starting from at least 1e-3), up to MAX_DAMP. Returns (per element U float32 [K, K] or None when
+    none worked, per element the fraction used).
     """
-    mean_diag = torch.diag(H).mean()
-    while True:
-        Hd = H.clone()
-        Hd.diagonal().add_(damp * mean_diag)
+    mean_diag = torch.diagonal(H, dim1=-2, dim2=-1).mean(-1)  # (B,)
+    U: list[torch.Tensor | None] = [None] * H.shape[0]
+    damps = [damp] * H.shape[0]
+    todo = list(range(H.shape[0]))
+    while todo:
+        Hd = H[todo].clone()
+        d = torch.tensor([damps[b] for b in todo], device=H.device, dtype=H.dtype) * mean_diag[todo]
+        torch.diagonal(Hd, dim1=-2, dim2=-1).add_(d.unsqueeze(-1))
         L, info = torch.linalg.cholesky_ex(Hd)
-        if int(info) == 0:
-            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
-            if int(info) == 0 and bool(torch.isfinite(U).all()):
-                return U, damp
-        if damp >= MAX_DAMP:
-            return None, damp
-        damp = min(max(damp, 1e-3) * 10, MAX_DAMP)
+        fact = (info == 0).nonzero().flatten().tolist()  # cholesky_inverse raises on a failed factor
+        good = {}
+        if fact:
+            Ub, info_u = torch.linalg.cholesky_ex(torch.cholesky_inverse(L[fact]), upper=True)
+            fine = ((info_u == 0) & torch.isfinite(Ub).flatten(1).all(1)).tolist()
+            good = {fact[i]: Ub[i] for i in range(len(fact)) if fine[i]}
+        retry = []
+        for j, b in enumerate(todo):
+            if j in good:
+                U[b] = good[j]
+            elif damps[b] < MAX_DAMP:
+                damps[b] = min(max(damps[b], 1e-3) * 10, MAX_DAMP)
+                retry.append(b)
+        todo = retry
+    return U, damps
 
 
 def _gptq_loop(
@@ -198,43 +239,44 @@ def _gptq_loop(
     dtype: torch.dtype,
     clip_h: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Paper Alg. 1 over the (permuted) columns of W, with lazy batch updates of `spec.block_size`.
+    """Paper Alg. 1 over the (permuted) columns of B weights at once, with lazy batch updates of `spec.block_size`.
 
     Args:
-        W: float32 `[N, K]` weight, columns in processing order (modified in place).
-        Hinv: float32 `[K, K]` upper Cholesky factor of the damped inverse Hessian, same order.
-        perm: int64 `[K]`, processing position -> original column.
-        clip_h: the (permuted) Hessian when clip search is on, else None.
+        W: float32 `[B, N, K]` weights, columns in processing order (modified in place).
+        Hinv: float32 `[B, K, K]` upper Cholesky factors of the damped inverse Hessians, same order.
+        perm: int64 `[K]`, processing position -> original column (shared by the batch).
+        clip_h: the (permuted) Hessians `[B, K, K]` when clip search is on, else None.
     Returns:
-        q int8 `[N, K]` in processing order; scale `[N, G]` dtype and zero point int8 `[N, G]` | None,
+        q int8 `[B, N, K]` in processing order; scale `[B, N, G]` dtype and zero point int8 `[B, N, G]` | None,
         indexed by original group.
     """
-    n, k = W.shape
+    nb, n, k = W.shape
     gs, bs = spec.group_size, spec.block_size
     group_of = (perm // gs).tolist()  # processing position -> original group
     members = torch.argsort(perm).view(-1, gs)  # (G, gs): processing positions of each group's columns
     first = _first_positions(group_of)
-    scale = torch.empty(n, k // gs, dtype=dtype, device=W.device)
-    zp = None if spec.symmetric else torch.empty(n, k // gs, dtype=torch.int8, device=W.device)
+    scale = torch.empty(nb, n, k // gs, dtype=dtype, device=W.device)
+    zp = None if spec.symmetric else torch.empty(nb, n, k // gs, dtype=torch.int8, device=W.device)
     # Per-column scale / zero point, float32 copies of the dtype values, filled when a group starts.
     col_scale, col_zp = torch.empty_like(W), torch.zeros_like(W)
-    Q = torch.empty(n, k, dtype=torch.int8, device=W.device)
+    Q = torch.empty(nb, n, k, dtype=torch.int8, device=W.device)
 
     for i1 in range(0, k, bs):
         i2 = min(i1 + bs, k)
-        W1, Err1, Hinv1 = W[:, i1:i2].clone(), torch.zeros(n, i2 - i1, device=W.device), Hinv[i1:i2, i1:i2]
+        W1, Hinv1 = W[:, :, i1:i2].clone(), Hinv[:, i1:i2, i1:i2]
+        Err1 = torch.zeros(nb, n, i2 - i1, device=W.device)
         for i in range(i2 - i1):
             if i1 + i in first:  # a group's first column: fix its scale from the current weights
                 g, pos = group_of[i1 + i], members[group_of[i1 + i]]
-                current = W[:, pos] - Err1 @ Hinv[i1:i2, pos]  # + the block's pending lazy updates
+                current = W[:, :, pos] - Err1 @ Hinv[:, i1:i2, pos]  # + the block's pending lazy updates
                 _set_group_qparams(current, g, pos, spec, scale, zp, col_scale, col_zp, clip_h)
-            w, d = W1[:, i], Hinv1[i, i]
-            q_int, q = _quantize_column(w, col_scale[:, i1 + i], col_zp[:, i1 + i], spec, dtype)
-            Q[:, i1 + i] = q_int
+            w, d = W1[:, :, i], Hinv1[:, i, i].unsqueeze(1)  # (B, N), (B, 1)
+            q_int, q = _quantize_column(w, col_scale[:, :, i1 + i], col_zp[:, :, i1 + i], spec, dtype)
+            Q[:, :, i1 + i] = q_int
             err1 = (w - q) / d  # Alg. 1: E_{:, j} = (W_{:, j} - Q_{:, j}) / [H^-1]_{jj}
-            W1[:, i:] -= err1.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)  # W_{:, j:} -= E_{:, j} [H^-1]_{j, j:}
-            Err1[:, i] = err1
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]  # §4 "Lazy Batch-Updates": one update per block
+            W1[:, :, i:] -= err1.unsqueeze(2) * Hinv1[:, i, i:].unsqueeze(1)  # W_{:, j:} -= E_{:, j} [H^-1]_{j, j:}
+            Err1[:, :, i] = err1
+        W[:, :, i2:] -= Err1 @ Hinv[:, i1:i2, i2:]  # §4 "Lazy Batch-Updates": one update per block
     return Q, scale, zp
 
 
@@ -255,7 +297,7 @@ def _quantize_column(
     """compressed-tensors' fake quantization of one column, as `rtn.quantize_with_qparams`/`dequantize`.
 
     Args:
-        w: float32 `[N]`; scale, zp: float32 `[N]` holding dtype-exact values (zp = 0 if symmetric).
+        w: float32 `[..., N]`; scale, zp: float32, broadcastable to w, holding dtype-exact values (zp = 0 if symmetric).
     Returns:
         (int8 `[N]` integers, float32 `[N]` dequantized values (q - zp) * scale rounded to dtype).
     """
@@ -279,22 +321,22 @@ def _set_group_qparams(
     col_zp: torch.Tensor,
     clip_h: torch.Tensor | None,
 ) -> None:
-    """Fix group g's scale (and zero point) from its columns' current values `current` float32 [N, gs].
+    """Fix group g's scale (and zero point) from its columns' current values `current` float32 [B, N, gs].
 
     RTN's math (min/max in the weight dtype, `compute_qparams`), optionally with a clip search; writes
     `scale[:, g]`, `zp[:, g]` and expands them to the group's processing positions `pos` in
     `col_scale`/`col_zp`.
     """
     cur = current.to(scale.dtype)
-    lo, hi = group_minmax(cur, cur.shape[1])  # (N, 1) each
+    lo, hi = group_minmax(cur, cur.shape[-1])  # (B, N, 1) each
     s, z = compute_qparams(lo, hi, spec)
     if clip_h is not None:
-        s, z = _clip_search(cur, lo, hi, s, z, clip_h[pos][:, pos], spec)
-    scale[:, g] = s[:, 0]
-    col_scale[:, pos] = s.float()
+        s, z = _clip_search(cur, lo, hi, s, z, clip_h[:, pos][:, :, pos], spec)
+    scale[:, :, g] = s[:, :, 0]
+    col_scale[:, :, pos] = s.float()
     if zp is not None:
-        zp[:, g] = z[:, 0]
-        col_zp[:, pos] = z.float()
+        zp[:, :, g] = z[:, :, 0]
+        col_zp[:, :, pos] = z.float()
 
 
 def _clip_search(
@@ -309,9 +351,9 @@ def _clip_search(
     """Per row, the shrink of [lo, hi] from CLIP_GRID minimizing d H_gg d^T, d = cur - fakequant(cur).
 
     Args:
-        cur: `[N, gs]` in the weight dtype; lo, hi, s, z: `[N, 1]`; h_gg: float32 `[gs, gs]`.
+        cur: `[B, N, gs]` in the weight dtype; lo, hi, s, z: `[B, N, 1]`; h_gg: float32 `[B, gs, gs]`.
     Returns:
-        the chosen scale `[N, 1]` dtype and zero point `[N, 1]` int8 | None.
+        the chosen scale `[B, N, 1]` dtype and zero point `[B, N, 1]` int8 | None.
     """
     best_err = None
     for p in CLIP_GRID:
@@ -319,7 +361,7 @@ def _clip_search(
         zf = z_p.float() if z_p is not None else torch.zeros_like(s_p, dtype=torch.float32)
         _, deq = _quantize_column(cur.float(), s_p.float(), zf, spec, cur.dtype)
         d = cur.float() - deq
-        err = ((d @ h_gg) * d).sum(1, keepdim=True)  # (N, 1)
+        err = ((d @ h_gg) * d).sum(-1, keepdim=True)  # (B, N, 1)
         if best_err is None:
             best_err, s, z = err, s_p, z_p
             continue

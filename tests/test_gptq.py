@@ -5,6 +5,8 @@ What is asserted:
 - GPTQ equals a float64, unblocked, column-by-column transcription of the paper's Algorithm 1 (below).
 - The output has RTN's exact format, packs, and dequantizes to what GPTQ reports.
 - Dampening retries and RTN fallbacks are recorded; a Hessian without cross terms reproduces RTN.
+- A batch of problems (the experts of a layer) gives each element exactly its single-problem result,
+  fallbacks included.
 - The accumulator is batch-split invariant, merges exactly, and round-trips its state.
 """
 
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 from glmq.calibration.hessian import HessianAccumulator
-from glmq.quantize.gptq import Fallback, GPTQResult, hessian_error, quantize_gptq
+from glmq.quantize.gptq import Fallback, GPTQResult, hessian_error, quantize_gptq, quantize_gptq_batch
 from glmq.quantize.pack import pack_int32, unpack_int32
 from glmq.quantize.rtn import (
     QWeight,
@@ -354,3 +356,37 @@ def test_accumulated_hessian_drives_gptq():
         return ((x @ (w.float() - dequantize(qw, 64).float()).T) ** 2).sum().item()
 
     assert out_err(r.qweight) < 0.8 * out_err(quantize_rtn(w, spec))
+
+
+# --- batches of experts -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_batch_equals_one_at_a_time(act_order, clip, symmetric):
+    spec = gptq_spec(group_size=32, symmetric=symmetric, act_order=act_order, block_size=32)
+    probs = [problem(16, 96, seed=s) for s in (3, 4, 5)]
+    w = torch.stack([p[0] for p in probs] + [probs[0][0]])
+    h = torch.stack([p[1] for p in probs] + [torch.zeros(96, 96)])  # the last one saw no token
+    h[1, :, 7] = h[1, 7, :] = 0  # a dead input channel
+    h[2] = h[2] - 1.5 * torch.linalg.eigvalsh(h[2])[-1] * torch.eye(96)  # negative definite: RTN fallback
+    batch = quantize_gptq_batch(w, h, spec, clip_search=clip)
+    for b, got in enumerate(batch):
+        one = quantize_gptq(w[b], h[b], spec, clip_search=clip)
+        assert torch.equal(got.qweight.q, one.qweight.q) and torch.equal(got.qweight.scale, one.qweight.scale)
+        assert (got.qweight.zero_point is None) == symmetric
+        if not symmetric:
+            assert torch.equal(got.qweight.zero_point, one.qweight.zero_point)
+        assert (got.fallback, got.damp, got.dead_columns) == (one.fallback, one.damp, one.dead_columns)
+        assert got.error_gptq == pytest.approx(one.error_gptq, rel=1e-12)
+    assert batch[3].fallback is Fallback.EMPTY_HESSIAN and batch[2].fallback is Fallback.NOT_POSITIVE_DEFINITE
+    assert batch[1].dead_columns == 1 and batch[0].fallback is None and batch[0].error_gptq < batch[0].error_rtn
+
+
+def test_batch_shape_errors():
+    w, h = problem(16, 64)
+    with pytest.raises(ValueError, match=r"\[B, N, K\]"):
+        quantize_gptq_batch(w, h, gptq_spec(group_size=32))
+    with pytest.raises(ValueError, match=r"\[B, N, K\]"):
+        quantize_gptq_batch(w[None], h[None].expand(2, -1, -1), gptq_spec(group_size=32))

@@ -1,0 +1,150 @@
+"""Input Hessians of one decoder layer's target Linears, collected during a calibration forward.
+
+Sites (where an input is observed) are named by layer-local paths:
+- a plain Linear (attention, shared expert, dense MLP): its own path, e.g. `self_attn.q_proj`; a forward
+  pre-hook on the module adds its input.
+- routed expert e: `mlp.experts.{e}.gate_up` (the input of gate_proj and up_proj, the same tokens) and
+  `mlp.experts.{e}.down` (act(gate) * up, the input of down_proj). transformers keeps the experts fused
+  (`mlp.experts.gate_up_proj` [E, 2I, H]), so there is no per-expert module to hook: while collecting,
+  the experts module's forward is replaced by `_ExpertTap`, which runs the same computation as
+  transformers' eager loop, with the top-k indices the layer's own router produced, and adds to expert
+  e's Hessians only the tokens routed to e.
+
+Each expert also counts its routed tokens. *All-token* Hessians, the prior blended into every
+expert's Hessian and the whole Hessian of an expert too few tokens reach (engine.py), come from every
+token of the layer, as llm-compressor's `moe_calibrate_all_experts` sends them: for gate_up the MoE
+input (`mlp.experts.all_tokens`, shared by all experts), for down act(gate(x)) * up(x) over every
+token (`mlp.experts.{e}.down_all`, per expert).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from glmq.calibration.hessian import HessianAccumulator
+
+ALL_TOKENS = "mlp.experts.all_tokens"
+_EXPERT_TARGET = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj$")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One Linear of the layer to quantize.
+
+    Attributes:
+        module: the checkpoint's module name (`model.layers.3.mlp.experts.5.gate_proj`).
+        local: the name inside the layer (`mlp.experts.5.gate_proj`).
+        expert: routed-expert index, or None.
+        site: the Hessian site its input is observed at.
+    """
+
+    module: str
+    local: str
+    expert: int | None
+    site: str
+
+
+def make_target(module: str, layer_index: int) -> Target:
+    prefix = f"model.layers.{layer_index}."
+    if not module.startswith(prefix):
+        raise ValueError(f"{module} is not in layer {layer_index}")
+    local = module[len(prefix):]
+    m = _EXPERT_TARGET.match(local)
+    if m:
+        e = int(m.group(1))
+        return Target(module, local, e, f"mlp.experts.{e}.{'down' if m.group(2) == 'down' else 'gate_up'}")
+    return Target(module, local, None, local)
+
+
+class HessianCollector:
+    """Context manager: while active, forwards of `layer` add to the Hessians of `sites`.
+
+    Args:
+        layer: a transformers decoder layer (eval mode, weights loaded).
+        sites: Hessian sites to collect (see the module docstring); expert sites of experts outside
+            `experts` are ignored.
+        experts: expert indices whose routed Hessians this pass collects (None: all). Bounding it
+            bounds memory: E experts' Hessians of GLM-5 take 43 GB in float32.
+        all_token_experts: experts whose down-input Hessian is collected over *every* token
+            (site `mlp.experts.{e}.down_all`).
+        device: where the sums live.
+    """
+
+    def __init__(self, layer: torch.nn.Module, sites: set[str], experts: set[int] | None = None,
+                 all_token_experts: set[int] = frozenset(), device: torch.device | None = None):
+        self.layer, self.device = layer, device
+        self.experts_module = getattr(getattr(layer, "mlp", None), "experts", None)
+        n_exp = getattr(self.experts_module, "num_experts", 0)
+        self.active = set(range(n_exp)) if experts is None else set(experts)
+        self.all_token_experts = set(all_token_experts)
+        self.linear_sites = sorted(s for s in sites if not s.startswith("mlp.experts."))
+        self.expert_sites = {s for s in sites if s.startswith("mlp.experts.")}
+        self.acc: dict[str, HessianAccumulator] = {}
+        self.tokens = torch.zeros(n_exp, dtype=torch.int64)  # routed tokens per expert
+        self._handles: list = []
+
+    def _add(self, site: str, x: torch.Tensor) -> None:
+        if site not in self.acc:
+            self.acc[site] = HessianAccumulator(x.shape[-1], self.device)
+        self.acc[site].add(x)
+
+    def __enter__(self) -> HessianCollector:
+        for site in self.linear_sites:
+            module = self.layer.get_submodule(site)
+            self._handles.append(module.register_forward_pre_hook(
+                lambda _m, args, site=site: self._add(site, args[0].detach())))
+        if self.expert_sites or self.all_token_experts:
+            if self.experts_module is None:
+                raise ValueError("routed-expert targets in a layer without routed experts")
+            self.experts_module.forward = _ExpertTap(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self.experts_module is not None and "forward" in vars(self.experts_module):
+            del self.experts_module.forward  # back to the class's forward
+
+    def hessian(self, site: str) -> tuple[torch.Tensor | None, int]:
+        """(H float32 [K, K] or None if the site saw nothing, tokens) for a site."""
+        acc = self.acc.get(site)
+        return (None, 0) if acc is None else (acc.finalize(), acc.num_tokens)
+
+
+class _ExpertTap:
+    """transformers' eager expert loop (Glm4MoeExperts.forward et al.), adding to the collector."""
+
+    def __init__(self, col: HessianCollector):
+        self.col = col
+
+    @torch.no_grad()
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        col, ex = self.col, self.col.experts_module
+        if ALL_TOKENS in col.expert_sites:
+            col._add(ALL_TOKENS, hidden_states)
+        out = torch.zeros_like(hidden_states)
+        n_exp = ex.num_experts
+        mask = torch.nn.functional.one_hot(top_k_index, num_classes=n_exp).permute(2, 1, 0)  # (E, k, T)
+        col.tokens += mask.sum(dim=(1, 2)).cpu()
+        for e in range(n_exp):
+            pos, tok = torch.where(mask[e])
+            if tok.numel() == 0:
+                continue
+            x = hidden_states[tok]  # (t_e, H)
+            gate, up = torch.nn.functional.linear(x, ex.gate_up_proj[e]).chunk(2, dim=-1)
+            h = ex.act_fn(gate) * up  # (t_e, I)
+            if e in col.active:
+                if f"mlp.experts.{e}.gate_up" in col.expert_sites:
+                    col._add(f"mlp.experts.{e}.gate_up", x)
+                if f"mlp.experts.{e}.down" in col.expert_sites:
+                    col._add(f"mlp.experts.{e}.down", h)
+            y = torch.nn.functional.linear(h, ex.down_proj[e]) * top_k_weights[tok, pos, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        for e in sorted(col.all_token_experts):
+            gate, up = torch.nn.functional.linear(hidden_states, ex.gate_up_proj[e]).chunk(2, dim=-1)
+            col._add(f"mlp.experts.{e}.down_all", ex.act_fn(gate) * up)
+        return out

@@ -1,0 +1,95 @@
+"""`glmq eval`: perplexity, KL(source || quantized) and per-layer hidden-state error of checkpoints.
+
+Every checkpoint goes through calibration/evaluate.py (glmq's readers, transformers' model class, the
+same windows, batches and log-softmax as `log_probs`), so the figures are those of tests/test_quality.py.
+Per-layer error: for decoder layer l, ||h_q - h_s||_F / ||h_s||_F over all windows, with h the
+`output_hidden_states` entry after layer l (transformers returns the last one after the final norm).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from glmq.calibration.evaluate import load_model, mean_kl, perplexity, token_windows
+
+
+@torch.no_grad()
+def forward(model, windows: torch.Tensor, batch: int = 8, ref: list[torch.Tensor] | None = None):
+    """Log-probs `[W, T-1, V]` as evaluate.log_probs, plus per-layer hidden states.
+
+    Returns (log_probs, hidden) with hidden a list of `[W, T, H]` per decoder layer when `ref` is None,
+    else (log_probs, [(sum ||h - ref||^2, sum ||ref||^2) per layer]).
+    """
+    lps, hidden, sums = [], [], None
+    for i in range(0, windows.shape[0], batch):
+        out = model(windows[i:i + batch], output_hidden_states=True)
+        lps.append(torch.log_softmax(out.logits[:, :-1].float(), dim=-1))
+        hs = [h.float() for h in out.hidden_states[1:]]
+        if ref is None:
+            hidden.append(hs)
+            continue
+        sums = sums or [[0.0, 0.0] for _ in hs]
+        for s, h, r in zip(sums, hs, ref):
+            r = r[i:i + batch]
+            s[0] += float(((h - r) ** 2).sum())
+            s[1] += float((r ** 2).sum())
+    lp = torch.cat(lps)
+    if ref is None:
+        return lp, [torch.cat(layer) for layer in zip(*hidden)]
+    return lp, sums
+
+
+def compare(source: str | Path, quantized: list[str | Path], text: str | Path, seq_len: int = 256,
+            windows: int = 96, dtype: torch.dtype = torch.float32) -> dict:
+    """Evaluate the source and each quantized checkpoint on the first `windows` windows of `text`.
+
+    Returns:
+        {"text", "seq_len", "windows", "models": [{"checkpoint", "perplexity", "kl_to_source",
+        "layer_rel_error": [per decoder layer] | None}]}; the source row has KL 0 and no layer error.
+    """
+    ids = token_windows(source, text, seq_len, windows)
+    lp_src, ref = forward(load_model(source, dtype), ids)
+    rows = [{"checkpoint": str(source), "perplexity": perplexity(lp_src, ids), "kl_to_source": 0.0,
+             "layer_rel_error": None}]
+    for q in quantized:
+        lp, sums = forward(load_model(q, dtype), ids, ref=ref)
+        rows.append({"checkpoint": str(q), "perplexity": perplexity(lp, ids), "kl_to_source": mean_kl(lp_src, lp),
+                     "layer_rel_error": [math.sqrt(e / s) if s else None for e, s in sums]})
+        del lp
+    return {"text": str(text), "seq_len": seq_len, "windows": int(ids.shape[0]), "models": rows}
+
+
+def format_table(result: dict) -> str:
+    lines = [f"{result['windows']} windows x {result['seq_len']} tokens of {result['text']}",
+             f"{'checkpoint':60s} {'perplexity':>10s} {'KL(src||q)':>11s} {'layer rel. error (last after final norm)'}"]
+    for r in result["models"]:
+        errs = " ".join(f"{e:.4f}" for e in r["layer_rel_error"]) if r["layer_rel_error"] else "-"
+        lines.append(f"{r['checkpoint'][-60:]:60s} {r['perplexity']:10.4f} {r['kl_to_source']:11.5f} {errs}")
+    return "\n".join(lines)
+
+
+def plot_layer_errors(result: dict, path: str | Path) -> str | None:
+    """Write a PNG of the per-layer errors; returns None, or why no plot was written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot written (pip install matplotlib)"
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in result["models"]:
+        if r["layer_rel_error"]:
+            ax.plot(range(len(r["layer_rel_error"])), r["layer_rel_error"], marker="o",
+                    label=f"{Path(r['checkpoint']).name} (KL {r['kl_to_source']:.4f})")
+    ax.set_xlabel("decoder layer (last: after the final norm)")
+    ax.set_ylabel("relative hidden-state error vs source")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None

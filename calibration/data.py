@@ -1,0 +1,155 @@
+"""Calibration sets: text in, `[samples, seq_len]` token ids out, tokenized by the checkpoint's tokenizer.
+
+Sources (`spec`):
+- a local file: `.jsonl` (one JSON object per line with a "text" field), `.parquet` (a "text" column;
+  needs pyarrow), anything else is read as plain UTF-8 text;
+- otherwise a Hugging Face dataset name, `NAME` or `NAME:CONFIG` (split "train", field "text"), read
+  through the `datasets` package when it is installed (needs network or a local HF cache).
+
+Packing: documents are tokenized without special tokens and joined into one stream, separated by the
+tokenizer's EOS token when it has one; the stream is cut into non-overlapping windows of `seq_len`
+tokens, and `samples` of them are drawn without replacement by a `torch.Generator` seeded with `seed`
+(same inputs, same tensor). A stream shorter than `samples` windows is an error, not a silent reuse.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+TEXT_FIELD = "text"
+# Datasets are read document by document until the stream holds this many times the tokens needed,
+# so that the windows are drawn from more than the first few documents.
+DATASET_TOKEN_FACTOR = 4
+
+
+class CalibrationDataError(ValueError):
+    pass
+
+
+def load_tokenizer(checkpoint: str | Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(checkpoint))
+    except (OSError, ValueError, TypeError) as e:
+        raise CalibrationDataError(
+            f"{checkpoint}: no usable tokenizer ({e}); GPTQ calibration tokenizes the text with the "
+            f"checkpoint's own tokenizer (tokenizer.json + tokenizer_config.json in the model folder)") from e
+
+
+def calibration_tokens(checkpoint: str | Path, spec: str, samples: int = 128, seq_len: int = 256,
+                       seed: int = 0, tokenizer=None) -> torch.Tensor:
+    """The calibration set: int64 `[samples, seq_len]` token ids.
+
+    Args:
+        checkpoint: the source checkpoint folder (its tokenizer is used unless `tokenizer` is given).
+        spec: a .txt/.jsonl/.parquet path or a Hugging Face dataset name (module docstring).
+        samples, seq_len: windows drawn and their length in tokens.
+        seed: seeds the window draw (and the document order of a dataset).
+    Raises:
+        CalibrationDataError: unreadable source, missing "text" field, too little text, no tokenizer.
+    """
+    if samples <= 0 or seq_len <= 1:
+        raise CalibrationDataError(f"need samples >= 1 and seq_len >= 2, got {samples} and {seq_len}")
+    tok = tokenizer or load_tokenizer(checkpoint)
+    need = samples * seq_len
+    path = Path(spec)
+    if path.exists():
+        docs = iter_file(path)
+        budget = None  # a local file is used whole
+    else:
+        docs = iter_dataset(spec, seed)
+        budget = DATASET_TOKEN_FACTOR * need
+    stream = token_stream(tok, docs, budget)
+    windows = stream.numel() // seq_len
+    if windows < samples:
+        raise CalibrationDataError(
+            f"{spec}: {stream.numel()} tokens make {windows} windows of {seq_len}, fewer than the {samples} "
+            f"samples asked for; use fewer --samples, a shorter --seq-len or more text")
+    pick = torch.randperm(windows, generator=torch.Generator().manual_seed(seed))[:samples]
+    return stream[: windows * seq_len].view(windows, seq_len)[pick].clone()
+
+
+def token_stream(tok, docs, budget: int | None) -> torch.Tensor:
+    """Tokenize `docs` into one int64 stream (EOS between documents), stopping past `budget` tokens."""
+    eos = tok.eos_token_id
+    parts: list[list[int]] = []
+    total = 0
+    for doc in docs:
+        ids = tok(doc, add_special_tokens=False, verbose=False)["input_ids"]
+        if not ids:
+            continue
+        if parts and eos is not None:
+            ids = [eos, *ids]
+        parts.append(ids)
+        total += len(ids)
+        if budget is not None and total >= budget:
+            break
+    return torch.tensor([i for p in parts for i in p], dtype=torch.int64)
+
+
+def iter_file(path: Path):
+    """Documents of a local file: JSONL lines' "text", a Parquet "text" column, or the whole text."""
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        yield from _jsonl(path)
+    elif suffix == ".parquet":
+        yield from _parquet(path)
+    else:
+        try:
+            yield path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise CalibrationDataError(f"{path}: not UTF-8 text ({e}); give a .txt, .jsonl or .parquet file") from e
+
+
+def _jsonl(path: Path):
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise CalibrationDataError(f"{path}:{n}: not valid JSON ({e})") from e
+            if not isinstance(row, dict) or not isinstance(row.get(TEXT_FIELD), str):
+                raise CalibrationDataError(f"{path}:{n}: each line must be an object with a string "
+                                           f"{TEXT_FIELD!r} field")
+            yield row[TEXT_FIELD]
+
+
+def _parquet(path: Path):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise CalibrationDataError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow), or give "
+                                   f"the text as .txt or .jsonl") from None
+    table = pq.read_table(path)
+    if TEXT_FIELD not in table.column_names:
+        raise CalibrationDataError(f"{path}: no {TEXT_FIELD!r} column (columns: {table.column_names})")
+    for value in table.column(TEXT_FIELD).to_pylist():
+        if isinstance(value, str):
+            yield value
+
+
+def iter_dataset(name: str, seed: int):
+    """Documents of a Hugging Face dataset `NAME[:CONFIG]`, split "train", shuffled with `seed`."""
+    try:
+        import datasets
+    except ImportError:
+        raise CalibrationDataError(f"{name!r} is not a file, and reading it as a Hugging Face dataset needs "
+                                   f"the `datasets` package (pip install datasets); or give a local file") from None
+    repo, _, config = name.partition(":")
+    try:
+        ds = datasets.load_dataset(repo, config or None, split="train")
+    except Exception as e:  # datasets raises many types (network, missing config, ...); name the input
+        raise CalibrationDataError(f"dataset {name!r}: could not be loaded ({type(e).__name__}: {e})") from e
+    if TEXT_FIELD not in ds.column_names:
+        raise CalibrationDataError(f"dataset {name!r}: no {TEXT_FIELD!r} column (columns: {ds.column_names})")
+    order = list(range(len(ds)))
+    random.Random(seed).shuffle(order)
+    for i in order:
+        yield ds[i][TEXT_FIELD]

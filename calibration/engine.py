@@ -1,0 +1,419 @@
+"""Layer-sequential GPTQ: calibrate and quantize one decoder layer at a time, then stream the checkpoint.
+
+For decoder layer i = 0 .. L-1 (calibration tokens embedded with the source's `embed_tokens` first):
+  1. build layer i alone with transformers' own class, source weights loaded (calibration/layers.py);
+  2. run the calibration hidden states through it while collecting the input Hessian of every target
+     Linear of the recipe in this layer (calibration/collect.py; routed experts see only the tokens
+     the layer's own router sends them);
+  3. quantize every target with `quantize_gptq` (layer_gptq.py), and write the results (cache.py, atomic);
+  4. run the hidden states through the *quantized* layer (dequantized integers loaded back), which
+     gives the input of layer i+1; free the layer.
+Then `stream.run(plan, out, quantized=CachedQWeights(...))` writes the checkpoint: the writer, the
+manifest, the index and config.json are the streaming engine's, only the integers come from here.
+
+The MTP layer (index L, `families.mtp_layers`) is not part of transformers' forward: its targets are
+quantized with RTN by the streaming engine (the provider returns None), and the report says so.
+
+Defaults, measured on the shared trained GLM-4.x MoE (int4-w4a16, 128 x 256 tokens of prose-calib.txt,
+KL(source || quantized) over 96 x 256 tokens of prose-eval.txt; RTN 0.01345; seed-to-seed spread of
+the calibration draw about +-3 %): GPTQ with routed Hessians 0.01229; `clip_search` 0.01118 (kept:
+the largest single gain); act_order, routing-weighted Hessians and all-token Hessians for every
+expert did not help (0.0107-0.0129 with and without clip); the `expert_prior` blend 0.01089 at 128
+samples and, with 4 samples, 0.0138 where routed Hessians alone give 0.0193 (worse than RTN).
+Tried and not kept (seed 0 unless noted): act_order 0.01268 (0.01106 / 0.01116 for seeds 0 / 1 with
+clip, vs 0.01118 / 0.01110 without); routing-weight^2 token weights 0.01285; all-token Hessians for
+every expert 0.01259; output-sensitivity token weights for gate/up 0.01089 mean of 3 seeds with
+damp 0.3 (vs 0.01073 without); down_proj calibrated on quantized gate/up outputs toward the
+unquantized expert output (asymmetric, GPTAQ-style) 0.01768: it shrinks the experts' outputs.
+
+Memory: one decoder layer (compute dtype) plus its Hessians (float32 K x K per target site; bound them
+with `experts_per_pass`), plus the hidden states `[S, T, H]` in the compute dtype (S*T*H*4 bytes in
+float32: 0.8 GB for 128 x 256 tokens of GLM-5) and, for GLM-5's DSA, the carried top-k indices
+`[S, T, index_topk]` int32; with `offload_activations` both live on disk and only one batch is in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from glmq.calibration import cache as cc
+from glmq.calibration.collect import Target, make_target
+from glmq.calibration.layer_gptq import quantize_layer
+from glmq.calibration.layers import LayerBuilder
+from glmq.calibration.report import summarize
+from glmq.formats.families import layer_index
+from glmq.formats.safetensors_io import atomic_write_text
+from glmq.quantize import stream
+from glmq.quantize.plan import Action, Plan
+from glmq.quantize.rtn import QWeight, dequantize
+
+log = logging.getLogger("glmq.gptq")
+UNDER_COVERED = ("all_tokens", "rtn")
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """How GPTQ is calibrated. All but `experts_per_pass` and `offload_activations` (which change no bit of
+    the result) make up the run's identity.
+
+    Attributes:
+        calibration: the calibration file or dataset name (provenance only; the tokens are digested).
+        samples, seq_len, seed: the calibration set (calibration/data.py).
+        min_expert_tokens: a routed expert that receives fewer calibration tokens than this is
+            "under-covered": it gets `under_covered` instead of its routed Hessian and is listed in the
+            report. Default 1: an expert no token reaches has no Hessian of its own; low counts above
+            that are handled smoothly by `expert_prior` (a hard threshold at ~K tokens was measured
+            worse than the prior: 4 samples, KL 0.0144 at 256 tokens vs 0.0138 with the prior).
+        expert_prior: every routed expert's Hessian is blended with the all-token one (the layer's
+            MoE input, and act(gate(x)) * up(x) over every token for down_proj) as a prior worth
+            `expert_prior * K` tokens: H = (n H_routed + lam H_all) / (n + lam), lam = expert_prior * K,
+            K the Linear's input size. A routed Hessian from n ~ K tokens is a noisy, nearly singular
+            estimate that GPTQ overfits (measured on the shared model with 4 samples: KL 0.0193, worse
+            than RTN's 0.0134); the prior fades out as n grows past K. 0: routed Hessians only.
+            Costs the all-token down-input Hessians of every expert (E / top_k times the routed
+            expert compute in the calibration pass).
+        under_covered: "all_tokens" (Hessians from every token of the layer, as llm-compressor's
+            moe_calibrate_all_experts) or "rtn" (round-to-nearest).
+        clip_search: `quantize_gptq(clip_search=True)`.
+        batch_size: calibration samples per forward.
+        dtype: compute dtype of the layer forwards and of the stored hidden states.
+        experts_per_pass: routed experts whose Hessians are held at once (None: all); more passes,
+            less memory.
+        gptq_batch: same-shape GPTQ problems (experts) solved in one column loop
+            (`quantize_gptq_batch`); bounds the extra float32 memory to about gptq_batch x (W + 3 H).
+        offload_activations: folder for the hidden states between layers (None: in memory).
+    """
+
+    calibration: str = ""
+    samples: int = 128
+    seq_len: int = 256
+    seed: int = 0
+    min_expert_tokens: int = 1
+    under_covered: str = "all_tokens"
+    clip_search: bool = True
+    expert_prior: float = 1.0
+    batch_size: int = 8
+    dtype: str = "float32"
+    experts_per_pass: int | None = None
+    gptq_batch: int = 16
+    offload_activations: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.under_covered not in UNDER_COVERED:
+            raise ValueError(f"under_covered must be one of {UNDER_COVERED}, got {self.under_covered!r}")
+        if self.min_expert_tokens < 0 or self.expert_prior < 0 or self.batch_size <= 0 or (self.experts_per_pass or 1) <= 0 \
+                or self.gptq_batch <= 0:
+            raise ValueError("min_expert_tokens and expert_prior must be >= 0; batch_size, experts_per_pass and "
+                             "gptq_batch positive")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+    def identity(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k not in ("experts_per_pass", "offload_activations")}
+
+
+def run_gptq(plan: Plan, out: str | Path, tokens: torch.Tensor, settings: CalibrationSettings,
+             device: str = "cpu", progress: bool = True, world=None) -> dict:
+    """Calibrate and quantize with GPTQ layer by layer, then write the checkpoint; return the run report.
+
+    Args:
+        plan: a plan whose recipe has method "gptq" (its QuantSpec gives act_order, damp, block size).
+        out: output folder; a killed run resumes from its `.glmq-gptq` cache (cache.py).
+        tokens: int64 `[S, T]` calibration token ids.
+        world: a `dist.World` when this process is one rank of a torchrun job (`device` is then the
+            rank's device). Every rank runs each layer's calibration forward; the layer's routed experts
+            and other targets are split across the ranks (`dist.share` by weight size), each rank
+            collects only its own targets' Hessians and solves them, rank 0 merges the ranks' layer
+            parts into the layer file, and every rank forwards through the merged integers. The
+            checkpoint is then written by the distributed streaming engine.
+    Returns:
+        stream.run's report with a "gptq" section (calibration_report), also in glmq_report.json.
+    Raises:
+        CheckpointError (OutputDirError, CalibrationCacheError): the folder holds another run.
+        ValueError: bad tokens or a layer that does not match transformers' class.
+    """
+    out = Path(out)
+    if tokens.ndim != 2 or tokens.dtype != torch.int64:
+        raise ValueError(f"calibration tokens must be an int64 [samples, seq_len] tensor, got {tokens.dtype} {list(tokens.shape)}")
+    lead = world is None or world.is_lead
+    man = stream.prepare_output(plan, out, world)  # the manifest first: then the cache may live inside `out`
+    cache = out / cc.CACHE_DIR
+    identity = {"plan": stream.plan_identity(plan), "settings": settings.identity(),
+                "tokens_sha256": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(), "tokens_shape": list(tokens.shape)}
+    _on_lead(world, "checking the calibration cache", lambda: cc.check_identity(cache, identity))
+    finished = man.complete and len(man.files) == len(plan.files) and (cache / cc.REPORT_NAME).exists()
+    if finished:
+        report = json.loads((cache / cc.REPORT_NAME).read_text())
+        report["note"] = "output already complete: calibration not re-run"
+    else:
+        report = calibrate(plan, cache, tokens, settings, device, progress and lead, world)
+        if lead:
+            atomic_write_text(cache / cc.REPORT_NAME, json.dumps(report, indent=1) + "\n")
+    provider = cc.CachedQWeights(cache, plan.recipe.spec, plan.source.config["num_hidden_layers"])
+    result = stream.run(plan, out, device, progress and lead, quantized=provider, extra_report={"gptq": report},
+                        world=world)  # returns on every rank after rank 0 finished the checkpoint
+    if lead:
+        for p in cache.iterdir():  # the integers now live in the checkpoint; keep identity and report
+            if p.name not in (cc.IDENTITY_NAME, cc.REPORT_NAME) and p.is_file():
+                p.unlink()
+    return result
+
+
+def _on_lead(world, step: str, fn):
+    """Run `fn` on rank 0 only (or in a single process); the other ranks wait for it."""
+    if world is None:
+        return fn()
+    out = None
+    if world.is_lead:
+        try:
+            out = fn()
+        except Exception as e:
+            raise world.failure(step, e) from e
+    world.barrier(step)
+    return out
+
+
+def run_gptq_from_text(plan: Plan, out: str | Path, settings: CalibrationSettings, device: str = "cpu",
+                       progress: bool = True, world=None) -> dict:
+    """`run_gptq` with the calibration set drawn from `settings.calibration` (calibration/data.py)."""
+    from glmq.calibration.data import calibration_tokens
+
+    tokens = calibration_tokens(plan.source.root, settings.calibration, settings.samples, settings.seq_len,
+                                settings.seed)
+    return run_gptq(plan, out, tokens, settings, device, progress, world)
+
+
+def targets_by_layer(plan: Plan) -> dict[int, list[Target]]:
+    """QUANTIZE items of the decoder layers (not the MTP layer), per layer index."""
+    n = plan.source.config["num_hidden_layers"]
+    out: dict[int, list[Target]] = {i: [] for i in range(n)}
+    for it in plan.items:
+        i = layer_index(it.name)
+        if it.action is Action.QUANTIZE and i is not None and i < n:
+            out[i].append(make_target(it.module, i))
+    return out
+
+
+# ----------------------------------------------------------------------------------------- the loop
+class _Run:
+    """State of one calibration: builder, stores, cache folder, progress."""
+
+    def __init__(self, plan: Plan, cache: Path, tokens: torch.Tensor, settings: CalibrationSettings,
+                 device: str, progress: bool, world=None):
+        self.plan, self.cache, self.tokens, self.s, self.world = plan, cache, tokens, settings, world
+        self.spec = plan.recipe.spec
+        self.device = torch.device(device)
+        self.dtype = cc.dtype_of(settings.dtype)
+        self.builder = LayerBuilder(plan.source, self.device, self.dtype)
+        self.n_layers = plan.source.config["num_hidden_layers"]
+        self.targets = targets_by_layer(plan)
+        self.offload = Path(settings.offload_activations) / f"glmq-{cache.parent.resolve().name}" \
+            if settings.offload_activations else None
+        self.act_dir = self.offload or cache
+        if world is not None:  # every rank keeps its own copy of the hidden states
+            self.act_dir = self.act_dir / f"rank-{world.rank:05d}"
+        self.act_dir.mkdir(parents=True, exist_ok=True)
+        self.progress = progress
+        self.bar = None
+
+    # -- hidden states
+    def hidden_path(self, i: int, kind: str = "hidden") -> Path:
+        return self.act_dir / f"{kind}-{i:05d}.bin"
+
+    def embeddings(self) -> cc.Activations:
+        s, t = self.tokens.shape
+        shape = (s, t, self.builder.config.hidden_size)
+        if self.offload is None:
+            return cc.Activations.in_memory(self.builder.embed(self.tokens))
+        store = cc.Activations.new_file(self.act_dir / "embeddings.tmp", shape, self.dtype)
+        for b0 in range(0, s, self.s.batch_size):
+            store.write(b0, self.builder.embed(self.tokens[b0:b0 + self.s.batch_size]))
+        return store
+
+    def forward(self, layer, src: cc.Activations, carry: cc.Activations | None, dst: cc.Activations | None,
+                carry_dst: list | None = None, index: int = 0) -> float:
+        """Run every batch of `src` through `layer`; write outputs to `dst` (None: discard). Returns tokens/s.
+
+        A layer's second output (GLM-5's top-k selection) is fed to it as `HFLayer.carry` and, when
+        `carry_dst` is a list, stored in a new store appended to it.
+        """
+        t0, s = time.perf_counter(), src.shape[0]
+        name = self.builder.spec.carry
+        with torch.no_grad():
+            for b0 in range(0, s, self.s.batch_size):
+                b1 = min(b0 + self.s.batch_size, s)
+                x = src.read(b0, b1).to(self.device)
+                kw = self.builder.layer_kwargs(x)
+                if name:
+                    kw[name] = None if carry is None else carry.read(b0, b1).to(self.device)
+                y = layer(x, **kw)
+                if isinstance(y, tuple):
+                    y, extra = y
+                    if carry_dst is not None:
+                        if not carry_dst:
+                            carry_dst.append(self._carry_store(extra, s, index))
+                        carry_dst[0].write(b0, extra)
+                if dst is not None:
+                    dst.write(b0, y)
+        return src.shape[0] * src.shape[1] / max(time.perf_counter() - t0, 1e-9)
+
+    def _carry_store(self, extra: torch.Tensor, s: int, i: int) -> cc.Activations:
+        shape = (s, *extra.shape[1:])
+        if self.offload is None:
+            return cc.Activations.in_memory(torch.empty(shape, dtype=extra.dtype))
+        return cc.Activations.new_file(self.hidden_path(i, "carry").with_suffix(".tmp"), shape, extra.dtype)
+
+    def drop_states(self, keep: tuple[str, ...] = ()) -> None:
+        """Delete saved/temporary hidden states other than `keep` (file names)."""
+        for p in list(self.act_dir.glob("*.bin")) + list(self.act_dir.glob("*.tmp")):
+            if p.name.startswith(("hidden-", "carry-", "embeddings")) and p.name not in keep:
+                p.unlink()
+
+    def output_store(self, src: cc.Activations, i: int) -> cc.Activations:
+        if self.offload is None:
+            return src  # in place, batch by batch: one copy in memory
+        return cc.Activations.new_file(self.hidden_path(i).with_suffix(".tmp"), src.shape, src.dtype)
+
+    # -- one layer
+    def quantized_layer(self, i: int, state: dict, qweights: dict[str, QWeight]):
+        """Layer i with every target replaced by its dequantized integers (what the checkpoint holds)."""
+        prefix = f"model.layers.{i}."
+        state = dict(state)
+        for module, qw in qweights.items():
+            name = module[len(prefix):] + ".weight"
+            state[name] = dequantize(qw, self.spec.group_size).to(state[name].dtype)
+        return self.builder.build(i, state)
+
+    def layer(self, i: int, src: cc.Activations, carry: cc.Activations | None):
+        """Calibrate, quantize and forward layer i; returns its output stores (hidden, carry)."""
+        t0 = time.perf_counter()
+        targets = self.targets[i]
+        state = self.builder.tensors.layer_state(i)
+        qweights, meta = {}, {"layer": i, "targets": {}}
+        if targets:
+            layer = self.builder.build(i, state)
+            mine = targets if self.world is None else self.share(targets, state)
+            qweights, meta = quantize_layer(self, i, layer, state, mine, src, carry)
+            del layer
+            if self.world is not None:
+                qweights, meta = self.merge(i, qweights, meta)
+        qlayer = self.quantized_layer(i, state, qweights)
+        del state
+        dst, carry_dst = self.output_store(src, i), []
+        meta["forward_tokens_per_s"] = round(self.forward(qlayer, src, carry, dst, carry_dst, i), 1)
+        del qlayer
+        dst.save(self.hidden_path(i))
+        meta["hidden"] = dst.describe()
+        if carry_dst:
+            carry_dst[0].save(self.hidden_path(i, "carry"))
+            meta["carry"] = carry_dst[0].describe()
+        meta["seconds"] = round(time.perf_counter() - t0, 3)
+        meta["peak_rss_bytes"] = stream.peak_rss_bytes()
+        if self.world is None or self.world.is_lead:
+            cc.save_layer(self.cache, i, qweights, self.spec, meta)
+        self.drop_states(keep=(self.hidden_path(i).name, self.hidden_path(i, "carry").name))  # only the newest
+        return dst, (carry_dst[0] if carry_dst else None)
+
+    # -- several ranks
+    def share(self, targets: list[Target], state: dict) -> list[Target]:
+        """This rank's targets of a layer: whole routed experts and single other Linears, balanced by size."""
+        units: dict[object, list[Target]] = {}
+        for t in targets:
+            units.setdefault(("expert", t.expert) if t.expert is not None else t.module, []).append(t)
+        keys = list(units)
+        cost = [sum(state[t.local + ".weight"].numel() for t in units[k]) for k in keys]
+        return [t for k in self.world.mine(keys, cost) for t in units[k]]
+
+    def merge(self, i: int, qweights: dict[str, QWeight], meta: dict) -> tuple[dict[str, QWeight], dict]:
+        """Every rank's part of layer i -> the whole layer on every rank, through the cache folder.
+
+        Each rank writes its part; once all are written every rank reads them all (the integers the
+        layer file will hold, bit for bit); rank 0 merges the diagnostics and, after the next layer
+        file is written, the parts go (a resume redoes a layer whose file is missing).
+        """
+        w = self.world
+        cc.save_layer(self.cache, i, qweights, self.spec, meta, part=w.rank)
+        metas = w.gather(meta, f"layer {i}: gathering the ranks' diagnostics")
+        w.barrier(f"layer {i}: waiting for every rank's part")
+        whole: dict[str, QWeight] = {}
+        for r in range(w.size):
+            whole.update(cc.load_qweights(self.cache, i, self.spec, part=r))
+        w.barrier(f"layer {i}: reading the parts")
+        if w.is_lead:
+            cc.drop_parts(self.cache, i)
+        return whole, (merge_metas(metas) if w.is_lead else meta)
+
+    def resume_input(self, start: int) -> tuple[cc.Activations, cc.Activations | None]:
+        """The input of layer `start`: saved states if present, else regenerated from the layer files."""
+        if start > 0:
+            meta = cc.layer_meta(self.cache, start - 1)
+            h = cc.Activations.load(self.hidden_path(start - 1), tuple(meta["hidden"]["shape"]),
+                                    cc.dtype_of(meta["hidden"]["dtype"]), self.offload is None)
+            c = None
+            if "carry" in meta:
+                c = cc.Activations.load(self.hidden_path(start - 1, "carry"), tuple(meta["carry"]["shape"]),
+                                        cc.dtype_of(meta["carry"]["dtype"]), self.offload is None)
+            if h is not None and (c is not None or "carry" not in meta):
+                log.info("resuming at layer %d from saved hidden states", start)
+                return h, c
+        src, carry = self.embeddings(), None
+        for j in range(start):  # regenerate: forward the finished layers from their integers
+            log.info("resuming: regenerating the input of layer %d with quantized layer %d", start, j)
+            qlayer = self.quantized_layer(j, self.builder.tensors.layer_state(j),
+                                          cc.load_qweights(self.cache, j, self.spec))
+            dst, carry_dst = self.output_store(src, j), []
+            self.forward(qlayer, src, carry, dst, carry_dst, j)
+            if self.offload is not None:
+                dst.save(self.hidden_path(j))
+            src, carry = dst, (carry_dst[0] if carry_dst else None)
+        return src, carry
+
+
+def merge_metas(metas: list[dict]) -> dict:
+    """One layer's diagnostics from the ranks' parts: targets united, expert counts (the same on every
+    rank) from a rank that saw experts, solve time the slowest rank's."""
+    out = dict(metas[0])
+    out["targets"] = {k: v for m in metas for k, v in m["targets"].items()}
+    for m in metas:
+        if "tokens_per_expert" in m:
+            out["tokens_per_expert"], out["under_covered"] = m["tokens_per_expert"], m["under_covered"]
+            break
+    out["gptq_seconds"] = max(m.get("gptq_seconds", 0.0) for m in metas)
+    out["ranks"] = len(metas)
+    return out
+
+
+def calibrate(plan: Plan, cache: Path, tokens: torch.Tensor, settings: CalibrationSettings,
+              device: str = "cpu", progress: bool = True, world=None) -> dict:
+    """Steps 1-4 of the module docstring for every decoder layer not yet in `cache`; returns the report."""
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    run = _Run(plan, cache, tokens, settings, device, progress, world)
+    done = [cc.layer_meta(cache, i) is not None for i in range(run.n_layers)]
+    start = done.index(False) if False in done else run.n_layers
+    if start < run.n_layers:
+        run.bar = tqdm(total=sum(len(run.targets[i]) for i in range(start, run.n_layers)), unit="tensor",
+                       desc="glmq gptq", disable=not progress, dynamic_ncols=True)
+        src, carry = run.resume_input(start)
+        for i in range(start, run.n_layers):
+            run.bar.set_description(f"GPTQ layer {i + 1}/{run.n_layers}")
+            src, carry = run.layer(i, src, carry)
+        run.bar.close()
+        del src, carry
+    run.drop_states()  # every decoder layer is done: no hidden states are needed any more
+    for d in (run.act_dir, run.offload):  # this rank's folder, then (the last rank to leave) the offload one
+        if d is not None and d != cache:
+            try:
+                d.rmdir()
+            except OSError:  # not empty (another rank's states) or already gone
+                pass
+    metas = [cc.layer_meta(cache, i) for i in range(run.n_layers)]
+    return summarize(plan, metas, settings, tokens, resumed_from=start, seconds=time.perf_counter() - t0)

@@ -1,0 +1,216 @@
+"""GPTQ of one decoder layer's targets: Hessian passes, the Hessian each target gets, diagnostics.
+
+Called by engine.py for layer i with the layer built from the source (`layer`), its per-expert
+source weights (`state`) and the layer's input (`src`, `carry`); `run` is engine._Run (settings,
+spec, device, progress bar, and `forward`, one pass over the calibration samples).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from glmq.calibration.collect import ALL_TOKENS, HessianCollector, Target
+from glmq.quantize.gptq import hessian_error, quantize_gptq_batch
+from glmq.quantize.rtn import QWeight, dequantize, quantize_rtn
+
+if TYPE_CHECKING:
+    from glmq.calibration.engine import _Run
+
+
+def _expert_chunks(run: _Run, targets: list[Target]) -> list[set[int]]:
+    experts = sorted({t.expert for t in targets if t.expert is not None})
+    if not experts:
+        return [set()]
+    k = run.s.experts_per_pass or len(experts)
+    return [set(experts[j:j + k]) for j in range(0, len(experts), k)]
+
+
+def quantize_layer(run: _Run, i: int, layer, state: dict, targets: list[Target], src, carry):
+    """Collect Hessians (one pass per chunk of experts) and GPTQ every target of layer i.
+
+    Pass 0 also collects the plain Linear targets, counts the tokens routed to every expert and the
+    all-token MoE-input Hessian. The all-token down-input Hessians are collected in the same pass for
+    every expert of the chunk when `expert_prior` is on; otherwise only for under-covered experts,
+    which are known after pass 0 (one extra pass for chunk 0).
+    """
+    if not targets:  # a rank that owns nothing in this layer
+        return {}, {"layer": i, "targets": {}}
+    all_tok = run.s.under_covered == "all_tokens"
+    prior = run.s.expert_prior > 0
+    qweights: dict[str, QWeight] = {}
+    meta: dict = {"layer": i, "targets": {}}
+    tps: list[float] = []
+    under: set[int] = set()
+    all_h = (None, 0)
+    solve_s = 0.0
+    for p, chunk in enumerate(_expert_chunks(run, targets)):
+        todo = [t for t in targets if (t.expert is None and p == 0) or (t.expert is not None and t.expert in chunk)]
+        sites = {t.site for t in todo} | ({ALL_TOKENS} if p == 0 and chunk else set())
+        down_all = chunk if prior else (under & chunk if all_tok else set())
+        col = _collect(run, layer, sites, chunk, down_all, src, carry, tps)
+        if p == 0 and chunk:
+            counts = col.tokens.tolist()
+            under = {e for e, n in enumerate(counts) if n < run.s.min_expert_tokens}
+            meta["tokens_per_expert"], meta["under_covered"] = counts, sorted(under)
+            all_h = col.hessian(ALL_TOKENS)
+            if all_tok and under & chunk and not prior:  # this chunk's all-token down Hessians: one more pass
+                col.acc.update(_collect(run, layer, set(), set(), under & chunk, src, carry, tps).acc)
+        t_solve = time.perf_counter()
+        # problems are built (weights on the device, blended Hessians) one batch at a time, and each
+        # solved expert's Hessians are dropped: the layer's Hessians are the largest thing held
+        for chunk in _same_shape_chunks(_problems(todo), state, run.s.gptq_batch):
+            batch = [_Problem.make(run, g, state, col, under, all_h) for g in chunk]
+            _solve(batch, run)
+            for p in batch:
+                for t, qw, d in p.solve(run):
+                    qweights[t.module], meta["targets"][t.module] = qw, d
+                    col.acc.pop(t.site, None)
+                    col.acc.pop(t.site + "_all", None)
+            run.bar.update(sum(len(p.group) for p in batch))
+            run.bar.set_postfix_str(_postfix(qweights, targets, tps))
+            del batch
+        del col
+        solve_s += time.perf_counter() - t_solve
+    meta["calibration_tokens_per_s"] = round(statistics.fmean(tps), 1)
+    meta["gptq_seconds"] = round(solve_s, 3)
+    return qweights, meta
+
+
+def _collect(run: _Run, layer, sites: set[str], experts: set[int], all_token_experts: set[int], src, carry,
+             tps: list[float]) -> HessianCollector:
+    """One calibration pass of layer i over every sample, collecting `sites`."""
+    col = HessianCollector(layer, sites, experts=experts, all_token_experts=all_token_experts, device=run.device)
+    with col:
+        tps.append(run.forward(layer, src, carry, None))
+    return col
+
+
+def _postfix(qweights: dict, targets: list[Target], tps: list[float]) -> str:
+    experts = {t.expert for t in targets if t.expert is not None}
+    pending = {t.expert for t in targets if t.expert is not None and t.module not in qweights}
+    rate = f"{tps[-1]:.0f} tok/s" if tps else ""
+    return (f"experts {len(experts - pending)}/{len(experts)}, " if experts else "") + rate
+
+
+def _problems(todo: list[Target]) -> list[list[Target]]:
+    """Targets grouped into GPTQ problems: one per plain Linear, one per expert and Hessian site.
+
+    An expert's gate_proj and up_proj see the same inputs, so they are one problem with their rows
+    stacked (GPTQ treats rows independently given H: the same result as two calls, one column loop).
+    """
+    groups: dict[str, list[Target]] = {}
+    for t in todo:
+        groups.setdefault(t.site if t.expert is not None else t.module, []).append(t)
+    return [sorted(g, key=lambda t: t.local) for g in groups.values()]
+
+
+def _hessian_of(run: _Run, t: Target, k: int, col: HessianCollector, under: set[int], all_h: tuple):
+    """(H GPTQ uses or None for RTN, its source, H of the tokens the Linear saw or None, their count)."""
+    h_seen, n = col.hessian(t.site)
+    if t.expert is None:
+        return h_seen, "input", h_seen, n
+    h_all = all_h[0] if t.site.endswith("gate_up") else col.hessian(t.site + "_all")[0]
+    if t.expert in under:
+        return (None, "rtn", h_seen, n) if run.s.under_covered == "rtn" else (h_all, "all_tokens", h_seen, n)
+    if run.s.expert_prior > 0 and h_all is not None:
+        lam = run.s.expert_prior * k
+        return (h_all if h_seen is None else (n * h_seen + lam * h_all) / (n + lam)), "routed+prior", h_seen, n
+    return h_seen, "routed", h_seen, n
+
+
+@dataclass
+class _Problem:
+    """One GPTQ problem: the targets sharing a Hessian (rows stacked), the Hessian and where it came from.
+
+    `result` is filled by `_solve` (a GPTQResult), or stays None for round-to-nearest.
+    """
+
+    group: list[Target]
+    rows: list[int]
+    w: torch.Tensor  # (N, K) on the run's device, the group's weights stacked
+    h: torch.Tensor | None  # (K, K) the Hessian GPTQ uses; None: RTN
+    source: str
+    h_seen: torch.Tensor | None
+    tokens: int
+    result: object = None
+
+    @classmethod
+    def make(cls, run: _Run, group: list[Target], state: dict, col: HessianCollector, under: set[int],
+             all_h: tuple) -> _Problem:
+        ws = [state[t.local + ".weight"] for t in group]
+        h, source, h_seen, n = _hessian_of(run, group[0], ws[0].shape[1], col, under, all_h)
+        if source != "rtn" and h is None:  # no token at all: GPTQ falls back to RTN and says so
+            h = torch.zeros(ws[0].shape[1], ws[0].shape[1])
+        return cls(group, [w.shape[0] for w in ws], torch.cat(ws).to(run.device), h, source, h_seen, n)
+
+    def solve(self, run: _Run) -> list[tuple[Target, QWeight, dict]]:
+        """Per target (QWeight on CPU, diagnostics). Errors are measured on the tokens the Linear really
+        saw (its routed Hessian), whatever Hessian GPTQ used; on that one for an expert that saw none."""
+        if self.h is None:
+            return [(t, *_rtn_target(run, w, self.h_seen, self.tokens)) for t, w in zip(self.group, self._split(self.w))]
+        r, gs = self.result, run.spec.group_size
+        measure = (self.h_seen if self.h_seen is not None and self.tokens > 0 else self.h).to(run.device)
+        w = self.w
+        errs = {"err_gptq": row_errors(w, dequantize(r.qweight, gs), measure),
+                "err_rtn": row_errors(w, dequantize(quantize_rtn(w, run.spec), gs), measure),
+                "signal": row_errors(w, torch.zeros_like(w), measure)}
+        zp = r.qweight.zero_point
+        parts = zip(self._split(r.qweight.q), self._split(r.qweight.scale),
+                    self._split(zp) if zp is not None else [None] * len(self.group))
+        out = []
+        for j, (t, (q, sc, z)) in enumerate(zip(self.group, parts)):
+            r0 = sum(self.rows[:j])
+            d = {"tokens": self.tokens, "hessian": self.source,
+                 **{k: float(v[r0:r0 + self.rows[j]].sum()) for k, v in errs.items()},
+                 "fallback": r.fallback.value if r.fallback else None, "damp": r.damp,
+                 "damp_increased": r.damp_increased, "dead_columns": r.dead_columns}
+            out.append((t, QWeight(q.cpu(), sc.cpu(), None if z is None else z.cpu()), d))
+        return out
+
+    def _split(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return list(torch.split(x, self.rows))
+
+
+def _same_shape_chunks(groups: list[list[Target]], state: dict, size: int) -> list[list[list[Target]]]:
+    """Problems (target groups) in chunks of at most `size` whose stacked weights have one shape."""
+    by_shape: dict[tuple, list[list[Target]]] = {}
+    for g in groups:
+        ws = [state[t.local + ".weight"] for t in g]
+        by_shape.setdefault((sum(w.shape[0] for w in ws), ws[0].shape[1]), []).append(g)
+    return [gs[b0:b0 + size] for gs in by_shape.values() for b0 in range(0, len(gs), size)]
+
+
+def _solve(batch: list[_Problem], run: _Run) -> None:
+    """GPTQ of the batch's problems in one `quantize_gptq_batch` call (RTN problems are left alone)."""
+    todo = [p for p in batch if p.h is not None]
+    if todo:
+        rs = quantize_gptq_batch(torch.stack([p.w for p in todo]), torch.stack([p.h.to(p.w.device) for p in todo]),
+                                 run.spec, clip_search=run.s.clip_search)
+        for p, r in zip(todo, rs):
+            p.result = r
+
+
+def row_errors(w: torch.Tensor, w_q: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """Per row r, (w_r - wq_r) H (w_r - wq_r)^T `[N]` float64: `hessian_error` split by rows.
+
+    A diagnostic, so the matmul runs in float32 (about 1e-6 relative) and only the sums in float64:
+    three float64 [N, K] x [K, K] products per GLM-5 expert would cost more than its GPTQ on a CPU.
+    """
+    d = w.float() - w_q.float()
+    return ((d @ h.float()) * d).double().sum(1)
+
+
+def _rtn_target(run: _Run, w: torch.Tensor, h, n: int) -> tuple[QWeight, dict]:
+    """An under-covered expert under `under_covered="rtn"`: round-to-nearest, recorded as a fallback."""
+    qw = quantize_rtn(w, run.spec)
+    d = {"tokens": n, "hessian": "rtn", "fallback": "under_covered_rtn", "damp": None, "damp_increased": False,
+         "dead_columns": 0, "err_gptq": None, "err_rtn": None, "signal": None}
+    if h is not None:
+        e = hessian_error(w, dequantize(qw, run.spec.group_size), h)
+        d.update(err_gptq=e, err_rtn=e, signal=hessian_error(w, torch.zeros_like(w), h))
+    return qw, d

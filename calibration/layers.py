@@ -1,0 +1,184 @@
+"""One decoder layer at a time, built with transformers' own classes from the source shards.
+
+The calibration engine never holds the whole model: for layer i it builds exactly transformers'
+decoder-layer class for the config on the meta device (accelerate's `init_empty_weights`), reads the
+layer's tensors from the shards (FP8 dequantized to bf16 with glmq's own dequantizer, the values RTN
+would quantize), and loads them into it. What differs between families is data (`HF_LAYERS`).
+
+Layout conversion: transformers 5.x keeps the routed experts of a layer fused in memory,
+`mlp.experts.gate_up_proj` `[E, 2I, H]` (gate rows first, then up) and `mlp.experts.down_proj`
+`[E, H, I]`, while the checkpoints store per-expert 2-D `mlp.experts.E.{gate,up,down}_proj.weight`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from glmq.formats import fp8
+from glmq.formats.source import Source, SourceFormat
+
+
+@dataclass(frozen=True)
+class HFLayer:
+    """transformers' classes for one family.
+
+    Attributes:
+        module: the modeling module under `transformers.models`.
+        config / layer / rotary: class names of the config, the decoder layer and the rotary embedding.
+        full_mask: always materialize the causal mask (GLM-5's DSA indexer reads it; the model's own
+            forward passes `allow_is_causal_skip=False` for the same reason).
+        carry: keyword under which a layer's second output feeds the next layer (GLM-5 "shared" DSA
+            layers reuse the previous full layer's top-k token selection), or None.
+    """
+
+    module: str
+    config: str
+    layer: str
+    rotary: str
+    full_mask: bool = False
+    carry: str | None = None
+
+
+HF_LAYERS: dict[str, HFLayer] = {
+    "glm_moe_dsa": HFLayer("glm_moe_dsa", "GlmMoeDsaConfig", "GlmMoeDsaDecoderLayer", "GlmMoeDsaRotaryEmbedding",
+                           full_mask=True, carry="prev_topk_indices"),
+    "glm4_moe": HFLayer("glm4_moe", "Glm4MoeConfig", "Glm4MoeDecoderLayer", "Glm4MoeRotaryEmbedding"),
+    "deepseek_v3": HFLayer("deepseek_v3", "DeepseekV3Config", "DeepseekV3DecoderLayer", "DeepseekV3RotaryEmbedding"),
+}
+
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_DROP_CONFIG_KEYS = ("quantization_config", "auto_map", "model_type", "architectures")
+
+
+def _hf(family: str) -> tuple[HFLayer, object]:
+    spec = HF_LAYERS[family]
+    return spec, importlib.import_module(f"transformers.models.{spec.module}.modeling_{spec.module}")
+
+
+def hf_config(source: Source, attn_implementation: str = "sdpa"):
+    """transformers' config object for the source (its quantization_config dropped: weights arrive dense)."""
+    spec, mod = _hf(source.family.name)
+    cfg = {k: v for k, v in source.config.items() if k not in _DROP_CONFIG_KEYS}
+    config = getattr(mod, spec.config)(**cfg)
+    config._attn_implementation = attn_implementation
+    # transformers' default for a loaded model (what `glmq eval` and inference servers' references run);
+    # the Hessian passes replace the experts' forward by collect.py's tap of the eager loop anyway
+    config._experts_implementation = "grouped_mm"
+    return config
+
+
+class SourceTensors:
+    """Reads tensors of the source by name, FP8 weights dequantized exactly as the RTN path does."""
+
+    def __init__(self, source: Source):
+        self.source = source
+        self.handles: dict[str, object] = {}
+
+    def raw(self, name: str) -> torch.Tensor:
+        e = self.source.entries[name]
+        if e.shard not in self.handles:
+            self.handles[e.shard] = safe_open(str(self.source.path(e.shard)), framework="pt")
+        return self.handles[e.shard].get_tensor(name)
+
+    def weight(self, name: str) -> torch.Tensor:
+        """A tensor as floating point: FP8 -> bf16 (float32 product rounded once), others as stored."""
+        t = self.raw(name)
+        if t.dtype != torch.float8_e4m3fn:
+            return t
+        module = name.rpartition(".")[0]
+        if self.source.fmt is SourceFormat.FP8_BLOCK:
+            return fp8.dequantize_block(t, self.raw(f"{module}.weight_scale_inv"), self.source.block)
+        return fp8.dequantize_channel(t, self.raw(f"{module}.weight_scale"))
+
+    def layer_state(self, index: int) -> dict[str, torch.Tensor]:
+        """Every tensor of `model.layers.{index}.` (scales consumed), keyed by its name inside the layer."""
+        prefix = f"model.layers.{index}."
+        out = {}
+        for name in sorted(self.source.entries):
+            if not name.startswith(prefix) or name.endswith(("weight_scale_inv", "weight_scale", "input_scale")):
+                continue
+            out[name[len(prefix):]] = self.weight(name)
+        return out
+
+    def close(self) -> None:
+        self.handles.clear()
+
+
+def fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert 2-D weights -> transformers' fused `mlp.experts.gate_up_proj` / `down_proj`.
+
+    Args:
+        state: layer-local names; `mlp.experts.E.{gate,up,down}_proj.weight` `[I, H]`/`[I, H]`/`[H, I]`.
+    Returns:
+        the same dict with those replaced by `mlp.experts.gate_up_proj` `[E, 2I, H]` (gate rows first)
+        and `mlp.experts.down_proj` `[E, H, I]`.
+    Raises:
+        ValueError: if the expert indices are not 0..E-1 with all three projections.
+    """
+    experts: dict[int, dict[str, torch.Tensor]] = {}
+    rest = {}
+    for k, v in state.items():
+        m = _EXPERT.match(k)
+        if m:
+            experts.setdefault(int(m.group(1)), {})[m.group(2)] = v
+        else:
+            rest[k] = v
+    if not experts:
+        return rest
+    n = len(experts)
+    if sorted(experts) != list(range(n)) or any(len(p) != 3 for p in experts.values()):
+        raise ValueError(f"routed experts are incomplete: found indices {sorted(experts)[:8]}... with "
+                         f"projections {sorted({k for p in experts.values() for k in p})}")
+    rest["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([experts[e]["gate"], experts[e]["up"]]) for e in range(n)])
+    rest["mlp.experts.down_proj"] = torch.stack([experts[e]["down"] for e in range(n)])
+    return rest
+
+
+class LayerBuilder:
+    """Builds decoder layer i of the source with transformers' class, weights loaded, on `device`."""
+
+    def __init__(self, source: Source, device: torch.device, dtype: torch.dtype,
+                 attn_implementation: str = "sdpa"):
+        self.source = source
+        self.spec, self.mod = _hf(source.family.name)
+        self.config = hf_config(source, attn_implementation)
+        self.device, self.dtype = device, dtype
+        self.tensors = SourceTensors(source)
+        self.rotary = getattr(self.mod, self.spec.rotary)(self.config).to(device)
+
+    def build(self, index: int, state: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
+        """Layer `index` in eval mode; `state` (layer-local names, per-expert layout) defaults to the source's."""
+        from accelerate import init_empty_weights
+
+        state = fuse_experts(self.tensors.layer_state(index) if state is None else state)
+        with init_empty_weights():
+            layer = getattr(self.mod, self.spec.layer)(self.config, index)
+        expected = layer.state_dict()
+        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"{self.source.root}: layer {index} does not match transformers' "
+                             f"{self.spec.layer}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        # the router's correction bias stays float32, as transformers keeps it (_keep_in_fp32_modules_strict)
+        state = {k: v.to(self.device, torch.float32 if k.endswith("e_score_correction_bias") else self.dtype)
+                 for k, v in state.items()}
+        layer.load_state_dict(state, assign=True, strict=True)
+        return layer.eval()
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """`[S, T]` token ids -> `[S, T, H]` input embeddings in the compute dtype (on CPU)."""
+        table = self.tensors.weight("model.embed_tokens.weight")
+        return torch.nn.functional.embedding(tokens, table).to(self.dtype)
+
+    def layer_kwargs(self, x: torch.Tensor) -> dict:
+        """Rotary position embeddings and the causal mask for a batch `x` `[B, T, H]`, as the model builds them."""
+        from transformers.masking_utils import create_causal_mask
+
+        pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None, past_key_values=None,
+                                  position_ids=pos, allow_is_causal_skip=not self.spec.full_mask)
+        return {"attention_mask": mask, "position_ids": pos, "position_embeddings": self.rotary(x, position_ids=pos)}

@@ -1,0 +1,136 @@
+"""The GPTQ calibration report: per layer and per tensor class, from the diagnostics in the layer files.
+
+Relative output error of a quantized Linear on the calibration inputs X (the tokens it saw):
+    ||X (W - Wq)^T||_F / ||X W^T||_F = sqrt(tr(D H D^T) / tr(W H W^T)),  D = W - Wq, H = 2/n X^T X,
+for GPTQ's Wq and for RTN's of the same weight. Aggregates over several tensors are energy-weighted:
+sqrt(sum of errors / sum of signals), so they are the relative error of all those outputs together.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+
+import torch
+
+from glmq.formats.families import classify, layer_index, mtp_layers
+from glmq.quantize import stream
+from glmq.quantize.plan import Action, Plan
+
+
+def _rel(err: float, signal: float) -> float | None:
+    return round(math.sqrt(err / signal), 6) if signal else None
+
+
+def _class_rows(targets: dict[str, dict]) -> dict[str, dict]:
+    acc: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "err_gptq": 0.0, "err_rtn": 0.0, "signal": 0.0,
+                                                "gptq_better": 0})
+    for module, d in targets.items():
+        row = acc[classify(module).value]
+        row["tensors"] += 1
+        if d.get("signal"):
+            row["err_gptq"] += d["err_gptq"]
+            row["err_rtn"] += d["err_rtn"]
+            row["signal"] += d["signal"]
+            row["gptq_better"] += d["err_gptq"] < d["err_rtn"]
+    return {cls: {"tensors": r["tensors"], "rel_err_gptq": _rel(r["err_gptq"], r["signal"]),
+                  "rel_err_rtn": _rel(r["err_rtn"], r["signal"]), "gptq_better": r["gptq_better"],
+                  "_sums": (r["err_gptq"], r["err_rtn"], r["signal"])} for cls, r in sorted(acc.items())}
+
+
+def summarize(plan: Plan, metas: list[dict], settings, tokens: torch.Tensor, resumed_from: int,
+              seconds: float) -> dict:
+    """The report merged into glmq_report.json under "gptq"."""
+    layers, fallbacks, damped, under = [], [], [], []
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0])
+    counts_all: list[int] = []
+    for meta in metas:
+        rows = _class_rows(meta["targets"])
+        for cls, r in rows.items():
+            t = totals[cls]
+            t[0] += r["tensors"]
+            t[4] += r["gptq_better"]
+            for j, v in enumerate(r.pop("_sums")):
+                t[1 + j] += v
+        for module, d in meta["targets"].items():
+            if d["fallback"]:
+                fallbacks.append({"module": module, "reason": d["fallback"], "damp": d["damp"], "tokens": d["tokens"]})
+            if d["damp_increased"]:
+                damped.append({"module": module, "damp": d["damp"]})
+        counts = meta.get("tokens_per_expert", [])
+        counts_all += counts
+        under += [{"layer": meta["layer"], "expert": e, "tokens": counts[e], "hessian": settings.under_covered}
+                  for e in meta.get("under_covered", [])]
+        layers.append({"layer": meta["layer"], "seconds": meta["seconds"], "classes": rows,
+                       "calibration_tokens_per_s": meta.get("calibration_tokens_per_s"),
+                       "gptq_seconds": meta.get("gptq_seconds"),
+                       "forward_tokens_per_s": meta["forward_tokens_per_s"],
+                       "expert_tokens": _spread(counts), "tokens_per_expert": counts,
+                       "under_covered_experts": meta.get("under_covered", []),
+                       "peak_rss_bytes": meta["peak_rss_bytes"]})
+    by_class = {cls: {"tensors": t[0], "rel_err_gptq": _rel(t[1], t[3]), "rel_err_rtn": _rel(t[2], t[3]),
+                      "gptq_better": t[4]} for cls, t in sorted(totals.items())}
+    return {
+        "method": "gptq",
+        "settings": settings.identity() | {"offload_activations": settings.offload_activations},
+        "calibration_tokens": int(tokens.numel()),
+        "resumed_from_layer": resumed_from,
+        "seconds": round(seconds, 3),
+        "layer_seconds_total": round(sum(m["seconds"] for m in metas), 3),
+        "peak_rss_bytes": stream.peak_rss_bytes(),
+        "by_class": by_class,
+        "layers": layers,
+        "expert_coverage": {"min_expert_tokens": settings.min_expert_tokens, "tokens_per_expert": _spread(counts_all),
+                            "under_covered": under},
+        "fallbacks": fallbacks,
+        "damp_increased": damped,
+        "mtp": mtp_note(plan),
+    }
+
+
+def _spread(counts: list[int]) -> dict | None:
+    if not counts:
+        return None
+    return {"experts": len(counts), "min": min(counts), "median": statistics.median(counts), "max": max(counts),
+            "zero": sum(c == 0 for c in counts)}
+
+
+def mtp_note(plan: Plan) -> dict:
+    mtp = set(mtp_layers(plan.source.config))
+    n = sum(1 for it in plan.items if it.action is Action.QUANTIZE and layer_index(it.name) in mtp)
+    return {"layers": sorted(mtp), "tensors": n, "method": "rtn",
+            "why": "transformers' forward does not run the MTP layer, so it has no calibration inputs; its "
+                   "targets are round-to-nearest by the streaming engine"}
+
+
+def format_report(rep: dict) -> str:
+    """Human-readable tables of the "gptq" section."""
+    lines = [f"GPTQ calibration: {rep['calibration_tokens']} tokens, {rep['seconds']:.1f} s, "
+             f"peak RSS {rep['peak_rss_bytes'] / 1e9:.2f} GB" + (f", resumed at layer {rep['resumed_from_layer']}"
+                                                                   if rep["resumed_from_layer"] else "")]
+    lines.append(f"{'layer':>5s} {'class':16s} {'tensors':>7s} {'rel.err GPTQ':>12s} {'rel.err RTN':>11s} "
+                 f"{'better':>7s} {'expert tokens min/med/max':>26s} {'s':>7s}")
+    for lay in rep["layers"]:
+        sp = lay["expert_tokens"]
+        cov = f"{sp['min']}/{sp['median']:g}/{sp['max']}" if sp else "-"
+        for cls, r in lay["classes"].items():
+            lines.append(f"{lay['layer']:5d} {cls:16s} {r['tensors']:7d} {_f(r['rel_err_gptq']):>12s} "
+                         f"{_f(r['rel_err_rtn']):>11s} {r['gptq_better']:7d} {cov:>26s} {lay['seconds']:7.1f}")
+    for cls, r in rep["by_class"].items():
+        lines.append(f"{'all':>5s} {cls:16s} {r['tensors']:7d} {_f(r['rel_err_gptq']):>12s} {_f(r['rel_err_rtn']):>11s} "
+                     f"{r['gptq_better']:7d}")
+    cov = rep["expert_coverage"]
+    lines.append(f"experts under {cov['min_expert_tokens']} tokens: {len(cov['under_covered'])}"
+                 + "".join(f"\n  layer {u['layer']} expert {u['expert']}: {u['tokens']} tokens -> {u['hessian']}"
+                           for u in cov["under_covered"][:20]))
+    lines.append(f"fallbacks: {len(rep['fallbacks'])}" + "".join(
+        f"\n  {f['module']}: {f['reason']}" for f in rep["fallbacks"][:20]))
+    mtp = rep["mtp"]
+    if mtp["tensors"]:
+        lines.append(f"MTP layer(s) {mtp['layers']}: {mtp['tensors']} tensors round-to-nearest ({mtp['why']})")
+    return "\n".join(lines)
+
+
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:.5f}"

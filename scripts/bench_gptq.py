@@ -1,0 +1,179 @@
+"""GPTQ against llm-compressor, in one run: quality on the shared trained model, time and memory at scale.
+
+    python -m glmq.scripts.bench_gptq quality --shared ../shared/models [--peer-python /tmp/peer-venv/bin/python]
+    python -m glmq.scripts.bench_gptq scaling --layers 4 8 16
+
+quality: the shared GLM-4.x MoE (FP8), calibration 128 x 256 tokens of prose-calib.txt (seed 0), evaluation
+    the first 96 windows of 256 tokens of prose-eval.txt in float32 (`glmq eval`'s protocol). For each recipe
+    (routed experts only; every FP8 linear) it runs glmq RTN, glmq GPTQ, and the peer's GPTQ (default,
+    routed-only Hessians, no act-order) and AutoRound on the model dequantized to BF16 (the peer cannot read
+    block FP8), all on the same token windows, then evaluates every output through the same reader.
+scaling: a generated random-weight GLM-4.x MoE (hidden 1024, 16 routed experts top-4, the shared model's
+    tokenizer and vocabulary), 64 x 256 calibration tokens, at several layer counts: wall time and peak RSS
+    of `glmq quantize --scheme gptq` against the peer's default GPTQ.
+
+Each tool runs as its own process under `/usr/bin/time -v` style accounting (the child's ru_maxrss), so the
+peak RSS is that of the process tree's largest process and the wall time includes imports and writing.
+Results go to benchmarks/bench_gptq_<mode>.json and are printed as a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+RECIPES = {"experts": "int4-w4a16", "all-linear": "int4-w4a16-all-linear"}
+PEER_VARIANTS = ("gptq", "gptq-routed", "gptq-noact", "autoround")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def timed(cmd: list[str], log: Path, env: dict | None = None) -> dict:
+    """Run `cmd` to completion; wall seconds and the peak RSS of its largest process (wait4's rusage)."""
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        _, status, ru = os.wait4(p.pid, 0)
+    seconds = time.perf_counter() - t0
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed; see {log}:\n{log.read_text()[-3000:]}")
+    return {"seconds": round(seconds, 2), "peak_rss_bytes": ru.ru_maxrss * 1024}
+
+
+def dense_copy(src: Path, dst: Path) -> Path:
+    """The FP8 checkpoint dequantized to BF16 (glmq's reader), with its tokenizer: what the peer reads."""
+    from glmq.formats.dense import dense_config, iter_dense
+
+    if (dst / "config.json").exists():
+        return dst
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(dict(iter_dense(src, torch.bfloat16)), str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = dense_config(src)
+    cfg["torch_dtype"] = "bfloat16"
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, dst / name)
+    return dst
+
+
+def glmq_run(src: Path, out: Path, recipe: str, scheme: str, calib: Path, samples: int, work: Path) -> dict:
+    cmd = [sys.executable, "-m", "glmq", "quantize", "--model", str(src), "--output", str(out), "--recipe", recipe,
+           "--scheme", scheme, "--no-progress", "--json", str(work / f"{out.name}.report.json")]
+    if scheme == "gptq":
+        cmd += ["--calibration", str(calib), "--samples", str(samples), "--seq-len", "256"]
+    return timed(cmd, work / f"{out.name}.log")
+
+
+def peer_run(peer_python: str, dense: Path, tokens: Path, variant: str, targets: str, out: Path, work: Path) -> dict:
+    here = Path(__file__).with_name("peer_gptq.py")
+    js = work / f"{out.name}.peer.json"
+    cmd = [peer_python, str(here), "--model", str(dense), "--tokens", str(tokens), "--variant", variant,
+           "--targets", targets, "--out", str(out), "--json", str(js)]
+    r = timed(cmd, work / f"{out.name}.log", env={**os.environ, "PYTHONPATH": ""})
+    return r | {"seconds_in_process": json.loads(js.read_text())["seconds"]}
+
+
+def calibration_tokens_file(src: Path, calib: Path, samples: int, work: Path) -> Path:
+    from glmq.calibration.data import calibration_tokens
+
+    path = work / f"tokens-{samples}x256.pt"
+    torch.save(calibration_tokens(src, str(calib), samples, 256, 0), path)
+    return path
+
+
+def quality(args) -> dict:
+    from glmq.calibration.compare import compare
+
+    shared = Path(args.shared)
+    src, calib, text = shared / "glm4moe-prose-fp8", shared / "prose-calib.txt", shared / "prose-eval.txt"
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    tokens = calibration_tokens_file(src, calib, 128, work)
+    dense = dense_copy(src, work / "bf16")
+    rows = []
+    for targets in args.recipes:
+        recipe = RECIPES[targets]
+        runs = [("glmq rtn", lambda o: glmq_run(src, o, recipe, "rtn", calib, 128, work)),
+                ("glmq gptq", lambda o: glmq_run(src, o, recipe, "gptq", calib, 128, work))]
+        runs += [(f"llm-compressor {v}", lambda o, v=v: peer_run(args.peer_python, dense, tokens, v, targets, o, work))
+                 for v in args.peers]
+        for label, fn in runs:
+            out = work / f"{targets}-{label.replace(' ', '-')}"
+            shutil.rmtree(out, ignore_errors=True)
+            print(f"[{targets}] {label} ...", flush=True)
+            rows.append({"recipe": targets, "tool": label, "checkpoint": str(out)} | fn(out))
+    print("evaluating ...", flush=True)
+    ev = compare(src, [r["checkpoint"] for r in rows], text, seq_len=256, windows=96)
+    for r, m in zip(rows, ev["models"][1:]):
+        r |= {"perplexity": round(m["perplexity"], 4), "kl": round(m["kl_to_source"], 5),
+              "layer_rel_error": m["layer_rel_error"]}
+    return {"source_perplexity": round(ev["models"][0]["perplexity"], 4), "rows": rows}
+
+
+def scaling(args) -> dict:
+    from glmq.formats import fixtures
+
+    shared = Path(args.shared)
+    calib = shared / "prose-calib.txt"
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for n in args.layers:
+        src = work / f"random-{n}L-fp8"
+        if not (src / "config.json").exists():
+            shutil.rmtree(src, ignore_errors=True)
+            fixtures.make_checkpoint(src, "glm4_moe", preset="bench", config_overrides={
+                "hidden_size": 1024, "intermediate_size": 4096, "moe_intermediate_size": 1024, "n_routed_experts": 16,
+                "num_experts_per_tok": 4, "num_hidden_layers": n, "first_k_dense_replace": 1, "vocab_size": 4096,
+                "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128, "num_nextn_predict_layers": 0})
+            for name in TOKENIZER_FILES:
+                shutil.copy(shared / "glm4moe-prose-fp8" / name, src / name)
+        tokens = calibration_tokens_file(src, calib, 64, work)
+        dense = dense_copy(src, work / f"random-{n}L-bf16")
+        params = (dense / "model.safetensors").stat().st_size // 2  # bf16: two bytes a parameter
+        for label in ("glmq gptq", "llm-compressor gptq"):
+            out = work / f"scaling-{n}L-{label.replace(' ', '-')}"
+            shutil.rmtree(out, ignore_errors=True)
+            print(f"[{n} layers] {label} ...", flush=True)
+            if label.startswith("glmq"):
+                r = glmq_run(src, out, "int4-w4a16", "gptq", calib, 64, work)
+            else:
+                r = peer_run(args.peer_python, dense, tokens, "gptq", "experts", out, work)
+            rows.append({"layers": n, "tool": label, "parameters": params} | r)
+    return {"rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("mode", choices=["quality", "scaling"])
+    ap.add_argument("--shared", default=os.environ.get("GLMQ_SHARED", "../shared") + "/models")
+    ap.add_argument("--peer-python", default="/tmp/peer-venv/bin/python")
+    ap.add_argument("--work", default="/tmp/glmq-bench-gptq")
+    ap.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    ap.add_argument("--peers", nargs="*", default=list(PEER_VARIANTS), choices=list(PEER_VARIANTS))
+    ap.add_argument("--layers", nargs="+", type=int, default=[4, 8, 16])
+    ap.add_argument("--out", default="benchmarks")
+    args = ap.parse_args()
+    result = (quality if args.mode == "quality" else scaling)(args)
+    result |= {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores",
+               "load_before": os.getloadavg(), "torch": torch.__version__}
+    Path(args.out).mkdir(exist_ok=True)
+    path = Path(args.out) / f"bench_gptq_{args.mode}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    for r in result["rows"]:
+        print({k: v for k, v in r.items() if k not in ("layer_rel_error", "checkpoint")})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""Calibration sets (calibration/data.py), one-layer building (layers.py) and Hessian collection (collect.py).
+
+What is asserted:
+- A calibration set is `[samples, seq_len]` int64, made of windows of the tokenized text, the same for
+  the same seed and different for another; JSONL documents are joined with EOS; bad inputs fail with
+  the knob to change.
+- A decoder layer built alone from the shards computes exactly what transformers' whole model does.
+- Routed experts' Hessians hold exactly the tokens the layer's own router sends them (checked against
+  a direct computation), token counts add up to tokens x top-k, plain Linears get their own input,
+  and the tapped expert loop returns transformers' own MoE output.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from glmq.calibration import collect
+from glmq.calibration.data import CalibrationDataError, calibration_tokens, load_tokenizer
+from glmq.calibration.layers import LayerBuilder, fuse_experts
+from glmq.formats.source import open_source
+
+# ----------------------------------------------------------------------------------------- data
+
+
+@pytest.fixture(scope="module")
+def prose(shared_model):
+    """(model dir, a 40k-character excerpt of the calibration text, its token ids)."""
+    text = (shared_model.parent / "prose-calib.txt").read_text()[:40_000]
+    tok = load_tokenizer(shared_model)
+    return shared_model, text, torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _contains(stream: torch.Tensor, row: torch.Tensor) -> bool:
+    starts = (stream[: stream.numel() - row.numel() + 1] == row[0]).nonzero().flatten().tolist()
+    return any(torch.equal(stream[s:s + row.numel()], row) for s in starts)
+
+
+def test_text_file_windows_are_seeded_samples_of_the_tokenized_text(prose, tmp_path):
+    model, text, ids = prose
+    f = tmp_path / "calib.txt"
+    f.write_text(text)
+    a = calibration_tokens(model, str(f), samples=8, seq_len=64, seed=0)
+    assert a.dtype == torch.int64 and tuple(a.shape) == (8, 64)
+    assert torch.equal(a, calibration_tokens(model, str(f), samples=8, seq_len=64, seed=0))
+    assert not torch.equal(a, calibration_tokens(model, str(f), samples=8, seq_len=64, seed=1))
+    windows = ids[: ids.numel() // 64 * 64].view(-1, 64)
+    for row in a:  # each sample is one of the non-overlapping windows, none twice
+        assert any(torch.equal(row, w) for w in windows)
+    assert len({tuple(r.tolist()) for r in a}) == 8
+
+
+def test_jsonl_documents_are_joined_with_eos(prose, tmp_path):
+    model, text, _ = prose
+    tok = load_tokenizer(model)
+    docs = [text[i:i + 4000] for i in range(0, 40_000, 4000)]
+    f = tmp_path / "calib.jsonl"
+    f.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    a = calibration_tokens(model, str(f), samples=16, seq_len=128, seed=3)
+    assert tuple(a.shape) == (16, 128)
+    stream = []
+    for d in docs:
+        stream += ([tok.eos_token_id] if stream else []) + tok(d, add_special_tokens=False)["input_ids"]
+    stream = torch.tensor(stream)
+    assert all(_contains(stream, row) for row in a)
+
+
+def test_too_little_text_names_the_options_to_change(prose, tmp_path):
+    model, text, _ = prose
+    f = tmp_path / "short.txt"
+    f.write_text(text[:2000])
+    with pytest.raises(CalibrationDataError, match="--samples"):
+        calibration_tokens(model, str(f), samples=128, seq_len=256)
+
+
+def test_jsonl_without_text_field_names_the_line(prose, tmp_path):
+    model, _, _ = prose
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"text": "fine"}\n{"content": "no text field"}\n')
+    with pytest.raises(CalibrationDataError, match=r"bad.jsonl:2: .*'text'"):
+        calibration_tokens(model, str(f), samples=1, seq_len=4)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is not None, reason="pyarrow is installed")
+def test_parquet_without_pyarrow_says_what_to_install(prose, tmp_path):
+    model, _, _ = prose
+    f = tmp_path / "calib.parquet"
+    f.write_bytes(b"PAR1")
+    with pytest.raises(CalibrationDataError, match="pyarrow"):
+        calibration_tokens(model, str(f), samples=1, seq_len=4)
+
+
+def test_parquet_text_column(prose, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    model, text, _ = prose
+    f = tmp_path / "calib.parquet"
+    pq.write_table(pa.table({"text": [text[:20_000], text[20_000:]]}), f)
+    assert tuple(calibration_tokens(model, str(f), samples=4, seq_len=64).shape) == (4, 64)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("datasets") is not None, reason="datasets is installed")
+def test_dataset_name_without_datasets_package(prose):
+    model, _, _ = prose
+    with pytest.raises(CalibrationDataError, match="datasets"):
+        calibration_tokens(model, "no-such-file-or-dataset", samples=1, seq_len=4)
+
+
+def test_checkpoint_without_tokenizer_is_a_clear_error(make_ckpt, tmp_path):
+    src = make_ckpt("glm4_moe", "fp8-block")  # generated fixtures carry no tokenizer.json
+    f = tmp_path / "t.txt"
+    f.write_text("hello " * 100)
+    with pytest.raises(CalibrationDataError, match="tokenizer"):
+        calibration_tokens(src, str(f), samples=1, seq_len=4)
+
+
+# ----------------------------------------------------------------------------------------- layers
+
+
+def test_fuse_experts_puts_gate_rows_first():
+    g, u, d = torch.randn(4, 8), torch.randn(4, 8), torch.randn(8, 4)
+    state = {f"mlp.experts.{e}.{p}_proj.weight": t * (e + 1) for e in range(2) for p, t in
+             (("gate", g), ("up", u), ("down", d))}
+    fused = fuse_experts({**state, "mlp.gate.weight": torch.zeros(2, 8)})
+    assert set(fused) == {"mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"}
+    assert torch.equal(fused["mlp.experts.gate_up_proj"][1], torch.cat([g, u]) * 2)
+    assert torch.equal(fused["mlp.experts.down_proj"][0], d)
+    with pytest.raises(ValueError, match="incomplete"):
+        fuse_experts({"mlp.experts.1.gate_proj.weight": g})
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "glm_moe_dsa"])
+def test_layers_built_alone_match_the_whole_model(make_ckpt, family):
+    from glmq.calibration.evaluate import load_model
+
+    src = make_ckpt(family, "fp8-block")
+    b = LayerBuilder(open_source(src), torch.device("cpu"), torch.float32)
+    ids = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(0))
+    x, carry = b.embed(ids), None
+    with torch.no_grad():
+        ref = load_model(src)(ids, output_hidden_states=True).hidden_states
+        for i in range(b.config.num_hidden_layers - 1):  # the last entry of hidden_states is normed
+            kw = b.layer_kwargs(x)
+            if b.spec.carry:
+                kw[b.spec.carry] = carry
+            out = b.build(i)(x, **kw)
+            x, carry = out if isinstance(out, tuple) else (out, None)
+            assert torch.equal(x, ref[i + 1]), f"layer {i}"
+
+
+# ----------------------------------------------------------------------------------------- Hessians
+
+
+@pytest.fixture(scope="module")
+def moe_layer(make_ckpt):
+    b = LayerBuilder(open_source(make_ckpt("glm_moe_dsa", "fp8-block")), torch.device("cpu"), torch.float32)
+    layer = b.build(1)
+    x = torch.randn(3, 40, b.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    return b, layer, x
+
+
+def test_expert_hessians_hold_exactly_the_routed_tokens(moe_layer):
+    b, layer, x = moe_layer
+    n_exp, k = b.config.n_routed_experts, b.config.num_experts_per_tok
+    sites = {f"mlp.experts.{e}.{s}" for e in range(n_exp) for s in ("gate_up", "down")} | {
+        collect.ALL_TOKENS, "mlp.shared_experts.down_proj", "self_attn.q_a_proj"}
+    captured = {}
+    hooks = [layer.post_attention_layernorm.register_forward_hook(lambda m, a, o: captured.update(moe_in=o)),
+             layer.mlp.shared_experts.down_proj.register_forward_pre_hook(lambda m, a: captured.update(sh=a[0]))]
+    with torch.no_grad():
+        plain = layer(x, **b.layer_kwargs(x))[0]
+        with collect.HessianCollector(layer, sites) as col:
+            tapped = layer(x, **b.layer_kwargs(x))[0]
+    for h in hooks:
+        h.remove()
+    torch.testing.assert_close(tapped, plain, rtol=1e-5, atol=1e-6)  # the tap computes transformers' MoE
+    moe_in = captured["moe_in"].reshape(-1, b.config.hidden_size)
+    _, _, topk = layer.mlp.gate(moe_in)
+    assert int(col.tokens.sum()) == moe_in.shape[0] * k
+    ex = layer.mlp.experts
+    for e in range(n_exp):
+        tok = (topk == e).any(-1).nonzero().flatten()
+        assert int(col.tokens[e]) == tok.numel()
+        h, n = col.hessian(f"mlp.experts.{e}.gate_up")
+        if tok.numel() == 0:
+            assert h is None and n == 0
+            continue
+        xe = moe_in[tok]
+        torch.testing.assert_close(h, 2 / tok.numel() * xe.T @ xe, rtol=1e-4, atol=1e-6)
+        g, u = (xe @ ex.gate_up_proj[e].T).chunk(2, dim=-1)
+        he = torch.nn.functional.silu(g) * u
+        torch.testing.assert_close(col.hessian(f"mlp.experts.{e}.down")[0], 2 / tok.numel() * he.T @ he,
+                                   rtol=1e-4, atol=1e-6)
+    h_all, n_all = col.hessian(collect.ALL_TOKENS)
+    assert n_all == moe_in.shape[0]
+    torch.testing.assert_close(h_all, 2 / n_all * moe_in.T @ moe_in, rtol=1e-4, atol=1e-6)
+    sh = captured["sh"].reshape(-1, captured["sh"].shape[-1])
+    torch.testing.assert_close(col.hessian("mlp.shared_experts.down_proj")[0], 2 / sh.shape[0] * sh.T @ sh,
+                               rtol=1e-4, atol=1e-6)
+    assert col.hessian("self_attn.q_a_proj")[1] == x.shape[0] * x.shape[1]
+    assert "forward" not in vars(layer.mlp.experts), "the tap must be removed on exit"
+
+
+def test_expert_chunks_and_all_token_down_hessians(moe_layer):
+    b, layer, x = moe_layer
+    sites = {f"mlp.experts.{e}.gate_up" for e in range(8)}
+    with torch.no_grad(), collect.HessianCollector(layer, sites, experts={2, 3}, all_token_experts={5}) as col:
+        layer(x, **b.layer_kwargs(x))
+    routed = {f"mlp.experts.{e}.gate_up" for e in (2, 3) if col.tokens[e] > 0}
+    assert routed and set(col.acc) == routed | {"mlp.experts.5.down_all"}  # only the chunk's experts
+    assert col.hessian("mlp.experts.5.down_all")[1] == x.shape[0] * x.shape[1]
+    assert int(col.tokens.sum()) == x.shape[0] * x.shape[1] * b.config.num_experts_per_tok  # counts all experts
+
+
+# ----------------------------------------------------------------------------------------- activations
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
+def test_activation_stores_round_trip(tmp_path, dtype):
+    from glmq.calibration.cache import Activations
+
+    data = (torch.randn(5, 3, 4) * 100).to(dtype)
+    mem = Activations.in_memory(data.clone())
+    disk = Activations.new_file(tmp_path / "h.tmp", tuple(data.shape), dtype)
+    for b0 in (0, 2, 4):  # batch-wise writes, as a layer produces them
+        disk.write(b0, data[b0:b0 + 2])
+    assert torch.equal(disk.read(1, 4), data[1:4]) and torch.equal(mem.read(1, 4), data[1:4])
+    disk.save(tmp_path / "h.bin")
+    mem.save(tmp_path / "m.bin")
+    assert not (tmp_path / "h.tmp").exists()
+    for path in ("h.bin", "m.bin"):
+        for in_memory in (True, False):
+            back = Activations.load(tmp_path / path, tuple(data.shape), dtype, in_memory)
+            assert torch.equal(back.read(0, 5), data)
+    assert Activations.load(tmp_path / "h.bin", (6, 3, 4), dtype, True) is None  # wrong size: not a resume point

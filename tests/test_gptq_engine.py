@@ -1,0 +1,411 @@
+"""The layer-sequential GPTQ engine (calibration/engine.py) end to end on generated checkpoints.
+
+What is asserted:
+- GPTQ output has exactly RTN's format (same tensor names, dtypes, shapes and config; compressed-
+  tensors decompresses it to our weights); only the calibrated targets differ from RTN, and the MTP
+  layer's experts are RTN's bytes.
+- On the calibration data, GPTQ's experts give a smaller decoder-layer output error than RTN's,
+  measured independently of the engine's own bookkeeping, and its report says the same per class.
+- Expert coverage: token counts add up; under-covered experts are listed and get all-token Hessians
+  or RTN; an expert no token reaches is an empty-Hessian fallback in the report, never silent.
+- A run killed mid-layer (and one killed while writing) resumes and ends byte-identical to an
+  uninterrupted run, with activations in memory or offloaded to disk.
+- A folder holding another run (RTN, or other calibration settings) is refused.
+- On the shared trained model (slow): KL and perplexity, measured and printed, beat RTN's.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from glmq import recipes
+from glmq.calibration.cache import CACHE_DIR, CalibrationCacheError
+from glmq.calibration.engine import CalibrationSettings, run_gptq
+from glmq.calibration.layers import LayerBuilder
+from glmq.formats.dense import iter_dense
+from glmq.formats.manifest import REPORT_NAME
+from glmq.formats.source import open_source
+from glmq.quantize import stream
+from glmq.quantize.plan import make_plan
+from test_stream import OLD_CT_ARGS_KEYS, ct_decompress, tensors  # tests/ is on sys.path (rootdir-less test modules)
+
+SAMPLES, SEQ = 16, 64
+
+
+def gptq_plan(src: Path, recipe: str = "int4-w4a16", max_shard_bytes: int = 300_000):
+    return make_plan(open_source(src), recipes.load(recipe).with_method("gptq"), max_shard_bytes)
+
+
+def rtn_plan(src: Path, recipe: str = "int4-w4a16", max_shard_bytes: int = 300_000):
+    return make_plan(open_source(src), recipes.load(recipe), max_shard_bytes)
+
+
+def calib_ids(vocab: int = 512, samples: int = SAMPLES, seq: int = SEQ, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (samples, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def settings(**kw) -> CalibrationSettings:
+    return CalibrationSettings(**{"samples": SAMPLES, "seq_len": SEQ, "batch_size": 4, **kw})
+
+
+@pytest.fixture(scope="module")
+def glm4(make_ckpt, tmp_path_factory):
+    """(source, GPTQ output, RTN output, GPTQ report) for the tiny GLM-4.x MoE, recipe int4-w4a16."""
+    src = make_ckpt("glm4_moe", "fp8-block")
+    tmp = tmp_path_factory.mktemp("glm4-gptq")
+    report = run_gptq(gptq_plan(src), tmp / "gptq", calib_ids(), settings(), progress=False)
+    stream.run(rtn_plan(src), tmp / "rtn", progress=False)
+    return src, tmp / "gptq", tmp / "rtn", report
+
+
+# ----------------------------------------------------------------------------------------- format
+
+
+def test_gptq_output_has_exactly_the_rtn_format(glm4):
+    src, gptq, rtn, _ = glm4
+    tg, tr = tensors(gptq), tensors(rtn)
+    assert {k: (v.dtype, v.shape) for k, v in tg.items()} == {k: (v.dtype, v.shape) for k, v in tr.items()}
+    cfg_g, cfg_r = (json.loads((d / "config.json").read_text()) for d in (gptq, rtn))
+    assert cfg_g == cfg_r
+    (group,) = cfg_g["quantization_config"]["config_groups"].values()
+    assert set(group["weights"]) == OLD_CT_ARGS_KEYS and group["format"] == "pack-quantized"
+    n_layers = cfg_g["num_hidden_layers"]
+    calibrated = [k for k in tg if ".experts." in k and int(k.split(".")[2]) < n_layers]
+    for name, t in tg.items():
+        if name not in calibrated:  # everything else, the MTP layer's experts (RTN) included, is RTN's bytes
+            assert torch.equal(t, tr[name]), name
+    packed = [k for k in calibrated if k.endswith("weight_packed")]
+    assert len(packed) == 2 * 8 * 3 and all(not torch.equal(tg[k], tr[k]) for k in packed)
+    theirs, ours = ct_decompress(gptq), dict(iter_dense(gptq, torch.bfloat16))
+    assert theirs and all(torch.equal(w, ours[k]) for k, w in theirs.items())
+
+
+def test_report_and_manifest(glm4):
+    src, gptq, rtn, report = glm4
+    assert json.loads((gptq / REPORT_NAME).read_text())["gptq"] == report["gptq"]
+    man_g, man_r = (json.loads((d / "glmq_manifest.json").read_text()) for d in (gptq, rtn))
+    assert man_g["identity"]["recipe"]["method"] == "gptq" and man_r["identity"]["recipe"]["method"] == "rtn"
+    g = report["gptq"]
+    assert g["settings"]["samples"] == SAMPLES and g["calibration_tokens"] == SAMPLES * SEQ
+    assert g["mtp"]["method"] == "rtn" and g["mtp"]["tensors"] == 3 * 8
+    assert [lay["layer"] for lay in g["layers"]] == [0, 1, 2]
+    assert sorted(p.name for p in (gptq / CACHE_DIR).iterdir()) == ["calibration.json", "report.json"]
+
+
+def _layer_output(b: LayerBuilder, i: int, state: dict, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return b.build(i, state)(x, **b.layer_kwargs(x))
+
+
+def test_gptq_layer_output_error_is_below_rtn(glm4):
+    """Decoder layer 1 (the first MoE layer; layer 0 is dense and unquantized, so its input is the same in
+    every model), run on the calibration data with the source's, GPTQ's and RTN's experts."""
+    src, gptq, rtn, report = glm4
+    b = LayerBuilder(open_source(src), torch.device("cpu"), torch.float32)
+    x = _layer_output(b, 0, b.tensors.layer_state(0), b.embed(calib_ids()))
+    ref = _layer_output(b, 1, b.tensors.layer_state(1), x)
+    errs = {}
+    for name, out in (("gptq", gptq), ("rtn", rtn)):
+        state = {k[len("model.layers.1."):]: v for k, v in iter_dense(out) if k.startswith("model.layers.1.")}
+        errs[name] = ((_layer_output(b, 1, state, x) - ref).norm() / (ref - x).norm()).item()
+    print("layer-1 output error", errs)
+    assert 0 < errs["gptq"] < 0.8 * errs["rtn"], errs
+    for lay in report["gptq"]["layers"][1:]:
+        row = lay["classes"]["routed_expert"]
+        assert row["rel_err_gptq"] < row["rel_err_rtn"], lay
+    row = report["gptq"]["by_class"]["routed_expert"]
+    assert row["tensors"] == 48 and row["gptq_better"] >= 40
+
+
+def test_experts_per_pass_changes_no_bit(glm4, tmp_path):
+    """Holding the Hessians of 3 experts at a time (3 passes per layer) gives the same checkpoint."""
+    src, gptq, _, _ = glm4
+    run_gptq(gptq_plan(src), tmp_path / "chunked", calib_ids(), settings(experts_per_pass=3), progress=False)
+    assert _files(tmp_path / "chunked") == _files(gptq)
+
+
+def test_glm5_all_linear_recipe(make_ckpt, tmp_path):
+    """GLM-5 layout (MLA + DSA indexer, carried top-k), attention / shared / dense targets too."""
+    src = make_ckpt("glm_moe_dsa", "fp8-block")
+    out = tmp_path / "gptq"
+    report = run_gptq(gptq_plan(src, "int4-w4a16-all-linear"), out, calib_ids(), settings(clip_search=False),
+                      progress=False)
+    stream.run(rtn_plan(src, "int4-w4a16-all-linear"), tmp_path / "rtn", progress=False)
+    tg, tr = tensors(out), tensors(tmp_path / "rtn")
+    assert {k: (v.dtype, v.shape) for k, v in tg.items()} == {k: (v.dtype, v.shape) for k, v in tr.items()}
+    by_class = report["gptq"]["by_class"]
+    assert set(by_class) == {"attention", "dense_mlp", "routed_expert", "shared_expert"}
+    for cls, row in by_class.items():
+        assert row["rel_err_gptq"] < row["rel_err_rtn"], (cls, row)
+    assert not torch.equal(tg["model.layers.1.self_attn.kv_b_proj.weight_packed"],
+                           tr["model.layers.1.self_attn.kv_b_proj.weight_packed"])
+    assert torch.equal(tg["model.layers.1.self_attn.indexer.wk.weight"], tr["model.layers.1.self_attn.indexer.wk.weight"])
+
+
+# ----------------------------------------------------------------------------------------- coverage
+
+
+def test_expert_token_counts_and_under_covered_rtn(glm4, tmp_path):
+    src, _, rtn, report = glm4
+    cfg = json.loads((src / "config.json").read_text())
+    for lay in report["gptq"]["layers"][1:]:  # every routed token counted once per expert it reaches
+        assert len(lay["tokens_per_expert"]) == cfg["n_routed_experts"]
+        assert sum(lay["tokens_per_expert"]) == SAMPLES * SEQ * cfg["num_experts_per_tok"]
+    # every expert under the threshold, handled by RTN: the experts are RTN's bytes, each one reported
+    out = tmp_path / "rtn-covered"
+    rep = run_gptq(gptq_plan(src), out, calib_ids(), settings(min_expert_tokens=10**9, under_covered="rtn"),
+                   progress=False)["gptq"]
+    assert len(rep["expert_coverage"]["under_covered"]) == 2 * cfg["n_routed_experts"]
+    assert {f["reason"] for f in rep["fallbacks"]} == {"under_covered_rtn"} and len(rep["fallbacks"]) == 48
+    t, tr = tensors(out), tensors(rtn)
+    assert all(torch.equal(v, tr[k]) for k, v in t.items())
+
+
+def _with_dead_expert(src: Path, dst: Path, layer: int, expert: int) -> Path:
+    """A copy of `src` whose router never picks `expert` in `layer` (its score correction bias -1e9)."""
+    shutil.copytree(src, dst)
+    name = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+    wm = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = dst / wm[name]
+    t = load_file(str(shard))
+    t[name] = t[name].clone()
+    t[name][expert] = -1e9
+    save_file(t, str(shard), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("min_tokens", [0, 1])
+def test_expert_without_tokens_is_reported(make_ckpt, tmp_path, min_tokens):
+    src = _with_dead_expert(make_ckpt("glm4_moe", "fp8-block"), tmp_path / "src", layer=1, expert=3)
+    s = settings(min_expert_tokens=min_tokens, expert_prior=0.0 if min_tokens == 0 else 1.0, clip_search=False)
+    rep = run_gptq(gptq_plan(src), tmp_path / "o", calib_ids(), s, progress=False)["gptq"]
+    assert rep["layers"][1]["expert_tokens"]["zero"] >= 1
+    dead = [f"model.layers.1.mlp.experts.3.{p}_proj" for p in ("gate", "up", "down")]
+    if min_tokens == 0:  # no threshold, no prior: no Hessian at all, so RTN, recorded per tensor
+        assert {f["module"]: f["reason"] for f in rep["fallbacks"] if f["module"] in dead} == \
+            {m: "empty_hessian" for m in dead}
+    else:  # under-covered: quantized with the all-token Hessian, listed
+        assert {"layer": 1, "expert": 3, "tokens": 0, "hessian": "all_tokens"} in rep["expert_coverage"]["under_covered"]
+        assert not any(f["module"] in dead for f in rep["fallbacks"])
+
+
+# ----------------------------------------------------------------------------------------- resume
+
+
+def write_tokenizer(folder: Path) -> None:
+    """A byte-level tokenizer (256 byte tokens + <|endoftext|>) that loads with AutoTokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab["<|endoftext|>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(folder / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def cli_src(make_ckpt, tmp_path_factory):
+    """A GLM-5 layout checkpoint with a tokenizer, a calibration text, and the uninterrupted CLI run."""
+    tmp = tmp_path_factory.mktemp("gptq-cli")
+    src = tmp / "src"
+    shutil.copytree(make_ckpt("glm_moe_dsa", "fp8-block"), src)
+    write_tokenizer(src)
+    rng = random.Random(0)
+    words = ["expert", "router", "token", "layer", "quantize", "group", "scale", "the", "of", "and"]
+    text = tmp / "calib.txt"
+    text.write_text(" ".join(rng.choice(words) for _ in range(2000)))
+    ref = tmp / "ref"
+    r = _cli("none", 0, src, ref, text)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "GPTQ calibration" in r.stdout and "MTP layer" in r.stdout
+    return src, text, ref
+
+
+_CHILD = r"""
+import os, sys
+mode, limit = sys.argv[1], int(sys.argv[2])
+calls = [0]
+def dying(orig):
+    def f(*a, **k):
+        calls[0] += 1
+        if calls[0] > limit:
+            os._exit(137)
+        return orig(*a, **k)
+    return f
+if mode == "gptq":  # dies inside a layer, after `limit` batched GPTQ calls
+    from glmq.calibration import layer_gptq
+    layer_gptq.quantize_gptq_batch = dying(layer_gptq.quantize_gptq_batch)
+elif mode == "write":  # dies while writing the checkpoint, after `limit` tensor writes
+    from glmq.formats import safetensors_io
+    safetensors_io.StreamingWriter.write = dying(safetensors_io.StreamingWriter.write)
+from glmq.scripts.cli import main
+sys.argv = ["glmq", "quantize", "--model", sys.argv[3], "--output", sys.argv[4], "--scheme", "gptq",
+            "--calibration", sys.argv[5], "--samples", "8", "--seq-len", "32", "--max-shard-size", "300KB",
+            "--no-progress", *sys.argv[6:]]
+main()
+"""
+
+
+def _cli(mode: str, limit: int, src: Path, out: Path, text: Path, *extra: str):
+    return subprocess.run([sys.executable, "-c", _CHILD, mode, str(limit), str(src), str(out), str(text), *extra],
+                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(root.iterdir()) if p.is_file() and p.name != REPORT_NAME}
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_killed_mid_layer_resumes_byte_identical(cli_src, tmp_path, offload):
+    """Killed inside layer 2 (then, offloaded, also while writing the checkpoint); each rerun resumes."""
+    src, text, ref = cli_src
+    out = tmp_path / "out"
+    extra = ("--offload-activations", str(tmp_path / "acts")) if offload else ()
+    # layer 0 is dense (no target); layers 1 and 2 have 8 experts each, solved in two batched GPTQ calls
+    # (gate+up, down): die in the middle of layer 2, at its second call
+    r = _cli("gptq", 2 + 1, src, out, text, *extra)
+    assert r.returncode == 137, r.stderr[-3000:]
+    cache = out / CACHE_DIR
+    assert sorted(p.name for p in cache.glob("layer-*")) == ["layer-00000.safetensors", "layer-00001.safetensors"]
+    assert not (out / "config.json").exists()
+    if offload:
+        r = _cli("write", 40, src, out, text, *extra)  # resumes at layer 2, then dies while writing
+        assert r.returncode == 137, r.stderr[-3000:]
+        assert not (out / "config.json").exists()
+    r = _cli("none", 0, src, out, text, *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _files(out) == _files(ref)
+    rep = json.loads((out / REPORT_NAME).read_text())
+    assert rep["gptq"]["resumed_from_layer"] == (3 if offload else 2)  # 3: calibration had finished
+    assert rep["files_skipped_resumed"] > 0 if offload else True
+    if offload:
+        assert not list((tmp_path / "acts").rglob("*")), "offloaded activations left behind"
+
+
+def test_rerun_of_a_finished_job_and_foreign_folders(glm4, tmp_path, monkeypatch):
+    from glmq.calibration import layer_gptq
+    from glmq.quantize.stream import OutputDirError
+
+    src, gptq, rtn, report = glm4
+    out = tmp_path / "out"
+    shutil.copytree(gptq, out)
+
+    def no_gptq(*a, **k):
+        raise AssertionError("a finished job must not calibrate again")
+
+    monkeypatch.setattr(layer_gptq, "quantize_gptq_batch", no_gptq)
+    again = run_gptq(gptq_plan(src), out, calib_ids(), settings(), progress=False)
+    assert again["files_skipped_resumed"] == again["files"] and "calibration not re-run" in again["gptq"]["note"]
+    assert _files(out) == _files(gptq)
+    with pytest.raises(CalibrationCacheError, match="differs in: settings"):
+        run_gptq(gptq_plan(src), out, calib_ids(), settings(seed=1), progress=False)
+    with pytest.raises(CalibrationCacheError, match="tokens_sha256"):
+        run_gptq(gptq_plan(src), out, calib_ids(seed=1), settings(), progress=False)
+    with pytest.raises(OutputDirError, match="differs in: recipe"):  # an RTN run's folder
+        run_gptq(gptq_plan(src), rtn, calib_ids(), settings(), progress=False)
+
+
+def test_eval_command(cli_src, tmp_path):
+    """`glmq eval`: a table, JSON with perplexity / KL / per-layer error, and the plot or a note why not."""
+    import importlib.util
+
+    from click.testing import CliRunner
+
+    from glmq.scripts.cli import main
+
+    src, text, ref = cli_src
+    js, png = tmp_path / "eval.json", tmp_path / "layers.png"
+    r = CliRunner().invoke(main, ["eval", str(src), str(ref), "--text", str(text), "--seq-len", "32",
+                                  "--windows", "6", "--json", str(js), "--plot", str(png)])
+    assert r.exit_code == 0, r.output
+    res = json.loads(js.read_text())
+    src_row, q = res["models"]
+    assert res["windows"] == 6 and src_row["kl_to_source"] == 0.0 and src_row["layer_rel_error"] is None
+    assert q["kl_to_source"] > 0 and q["perplexity"] > 1
+    n_layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    assert len(q["layer_rel_error"]) == n_layers and q["layer_rel_error"][0] == 0.0  # layer 0 has no target
+    assert all(e > 0 for e in q["layer_rel_error"][1:])
+    assert f"{q['kl_to_source']:.5f}" in r.output
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "matplotlib is not installed" in r.output and not png.exists()
+    else:
+        assert png.stat().st_size > 0
+
+
+def test_gptq_needs_calibration_text(make_ckpt):
+    from click.testing import CliRunner
+
+    from glmq.scripts.cli import main
+
+    r = CliRunner().invoke(main, ["quantize", "--model", str(make_ckpt("glm4_moe", "fp8-block")), "--scheme", "gptq"])
+    assert r.exit_code == 2 and "--calibration" in r.output
+
+
+def test_settings_are_validated():
+    with pytest.raises(ValueError, match="under_covered"):
+        CalibrationSettings(under_covered="skip")
+    with pytest.raises(ValueError, match="dtype"):
+        CalibrationSettings(dtype="int8")
+    # where the activations live does not change a single bit, so it is not part of the run identity
+    assert CalibrationSettings(offload_activations="/x").identity() == CalibrationSettings().identity()
+
+
+def test_foreign_calibration_cache_is_refused(tmp_path):
+    from glmq.calibration.cache import check_identity
+
+    check_identity(tmp_path, {"settings": {"seed": 0}})
+    check_identity(tmp_path, {"settings": {"seed": 0}})
+    with pytest.raises(CalibrationCacheError, match="settings"):
+        check_identity(tmp_path, {"settings": {"seed": 1}})
+
+
+# ----------------------------------------------------------------------------------------- quality
+
+RTN_KL, RTN_PPL = 0.01345, 3.9317  # BENCHMARKS.md: glmq int4-w4a16 RTN on the same protocol
+PEER_GPTQ_KL, AUTOROUND_KL = 0.01246, 0.01072  # the issue's peer figures
+
+
+@pytest.mark.slow
+def test_shared_model_gptq_beats_rtn(shared_model, tmp_path):
+    """The shipped recipe with --scheme gptq (damp 0.01, the QuantSpec default), and the same recipe with
+    damp 0.3 (the better dampening in the measurements of the GPTQ issue), on the README's protocol."""
+    import time
+
+    from glmq.calibration.compare import compare
+    from glmq.calibration.data import calibration_tokens
+
+    s = CalibrationSettings(calibration=str(shared_model.parent / "prose-calib.txt"))
+    tokens = calibration_tokens(shared_model, s.calibration, s.samples, s.seq_len, s.seed)
+    damp03 = tmp_path / "int4-w4a16-damp03.yaml"
+    damp03.write_text("name: int4-w4a16-damp03\ntargets: [routed_expert]\nmethod: gptq\ndamp: 0.3\n")
+    runs = {}
+    for name, recipe in (("int4-w4a16", "int4-w4a16"), ("int4-w4a16 damp 0.3", str(damp03))):
+        t0 = time.perf_counter()
+        rep = run_gptq(gptq_plan(shared_model, recipe, 5 * 10**9), tmp_path / name.replace(" ", "-"), tokens, s,
+                       progress=False)
+        runs[name] = (tmp_path / name.replace(" ", "-"), time.perf_counter() - t0, rep)
+    res = compare(shared_model, [out for out, _, _ in runs.values()], shared_model.parent / "prose-eval.txt", 256, 96)
+    src_row, *rows = res["models"]
+    print(f"\nsource perplexity {src_row['perplexity']:.4f}; RTN: KL {RTN_KL}, perplexity {RTN_PPL}; peer GPTQ KL "
+          f"{PEER_GPTQ_KL}, AutoRound KL {AUTOROUND_KL}; target KL <= {min(0.9 * PEER_GPTQ_KL, AUTOROUND_KL):.5f}")
+    for (name, (_, seconds, rep)), q in zip(runs.items(), rows):
+        g = rep["gptq"]["by_class"]["routed_expert"]
+        print(f"GPTQ {name} ({s.samples}x{s.seq_len} tokens, clip_search={s.clip_search}, expert_prior="
+              f"{s.expert_prior}): KL {q['kl_to_source']:.5f}, perplexity {q['perplexity']:.4f}, layer errors "
+              f"{[round(e, 4) for e in q['layer_rel_error']]}, expert output error {g['rel_err_gptq']:.4f} "
+              f"(RTN {g['rel_err_rtn']:.4f}), {seconds:.0f} s, peak RSS {rep['peak_rss_bytes'] / 1e9:.2f} GB")
+    assert abs(src_row["perplexity"] - 3.9115) < 0.001, "evaluation protocol differs from the README's"
+    for q in rows:
+        assert q["kl_to_source"] < RTN_KL
+        assert q["perplexity"] <= RTN_PPL
