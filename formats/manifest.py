@@ -3,6 +3,12 @@
 Lives in the output folder as `glmq_manifest.json` and stays there (`glmq validate` recomputes the
 checksums). It holds nothing time-dependent, so an interrupted-and-resumed run writes the same bytes
 as an uninterrupted one; timings go to `glmq_report.json`.
+
+In a distributed run (quantize/dist.py) only rank 0 writes `glmq_manifest.json`; each rank records the
+files it finishes in its own fragment, `glmq_manifest.rankNNNNN.json` (same format, its files only),
+so no file has two writers. Records are per output file, not per rank: the next run, whatever its
+world size, folds every fragment into the manifest (`absorb_fragments`) before deciding what to redo,
+and a finished run leaves no fragment behind.
 """
 
 from __future__ import annotations
@@ -15,6 +21,12 @@ from glmq.formats.safetensors_io import atomic_write_text
 
 MANIFEST_NAME = "glmq_manifest.json"
 REPORT_NAME = "glmq_report.json"
+FRAGMENT_GLOB = "glmq_manifest.rank*.json"
+
+
+def fragment_name(rank: int) -> str:
+    """The file in which rank `rank` of a distributed run records the output files it finished."""
+    return f"glmq_manifest.rank{rank:05d}.json"
 
 
 @dataclass
@@ -24,12 +36,29 @@ class Manifest:
     complete: bool = False
     format_version: int = 1
 
-    def save(self, out_dir: Path) -> None:
-        atomic_write_text(out_dir / MANIFEST_NAME, json.dumps(asdict(self), indent=1, sort_keys=True) + "\n")
+    def save(self, out_dir: Path, name: str = MANIFEST_NAME) -> None:
+        atomic_write_text(out_dir / name, json.dumps(asdict(self), indent=1, sort_keys=True) + "\n")
+
+    def absorb_fragments(self, out_dir: Path) -> list[Path]:
+        """Add the file records of every rank fragment in `out_dir` (any world size) to this manifest.
+
+        Returns:
+            the fragment paths, to delete once this manifest is saved.
+        Raises:
+            ValueError: a fragment belongs to another run (different identity).
+        """
+        paths = sorted(out_dir.glob(FRAGMENT_GLOB))
+        for p in paths:
+            frag = Manifest.load(out_dir, p.name)
+            if frag.identity != self.identity:
+                raise ValueError(f"{p}: a rank record of a different glmq run than {out_dir / MANIFEST_NAME}; "
+                                 f"use a new --output folder, or remove this one to start over")
+            self.files.update(frag.files)
+        return paths
 
     @classmethod
-    def load(cls, out_dir: Path) -> "Manifest | None":
-        p = out_dir / MANIFEST_NAME
+    def load(cls, out_dir: Path, name: str = MANIFEST_NAME) -> "Manifest | None":
+        p = out_dir / name
         if not p.exists():
             return None
         try:

@@ -8,6 +8,10 @@ and a writer thread writes and hashes finished ones while the main thread comput
 Crash safety: each output file is written under a temporary name and renamed when complete, then
 recorded with its tensor checksums in the manifest; the index and config.json are written last. A
 rerun with the same source and recipe verifies the recorded files and redoes only the rest.
+
+Distributed (`world`, quantize/dist.py): every rank converts its share of the output files; rank 0
+prepares the folder, and after every rank has finished, merges the records and writes the manifest,
+the index and config.json, so the folder's bytes are those of a single-process run.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import dataclasses
 import json
 import logging
 import os
-import queue
 import resource
 import shutil
 import subprocess
@@ -33,8 +36,8 @@ from safetensors import safe_open
 
 from glmq import __version__
 from glmq.formats.families import LINEAR_CLASSES, ignore_list
-from glmq.formats.manifest import MANIFEST_NAME, REPORT_NAME, Manifest
-from glmq.formats.safetensors_io import TMP_SUFFIX, CheckpointError, OutSpec, StreamingWriter, atomic_write_text, file_tensor_hashes
+from glmq.formats.manifest import FRAGMENT_GLOB, MANIFEST_NAME, REPORT_NAME, Manifest, fragment_name
+from glmq.formats.safetensors_io import TMP_SUFFIX, CheckpointError, StreamingWriter, atomic_write_text, file_tensor_hashes
 from glmq.formats.source import INDEX_NAME, Source
 from glmq.quantize import ops
 from glmq.quantize.plan import Action, Item, OutFile, Plan
@@ -59,12 +62,33 @@ def plan_identity(plan: Plan) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- output dir
-def prepare_output(plan: Plan, out: Path) -> Manifest:
+def prepare_output(plan: Plan, out: Path, world=None) -> Manifest:
     """Create the output folder, or resume the interrupted run of this very plan that it holds.
 
+    Args:
+        world: a `dist.World`: rank 0 prepares the folder while the others wait, then every rank
+            gets rank 0's manifest (whose `files` are the verified finished files).
     Raises:
         OutputDirError: the folder holds anything else.
+        RankFailure: (distributed) rank 0 could not prepare the folder.
     """
+    if world is None:
+        return _prepare_output(plan, Path(out))
+    man = None
+    if world.is_lead:
+        try:
+            man = _prepare_output(plan, Path(out))
+        except Exception as e:
+            raise world.failure(f"output folder {out}", e) from e
+    man = world.broadcast(man, "output folder check")
+    if man.identity != plan_identity(plan):  # e.g. another glmq version or source copy on another node
+        diff = sorted(k for k, v in plan_identity(plan).items() if man.identity.get(k) != v)
+        raise world.failure("planning", f"this rank's plan differs from rank 0's in {', '.join(diff)}; every rank "
+                                        f"must see the same source, recipe, options and glmq version")
+    return man
+
+
+def _prepare_output(plan: Plan, out: Path) -> Manifest:
     identity = plan_identity(plan)
     if out.exists() and not out.is_dir():
         raise OutputDirError(f"{out}: exists and is not a directory; choose another --output")
@@ -86,6 +110,7 @@ def prepare_output(plan: Plan, out: Path) -> Manifest:
             f"{out / MANIFEST_NAME}: this folder holds a glmq run of a different source/recipe/settings "
             f"(differs in: {', '.join(diff)}); use a new --output folder, or remove this one to start over"
         )
+    fragments = man.absorb_fragments(out)  # records of the ranks of an interrupted distributed run
     for p in existing:  # half-written files of the interrupted run
         if p.name.endswith(TMP_SUFFIX):
             p.unlink()
@@ -104,6 +129,8 @@ def prepare_output(plan: Plan, out: Path) -> Manifest:
     man.files = kept
     man.complete = man.complete and len(kept) == len(plan.files)
     man.save(out)
+    for p in fragments:  # now in the manifest
+        p.unlink()
     return man
 
 
@@ -251,7 +278,8 @@ class _WritePipeline:
         self.committer = ThreadPoolExecutor(1, thread_name_prefix="glmq-commit")
         self.slots = threading.BoundedSemaphore(max_pending)
         self.file_futures: dict[str, list] = {}
-        self.commits: list = []
+        self.commits: list[tuple[str, object]] = []  # (file name, commit future)
+        self.failed: str | None = None  # the file whose write or commit failed
         self.busy = {"write_hash": 0.0, "commit_fsync": 0.0}
         self._lock = threading.Lock()
 
@@ -279,16 +307,21 @@ class _WritePipeline:
                 f.result()  # a failed write fails the commit
             self._timed("commit_fsync", fn)
 
-        self.commits.append(self.committer.submit(job))
+        self.commits.append((fname, self.committer.submit(job)))
 
     def check(self) -> None:
-        for f in [f for f in self.commits if f.done()]:
-            f.result()
+        for fname, f in [c for c in self.commits if c[1].done()]:
+            self._result(fname, f)
 
     def finish(self) -> None:
-        for f in self.commits:
-            f.result()
+        for fname, f in self.commits:
+            self._result(fname, f)
         self.shutdown()
+
+    def _result(self, fname: str, f) -> None:
+        if f.exception() is not None:
+            self.failed = fname
+        f.result()
 
     def shutdown(self) -> None:
         for ex in (*self.lanes, self.committer):
@@ -296,34 +329,153 @@ class _WritePipeline:
 
 
 def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True, quantized=None,
-        extra_report: dict | None = None) -> dict:
+        extra_report: dict | None = None, world=None) -> dict:
     """Convert the planned checkpoint into `out`; return the run report (also written to disk).
 
     Args:
         quantized: optional `module name -> QWeight | None`; QUANTIZE items it answers are written
             from those integers and scales (GPTQ) instead of round-to-nearest of the source.
         extra_report: merged into the run report (e.g. the GPTQ calibration report).
+        world: a `dist.World` when this process is one rank of a torchrun job (`device` is then the
+            rank's, e.g. "cuda:1"); None (single process) never touches torch.distributed.
+    Returns:
+        the report; in a distributed run every rank gets rank 0's.
+    Raises:
+        RankFailure: (distributed) this rank failed; the message names the rank and the file.
     """
     t0 = time.perf_counter()
+    lead = world is None or world.is_lead
     phases: dict[str, float] = {}
-    config_job = ConfigJob(plan)
+    config_job = ConfigJob(plan, own_session=world is not None) if lead else None
     phases["import"] = time.perf_counter() - t0
     out = Path(out)
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is visible to PyTorch; use --device cpu")
-    man = prepare_output(plan, out)
-    phases["prepare_output"] = time.perf_counter() - t0 - phases["import"]
-    t_pipe = time.perf_counter()
-    todo = [f for f in plan.files if f.name not in man.files]
-    stats = RunStats(files_skipped=len(plan.files) - len(todo))
-    total_in = sum(it.in_bytes for f in todo for it in f.items)
-    bar = _progress(total_in, progress)
+    try:
+        man = prepare_output(plan, out, world)
+        phases["prepare_output"] = time.perf_counter() - t0 - phases["import"]
+        t_pipe = time.perf_counter()
+        todo = [f for f in plan.files if f.name not in man.files]
+        mine = todo if world is None else world.mine(todo, [file_cost(f) for f in todo])
+        book = FileBook(out, man, world)
+        stats, busy = convert_files(plan, out, mine, dev, quantized, book.record, progress and lead, world)
+    except BaseException:
+        if config_job is not None:
+            config_job.cancel()
+        raise
+    stats.files_skipped = len(plan.files) - len(todo)
+    stats.seconds = time.perf_counter() - t_pipe
+    phases["pipeline"] = stats.seconds
+    qc = None if config_job is None else _config_result(config_job, world, phases)
+    ranks = [_rank_row(0, stats)]
+    if world is not None:  # every rank must get here before rank 0 may write the index and config.json
+        t_wait = time.perf_counter()
+        parts = world.gather((_rank_row(world.rank, stats), book.files), "gathering the ranks' records")
+        phases["wait_for_ranks"] = time.perf_counter() - t_wait
+        if lead:
+            ranks = [row for row, _ in parts]
+            for _, files in parts:
+                man.files.update(files)
+    report = None
+    if lead:
+        try:
+            report = _finish(plan, out, man, qc, stats, ranks, device, phases, t0)
+        except Exception as e:
+            if world is None:
+                raise
+            raise world.failure(f"finishing {out}", e) from e
+        report["stage_busy_seconds"] = {k: round(v, 3) for k, v in busy.items()}
+        report.update(extra_report or {})
+        atomic_write_text(out / REPORT_NAME, json.dumps(report, indent=1) + "\n")
+    return report if world is None else world.broadcast(report, "final report")
+
+
+def file_cost(f: OutFile) -> int:
+    """What balances the ranks' shares: bytes read plus bytes written. Every written byte is also
+    hashed and fsynced, and an FP8 -> BF16 file writes twice what it reads (an INT4 one half), so
+    bytes in alone would undercount the files of attention and dense weights."""
+    return sum(it.in_bytes + it.out_bytes for it in f.items)
+
+
+class FileBook:
+    """Where finished output files are recorded: the manifest itself (single process), or this rank's
+    manifest fragment (distributed; rank 0 merges every rank's `files` at the end)."""
+
+    def __init__(self, out: Path, man: Manifest, world=None):
+        self.out = out
+        self.book = man if world is None else Manifest(man.identity)
+        self.name = MANIFEST_NAME if world is None else fragment_name(world.rank)
+        self._lock = threading.Lock()
+
+    @property
+    def files(self) -> dict[str, dict]:
+        return self.book.files
+
+    def record(self, f: OutFile, size: int, hashes: dict[str, str]) -> None:
+        """Called from the commit thread once `f` is renamed into place."""
+        with self._lock:
+            self.book.files[f.name] = {"source_shard": f.source_shard, "bytes": size, "tensors": hashes}
+            self.book.save(self.out, self.name)
+
+
+def _rank_row(rank: int, stats: RunStats) -> dict:
+    return {"rank": rank, "files_written": stats.files_written, "bytes_in_processed": stats.bytes_in,
+            "seconds": round(stats.seconds, 3), "peak_rss_bytes": peak_rss_bytes()}
+
+
+def _config_result(job: "ConfigJob", world, phases: dict) -> dict:
+    t = time.perf_counter()
+    try:
+        return job.result()
+    except Exception as e:
+        if world is None:
+            raise
+        raise world.failure("building the quantization_config", e) from e
+    finally:
+        phases["config_wait"] = time.perf_counter() - t
+
+
+def _finish(plan: Plan, out: Path, man: Manifest, qc: dict, stats: RunStats, ranks: list[dict],
+            device: str, phases: dict, t0: float) -> dict:
+    """Rank 0 / single process: check every file is recorded, write index and config.json; the report."""
+    missing = [f.name for f in plan.files if f.name not in man.files]
+    if missing:  # an engine bug, never a user error: the ranks' shares must cover the plan
+        raise RuntimeError(f"{out}: {len(missing)} planned file(s) were written by no rank, e.g. {missing[0]}")
+    t_fin = time.perf_counter()
+    man.save(out)  # the merged records first: then the ranks' fragments may go
+    for p in out.glob(FRAGMENT_GLOB):
+        p.unlink()
+    finish_checkpoint(plan, out, man, qc)
+    phases["finish"] = time.perf_counter() - t_fin
+    stats = dataclasses.replace(stats, bytes_in=sum(r["bytes_in_processed"] for r in ranks), bytes_out=plan.bytes_out,
+                                seconds=time.perf_counter() - t0)
+    report = make_report(plan, stats, device)
+    report["world_size"] = len(ranks)
+    report["ranks"] = ranks
+    report["phase_seconds"] = {k: round(v, 3) for k, v in phases.items()}
+    return report
+
+
+def convert_files(plan: Plan, out: Path, files: list[OutFile], dev: torch.device, quantized, record,
+                  progress: bool, world=None) -> tuple[RunStats, dict[str, float]]:
+    """Convert and write `files` (this process's share of the plan), calling `record` for each finished one.
+
+    Returns:
+        (stats: bytes in, files written; busy seconds per stage).
+    Raises:
+        RankFailure (distributed) naming the file being converted or committed when it failed.
+    """
+    stats = RunStats()
+    bar = _progress(sum(it.in_bytes for f in files for it in f.items), progress)
+    if world is not None:
+        bar.set_description(f"glmq quantize (rank 0 of {world.size})")
     reader = Reader(plan.source)
     lanes = max(1, min(4, (os.cpu_count() or 2) // 2))
     writer = _WritePipeline(lanes, max_pending=8)
     writers: dict[str, StreamingWriter] = {}
     busy = {"load": 0.0, "convert": 0.0}
+    current: OutFile | None = None
 
     def load(u: Unit) -> Unit:
         t = time.perf_counter()
@@ -332,25 +484,22 @@ def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True,
         finally:
             busy["load"] += time.perf_counter() - t
 
-    lock = threading.Lock()
-
     def commit(f: OutFile, w: StreamingWriter):
         hashes = w.commit()
-        with lock:
-            man.files[f.name] = {"source_shard": f.source_shard, "bytes": w.size, "tensors": hashes}
-            man.save(out)
+        record(f, w.size, hashes)
 
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="glmq-load") as pool:
-            units = _units(plan, todo)
+            units = _units(plan, files)
             pending = []
             for _ in range(PREFETCH):
                 nxt = next(units, None)
                 if nxt:
                     pending.append((nxt[0], pool.submit(load, nxt[1])))
-            remaining = {f.name: sum(len(row_blocks(it, plan.source.block)) for it in f.items) for f in todo}
+            remaining = {f.name: sum(len(row_blocks(it, plan.source.block)) for it in f.items) for f in files}
             while pending:
                 f, fut = pending.pop(0)
+                current = f
                 u = fut.result()
                 nxt = next(units, None)
                 if nxt:
@@ -378,28 +527,18 @@ def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True,
                     writer.commit(f.name, lambda f=f, w=writers.pop(f.name): commit(f, w))
                     stats.files_written += 1
         writer.finish()
-    except BaseException:
+    except BaseException as e:
         bar.close()
-        config_job.cancel()
         writer.shutdown()
         for w in writers.values():
             w.abort()
-        raise
+        if world is None or not isinstance(e, Exception):
+            raise
+        name = writer.failed or (current.name if current else "its first file")
+        src = next((f.source_shard for f in files if f.name == name), None)
+        raise world.failure(f"{name}" + (f" (source shard {src})" if src else ""), e) from e
     bar.close()
-    phases["pipeline"] = time.perf_counter() - t_pipe
-    t_fin = time.perf_counter()
-    qc = config_job.result()
-    phases["config_wait"] = time.perf_counter() - t_fin
-    finish_checkpoint(plan, out, man, qc)
-    phases["finish"] = time.perf_counter() - t_fin
-    stats.bytes_out = plan.bytes_out
-    stats.seconds = time.perf_counter() - t0
-    report = make_report(plan, stats, device)
-    report["stage_busy_seconds"] = {k: round(v, 3) for k, v in {**busy, **writer.busy}.items()}
-    report["phase_seconds"] = {k: round(v, 3) for k, v in phases.items()}
-    report.update(extra_report or {})
-    atomic_write_text(out / REPORT_NAME, json.dumps(report, indent=1) + "\n")
-    return report
+    return stats, {**busy, **writer.busy}
 
 
 def _progress(total: int, enabled: bool):
@@ -424,9 +563,13 @@ class ConfigJob:
     """Builds the quantization_config in a child process while the conversion runs (see
     `glmq.formats.compressed_tensors.main` for why)."""
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, own_session: bool = False):
+        # own_session (distributed runs): torchrun starts each rank in its own session, and Linux's
+        # autogroup scheduler shares CPU fairly between sessions; inside rank 0's session this child's
+        # import (seconds of CPU) came out of rank 0's share alone and made it the slowest rank.
         self.proc = subprocess.Popen([sys.executable, "-m", "glmq.formats.compressed_tensors"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=own_session)
         self.request = json.dumps(config_request(plan))
 
     def result(self) -> dict:
