@@ -1,0 +1,282 @@
+"""The Hugging Face model card (README.md) of a glmq checkpoint, built from what the folder records.
+
+Pure: every input is an already-parsed dict (config.json, glmq_report.json, glmq_manifest.json, an
+optional `glmq eval` JSON and `glmq validate`'s `Report.to_dict()`); `scripts/upload.py` reads the
+files and writes the result. The YAML block goes through `huggingface_hub.ModelCardData`, which
+serialises the metadata the Hub reads (base_model and base_model_relation put the repo under the base
+model's "Quantizations"; library_name picks the "Use this model" snippet; tags make it searchable).
+
+Layout of the body: a title and one-line summary, a warning when the checkpoint did not pass
+`glmq validate`, quantization details (config groups, what was quantized and what was kept, the
+recipe, tensors and bytes by class), sizes before/after, evaluation (when an eval report is given),
+the validation verdict, and the serve commands for vLLM and SGLang.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import PurePath
+
+import yaml
+from huggingface_hub import ModelCard, ModelCardData
+
+# The first line of the body: how `glmq upload` recognises a card it wrote (and may overwrite).
+CARD_MARKER = "<!-- glmq-model-card: written by `glmq upload`; delete this line to keep your edits -->"
+UNVALIDATED_WARNING = "this checkpoint was uploaded without passing glmq validate"
+# transformers loads glmq's output through its compressed-tensors integration
+# (tests/test_transformers_load.py), so the Hub's "Use this model" snippet for transformers works;
+# vLLM and SGLang are covered by the serve commands and the `compressed-tensors` tag, as on the
+# RedHatAI / neuralmagic W4A16 cards.
+LIBRARY_NAME = "transformers"
+# A Hub model id with its namespace (huggingface_hub's REPO_ID_REGEX, namespace required): a bare
+# "name" is more often a local folder than a model on the Hub.
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
+# Where huggingface_hub caches a download: .../models--ORG--NAME/snapshots/<commit>
+_HF_CACHE = re.compile(r"models--([^/\\]+?)--([^/\\]+)[/\\]snapshots[/\\]")
+
+
+@dataclass(frozen=True)
+class CardInputs:
+    """Everything the card says, already read from disk.
+
+    config: config.json. report: glmq_report.json (None: not written by glmq or removed).
+    manifest: glmq_manifest.json (None likewise). eval_result: `glmq eval --json` output, i.e.
+    calibration/compare.py `compare()`'s {"text", "seq_len", "windows", "models": [...]}.
+    validation: `Report.to_dict()`, or {"valid": None, "error": why} when validation could not run;
+    anything but valid puts UNVALIDATED_WARNING at the top of the card.
+    """
+
+    repo_id: str
+    checkpoint_name: str
+    config: dict
+    report: dict | None = None
+    manifest: dict | None = None
+    eval_result: dict | None = None
+    validation: dict | None = None
+    base_model: str | None = None  # --base-model; None: inferred (infer_base_model)
+    license: str | None = None
+    tp: int = 8
+    revision: str | None = None
+
+
+def is_repo_id(text: str) -> bool:
+    """True for "ORG/NAME" as the Hub spells model ids (no "--" or "..", no path markers)."""
+    return bool(_REPO_ID.match(text)) and "--" not in text and ".." not in text
+
+
+def infer_base_model(config: dict, report: dict | None) -> tuple[str | None, str]:
+    """The base model's Hub id and where it came from, or (None, why it is unknown).
+
+    Sources, in order: config.json `_name_or_path` when it is an ORG/NAME id; the report's source
+    folder when it is a huggingface_hub cache snapshot (models--ORG--NAME/snapshots/...). A plain
+    local folder says nothing reliable about the Hub id, so it is not guessed from.
+    """
+    name = config.get("_name_or_path")
+    if isinstance(name, str) and is_repo_id(name):
+        return name, "config.json _name_or_path"
+    source = (report or {}).get("source")
+    m = _HF_CACHE.search(source) if isinstance(source, str) else None
+    if m and is_repo_id(f"{m[1]}/{m[2]}"):
+        return f"{m[1]}/{m[2]}", "the Hugging Face cache path of the source in glmq_report.json"
+    return None, "not recorded in config.json or glmq_report.json (pass --base-model ORG/NAME)"
+
+
+def human_bytes(n: float) -> str:
+    """1234567 -> '1.23 MB' (decimal units, as the Hub shows sizes)."""
+    if abs(n) < 1000:
+        return f"{int(n)} B"
+    for unit in ("KB", "MB", "GB"):
+        n /= 1000
+        if abs(n) < 1000:
+            return f"{n:.2f} {unit}"
+    return f"{n / 1000:.2f} TB"
+
+
+# ----------------------------------------------------------------------------------------- metadata
+def _int_groups(config: dict) -> list[dict]:
+    """The weight args of the config groups that store integers (pack-quantized)."""
+    groups = (config.get("quantization_config") or {}).get("config_groups") or {}
+    return [g["weights"] for g in groups.values() if (g.get("weights") or {}).get("type") == "int"]
+
+
+def _method(inp: CardInputs) -> str | None:
+    recipe = (inp.report or {}).get("recipe") or ((inp.manifest or {}).get("identity") or {}).get("recipe") or {}
+    return recipe.get("method")
+
+
+def card_tags(inp: CardInputs) -> list[str]:
+    """compressed-tensors, int<b>, w<b>a16 per integer group, the method, the model_type, glmq."""
+    tags = ["compressed-tensors", "quantized"]
+    for bits in sorted({w.get("num_bits") for w in _int_groups(inp.config)} - {None}):
+        tags += [f"int{bits}", f"w{bits}a16"]
+    for extra in (_method(inp), inp.config.get("model_type"), "glmq"):
+        if extra and extra not in tags:
+            tags.append(extra)
+    return tags
+
+
+def base_model(inp: CardInputs) -> tuple[str | None, str]:
+    """(Hub id or None, where it came from): --base-model first, else `infer_base_model`."""
+    return (inp.base_model, "--base-model") if inp.base_model else infer_base_model(inp.config, inp.report)
+
+
+def card_data(inp: CardInputs) -> ModelCardData:
+    """The YAML metadata block. base_model is left out when unknown: the Hub rejects ids it cannot
+    resolve, and a wrong one would file the repo under another model."""
+    base = base_model(inp)[0]
+    extra = {"base_model_relation": "quantized"} if base else {}
+    return ModelCardData(base_model=base, library_name=LIBRARY_NAME, pipeline_tag="text-generation",
+                         license=inp.license, tags=card_tags(inp), **extra)
+
+
+# ----------------------------------------------------------------------------------------- body
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def _title(inp: CardInputs, base: str | None, origin: str) -> list[str]:
+    version = (inp.report or {}).get("glmq_version") or ((inp.manifest or {}).get("identity") or {}).get("glmq_version")
+    recipe = ((inp.report or {}).get("recipe") or {}).get("name")
+    of = f"[{base}](https://huggingface.co/{base})" if base else f"an unknown base model ({origin})"
+    made = f"made with glmq {version}" if version else "made with glmq"
+    how = f", recipe `{recipe}`, method {(_method(inp) or '?').upper()}" if recipe else ""
+    lines = [CARD_MARKER, "", f"# {inp.repo_id.split('/')[-1]}", ""]
+    if (inp.validation or {}).get("valid") is not True:
+        lines += [f"> [!WARNING]\n> **{UNVALIDATED_WARNING}** ({_verdict(inp.validation)}). "
+                  "Check the Validation section before serving it.", ""]
+    return lines + [f"Weight-only quantization of {of} in the compressed-tensors `pack-quantized` format "
+                    f"(INT weights, BF16 activations), {made}{how}.", ""]
+
+
+def _group_rows(config: dict) -> list[list]:
+    groups = (config.get("quantization_config") or {}).get("config_groups") or {}
+    rows = []
+    for name, g in sorted(groups.items()):
+        w = g.get("weights") or {}
+        gs = w.get("group_size") if w.get("strategy") == "group" else w.get("strategy")
+        rows.append([name, ", ".join(f"`{t}`" for t in g.get("targets", [])), w.get("type"), w.get("num_bits"), gs,
+                     "yes" if w.get("symmetric") else "no", w.get("actorder") or "none", g.get("format")])
+    return rows
+
+
+def _by_class_rows(report: dict) -> list[list]:
+    rows = []
+    for key, r in sorted(report.get("by_class", {}).items()):
+        cls, _, action = key.partition(":")
+        rows.append([cls, action, r["tensors"], human_bytes(r["bytes_in"]), human_bytes(r["bytes_out"])])
+    return rows
+
+
+def quantization_section(inp: CardInputs) -> list[str]:
+    """Config groups, ignore list, recipe and the per-class table of the report."""
+    qc = inp.config.get("quantization_config") or {}
+    lines = ["## Quantization", "", f"compressed-tensors format `{qc.get('format')}` (config written with "
+             f"compressed-tensors {qc.get('version', '?')}); weights quantized per group, activations stay BF16.", ""]
+    lines += _table(["group", "targets", "type", "bits", "group size", "symmetric", "act order", "format"],
+                    _group_rows(inp.config)) + [""]
+    ignore = qc.get("ignore") or []
+    if ignore:
+        lines += ["Kept unquantized (the config's `ignore` list): " + ", ".join(f"`{p}`" for p in ignore) + ".", ""]
+    lines += _recipe_lines(inp)
+    if inp.report and inp.report.get("by_class"):
+        lines += ["Tensors by class (`quantize`: to INT, `dequantize`: FP8 to BF16, `copy`: unchanged, "
+                  "`keep_fp8`: FP8 blocks kept):", ""]
+        lines += _table(["class", "action", "tensors", "source bytes", "output bytes"], _by_class_rows(inp.report))
+        lines.append("")
+    return lines
+
+
+def _recipe_lines(inp: CardInputs) -> list[str]:
+    """The recipe as the flat YAML `glmq quantize -r FILE` reads, the command, and GPTQ's calibration."""
+    recipe = (inp.report or {}).get("recipe") or ((inp.manifest or {}).get("identity") or {}).get("recipe")
+    if not recipe:
+        return ["Recipe: unknown (no glmq_report.json or glmq_manifest.json in the folder).", ""]
+    gptq = (inp.report or {}).get("gptq") or {}
+    s = gptq.get("settings", {})
+    calib = (f" --calibration {s.get('calibration')} --samples {s.get('samples')} --seq-len {s.get('seq_len')} "
+             f"--seed {s.get('seed')}" if s else "")
+    lines = [f"Recipe `{recipe.get('name')}` ({recipe.get('description', '')}), as a recipe file:", "", "```yaml",
+             yaml.safe_dump(recipe, sort_keys=False, default_flow_style=None).rstrip(), "```", "",
+             "Made with:", "", "```bash", f"glmq quantize --model FP8_SOURCE_FOLDER --recipe recipe.yaml -o OUT{calib}",
+             "```", ""]
+    if gptq:
+        lines += [f"GPTQ calibration: {gptq.get('calibration_tokens')} tokens; relative output error on them, "
+                  "GPTQ vs round-to-nearest of the same weights:", ""]
+        by_class = sorted(gptq.get("by_class", {}).items())
+        rows = [[c, r["tensors"], r["rel_err_gptq"], r["rel_err_rtn"]] for c, r in by_class]
+        lines += _table(["class", "tensors", "GPTQ", "RTN"], rows) + [""]
+    return lines
+
+
+def sizes_section(inp: CardInputs) -> list[str]:
+    r = inp.report or {}
+    if "bytes_in_total" not in r or "bytes_out" not in r:
+        return ["## Size", "", "Unknown: glmq_report.json is missing.", ""]
+    src, out = r["bytes_in_total"], r["bytes_out"]
+    ratio = f" ({out / src:.2f}x)" if src else ""
+    rows = [[f"source ({r.get('source_format', '?')})", human_bytes(src)],
+            ["this checkpoint", human_bytes(out) + ratio]]
+    return ["## Size", "", *_table(["checkpoint", "tensor bytes"], rows), ""]
+
+
+def eval_section(result: dict | None, checkpoint_name: str) -> list[str]:
+    """Perplexity, KL(source || model) and per-layer error of each row of a `glmq eval` result."""
+    if not result:
+        return []
+    rows = []
+    for i, m in enumerate(result["models"]):
+        name = PurePath(m["checkpoint"]).name
+        label = "source" if i == 0 else ("**this checkpoint**" if name == checkpoint_name else name)
+        errs = [e for e in (m.get("layer_rel_error") or []) if e is not None]
+        layer = f"{sum(errs) / len(errs):.4f} / {max(errs):.4f}" if errs else "-"
+        rows.append([f"{label} (`{name}`)", f"{m['perplexity']:.4f}", f"{m['kl_to_source']:.5f}", layer])
+    text = PurePath(str(result.get("text", "?"))).name
+    return ["## Evaluation", "", f"`glmq eval`: first {result.get('windows')} windows of {result.get('seq_len')} "
+            f"tokens of `{text}`; the layer error is ||h_q - h_s|| / ||h_s|| of each decoder layer's output.", "",
+            *_table(["model", "perplexity", "KL(source ‖ model)", "layer rel. error mean / max"], rows), ""]
+
+
+def _verdict(validation: dict | None) -> str:
+    if not validation:
+        return "glmq validate was not run"
+    if validation.get("valid") is None:
+        return f"glmq validate could not run: {validation.get('error')}"
+    failed = sorted(k for k, c in validation.get("checks", {}).items() if c.get("status") == "fail")
+    return "glmq validate: VALID" if validation["valid"] else f"glmq validate: INVALID, failed {', '.join(failed)}"
+
+
+def validation_section(validation: dict | None) -> list[str]:
+    lines = ["## Validation", "", _verdict(validation) + "."]
+    if not validation or validation.get("valid") is None:
+        return lines + [""]
+    s, checks = validation.get("settings", {}), validation.get("checks", {})
+    sampled = (checks.get("numerics") or {}).get("details", {}).get("sampled", "?")
+    hashed = ("every tensor's sha256 checked against glmq_manifest.json"
+              if (checks.get("integrity") or {}).get("status") in ("pass", "fail") else "no checksums to check")
+    lines += ["", f"Kernel check on {sampled} of {s.get('quantized_modules', '?')} quantized modules "
+              f"({s.get('device')}), serving shape rules at tensor parallel {s.get('tp')}, {hashed}.", ""]
+    rows = [[k, c["status"], c["checked"], c["failed"]] for k, c in checks.items()]
+    return lines + _table(["check", "result", "checked", "failed"], rows) + [""]
+
+
+def serve_section(repo_id: str, tp: int, revision: str | None) -> list[str]:
+    """vLLM (`--tensor-parallel-size`) and SGLang (`--tp`) commands; both take `--revision`."""
+    rev = f" --revision {revision}" if revision and revision != "main" else ""
+    return ["## Serving", "", "vLLM:", "", "```bash", f"vllm serve {repo_id} --tensor-parallel-size {tp}{rev}", "```",
+            "", "SGLang:", "", "```bash", f"python -m sglang.launch_server --model-path {repo_id} --tp {tp}{rev}",
+            "```", ""]
+
+
+def build_card(inp: CardInputs) -> ModelCard:
+    """The whole card: YAML metadata from `card_data`, then the body sections."""
+    body = _title(inp, *base_model(inp)) + quantization_section(inp) + sizes_section(inp)
+    body += eval_section(inp.eval_result, inp.checkpoint_name) + validation_section(inp.validation)
+    body += serve_section(inp.repo_id, inp.tp, inp.revision)
+    return ModelCard(f"---\n{card_data(inp).to_yaml()}\n---\n\n" + "\n".join(body))
+
+
+def is_glmq_card(text: str) -> bool:
+    """True when a README.md is one `build_card` wrote (its marker line is still there)."""
+    return CARD_MARKER in text

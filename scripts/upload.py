@@ -1,0 +1,356 @@
+"""`glmq upload`: publish a checkpoint that passes `glmq validate` to the Hugging Face Hub, with a model card.
+
+Steps, in this order:
+  1. arguments: the folder holds a config.json, ORG/NAME ids, a Hub token (unless --dry-run);
+  2. the gate: `glmq validate` with the serving rules at --tp (the degree the card's serve commands
+     use), the kernel check on --sample of the quantized modules and every tensor's sha256 against
+     glmq_manifest.json. An invalid checkpoint stops here (exit 1) unless --allow-invalid, which
+     uploads it with a warning in red here and at the top of the card;
+  3. the card (formats/model_card.py) from config.json, glmq_report.json, glmq_manifest.json, the
+     eval report and the validation result;
+  4. the file list (`split_files`): the same listing and filter the Hub client applies to
+     `ignore_patterns()`, so --dry-run shows exactly what the upload sends; --dry-run stops here;
+  5. README.md written atomically (unless a README.md glmq did not write is there, or --no-card);
+  6. create_repo(exist_ok) and the upload (`upload_method` picks the call the installed
+     huggingface_hub offers).
+
+A folder without glmq_manifest.json is uploaded with a warning rather than refused: `glmq validate`
+accepts any compressed-tensors pack-quantized checkpoint (it skips the checksum check with a
+warning), and the gate is validate's verdict, not a second definition of "valid". The card then
+says the recipe and sizes are unknown.
+
+Exit codes: 0 uploaded (or dry run), 1 refused by the gate, 2 could not run (folder, arguments,
+eval report, no token), 3 the Hub refused the upload or could not be reached.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+README = "README.md"
+EVAL_NAME = "glmq_eval.json"  # `glmq eval --json` output, picked up when it lies in the checkpoint folder
+MAIN = "main"
+
+
+class UploadError(Exception):
+    """A one-line reason naming the checkpoint and what to do, with the exit code."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class UploadOptions:
+    checkpoint: Path
+    repo_id: str
+    private: bool = False
+    revision: str | None = None
+    base_model: str | None = None
+    license: str | None = None
+    tp: int = 8
+    eval_report: Path | None = None
+    sample: float = 0.01
+    device: str = "cpu"
+    allow_invalid: bool = False
+    no_card: bool = False
+    dry_run: bool = False
+
+
+# ----------------------------------------------------------------------------------------- files
+def ignore_patterns() -> list[str]:
+    """glmq's working files, which never belong on the Hub: the GPTQ cache folder (calibration/cache.py)
+    and half-written files (safetensors_io.TMP_SUFFIX; `*.tmp` activation files of the GPTQ engine)."""
+    from glmq.calibration.cache import CACHE_DIR
+    from glmq.formats.safetensors_io import TMP_SUFFIX
+
+    return [f"{CACHE_DIR}/*", f"*{TMP_SUFFIX}", "*.tmp"]
+
+
+def split_files(folder: Path) -> tuple[dict[str, int], list[str]]:
+    """({path in repo: bytes} the upload sends, [paths it leaves out]).
+
+    The listing is huggingface_hub's own (upload_folder and upload_large_folder both glob `**/*`
+    under the resolved folder and pass the relative POSIX paths through `filter_repo_objects` with
+    our patterns plus DEFAULT_IGNORE_PATTERNS: .git, .cache/huggingface).
+    """
+    from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
+
+    root = folder.expanduser().resolve()
+    names = sorted(p.relative_to(root).as_posix() for p in root.glob("**/*") if p.is_file())
+    kept = set(filter_repo_objects(names, ignore_patterns=ignore_patterns() + list(DEFAULT_IGNORE_PATTERNS)))
+    return {n: (root / n).stat().st_size for n in names if n in kept}, [n for n in names if n not in kept]
+
+
+def files_with_card(files: dict[str, int], card: str | None) -> dict[str, int]:
+    """The listing as it will be once the card is written (README.md at the card's size)."""
+    return files if card is None else {**files, README: len(card.encode())}
+
+
+# ----------------------------------------------------------------------------------------- checks
+def check_arguments(o: UploadOptions) -> Path:
+    """The folder is a checkpoint folder, the ids are ORG/NAME, a token is there for a real upload.
+
+    Raises:
+        UploadError (exit 2).
+    """
+    from glmq.formats.model_card import is_repo_id
+
+    folder = o.checkpoint
+    if not folder.is_dir():
+        raise UploadError(f"{folder}: no such folder; pass the folder `glmq quantize -o` wrote", 2)
+    if not (folder / "config.json").is_file():
+        raise UploadError(f"{folder}: no config.json, so not a checkpoint (glmq writes it last: re-run the same "
+                          f"`glmq quantize` to finish an interrupted conversion)", 2)
+    for flag, value in (("--repo-id", o.repo_id), ("--base-model", o.base_model)):
+        if value is not None and not is_repo_id(value):
+            raise UploadError(f"{flag} {value!r}: not a Hub model id; spell it ORG/NAME (letters, digits, '-', "
+                              f"'_', '.')", 2)
+    if not o.dry_run:
+        from huggingface_hub import get_token
+
+        if get_token() is None:
+            raise UploadError(f"no Hugging Face token to upload {folder}: run `hf auth login` or set HF_TOKEN "
+                              f"(a token with write access to {o.repo_id.split('/')[0]}), or use --dry-run", 2)
+    return folder
+
+
+def gate(folder: Path, o: UploadOptions) -> dict:
+    """Run `glmq validate`; return its report as a dict for the card.
+
+    Raises:
+        UploadError: invalid (exit 1) or validation could not run (exit 2), unless --allow-invalid.
+    """
+    from glmq.quantize import validate as v
+
+    try:
+        rep = v.validate(folder, sample=o.sample, device=o.device, tp=o.tp, serving=True)
+    except v.CannotValidate as e:
+        if not o.allow_invalid:
+            raise UploadError(f"{folder}: glmq validate could not run ({e}); fix that, or pass --allow-invalid "
+                              f"to upload anyway", 2) from e
+        _loud(f"uploading {folder} although glmq validate could not run ({e}); the model card says so")
+        return {"valid": None, "error": str(e)}
+    click.echo(v.format_report(rep), err=True)
+    failed = sorted(k for k, c in rep.checks.items() if c.status is v.Status.FAIL)
+    if not rep.valid and not o.allow_invalid:
+        raise UploadError(f"{folder} did not pass glmq validate (failed checks: {', '.join(failed)}; at --tp {o.tp}); "
+                          f"nothing was uploaded. Fix the checkpoint, or pass --allow-invalid to upload it with a "
+                          f"warning in its model card", 1)
+    if not rep.valid:
+        _loud(f"uploading {folder} although it did not pass glmq validate (failed checks: {', '.join(failed)}); "
+              f"the model card says so")
+    return rep.to_dict()
+
+
+def _loud(message: str) -> None:
+    click.secho(f"WARNING: {message}", fg="red", bold=True, err=True)
+
+
+# ----------------------------------------------------------------------------------------- card
+def _read_json(path: Path, what: str) -> dict | None:
+    """A JSON object from `path`, None when the file does not exist; UploadError (exit 2) when unreadable."""
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UploadError(f"{path}: unreadable {what} ({e}); fix or remove it", 2) from e
+    if not isinstance(doc, dict):
+        raise UploadError(f"{path}: {what} is not a JSON object; fix or remove it", 2)
+    return doc
+
+
+def read_eval(folder: Path, given: Path | None) -> dict | None:
+    """--eval-report, else glmq_eval.json in the folder, else None; checked against compare()'s format."""
+    path = given or folder / EVAL_NAME
+    if given is not None and not given.is_file():
+        raise UploadError(f"--eval-report {given}: no such file; write one with `glmq eval ... --json FILE`", 2)
+    doc = _read_json(path, "glmq eval report")
+    if doc is None:
+        return None
+    rows = doc.get("models")
+    keys = ("checkpoint", "perplexity", "kl_to_source")
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and all(k in r for k in keys)
+                                                         for r in rows):
+        raise UploadError(f"{path}: not a `glmq eval --json` result (expected \"models\": [{{{', '.join(keys)}, "
+                          f"layer_rel_error}}, ...]); pass the file `glmq eval --json` wrote", 2)
+    return doc
+
+
+def make_card(folder: Path, o: UploadOptions, validation: dict):
+    """The ModelCard from the folder's files, the eval report and the validation result."""
+    from glmq.formats.manifest import MANIFEST_NAME, REPORT_NAME
+    from glmq.formats.model_card import CardInputs, base_model, build_card
+
+    manifest = _read_json(folder / MANIFEST_NAME, "glmq manifest")
+    if manifest is None:
+        click.secho(f"warning: {folder} has no {MANIFEST_NAME}: not written by glmq (or the manifest was removed), so "
+                    f"tensor checksums are not verified and the card cannot name the recipe", fg="yellow", err=True)
+    inp = CardInputs(repo_id=o.repo_id, checkpoint_name=folder.resolve().name,
+                     config=_read_json(folder / "config.json", "config.json") or {},
+                     report=_read_json(folder / REPORT_NAME, "glmq report"), manifest=manifest,
+                     eval_result=read_eval(folder, o.eval_report), validation=validation, base_model=o.base_model,
+                     license=o.license, tp=o.tp, revision=o.revision)
+    base, origin = base_model(inp)
+    if base is None:
+        click.secho(f"warning: base model unknown, {origin}; the card leaves base_model out", fg="yellow", err=True)
+    else:
+        click.echo(f"base model {base} (from {origin})", err=True)
+    return build_card(inp)
+
+
+def card_action(folder: Path, no_card: bool) -> str:
+    """"write" the card as README.md, "keep" a README.md glmq did not write, or "none" (--no-card)."""
+    from glmq.formats.model_card import is_glmq_card
+
+    if no_card:
+        return "none"
+    path = folder / README
+    if path.is_file() and not is_glmq_card(path.read_text(errors="replace")):
+        return "keep"
+    return "write"
+
+
+# ----------------------------------------------------------------------------------------- hub
+def _deprecated(fn) -> bool:
+    return "deprecated" in (fn.__doc__ or "").lower()
+
+
+def upload_method(api, revision: str | None) -> str:
+    """"upload_large_folder" or "upload_folder", from what the installed huggingface_hub offers.
+
+    upload_large_folder (resumable, several commits) only commits to main here. huggingface_hub 1.x
+    documents it as deprecated: there upload_folder itself streams, commits in parts and resumes, but
+    only through hf_xet; without hf_xet it is one commit, so the large-folder call is still the safer one.
+    """
+    if revision not in (None, MAIN) or not hasattr(api, "upload_large_folder"):
+        return "upload_folder"
+    if _deprecated(api.upload_large_folder) and importlib.util.find_spec("hf_xet") is not None:
+        return "upload_folder"
+    return "upload_large_folder"
+
+
+def push(folder: Path, o: UploadOptions, api, method: str) -> None:
+    """create_repo(exist_ok), the branch when --revision names one, then the upload call."""
+    private = True if o.private else None  # None: the namespace's default visibility
+    api.create_repo(o.repo_id, repo_type="model", private=private, exist_ok=True)
+    if o.revision not in (None, MAIN):
+        api.create_branch(o.repo_id, branch=o.revision, repo_type="model", exist_ok=True)
+    kw = {"repo_id": o.repo_id, "folder_path": str(folder), "repo_type": "model", "revision": o.revision,
+          "ignore_patterns": ignore_patterns()}  # a fresh list: huggingface_hub appends its defaults to it
+    if method == "upload_large_folder":
+        api.upload_large_folder(private=private, **kw)
+    else:
+        api.upload_folder(commit_message=f"glmq upload of {folder.resolve().name}", **kw)
+
+
+def _hub_errors() -> tuple[type[BaseException], ...]:
+    """What huggingface_hub raises on refusal or no network: HfHubHTTPError, OSError (token file,
+    0.x's requests errors), ValueError (bad arguments) and the HTTP client's transport errors."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    errors: list[type[BaseException]] = [HfHubHTTPError, OSError, ValueError]
+    for module, name in (("httpx", "HTTPError"), ("requests", "RequestException")):
+        if importlib.util.find_spec(module) is not None:
+            errors.append(getattr(importlib.import_module(module), name))
+    return tuple(errors)
+
+
+def push_or_explain(folder: Path, o: UploadOptions, api, method: str) -> None:
+    """`push`, with any Hub failure turned into one line naming the checkpoint and what to do (exit 3)."""
+    try:
+        push(folder, o, api, method)
+    except _hub_errors() as e:
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        hint = ("check that your token (`hf auth login` or HF_TOKEN) has write access to "
+                f"{o.repo_id.split('/')[0]}" if status in (401, 403)
+                else "check the network and rerun the same command: files already on the Hub are not sent again")
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise UploadError(f"uploading {folder} to {o.repo_id} failed ({type(e).__name__}: {first}); {hint}", 3) from e
+
+
+# ----------------------------------------------------------------------------------------- driver
+def _print_listing(files: dict[str, int], skipped: list[str], o: UploadOptions, method: str) -> None:
+    from glmq.formats.model_card import human_bytes
+
+    verb = "would upload" if o.dry_run else "uploading"
+    click.echo(f"{verb} {len(files)} files to {o.repo_id} (revision {o.revision or MAIN}, "
+               f"{'private' if o.private else 'default visibility'}) with HfApi.{method}:")
+    for name, size in sorted(files.items()):
+        click.echo(f"{size:>15,d}  {name}")
+    click.echo(f"{sum(files.values()):>15,d}  total ({human_bytes(sum(files.values()))})")
+    for name in skipped:
+        click.echo(f"{'skipped':>15s}  {name} (glmq working file or Hub client cache)")
+
+
+def upload(o: UploadOptions) -> None:
+    """Steps 1-6 of the module docstring. Raises UploadError with the exit code."""
+    from huggingface_hub import HfApi
+
+    folder = check_arguments(o)
+    card = make_card(folder, o, gate(folder, o))
+    action = card_action(folder, o.no_card)
+    if action == "keep":
+        click.secho(f"warning: keeping {folder / README}: glmq did not write it, so the generated card is not "
+                    f"written (merge it by hand; --dry-run prints it)", fg="yellow", err=True)
+    text = str(card) if action == "write" else None
+    files, skipped = split_files(folder)
+    api = HfApi()
+    method = upload_method(api, o.revision)
+    _print_listing(files_with_card(files, text), skipped, o, method)
+    if o.dry_run:
+        if action != "none":
+            click.echo(f"\n--- {README} ({'would be written' if text else 'not written: ' + action}) ---\n{card}")
+        return
+    if text is not None:
+        from glmq.formats.safetensors_io import atomic_write_text
+
+        atomic_write_text(folder / README, text)
+    push_or_explain(folder, o, api, method)
+    click.echo(f"uploaded {folder} to https://huggingface.co/{o.repo_id}"
+               + (f"/tree/{o.revision}" if o.revision not in (None, MAIN) else ""))
+
+
+@click.command("upload")
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.option("--repo-id", required=True, metavar="ORG/NAME",
+              help="Hub model repo to create (if missing) and upload to.")
+@click.option("--private", is_flag=True, help="Create the repo private (an existing repo keeps its visibility).")
+@click.option("--revision", default=None, metavar="BRANCH",
+              help="Branch to upload to, created if missing [default: main].")
+@click.option("--base-model", default=None, metavar="ORG/NAME",
+              help="Base model for the card's metadata [default: from config.json _name_or_path or the source path].")
+@click.option("--license", "license_", default=None, help="License id for the card's metadata (e.g. mit, apache-2.0).")
+@click.option("--tp", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Tensor-parallel degree: the serving rules are validated at it and the serve commands use it.")
+@click.option("--eval-report", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help=f"`glmq eval --json` output for the card's evaluation table [default: {EVAL_NAME} in the folder].")
+@click.option("--sample", type=click.FloatRange(0, 1, min_open=True), default=0.01, show_default=True,
+              help="Fraction of quantized modules that get validate's kernel check (all tensors are checksummed).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where validate runs the kernel check.")
+@click.option("--allow-invalid", is_flag=True,
+              help="Upload even when glmq validate fails or cannot run; the model card then opens with a warning.")
+@click.option("--no-card", is_flag=True, help="Do not write README.md (a README.md already there is uploaded as is).")
+@click.option("--dry-run", is_flag=True,
+              help="Validate, list the files and sizes and print the card; no network, no writes.")
+def upload_cmd(checkpoint, repo_id, private, revision, base_model, license_, tp, eval_report, sample, device,
+               allow_invalid, no_card, dry_run):
+    """Validate CHECKPOINT, write its model card and upload it to the Hugging Face Hub.
+
+    Exit code 0: uploaded (or dry run); 1: glmq validate failed; 2: could not run; 3: the Hub upload failed.
+    """
+    opts = UploadOptions(checkpoint, repo_id, private, revision, base_model, license_, tp, eval_report, sample,
+                         device, allow_invalid, no_card, dry_run)
+    try:
+        upload(opts)
+    except UploadError as e:
+        click.secho(f"error: {e}", fg="red", err=True)
+        sys.exit(e.code)

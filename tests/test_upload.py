@@ -1,0 +1,356 @@
+"""`glmq upload`: the model card, the validation gate, the dry run and the Hub calls, all without the network.
+
+Every test replaces the HfApi methods `glmq upload` may call with recorders (`hub` fixture), so a test
+that reached the network would fail on the recorded calls rather than upload anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+from huggingface_hub import HfApi, ModelCard
+from huggingface_hub.errors import HfHubHTTPError
+
+from glmq.formats import model_card as mc
+from glmq.formats.safetensors_io import read_header
+from glmq.quantize import stream
+from glmq.scripts import upload
+from glmq.scripts.cli import main
+from test_validate import EXPERT, InProcessConfigJob, convert, shard_of
+
+REPO = "glmq-test/GLM-5-tiny-W4A16"
+EVAL = {"text": "/data/prose.txt", "seq_len": 256, "windows": 96, "models": [
+    {"checkpoint": "/ckpt/glm5-tiny-fp8", "perplexity": 3.9115, "kl_to_source": 0.0, "layer_rel_error": None},
+    {"checkpoint": "/out/ckpt", "perplexity": 3.9342, "kl_to_source": 0.01234, "layer_rel_error": [0.01, 0.03, 0.02]},
+]}
+
+
+# ----------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def written(make_ckpt, tmp_path_factory):
+    """The glm_moe_dsa int4-w4a16 output, converted once (compressed-tensors config built in-process)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stream, "ConfigJob", InProcessConfigJob)
+        return convert(make_ckpt("glm_moe_dsa", "fp8-block"), tmp_path_factory.mktemp("written") / "ckpt", "int4-w4a16")
+
+
+@pytest.fixture
+def ckpt(written, tmp_path):
+    """A private copy of the written checkpoint (named `ckpt`, like the eval report's row)."""
+    return Path(shutil.copytree(written, tmp_path / "out" / "ckpt"))
+
+
+class Calls(list):
+    """(method name, {"args": positional, **keywords}) of each recorded HfApi call."""
+
+    def recorder(self, name: str, doc: str | None):
+        def method(api, *args, **kw):
+            self.append((name, {"args": args, **kw}))
+        method.__doc__ = doc  # upload_method reads the docstring (deprecation), so keep the installed one
+        return method
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    """Record every HfApi call glmq upload can make; a token is set, no request leaves the machine."""
+    calls = Calls()
+    for name in ("create_repo", "create_branch", "upload_folder", "upload_large_folder", "create_commit",
+                 "_validate_yaml"):
+        monkeypatch.setattr(HfApi, name, calls.recorder(name, getattr(HfApi, name).__doc__))
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: "hf_test_token")
+    return calls
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, ["upload", *args], catch_exceptions=False)
+
+
+def corrupt_one_byte(root: Path) -> str:
+    """Flip one bit of a packed expert weight (as test_validate does); returns the shard's name."""
+    name = f"{EXPERT}.weight_packed"
+    shard = shard_of(root, name)
+    entries, _, start = read_header(root / shard)
+    data = bytearray((root / shard).read_bytes())
+    data[start + entries[name].begin + 100] ^= 0x10
+    (root / shard).write_bytes(bytes(data))
+    return shard
+
+
+def yaml_block(text: str) -> dict:
+    m = re.match(r"---\n(.*?)\n---\n", text, flags=re.S)
+    assert m, text[:200]
+    return yaml.safe_load(m[1])
+
+
+def listing(output: str) -> dict[str, int]:
+    """{file: bytes} from the dry run's listing (lines `   1,234  name`; the total line excluded)."""
+    rows = re.findall(r"^\s*([\d,]+)  (\S.*)$", output, flags=re.M)
+    return {name: int(n.replace(",", "")) for n, name in rows if not name.startswith("total")}
+
+
+def card_inputs(root: Path, **kw) -> mc.CardInputs:
+    read = lambda n: json.loads((root / n).read_text())  # noqa: E731
+    base = dict(repo_id=REPO, checkpoint_name=root.name, config=read("config.json"), report=read("glmq_report.json"),
+                manifest=read("glmq_manifest.json"), validation={"valid": True, "settings": {}, "checks": {}})
+    return mc.CardInputs(**{**base, **kw})
+
+
+# ----------------------------------------------------------------------------------------- the card
+def test_card_yaml_parses_and_has_the_metadata(written):
+    card = mc.build_card(card_inputs(written, base_model="zai-org/GLM-5", license="mit", tp=4))
+    meta = yaml_block(str(card))
+    assert meta["base_model"] == "zai-org/GLM-5" and meta["base_model_relation"] == "quantized"
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
+    assert meta["license"] == "mit"
+    assert {"compressed-tensors", "int4", "w4a16", "rtn", "glm_moe_dsa"} <= set(meta["tags"])
+    loaded = ModelCard(str(card))  # huggingface_hub reads back what it wrote
+    assert loaded.data.base_model == "zai-org/GLM-5" and loaded.data.to_dict()["base_model_relation"] == "quantized"
+
+
+def test_card_body_quantization_sizes_and_serve_commands(written):
+    report = json.loads((written / "glmq_report.json").read_text())
+    text = str(mc.build_card(card_inputs(written, tp=4)))
+    assert mc.is_glmq_card(text)
+    assert "| group_0 | `Linear` | int | 4 | 128 | yes | none | pack-quantized |" in text
+    assert "| routed_expert | quantize | 72 |" in text and "| attention | dequantize | 20 |" in text
+    assert "`lm_head`" in text  # kept unquantized, from the config's ignore list
+    assert "name: int4-w4a16" in text and "method: rtn" in text  # the recipe, as a recipe file
+    assert mc.human_bytes(report["bytes_in_total"]) in text and mc.human_bytes(report["bytes_out"]) in text
+    assert f"vllm serve {REPO} --tensor-parallel-size 4\n" in text
+    assert f"python -m sglang.launch_server --model-path {REPO} --tp 4\n" in text
+    assert "## Evaluation" not in text and mc.UNVALIDATED_WARNING not in text
+    rev = str(mc.build_card(card_inputs(written, tp=8, revision="int4-g128")))
+    assert f"--tensor-parallel-size 8 --revision int4-g128" in rev and f"--tp 8 --revision int4-g128" in rev
+
+
+def test_eval_table_appears_iff_an_eval_report_is_given(written):
+    without = str(mc.build_card(card_inputs(written)))
+    with_eval = str(mc.build_card(card_inputs(written, eval_result=EVAL)))
+    assert "## Evaluation" not in without and "3.9342" not in without
+    assert "## Evaluation" in with_eval
+    assert "| source (`glm5-tiny-fp8`) | 3.9115 | 0.00000 | - |" in with_eval
+    assert "| **this checkpoint** (`ckpt`) | 3.9342 | 0.01234 | 0.0200 / 0.0300 |" in with_eval
+
+
+def test_base_model_inferred_or_said_unknown(written):
+    cfg = json.loads((written / "config.json").read_text())
+    assert mc.infer_base_model({**cfg, "_name_or_path": "zai-org/GLM-5-FP8"}, None)[0] == "zai-org/GLM-5-FP8"
+    hf_cache = {"source": "/root/.cache/huggingface/hub/models--zai-org--GLM-5-FP8/snapshots/abc123"}
+    assert mc.infer_base_model(cfg, hf_cache)[0] == "zai-org/GLM-5-FP8"
+    for local in ("/models/GLM-5-FP8", "./GLM-5-FP8", ".glmq-cache/glm5-tiny-fp8", "GLM-5-FP8"):
+        assert mc.infer_base_model({**cfg, "_name_or_path": local}, {"source": local})[0] is None, local
+    text = str(mc.build_card(card_inputs(written)))  # the tiny fixture records a local folder only
+    assert "base_model" not in yaml_block(text) and "base_model_relation" not in yaml_block(text)
+    assert "unknown base model" in text and "--base-model" in text
+
+
+# ----------------------------------------------------------------------------------------- the gate
+def test_gate_refuses_a_corrupt_checkpoint_without_calling_the_hub(ckpt, hub):
+    shard = corrupt_one_byte(ckpt)
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1")
+    assert r.exit_code == 1, r.output
+    assert "did not pass glmq validate (failed checks: integrity" in r.output and "--allow-invalid" in r.output
+    assert shard in r.output and f"{EXPERT}.weight_packed" in r.output  # validate's table names the damage
+    assert hub == [] and not (ckpt / "README.md").exists()
+
+
+def test_gate_checks_serving_at_the_tp_of_the_serve_commands(ckpt, hub):
+    r = run(str(ckpt), "--repo-id", REPO)  # default --tp 8: the tiny experts (128 rows) do not split 8 ways
+    assert r.exit_code == 1 and "failed checks: serving" in r.output and "--tp 8" in r.output
+    assert hub == []
+
+
+def test_allow_invalid_uploads_with_the_warning_in_the_card(ckpt, hub):
+    corrupt_one_byte(ckpt)
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--allow-invalid")
+    assert r.exit_code == 0, r.output
+    assert "WARNING: uploading" in r.output and "did not pass glmq validate" in r.output
+    assert [c[0] for c in hub] == ["create_repo", upload.upload_method(HfApi(), None)]
+    card = (ckpt / "README.md").read_text()
+    assert mc.UNVALIDATED_WARNING in card and "glmq validate: INVALID, failed integrity" in card
+    assert "| integrity | fail |" in card
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where validate cannot run on CUDA")
+def test_validation_that_cannot_run_refuses_unless_allowed(ckpt, hub):
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--device", "cuda")
+    assert r.exit_code == 2 and "glmq validate could not run" in r.output and "no CUDA device" in r.output
+    assert hub == []
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--device", "cuda", "--allow-invalid")
+    assert r.exit_code == 0 and "WARNING: uploading" in r.output and len(hub) == 2
+    card = (ckpt / "README.md").read_text()
+    assert mc.UNVALIDATED_WARNING in card and "glmq validate could not run" in card
+
+
+# ----------------------------------------------------------------------------------------- dry run
+def test_dry_run_lists_exactly_the_files_and_sizes_and_calls_nothing(ckpt, hub, monkeypatch):
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: None)  # a dry run needs no token
+    cache = ckpt / ".glmq-gptq"
+    cache.mkdir()
+    (cache / "calibration.json").write_text("{}")
+    (cache / "layer-00001.safetensors").write_bytes(b"x" * 10)
+    (ckpt / "model-00002-of-00006.safetensors.glmq-tmp").write_bytes(b"half")
+    (ckpt / "hidden-00001.tmp").write_bytes(b"act")
+    (ckpt / ".cache" / "huggingface").mkdir(parents=True)
+    (ckpt / ".cache" / "huggingface" / "upload.lock").write_text("")
+    before = {p: p.stat().st_mtime_ns for p in ckpt.rglob("*")}
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--dry-run")
+    assert r.exit_code == 0, r.output
+    expected = {}
+    for dirpath, dirs, files in os.walk(ckpt):
+        dirs[:] = [d for d in dirs if d not in (".glmq-gptq", ".cache")]
+        for f in files:
+            if not f.endswith((".glmq-tmp", ".tmp")):
+                p = Path(dirpath) / f
+                expected[p.relative_to(ckpt).as_posix()] = p.stat().st_size
+    card = r.stdout.split("--- README.md (would be written) ---\n", 1)[1][:-1]  # echo's own newline off
+    expected["README.md"] = len(card.encode())
+    got = listing(r.stdout)
+    assert got == expected
+    assert f"{sum(expected.values()):,d}  total" in r.stdout
+    for skipped in (".glmq-gptq/calibration.json", "model-00002-of-00006.safetensors.glmq-tmp", "hidden-00001.tmp"):
+        assert f"skipped  {skipped}" in r.stdout
+    assert yaml_block(card)["tags"][0] == "compressed-tensors"
+    assert hub == [] and not (ckpt / "README.md").exists()
+    assert {p: p.stat().st_mtime_ns for p in ckpt.rglob("*")} == before  # nothing written
+
+
+def test_real_upload_sends_what_the_dry_run_listed(ckpt, hub):
+    (ckpt / ".glmq-gptq").mkdir()
+    (ckpt / ".glmq-gptq" / "report.json").write_text("{}")
+    dry = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--dry-run")
+    real = run(str(ckpt), "--repo-id", REPO, "--tp", "1")
+    assert dry.exit_code == 0 and real.exit_code == 0, real.output
+    files, skipped = upload.split_files(ckpt)  # what the Hub client's own filter keeps, after the card is written
+    assert listing(dry.stdout) == listing(real.stdout) == files and skipped == [".glmq-gptq/report.json"]
+
+
+# ----------------------------------------------------------------------------------------- Hub calls
+def test_upload_calls_the_hub_with_repo_private_revision_and_patterns(ckpt, hub):
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--private", "--base-model", "zai-org/GLM-5")
+    assert r.exit_code == 0, r.output
+    (name, create), (method, call) = hub
+    assert name == "create_repo" and create["args"] == (REPO,)
+    assert create["private"] is True and create["exist_ok"] is True and create["repo_type"] == "model"
+    assert method == upload.upload_method(HfApi(), None)
+    assert call["repo_id"] == REPO and Path(call["folder_path"]) == ckpt and call["revision"] is None
+    assert call["ignore_patterns"] == upload.ignore_patterns() == [".glmq-gptq/*", "*.glmq-tmp", "*.tmp"]
+    assert call["repo_type"] == "model"
+    meta = yaml_block((ckpt / "README.md").read_text())
+    assert meta["base_model"] == "zai-org/GLM-5"
+
+
+def test_upload_large_folder_when_offered_and_not_deprecated(ckpt, hub, monkeypatch):
+    monkeypatch.setattr(HfApi, "upload_large_folder", hub.recorder("upload_large_folder", "Upload a large folder."))
+    assert run(str(ckpt), "--repo-id", REPO, "--tp", "1").exit_code == 0
+    (_, create), (method, call) = hub
+    assert method == "upload_large_folder" and call["repo_id"] == REPO and call["private"] is None
+    assert create["private"] is None  # no --private: the namespace's default visibility
+    assert call["ignore_patterns"] == upload.ignore_patterns()
+
+
+def test_deprecated_upload_large_folder_gives_way_to_upload_folder_with_hf_xet(monkeypatch):
+    class Api:
+        def upload_large_folder(self):
+            """`upload_large_folder` is deprecated: use `upload_folder`."""
+
+    monkeypatch.setattr(upload.importlib.util, "find_spec", lambda name: object())
+    assert upload.upload_method(Api(), None) == "upload_folder"
+    monkeypatch.setattr(upload.importlib.util, "find_spec", lambda name: None)  # no hf_xet: one-commit upload_folder
+    assert upload.upload_method(Api(), "main") == "upload_large_folder"
+    assert upload.upload_method(Api(), "dev") == "upload_folder"
+    assert upload.upload_method(object(), None) == "upload_folder"  # huggingface_hub without it
+
+
+def test_revision_creates_the_branch_and_uses_upload_folder(ckpt, hub, monkeypatch):
+    monkeypatch.setattr(HfApi, "upload_large_folder", hub.recorder("upload_large_folder", "Upload a large folder."))
+    assert run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--revision", "int4-g128").exit_code == 0
+    assert [c[0] for c in hub] == ["create_repo", "create_branch", "upload_folder"]
+    assert hub[1][1]["branch"] == "int4-g128" and hub[1][1]["exist_ok"] is True
+    assert hub[2][1]["revision"] == "int4-g128"
+    assert "--revision int4-g128" in (ckpt / "README.md").read_text()
+
+
+def test_hub_errors_are_one_line_naming_checkpoint_and_fix(ckpt, hub, monkeypatch):
+    def refuse(self, *a, **kw):
+        resp = httpx.Response(401, request=httpx.Request("POST", "https://huggingface.co/api/repos/create"))
+        raise HfHubHTTPError("401 Client Error: Unauthorized\n(Request ID: x)", response=resp)
+
+    monkeypatch.setattr(HfApi, "create_repo", refuse)
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1")
+    assert r.exit_code == 3 and str(ckpt) in r.output and "hf auth login" in r.output and "Traceback" not in r.output
+    assert "Request ID" not in r.output  # first line only
+
+    def offline(self, *a, **kw):
+        raise httpx.ConnectError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr(HfApi, "create_repo", offline)
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1")
+    assert r.exit_code == 3 and "ConnectError" in r.output and "rerun the same command" in r.output
+
+
+def test_no_token_fails_before_validating(ckpt, hub, monkeypatch):
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
+    r = run(str(ckpt), "--repo-id", REPO)
+    assert r.exit_code == 2 and "no Hugging Face token" in r.output and "hf auth login" in r.output
+    assert "glmq validate" not in r.output and hub == []
+
+
+# ----------------------------------------------------------------------------------------- README and inputs
+def test_foreign_readme_is_kept_and_glmq_card_is_replaced(ckpt, hub):
+    (ckpt / "README.md").write_text("# my own card\n")
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1")
+    assert r.exit_code == 0 and "keeping" in r.output
+    assert (ckpt / "README.md").read_text() == "# my own card\n"
+    (ckpt / "README.md").unlink()
+    assert run(str(ckpt), "--repo-id", REPO, "--tp", "1").exit_code == 0
+    assert "--tp 1\n" in (ckpt / "README.md").read_text()
+    assert run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--license", "mit").exit_code == 0  # ours: rewritten
+    assert yaml_block((ckpt / "README.md").read_text())["license"] == "mit"
+
+
+def test_no_card_writes_no_readme(ckpt, hub):
+    assert run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--no-card").exit_code == 0
+    assert not (ckpt / "README.md").exists() and [c[0] for c in hub][0] == "create_repo"
+
+
+def test_eval_report_from_the_folder_or_the_option(ckpt, hub, tmp_path):
+    (ckpt / "glmq_eval.json").write_text(json.dumps(EVAL))
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--dry-run")
+    assert r.exit_code == 0 and "| **this checkpoint** (`ckpt`) | 3.9342 |" in r.stdout
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"models": [{"checkpoint": "x"}]}))
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--eval-report", str(bad), "--dry-run")
+    assert r.exit_code == 2 and str(bad) in r.output and "glmq eval --json" in r.output
+
+
+def test_missing_folder_not_a_checkpoint_and_bad_ids(ckpt, hub, tmp_path):
+    r = run(str(tmp_path / "nope"), "--repo-id", REPO)
+    assert r.exit_code == 2 and "nope: no such folder" in r.output
+    for flag, bad in (("--repo-id", "just-a-name"), ("--base-model", "/models/GLM-5")):
+        args = ["--repo-id", REPO, flag, bad] if flag != "--repo-id" else ["--repo-id", bad]
+        r = run(str(ckpt), *args)
+        assert r.exit_code == 2 and f"{flag} {bad!r}: not a Hub model id" in r.output
+    (ckpt / "config.json").unlink()
+    r = run(str(ckpt), "--repo-id", REPO)
+    assert r.exit_code == 2 and f"{ckpt}: no config.json" in r.output
+    assert hub == [] and "Traceback" not in r.output
+
+
+def test_without_manifest_uploads_with_a_warning(ckpt, hub):
+    (ckpt / "glmq_manifest.json").unlink()
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1")
+    assert r.exit_code == 0, r.output
+    assert "has no glmq_manifest.json" in r.output
+    card = (ckpt / "README.md").read_text()
+    assert "no checksums to check" in card and "| integrity | skip |" in card
+    assert "name: int4-w4a16" in card  # the recipe still comes from glmq_report.json
