@@ -1,92 +1,514 @@
-"""`glmq plan`: predicted output size per tensor class and peak memory, before anything is converted.
+"""`glmq plan`: predicted output size, peak memory per rank and wall time, before anything is converted.
 
-From a checkpoint folder the numbers come from the real plan (headers only). From a bare
-config.json (no weights) the tensor list is derived from the config with the same layout tables the
-fixture generator uses, and shards are assumed to be `ASSUMED_SHARD_BYTES` (GLM-5-FP8's ~5.3 GB).
+From a checkpoint folder the sizes come from the real plan (headers only); from a bare config.json (no
+weights) the tensor list is derived from the config with the layout tables the fixture generator uses, and
+the source is cut into shards of `ASSUMED_SHARD_BYTES` (GLM-5-FP8's ~5.3 GB).
+
+Every measured number comes from `FIGURES`, one table in which each entry names the BENCHMARKS.md row
+(machine, date, command) it was taken from; `--throughput KEY=VALUE` overrides an entry. A figure that has
+not been measured is `None`, and what depends on it is printed as "not measured yet", never guessed.
+
+Models (small pure functions, below):
+- RTN, distributed: the work is split across ranks as the distributed engine splits it (stream.run with a
+  dist.World): the output files, each inside one source shard, balanced by bytes read + written (`balance`,
+  the same greedy as dist.share); each rank streams its files at the measured per-rank rate of input, so
+  wall = fixed cost + max rank bytes in / rate. Peak RSS per rank: the process + the largest input shard +
+  the row blocks in flight (stream.py).
+- GPTQ (calibration/engine.py, layer by layer): every rank runs the calibration forward of each decoder layer
+  over all S x T tokens; the layer's routed experts and other target Linears are split across ranks, so the
+  Hessians, the all-token expert work and the GPTQ solves divide. Memory per rank: the largest decoder layer
+  in the compute dtype, its source copy in BF16 and the integers, the Hessians (float32 K x K per site, bounded
+  by `experts_per_pass`), the hidden states [S, T, H] (in memory, or on disk with one batch in memory), GLM-5's
+  carried top-k indices [S, T, index_topk] int32 and one batch's forward workspace.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from glmq.formats.families import family_for
+from glmq.formats.families import TensorClass, family_for, layer_index
 from glmq.formats.safetensors_io import DTYPE_NAMES, TensorEntry
 from glmq.formats.source import Source, detect_format
-from glmq.quantize.plan import make_plan
+from glmq.quantize.plan import Action, make_plan
 from glmq.quantize.stream import CHUNK_BYTES
 from glmq.recipes import load as load_recipe
 
 ASSUMED_SHARD_BYTES = int(5.3e9)
-# Measured resident set of a glmq process (Python, torch, numba) before it reads any tensor.
-BASELINE_RSS = 450 * 10**6
 # Row blocks in flight: two prefetched, one being converted, one being written; each at most CHUNK_BYTES
 # of source plus the converted copy (at most 2x for FP8 -> BF16) and float32 temporaries.
 IN_FLIGHT = 4 * 3 * CHUNK_BYTES
+NOT_MEASURED = "not measured yet"
 
 
-def from_plan(plan) -> dict:
-    largest = max(plan.source.shard_bytes.values())
-    return summarize(plan, largest, assumed=False)
+@dataclass(frozen=True)
+class Figure:
+    """A measured number and where it comes from (value None: not measured yet)."""
+
+    value: float | None
+    unit: str
+    basis: str
 
 
-def from_config_file(config_path: Path, recipe: str) -> dict:
-    """Plan a conversion from config.json alone (e.g. GLM-5.2's real dimensions)."""
+_CPU_RUN = ("BENCHMARKS.md 'RTN conversion throughput', CPU (2 cores, 24 GiB, another job on ~1 core), 2026-11-29, "
+            "`python scripts/bench_rtn.py --work /tmp/glmq-bench --repeats 2 --peer-python ...`, 4.44 GB GLM-5-shape input")
+_GPU_RUN = ("BENCHMARKS.md 'RTN conversion throughput', GPU (lent NVIDIA H200, 16 host cores), 2026-11-29, "
+            "`PARTS=\"cudapath rtn\" bash scripts/gpu_run.sh` (bench_rtn.py --layers 3 --device cuda --repeats 3), 5.86 GB input")
+_GPTQ_TODO = (NOT_MEASURED + ": no GPTQ timing at GLM-5 shapes in BENCHMARKS.md; fill from one layer of a "
+              "glmq_report.json with `rates_from_layer_report`, or pass --throughput")
+_GPTQ_GPU_RUN = ("BENCHMARKS.md 'GPTQ at GLM-5 shapes' (H200, 2026-11-29, `scripts/bench_gptq_gpu.py --layers 2 --experts 256`, "
+                 "128 x 256 tokens, float32)")
+FIGURES: dict[str, Figure] = {
+    "rtn_cpu_GBps": Figure(0.0804, "GB/s of input per rank", _CPU_RUN + ": 4.44 GB in the 55.2 s pipeline"),
+    "rtn_cpu_fixed_s": Figure(6.1, "s per run", _CPU_RUN + ": row 'glmq quantize' 61.3 s - 55.2 s pipeline"),
+    "rtn_cuda_GBps": Figure(1.18, "GB/s of input per rank", _GPU_RUN + ": row 'glmq conversion pipeline only' 4.97 s"),
+    "rtn_cuda_fixed_s": Figure(16.1, "s per run", _GPU_RUN + ": row 'glmq --device cuda, whole process' 21.1 s - 4.97 s "
+                               "(compressed-tensors import)"),
+    "copy_cpu_GBps": Figure(0.195, "GB/s read+write+fsync", _CPU_RUN + ": row 'copy' 22.8 s"),
+    "copy_cuda_GBps": Figure(0.695, "GB/s read+write+fsync", _GPU_RUN + ": row 'copy' 8.43 s"),
+    "rss_process_cpu_GB": Figure(0.45, "GB", "resident set of a glmq process before it reads a tensor (estimate.py, issue 2)"),
+    "rss_process_cuda_GB": Figure(1.0, "GB", _GPU_RUN + ": 'a CUDA-initialised torch process starts at about 1 GB resident'"),
+    "rss_bench_cpu_GB": Figure(1.107, "GB peak RSS", _CPU_RUN + ": row 'glmq quantize', largest input shard 0.491 GB"),
+    "rss_bench_cuda_GB": Figure(1.801, "GB peak RSS", _GPU_RUN + ": row 'glmq --device cuda', largest input shard 0.491 GB"),
+    "gptq_cpu_forward_TFLOPs": Figure(None, "TFLOP/s", _GPTQ_TODO),
+    "gptq_cuda_forward_TFLOPs": Figure(20.9, "TFLOP/s", _GPTQ_GPU_RUN + ": layer 1 (110.8 s, of which 62.9 s solving), "
+                                       "rates_from_layer_report's split with the layer loaded at rtn_cuda_GBps"),
+    "gptq_cpu_s_per_column": Figure(None, "s per input column of a target", _GPTQ_TODO),
+    "gptq_cuda_s_per_column": Figure(1.715e-5, "s per input column of a target", _GPTQ_GPU_RUN + ": layer 1, 62.9 s "
+                                     "solving 3.67 M input columns"),
+}
+BENCH_LARGEST_SHARD = 490_881_264  # the largest input shard of both RTN bench runs (benchmarks/bench_rtn_*.json)
+
+
+def with_overrides(overrides: dict[str, float], figures: dict[str, Figure] = FIGURES) -> dict[str, Figure]:
+    """`figures` with some values replaced (`--throughput KEY=VALUE`); unknown keys are an error."""
+    unknown = sorted(set(overrides) - set(figures))
+    if unknown:
+        raise ValueError(f"unknown --throughput key(s) {unknown}; known: {sorted(figures)}")
+    return {k: replace(f, value=overrides[k], basis="--throughput override") if k in overrides else f
+            for k, f in figures.items()}
+
+
+def parse_overrides(texts: tuple[str, ...]) -> dict[str, float]:
+    """`("KEY=NUMBER", ...)` from the command line -> {key: value}."""
+    out = {}
+    for t in texts:
+        key, _, value = t.partition("=")
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"--throughput takes KEY=NUMBER, got {t!r}") from None
+    return out
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How the job is run. GPTQ defaults are calibration/engine.py's CalibrationSettings defaults
+    (tests/test_estimate.py checks they agree); `experts_per_pass` is the bounded variant shown
+    next to "all experts at once"."""
+
+    ranks: int = 1
+    device: str = "cpu"
+    samples: int = 128
+    seq_len: int = 256
+    batch_size: int = 8
+    dtype: str = "float32"
+    experts_per_pass: int | None = 32
+    expert_prior: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1 or self.samples < 1 or self.seq_len < 1 or self.batch_size < 1:
+            raise ValueError("ranks, samples, seq_len and batch_size must be positive")
+        if self.device not in ("cpu", "cuda") or self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"device must be cpu|cuda and dtype float32|bfloat16|float16, got {self.device}, {self.dtype}")
+        if self.experts_per_pass is not None and self.experts_per_pass < 1:
+            raise ValueError("experts_per_pass must be positive (or None)")
+
+    @property
+    def dbytes(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
+
+# ----------------------------------------------------------------------------------------------- sizes
+def virtual_source(config_path: Path) -> Source:
+    """The source a config.json describes: the fixture layout, cut into ASSUMED_SHARD_BYTES shards."""
     from glmq.formats import fixtures
 
     config = json.loads(Path(config_path).read_text())
     family = family_for(config, str(config_path))
     fmt, block = detect_format(config, Path(config_path))
-    layout = fixtures.tensor_layout(config, fmt.value if fmt.value != "dense" else "bf16", family=family.name)
-    entries, pos, shard, shard_bytes, shards = {}, 0, 0, {}, []
+    weights = ((config.get("quantization_config") or {}).get("config_groups") or {}).get("group_0", {}).get("weights") or {}
+    layout = fixtures.tensor_layout(config, fmt.value if fmt.value != "dense" else "bf16", family=family.name,
+                                    fp8_ct_strategy="tensor" if weights.get("strategy") == "tensor" else "channel")
+    entries, pos, shard, shard_bytes = {}, 0, 0, {}
     for unit in layout:
         for st in unit:
-            numel = 1
-            for d in st.shape:
-                numel *= d
-            nbytes = numel * st.dtype.itemsize
+            nbytes = math.prod(st.shape) * st.dtype.itemsize
             if pos + nbytes > ASSUMED_SHARD_BYTES and pos:
                 shard, pos = shard + 1, 0
             name = f"virtual-{shard:05d}"
             entries[st.name] = TensorEntry(st.name, name, DTYPE_NAMES[st.dtype], tuple(st.shape), pos, pos + nbytes)
             pos += nbytes
             shard_bytes[name] = shard_bytes.get(name, 0) + nbytes
-    shards = sorted(shard_bytes)
-    src = Source(Path(config_path).parent, config, family, fmt, entries, shards, shard_bytes, block, [], "config-only")
-    plan = make_plan(src, load_recipe(recipe))
-    return summarize(plan, ASSUMED_SHARD_BYTES, assumed=True)
+    return Source(Path(config_path).parent, config, family, fmt, entries, sorted(shard_bytes), shard_bytes, block, [],
+                  "config-only")
 
 
-def summarize(plan, largest_shard: int, assumed: bool) -> dict:
-    rows = plan.by_class()
+def from_plan(plan, scale: Scale = Scale(), figures: dict[str, Figure] = FIGURES) -> dict:
+    """Sizes, memory and time for a plan of a real checkpoint (its actual shard sizes)."""
+    return summarize(plan, scale, figures, assumed=False)
+
+
+def from_config_file(config_path: Path, recipe: str, scale: Scale = Scale(), figures: dict[str, Figure] = FIGURES) -> dict:
+    """Plan a conversion from config.json alone (e.g. GLM-5.2's real dimensions)."""
+    return summarize(make_plan(virtual_source(config_path), load_recipe(recipe)), scale, figures, assumed=True)
+
+
+def summarize(plan, scale: Scale, figures: dict[str, Figure], assumed: bool) -> dict:
+    shard_bytes = plan.source.shard_bytes
     return {
-        "source": str(plan.source.root),
-        "family": plan.source.family.name,
-        "source_format": plan.source.fmt.value,
-        "recipe": plan.recipe.name,
-        "tensors": len(plan.items),
-        "bytes_in": plan.source.total_bytes,
-        "bytes_out": plan.bytes_out,
-        "output_files": len(plan.files),
-        "by_class": rows,
-        "largest_input_shard": largest_shard,
-        "shards_assumed": assumed,
-        "peak_rss_rtn": BASELINE_RSS + largest_shard + IN_FLIGHT,
+        "source": str(plan.source.root), "family": plan.source.family.name,
+        "source_format": plan.source.fmt.value, "recipe": plan.recipe.name, "tensors": len(plan.items),
+        "bytes_in": plan.source.total_bytes, "bytes_out": plan.bytes_out, "output_files": len(plan.files),
+        "by_class": plan.by_class(), "shards_assumed": assumed, "largest_input_shard": max(shard_bytes.values()),
+        "scale": asdict(scale),
+        "rtn": rtn_estimate(rtn_jobs(plan), max(shard_bytes.values()), scale, figures),
+        "gptq": gptq_estimate(plan, scale, figures),
     }
 
 
+# ------------------------------------------------------------------------------------- distribution
+def balance(costs: dict[str, float], ranks: int) -> list[list[str]]:
+    """Split work items across ranks: largest first, each to the least-loaded rank (LPT greedy, at most
+    4/3 of the optimal makespan). Every item lands on exactly one rank; ties go to the lower rank."""
+    loads, out = [0.0] * ranks, [[] for _ in range(ranks)]
+    for key in sorted(costs, key=lambda k: (-costs[k], k)):
+        r = min(range(ranks), key=lambda i: (loads[i], i))
+        loads[r] += costs[key]
+        out[r].append(key)
+    return out
+
+
+def rtn_jobs(plan) -> dict[str, tuple[int, int]]:
+    """RTN's units of work: the plan's output files (each inside one source shard), as (bytes in, bytes out)."""
+    return {f.name: (sum(it.in_bytes for it in f.items), f.nbytes) for f in plan.files}
+
+
+def rtn_estimate(jobs: dict[str, tuple[int, int]], largest_shard: int, scale: Scale, figures: dict[str, Figure]) -> dict:
+    """RTN per rank: the split of `jobs` (name -> (bytes in, bytes out)), peak RSS and wall time (None where a
+    figure is not measured). Jobs are balanced by bytes read + written, as stream.run's distributed split."""
+    split = balance({k: i + o for k, (i, o) in jobs.items()}, scale.ranks)
+    per_rank = [sum(jobs[j][0] for j in r) for r in split]
+    process = figures[f"rss_process_{scale.device}_GB"].value * 1e9
+    rate, fixed = figures[f"rtn_{scale.device}_GBps"].value, figures[f"rtn_{scale.device}_fixed_s"].value
+    wall = None if rate is None or fixed is None else fixed + max(per_rank) / (rate * 1e9)
+    return {"jobs": len(jobs), "rank_bytes_max": max(per_rank), "rank_bytes_min": min(per_rank),
+            "rank_jobs_max": max(len(r) for r in split), "largest_shard": largest_shard,
+            "peak_rss": rtn_peak_rss(largest_shard, process), "process_rss": process, "seconds": wall,
+            "rate_GBps": rate, "fixed_s": fixed, "copy_GBps": figures[f"copy_{scale.device}_GBps"].value,
+            "model_check": {d: {"model": rtn_peak_rss(BENCH_LARGEST_SHARD, figures[f"rss_process_{d}_GB"].value * 1e9),
+                                "measured": figures[f"rss_bench_{d}_GB"].value * 1e9} for d in ("cpu", "cuda")}}
+
+
+def rtn_peak_rss(largest_shard: int, process_rss: float) -> float:
+    """One shard in flight: the process, the largest input shard (mapped, touched) and the row blocks."""
+    return process_rss + largest_shard + IN_FLIGHT
+
+
+# --------------------------------------------------------------------------------------------- GPTQ
+_EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.(gate|up|down)_proj$")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One Linear GPTQ quantizes: [n, k], its routed expert (None: a plain Linear), its Hessian site."""
+
+    module: str
+    n: int
+    k: int
+    expert: int | None
+    site: str
+
+
+@dataclass(frozen=True)
+class Layer:
+    """What GPTQ's memory and time depend on, for one decoder layer (element counts)."""
+
+    index: int
+    params: int
+    expert_params: int
+    bytes_in: int  # source bytes (weights and scales) every rank reads and dequantizes to build the layer
+    linear_flops: int  # 2 N K summed over every 2-D weight, routed experts weighted by top_k / E
+    targets: tuple[Target, ...]
+
+
+def decoder_layers(plan) -> dict[int, Layer]:
+    """Every decoder layer (not the MTP layer, which engine.py leaves to RTN) from the plan's items."""
+    cfg, n_layers = plan.source.config, plan.source.config["num_hidden_layers"]
+    share = cfg.get("num_experts_per_tok", 0) / max(cfg.get("n_routed_experts", 1), 1)
+    acc: dict[int, dict] = {}
+    for it in plan.items:
+        i = layer_index(it.name)
+        if i is None or i >= n_layers:
+            continue
+        a = acc.setdefault(i, {"params": 0, "expert": 0, "bytes": 0, "flops": 0.0, "targets": []})
+        numel = math.prod(it.src.shape)
+        routed = it.cls is TensorClass.ROUTED_EXPERT
+        a["params"] += numel
+        a["expert"] += numel if routed else 0
+        a["bytes"] += it.in_bytes
+        if len(it.src.shape) == 2:
+            a["flops"] += 2 * numel * (share if routed else 1)
+        if it.action is Action.QUANTIZE:
+            m = _EXPERT.match(it.module)
+            e = int(m.group(1)) if m else None
+            site = it.module if m is None else f"{e}.{'down' if m.group(2) == 'down' else 'gate_up'}"
+            a["targets"].append(Target(it.module, it.src.shape[0], it.src.shape[1], e, site))
+    return {i: Layer(i, a["params"], a["expert"], a["bytes"], round(a["flops"]), tuple(a["targets"]))
+            for i, a in sorted(acc.items())}
+
+
+def rank_units(layer: Layer, ranks: int) -> list[list[Target]]:
+    """The layer's targets per rank: whole routed experts (their Hessian sites go together) and plain
+    Linears, balanced by GPTQ solve cost (input columns)."""
+    units: dict[str, list[Target]] = {}
+    for t in layer.targets:
+        units.setdefault(f"e{t.expert}" if t.expert is not None else t.module, []).append(t)
+    split = balance({u: sum(t.k for t in ts) for u, ts in units.items()}, ranks)
+    return [[t for u in r for t in units[u]] for r in split]
+
+
+def hessian_bytes(targets: list[Target], experts_per_pass: int | None, prior: bool) -> int:
+    """float32 K x K Hessians one rank holds at once (collect.py / layer_gptq.py): pass 0's plain-Linear
+    sites and the all-token MoE-input Hessian, plus one chunk of `experts_per_pass` experts, each with its
+    gate_up and down sites and, with `expert_prior`, its all-token down site."""
+    plain = {t.site: t.k for t in targets if t.expert is None}
+    sites: dict[int, dict[str, int]] = {}
+    for t in targets:
+        if t.expert is not None:
+            sites.setdefault(t.expert, {})[t.site] = t.k
+    per_expert = sorted((sum(k * k * (2 if prior and s.endswith("down") else 1) for s, k in e.items())
+                         for e in sites.values()), reverse=True)
+    all_tokens = max((k for e in sites.values() for s, k in e.items() if s.endswith("gate_up")), default=0) ** 2
+    return 4 * (sum(k * k for k in plain.values()) + all_tokens + sum(per_expert[: experts_per_pass or len(per_expert)]))
+
+
+def layer_memory(layer: Layer, targets: list[Target], cfg: dict, scale: Scale, experts_per_pass: int | None,
+                 offload: bool) -> dict[str, float]:
+    """Bytes per rank of one decoder layer's GPTQ, by component; each lives on "host" or "device"."""
+    s, t, b, d, h = scale.samples, scale.seq_len, scale.batch_size, scale.dbytes, cfg["hidden_size"]
+    topk = min(cfg.get("index_topk", 0), t)  # the indexer keeps min(index_topk, T) tokens
+    widest = max((tg.n for tg in layer.targets), default=h)
+    tokens_kept = b if offload else s
+    target_params = sum(tg.n * tg.k for tg in layer.targets)
+    biggest = max(layer.targets, key=lambda tg: tg.k, default=None)
+    mask = b * t * t * d if topk else 0  # GLM-5's DSA reads a materialised causal mask (layers.py full_mask)
+    indexer = b * t * t * (cfg.get("index_n_heads", 0) * 4 * 2 + 1) if topk else 0  # scores, relu copy, bool mask
+    return {
+        "layer": d * layer.params,  # the built decoder layer in the compute dtype
+        "source_bf16": 2 * layer.params,  # layer_state(): FP8 dequantized to BF16, held for the whole layer
+        "integers": target_params * 1.0,  # int8 q (+ small scales) of every target, needed by the output forward
+        "rebuild": 2 * target_params + 2 * layer.expert_params,  # dequantized targets + fused experts (bf16)
+        "hessians": hessian_bytes(targets, experts_per_pass, scale.expert_prior > 0),
+        "solve": 0 if biggest is None else 4 * (4 * biggest.k**2 + 2 * biggest.n * biggest.k),
+        "hidden": (2 if offload else 1) * tokens_kept * t * h * d,  # offloaded: one batch read + one written
+        "carry": 2 * tokens_kept * t * topk * 4,  # GLM-5 top-k indices, int32: the layer's input and output
+        "workspace": mask + indexer + b * t * cfg.get("num_experts_per_tok", 0) * cfg.get("n_routed_experts", 0) * 8
+        + 8 * b * t * widest * d,
+    }
+
+
+def peak_memory(parts: dict[str, float], device: str, process: float) -> dict[str, float]:
+    """Host and device peaks from layer_memory's parts. Phase A (calibrate + solve) holds the layer, the
+    Hessians and the solve workspace; phase B (rebuild with the integers + output forward) the rebuild copies.
+    On CPU the device is the host."""
+    host_always = process + parts["source_bf16"] + parts["integers"] + parts["hidden"] + parts["carry"]
+    dev_a = parts["layer"] + parts["hessians"] + parts["solve"] + parts["workspace"]
+    dev_b = parts["layer"] + parts["workspace"]
+    if device == "cpu":
+        return {"host": host_always + max(dev_a, dev_b + parts["rebuild"]), "device": 0.0}
+    return {"host": host_always + parts["rebuild"], "device": max(dev_a, dev_b)}
+
+
+def attention_flops_per_token(cfg: dict, seq_len: int) -> float:
+    """Scores and weighted sum over the whole sequence (the explicit mask makes SDPA compute all T keys)."""
+    heads = cfg["num_attention_heads"]
+    if "kv_lora_rank" in cfg:
+        qk, v = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    else:
+        qk = v = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    indexer = cfg.get("index_n_heads", 0) * cfg.get("index_head_dim", 0) if "index_topk" in cfg else 0
+    return 2.0 * seq_len * (heads * (qk + v) + indexer)
+
+
+def layer_work(layer: Layer, targets: list[Target], cfg: dict, scale: Scale) -> dict[str, float]:
+    """FLOPs of one rank's calibration passes and input columns of its GPTQ solves, for one layer.
+
+    Passes: one per chunk of this rank's experts (at least one) plus the output forward of the quantized
+    layer, each a full forward over S x T tokens. Hessian sums cost 2 K^2 per token and site (routed sites
+    see top_k / E of the tokens on average); with `expert_prior` every expert of the rank also runs gate/up
+    over every token (2 * 2 H I) and sums its all-token down Hessian (2 I^2).
+    """
+    tokens = scale.samples * scale.seq_len
+    experts = sorted({t.expert for t in targets if t.expert is not None})
+    passes = max(1, math.ceil(len(experts) / (scale.experts_per_pass or max(len(experts), 1)))) if targets else 0
+    forward = tokens * (layer.linear_flops + attention_flops_per_token(cfg, scale.seq_len))
+    share = cfg.get("num_experts_per_tok", 0) / max(cfg.get("n_routed_experts", 1), 1)
+    hess = sum(t.k**2 for t in {t.site: t for t in targets if t.expert is None}.values())
+    gate_k = max((t.k for t in layer.targets if t.site.endswith("gate_up")), default=0)
+    down_k = max((t.k for t in layer.targets if t.site.endswith("down")), default=0)
+    hess += (gate_k**2 if experts else 0) + len(experts) * share * (gate_k**2 + down_k**2)
+    prior = len(experts) * (2 * gate_k * down_k + down_k**2) if scale.expert_prior > 0 else 0
+    return {"passes": passes + 1, "flops": (passes + 1) * forward + 2 * tokens * (hess + prior),
+            "columns": sum(t.k for t in targets)}
+
+
+def gptq_estimate(plan, scale: Scale, figures: dict[str, Figure]) -> dict:
+    """GPTQ memory per rank for the largest decoder layer, and wall time over every layer when measured."""
+    cfg, layers = plan.source.config, decoder_layers(plan)
+    if not any(la.targets for la in layers.values()):
+        return {"targets": 0}
+    big = max(layers.values(), key=lambda la: la.params)
+    per_rank = rank_units(big, scale.ranks)
+    worst = max(per_rank, key=lambda ts: hessian_bytes(ts, None, scale.expert_prior > 0))
+    process = figures[f"rss_process_{scale.device}_GB"].value * 1e9
+    variants = {}
+    for epp in (None, scale.experts_per_pass):
+        for offload in (False, True):
+            parts = layer_memory(big, worst, cfg, scale, epp, offload)
+            variants[f"{'all' if epp is None else epp}/{'disk' if offload else 'memory'}"] = {
+                "parts": parts, **peak_memory(parts, scale.device, process)}
+    rate = figures[f"gptq_{scale.device}_forward_TFLOPs"].value
+    per_col = figures[f"gptq_{scale.device}_s_per_column"].value
+    load_rate = figures[f"rtn_{scale.device}_GBps"].value
+    flops = columns = seconds = 0.0
+    load = sum(la.bytes_in for la in layers.values()) / (load_rate * 1e9) if load_rate else None
+    for la in layers.values():
+        works = [layer_work(la, ts, cfg, scale) for ts in rank_units(la, scale.ranks)]
+        flops += max(w["flops"] for w in works)
+        columns += max(w["columns"] for w in works)
+    if rate is not None and per_col is not None and load is not None:
+        seconds = load + flops / (rate * 1e12) + columns * per_col
+    return {"targets": sum(len(la.targets) for la in layers.values()), "layers": len(layers),
+            "largest_layer": big.index, "largest_params": big.params, "largest_expert_params": big.expert_params,
+            "largest_targets": len(big.targets), "rank_targets": max(len(ts) for ts in per_rank),
+            "rank_experts": len({t.expert for t in worst if t.expert is not None}),
+            "experts": len({t.expert for t in big.targets if t.expert is not None}),
+            "memory": variants, "flops": flops, "columns": columns, "load_seconds": load,
+            "seconds": seconds if rate is not None and per_col is not None and load is not None else None}
+
+
+def rates_from_layer_report(row: dict, layer: Layer, cfg: dict, scale: Scale, load_GBps: float) -> dict[str, float]:
+    """The two GPTQ figures from one measured decoder layer, to paste into FIGURES.
+
+    Args:
+        row: one entry of glmq_report.json["gptq"]["layers"] (seconds, calibration_tokens_per_s,
+            forward_tokens_per_s), from a one-rank run with `scale`'s calibration settings.
+        layer: that layer, from `decoder_layers(plan)` of the same checkpoint and recipe.
+        load_GBps: the rate at which the layer was read and dequantized (the RTN figure of the device).
+    Returns:
+        {"forward_TFLOPs": FLOP/s of the calibration passes and the output forward,
+         "s_per_column": the rest of the layer's time, minus loading, per solved input column}.
+    """
+    w = layer_work(layer, list(layer.targets), cfg, scale)
+    tokens = scale.samples * scale.seq_len
+    fwd_s = (w["passes"] - 1) * tokens / row["calibration_tokens_per_s"] + tokens / row["forward_tokens_per_s"]
+    solve_s = max(row["seconds"] - fwd_s - layer.bytes_in / (load_GBps * 1e9), 0.0)
+    return {"forward_TFLOPs": w["flops"] / fwd_s / 1e12, "s_per_column": solve_s / w["columns"]}
+
+
+# --------------------------------------------------------------------------------------------- text
 def _gb(n: float) -> str:
     return f"{n / 1e9:9.2f} GB"
 
 
-def format_summary(s: dict) -> str:
-    lines = [f"{s['family']} ({s['source_format']}) with recipe {s['recipe']}: {s['tensors']} tensors",
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def format_summary(s: dict, figures: dict[str, Figure] = FIGURES) -> str:
+    sc = s["scale"]
+    lines = [f"== predicted output: {s['family']} ({s['source_format']}) with recipe {s['recipe']}"
+             + (", config only (shards assumed 5.3 GB)" if s["shards_assumed"] else ""),
              f"{'class:action':32s} {'tensors':>8s} {'in':>12s} {'out':>12s}"]
     for key, row in s["by_class"].items():
         lines.append(f"{key:32s} {row['tensors']:8d} {_gb(row['bytes_in']):>12s} {_gb(row['bytes_out']):>12s}")
     lines.append(f"{'total':32s} {s['tensors']:8d} {_gb(s['bytes_in']):>12s} {_gb(s['bytes_out']):>12s}"
                  f"   ({s['bytes_out'] / s['bytes_in']:.3f}x, {s['output_files']} output files)")
-    note = " (shards assumed 5.3 GB: config only)" if s["shards_assumed"] else ""
-    lines.append(f"peak RSS, RTN: ~{s['peak_rss_rtn'] / 1e9:.2f} GB = largest input shard {s['largest_input_shard'] / 1e9:.2f} GB"
-                 f"{note} + {IN_FLIGHT / 1e9:.2f} GB row blocks in flight + {BASELINE_RSS / 1e9:.2f} GB process")
-    return "\n".join(lines)
+    return "\n".join(lines + _rtn_lines(s["rtn"], sc, figures) + _gptq_lines(s["gptq"], sc, figures, s["rtn"]))
+
+
+def _rtn_lines(r: dict, sc: dict, figures: dict[str, Figure]) -> list[str]:
+    dev = sc["device"]
+    proc = "CUDA-initialised process" if dev == "cuda" else "process"
+    chk = r["model_check"]
+    lines = [f"== RTN on {sc['ranks']} rank(s), device {dev}",
+             f"{r['jobs']} output files split by bytes read + written: bytes in per rank max "
+             f"{_gb(r['rank_bytes_max']).strip()} ({r['rank_jobs_max']} files), min {_gb(r['rank_bytes_min']).strip()}",
+             f"peak RSS per rank: {_gb(r['peak_rss']).strip()} = largest input shard {_gb(r['largest_shard']).strip()}"
+             f" + row blocks in flight {_gb(IN_FLIGHT).strip()} + {proc} {_gb(r['process_rss']).strip()}",
+             "  model check on the measured bench input (largest shard 0.49 GB): "
+             + ", ".join(f"{d} model {chk[d]['model'] / 1e9:.2f} GB vs measured {chk[d]['measured'] / 1e9:.2f} GB "
+                         f"({(chk[d]['model'] - chk[d]['measured']) / 1e9:+.2f} GB)" for d in chk)
+             + ": an upper bound"]
+    if r["seconds"] is None:
+        lines.append(f"wall: {NOT_MEASURED} (rtn_{dev}_GBps)")
+    else:
+        lines.append(f"wall: {_duration(r['seconds'])} = {r['fixed_s']:.0f} s fixed + max rank bytes at "
+                     f"{r['rate_GBps']} GB/s of input per rank [rtn_{dev}_GBps: {figures[f'rtn_{dev}_GBps'].basis}]")
+        if sc["ranks"] > 1:
+            floor = r["rank_bytes_max"] * sc["ranks"] / (r["copy_GBps"] * 1e9)
+            lines.append(f"  assumes every rank has its own storage bandwidth; ranks sharing one host's disk are bounded "
+                         f"by it (plain copy of the input measured at {r['copy_GBps']} GB/s: {_duration(floor)})")
+    return lines
+
+
+def _gptq_lines(g: dict, sc: dict, figures: dict[str, Figure], rtn: dict) -> list[str]:
+    dev, epp = sc["device"], sc["experts_per_pass"]
+    lines = [f"== GPTQ on {sc['ranks']} rank(s), device {dev}, {sc['samples']} x {sc['seq_len']} calibration tokens, "
+             f"batch {sc['batch_size']}, {sc['dtype']}"]
+    if not g["targets"]:
+        return lines + ["no decoder-layer targets: the recipe quantizes nothing GPTQ would calibrate"]
+    v = g["memory"]
+    p, q = v["all/memory"]["parts"], v[f"{epp or 'all'}/disk"]["parts"]
+    where = "GPU" if dev == "cuda" else "host"
+    lines.append(f"largest decoder layer: model.layers.{g['largest_layer']}, {g['largest_params'] / 1e9:.2f} B params "
+                 f"({g['largest_expert_params'] / 1e9:.2f} B in {g['experts']} routed experts), {g['largest_targets']} "
+                 f"targets; the busiest rank quantizes {g['rank_targets']} of them ({g['rank_experts']} experts)")
+    rows = [(f"decoder layer in {sc['dtype']} ({where})", p["layer"]),
+            ("source layer in bf16 + integers (host)", p["source_bf16"] + p["integers"]),
+            ("rebuild with the integers: dequantized + fused (host)", p["rebuild"]),
+            (f"Hessians, all {g['rank_experts']} experts of the rank at once ({where})", p["hessians"]),
+            (f"Hessians, experts_per_pass {epp} ({where})", q["hessians"]),
+            ("GPTQ solve workspace, largest target (" + where + ")", p["solve"]),
+            (f"one batch's forward workspace, estimate ({where})", p["workspace"]),
+            (f"hidden states [S, T, H] in memory (host)", p["hidden"]),
+            (f"hidden states offloaded: one batch in, one out (host)", q["hidden"])]
+    if p["carry"]:
+        rows.append(("carried top-k indices, int32, in + out (host)", p["carry"]))
+    lines += [f"  {label:62s} {_gb(n)}" for label, n in rows]
+    for key, label in (("all/memory", "all experts at once, hidden states in memory"),
+                       (f"{epp or 'all'}/disk", f"experts_per_pass {epp}, hidden states offloaded")):
+        m = v[key]
+        lines.append(f"peak per rank, {label}: host {_gb(m['host']).strip()}"
+                     + (f", GPU {_gb(m['device']).strip()}" if dev == "cuda" else ""))
+    lines.append(f"work: {g['flops'] / 1e15:.1f} PFLOP of calibration passes and {g['columns'] / 1e6:.2f} M solved input "
+                 f"columns on the busiest rank, over {g['layers']} decoder layers")
+    keys = [f"gptq_{dev}_forward_TFLOPs", f"gptq_{dev}_s_per_column"]
+    missing = [k for k in keys if figures[k].value is None]
+    if g["load_seconds"] is not None and rtn["seconds"] is not None:
+        lines.append(f"measured part: every rank reads and dequantizes every decoder layer "
+                     f"({_duration(g['load_seconds'])} at the RTN rate, rtn_{dev}_GBps) and the checkpoint is written as "
+                     f"by RTN ({_duration(rtn['seconds'])}): {_duration(g['load_seconds'] + rtn['seconds'])}")
+    if missing:
+        lines.append(f"wall: {NOT_MEASURED}; a lower bound is the measured part above "
+                     f"({', '.join(missing)}: {figures[missing[0]].basis})")
+    elif g["seconds"] is not None:
+        lines.append(f"wall: {_duration(g['seconds'] + (rtn['seconds'] or 0))} = measured part + calibration passes "
+                     f"{_duration(g['flops'] / (figures[keys[0]].value * 1e12))} + solves "
+                     f"{_duration(g['columns'] * figures[keys[1]].value)}; EXTRAPOLATION from "
+                     + "; ".join(f"{k} = {figures[k].value} ({figures[k].basis})" for k in keys))
+    return lines

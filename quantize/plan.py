@@ -241,12 +241,13 @@ def assign_files(source: Source, items: list[Item], max_shard_bytes: int) -> lis
         per_shard[it.src.shard].append(it)
     chunks: list[OutFile] = []
     for shard in source.shards:
-        cur = OutFile("", shard)
+        cur, cur_bytes = OutFile("", shard), 0  # a running sum: OutFile.nbytes re-sums (quadratic per shard)
         for it in per_shard.get(shard, []):
-            if cur.items and cur.nbytes + it.out_bytes > max_shard_bytes:
+            if cur.items and cur_bytes + it.out_bytes > max_shard_bytes:
                 chunks.append(cur)
-                cur = OutFile("", shard)
+                cur, cur_bytes = OutFile("", shard), 0
             cur.items.append(it)
+            cur_bytes += it.out_bytes
         if cur.items:
             chunks.append(cur)
     n = len(chunks)

@@ -1,0 +1,309 @@
+"""`glmq plan` at real scale: predicted sizes, peak memory per rank and wall time (quantize/estimate.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from glmq import recipes
+from glmq.formats.families import classify, layer_index
+from glmq.formats.safetensors_io import read_header
+from glmq.formats.source import open_source
+from glmq.quantize import estimate, stream
+from glmq.quantize.estimate import FIGURES, NOT_MEASURED, Layer, Scale, Target
+from glmq.quantize.plan import make_plan
+from glmq.scripts.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "scripts" / "configs"
+BENCH = REPO / "benchmarks"
+
+# (fixture family, source format, config overrides): the three real configs' layouts, tiny.
+TINY = {
+    "glm-5.2": ("glm_moe_dsa", "fp8-block", {}),
+    "glm-4.7": ("glm4_moe", "fp8-ct", {}),
+    "kimi-k2": ("deepseek_v3", "fp8-block", {"model_type": "kimi_k2", "num_nextn_predict_layers": 0}),
+}
+
+
+def data_bytes_by_class(root: Path) -> Counter:
+    """Tensor data bytes of every shard of a checkpoint, per tensor class, read from the files' headers."""
+    out: Counter = Counter()
+    for shard in sorted(root.glob("*.safetensors")):
+        entries, _, data_start = read_header(shard)
+        assert data_start + sum(e.nbytes for e in entries.values()) == shard.stat().st_size
+        for name, e in entries.items():
+            out[classify(name.rpartition(".")[0]).value] += e.nbytes
+    return out
+
+
+def by_class(rows: dict[str, dict]) -> Counter:
+    out: Counter = Counter()
+    for key, row in rows.items():
+        out[key.split(":")[0]] += row["bytes_out"]
+    return out
+
+
+# ------------------------------------------------------------------------------------ sizes, exact
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_config_only_prediction_is_exact_for_a_converted_tiny_checkpoint(name, make_ckpt, tmp_path):
+    family, fmt, overrides = TINY[name]
+    src = make_ckpt(family, fmt, config_overrides=overrides) if overrides else make_ckpt(family, fmt)
+    pred = estimate.from_config_file(src / "config.json", "int4-w4a16")
+    plan = make_plan(open_source(src), recipes.load("int4-w4a16"))
+    stream.run(plan, tmp_path / "out", progress=False)
+    assert pred["bytes_in"] == sum(data_bytes_by_class(src).values())
+    assert pred["bytes_out"] == sum(data_bytes_by_class(tmp_path / "out").values())
+    assert by_class(pred["by_class"]) == data_bytes_by_class(tmp_path / "out")
+    assert pred["by_class"] == estimate.from_plan(plan)["by_class"]
+
+
+# ----------------------------------------------------------------------------------- real configs
+@pytest.fixture(scope="module")
+def real():
+    """Config-only summaries of the three real configs (make_plan at real scale takes about a minute each)."""
+    return {n: estimate.from_config_file(CONFIGS / f"{n}-config.json", "int4-w4a16") for n in sorted(TINY)}
+
+
+def test_real_configs_name_their_source():
+    for n in TINY:
+        cfg = json.loads((CONFIGS / f"{n}-config.json").read_text())
+        assert ("huggingface.co" if n != "glm-5.2" else "formats.md") in cfg.get("_glmq_source", ""), n
+
+
+def test_glm52_prediction_matches_benchmarks(real):
+    s = real["glm-5.2"]
+    assert (s["tensors"], round(s["bytes_in"] / 1e9, 2), round(s["bytes_out"] / 1e9, 2)) == (59870, 756.16, 417.55)
+    row = s["by_class"]["routed_expert:quantize"]
+    assert (row["tensors"], round(row["bytes_in"] / 1e9, 2), round(row["bytes_out"] / 1e9, 2)) == (58368, 734.62, 378.70)
+
+
+def _params(c: dict) -> dict[str, int]:
+    """Parameter counts from the config's formulas, independent of glmq's layout tables:
+    routed experts, FP8 linears outside them, and BF16 tensors (embeddings, heads, routers, norms)."""
+    h, v, n, heads = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"], c["num_attention_heads"]
+    mtp = c.get("num_nextn_predict_layers", 0)
+    dense, moe = c["first_k_dense_replace"], n - c["first_k_dense_replace"] + mtp
+    e, im = c["n_routed_experts"], c["moe_intermediate_size"]
+    if "kv_lora_rank" in c:  # MLA
+        qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+        attn = (c["q_lora_rank"] * h + heads * qk * c["q_lora_rank"] + (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * h
+                + heads * (c["qk_nope_head_dim"] + c["v_head_dim"]) * c["kv_lora_rank"] + h * heads * c["v_head_dim"])
+        attn_norm = c["q_lora_rank"] + c["kv_lora_rank"]
+    else:  # GQA with q/k/v biases and q/k norms (GLM-4.x)
+        d, kv = c["head_dim"], c["num_key_value_heads"]
+        attn, attn_norm = 2 * heads * d * h + 2 * kv * d * h, heads * d + 2 * kv * d + 2 * d
+    fp8 = (n + mtp) * attn + dense * 3 * h * c["intermediate_size"] + moe * 3 * h * im * c["n_shared_experts"]
+    bf16 = 2 * v * h + h + (n + mtp) * (2 * h + attn_norm) + moe * (e * h + e)
+    bf16 += mtp * (2 * h * h + 3 * h + 2 * v * h)  # eh_proj, enorm/hnorm/shared_head.norm, head + embed
+    return {"experts": moe * e * 3 * h * im, "fp8": fp8, "bf16": bf16}
+
+
+@pytest.mark.parametrize("name, stated_params", [("kimi-k2", 1026.5e9), ("glm-4.7", 358e9)])
+def test_kimi_and_glm47_totals_match_their_parameter_count(name, stated_params, real):
+    cfg = json.loads((CONFIGS / f"{name}-config.json").read_text())
+    p = _params(cfg)
+    total = sum(p.values())
+    assert abs(total - stated_params) / stated_params < 0.002, total  # HF's count (1026.5B) / 358B
+    s = real[name]
+    fp8_in = p["experts"] + p["fp8"] + 2 * p["bf16"]  # 1 byte per FP8 weight
+    assert 1.0 <= s["bytes_in"] / fp8_in < 1.003  # FP8 scales: 4 B per 128x128 block, or per row (CT channel)
+    out = p["experts"] * (0.5 + 2 / 128) + 2 * (p["fp8"] + p["bf16"])  # INT4 + g128 bf16 scales; rest BF16
+    assert abs(s["bytes_out"] / out - 1) < 1e-4, (s["bytes_out"], out)
+
+
+def test_rtn_projection_reproduces_the_benchmarks_glm52_figure(real):
+    cpu = real["glm-5.2"]["rtn"]  # the fixture plans with Scale(): one rank, CPU
+    assert cpu["rank_bytes_max"] == real["glm-5.2"]["bytes_in"] and cpu["jobs"] == real["glm-5.2"]["output_files"]
+    cuda = FIGURES["rtn_cuda_fixed_s"].value + cpu["rank_bytes_max"] / (FIGURES["rtn_cuda_GBps"].value * 1e9)
+    assert abs(cuda - (640 + 20)) < 10  # BENCHMARKS.md: "glmq ≈ 640 s + 20 s" for 756 GB on the H200
+
+
+# ---------------------------------------------------------------------------------- measured figures
+def test_every_figure_names_its_source_and_matches_the_raw_benchmark_data():
+    for key, f in FIGURES.items():
+        assert (f.value is None) == f.basis.startswith(NOT_MEASURED), key
+        if key.startswith(("rtn_", "copy_", "rss_bench")):
+            assert "BENCHMARKS.md" in f.basis and "2026-11-29" in f.basis and "bench_rtn.py" in f.basis, key
+    cuda = json.loads((BENCH / "bench_rtn_cuda.json").read_text())
+    pipeline = sorted(r["phase_seconds"]["pipeline"] for r in cuda["runs"]["glmq"])[1]
+    assert FIGURES["rtn_cuda_GBps"].value == pytest.approx(cuda["input_bytes"] / pipeline / 1e9, abs=0.005)
+    cpu = json.loads((BENCH / "bench_rtn_cpu.json").read_text())
+    assert FIGURES["rtn_cpu_GBps"].value == pytest.approx(
+        cpu["input_bytes"] / cpu["glmq_phase_seconds_last"]["pipeline"] / 1e9, abs=0.0005)
+    assert FIGURES["rss_bench_cpu_GB"].value == pytest.approx(cpu["median"]["glmq"]["peak_rss"] / 1e9, abs=0.001)
+    assert estimate.BENCH_LARGEST_SHARD == cpu["largest_shard"] == cuda["largest_shard"]
+
+
+def test_overrides_replace_values_and_reject_unknown_keys():
+    figs = estimate.with_overrides(estimate.parse_overrides(("gptq_cuda_s_per_column=0.001",)))
+    assert figs["gptq_cuda_s_per_column"].value == 0.001 and "override" in figs["gptq_cuda_s_per_column"].basis
+    assert FIGURES["gptq_cuda_s_per_column"].value is None  # the table itself is untouched
+    with pytest.raises(ValueError, match="unknown --throughput key"):
+        estimate.with_overrides({"gptq_tpu_s_per_column": 1.0})
+    with pytest.raises(ValueError, match="KEY=NUMBER"):
+        estimate.parse_overrides(("rtn_cpu_GBps",))
+
+
+def test_scale_defaults_are_the_engines():
+    engine = pytest.importorskip("glmq.calibration.engine")
+    s, c = Scale(), engine.CalibrationSettings()
+    assert (s.samples, s.seq_len, s.batch_size, s.dtype, s.expert_prior) == (
+        c.samples, c.seq_len, c.batch_size, c.dtype, c.expert_prior)
+
+
+# ------------------------------------------------------------------------------------- distribution
+def test_balance_assigns_every_item_once_and_bounds_the_largest_rank():
+    sizes = {"a": 5, "b": 4, "c": 3, "d": 3, "e": 3}
+    split = estimate.balance(sizes, 2)
+    assert split == [["a", "d"], ["b", "c", "e"]]  # LPT by hand: 5|4, 3->4, 3->5, 3->7
+    assert max(sum(sizes[k] for k in r) for r in split) == 10  # optimum 9: LPT is within 4/3 of it
+    shards = {f"s{i}": (i * 7919) % 1000 + 1 for i in range(57)}
+    for ranks in (1, 3, 8, 80):
+        split = estimate.balance(shards, ranks)
+        assert sorted(k for r in split for k in r) == sorted(shards) and len(split) == ranks
+        loads = [sum(shards[k] for k in r) for r in split]
+        opt = max(max(shards.values()), math.ceil(sum(shards.values()) / ranks))
+        assert opt <= max(loads) <= 4 / 3 * opt
+
+
+def test_rtn_wall_is_the_largest_rank_at_the_measured_rate():
+    jobs = {"x": (4_000_000_000, 1_000_000_000), "y": (2_000_000_000, 2_000_000_000), "z": (1_000_000_000, 500_000_000)}
+    r = estimate.rtn_estimate(jobs, 5_000_000_000, Scale(ranks=2), FIGURES)
+    # balanced by bytes read + written: x (5 GB) | y (4 GB) + z (1.5 GB); the wall follows the bytes read
+    assert r["rank_bytes_max"] == 4_000_000_000 and r["rank_bytes_min"] == 3_000_000_000
+    assert r["seconds"] == pytest.approx(6.1 + 4e9 / 0.0804e9)
+    assert r["peak_rss"] == 0.45e9 + 5_000_000_000 + estimate.IN_FLIGHT
+    one = estimate.rtn_estimate(jobs, 5_000_000_000, Scale(), FIGURES)
+    assert one["rank_bytes_max"] == 7_000_000_000 and one["rank_jobs_max"] == 3
+    check = r["model_check"]["cpu"]
+    assert check["model"] >= check["measured"]  # the RSS model is an upper bound of the measured run
+
+
+def _moe_layer(experts: int = 4, h: int = 256, inter: int = 128, plain: tuple[int, int] | None = None) -> Layer:
+    ts = []
+    for e in range(experts):
+        p = f"model.layers.1.mlp.experts.{e}."
+        ts += [Target(p + "gate_proj", inter, h, e, f"{e}.gate_up"), Target(p + "up_proj", inter, h, e, f"{e}.gate_up"),
+               Target(p + "down_proj", h, inter, e, f"{e}.down")]
+    if plain:
+        ts.append(Target("model.layers.1.self_attn.o_proj", plain[0], plain[1], None, "model.layers.1.self_attn.o_proj"))
+    return Layer(1, params=experts * 3 * h * inter + 10_000, expert_params=experts * 3 * h * inter,
+                 bytes_in=experts * 3 * h * inter + 20_000, linear_flops=1_000_000, targets=tuple(ts))
+
+
+def test_rank_units_keep_experts_whole_and_cover_every_target():
+    layer = _moe_layer(experts=5, plain=(256, 512))
+    split = estimate.rank_units(layer, 2)
+    assert sorted(t.module for r in split for t in r) == sorted(t.module for t in layer.targets)
+    owners = {t.expert: i for i, r in enumerate(split) for t in r if t.expert is not None}
+    assert all(owners[t.expert] == i for i, r in enumerate(split) for t in r if t.expert is not None)
+
+
+# ------------------------------------------------------------------------------------------- memory
+def test_hessian_bytes_closed_form():
+    layer = _moe_layer(experts=4, h=256, inter=128, plain=(256, 512))
+    ts = list(layer.targets)
+    per_expert = 256**2 + 2 * 128**2  # gate_up + down + all-token down (expert_prior)
+    base = 512**2 + 256**2  # the plain site + the all-token MoE input
+    assert estimate.hessian_bytes(ts, None, prior=True) == 4 * (base + 4 * per_expert)
+    assert estimate.hessian_bytes(ts, 1, prior=True) == 4 * (base + per_expert)
+    assert estimate.hessian_bytes(ts, None, prior=False) == 4 * (base + 4 * (256**2 + 128**2))
+
+
+def test_layer_memory_closed_form_and_monotonic():
+    cfg = {"hidden_size": 256, "num_experts_per_tok": 2, "n_routed_experts": 4, "index_topk": 2048,
+           "index_n_heads": 4}
+    layer = _moe_layer()
+    sc = Scale(samples=16, seq_len=64, batch_size=4)
+    mem = estimate.layer_memory(layer, list(layer.targets), cfg, sc, None, offload=False)
+    assert mem["hidden"] == 16 * 64 * 256 * 4 and mem["layer"] == 4 * layer.params
+    assert mem["carry"] == 2 * 16 * 64 * 64 * 4  # min(index_topk, T) = 64 indices, int32, layer input + output
+    assert mem["source_bf16"] == 2 * layer.params
+    off = estimate.layer_memory(layer, list(layer.targets), cfg, sc, None, offload=True)
+    assert off["hidden"] == 2 * 4 * 64 * 256 * 4 < mem["hidden"]
+    bf16 = estimate.layer_memory(layer, list(layer.targets), cfg, replace_scale(sc, dtype="bfloat16"), None, False)
+    assert bf16["layer"] == mem["layer"] / 2
+
+    def peak(**kw):
+        s = replace_scale(sc, **kw)
+        epp = kw.get("experts_per_pass")
+        return estimate.peak_memory(estimate.layer_memory(layer, list(layer.targets), cfg, s, epp, False), "cuda", 1e9)
+
+    assert peak(samples=32)["host"] > peak(samples=16)["host"]
+    assert peak(seq_len=128)["host"] > peak(seq_len=64)["host"]
+    assert peak(experts_per_pass=1)["device"] < peak(experts_per_pass=4)["device"]
+    cpu = estimate.peak_memory(mem, "cpu", 0)
+    assert cpu["device"] == 0 and cpu["host"] >= mem["source_bf16"] + mem["layer"] + mem["hessians"]
+
+
+def replace_scale(s: Scale, **kw) -> Scale:
+    from dataclasses import replace
+
+    return replace(s, **kw)
+
+
+def test_gptq_estimate_on_a_tiny_plan(make_ckpt):
+    src = make_ckpt("glm_moe_dsa", "fp8-block")
+    plan = make_plan(open_source(src), recipes.load("int4-w4a16"))
+    layers = estimate.decoder_layers(plan)
+    cfg = plan.source.config
+    assert sorted(layers) == list(range(cfg["num_hidden_layers"]))  # the MTP layer is left to RTN
+    moe = [la for la in layers.values() if la.targets]
+    assert all(len(la.targets) == 3 * cfg["n_routed_experts"] for la in moe)
+    g1 = estimate.gptq_estimate(plan, Scale(device="cuda"), FIGURES)
+    g4 = estimate.gptq_estimate(plan, Scale(device="cuda", ranks=4), FIGURES)
+    assert g1["seconds"] is None  # GPTQ rates are not measured: no projection
+    assert g4["columns"] < g1["columns"] and g4["flops"] < g1["flops"]
+    assert g4["memory"]["all/memory"]["device"] < g1["memory"]["all/memory"]["device"]  # fewer Hessians per rank
+    figs = estimate.with_overrides({"gptq_cuda_forward_TFLOPs": 10.0, "gptq_cuda_s_per_column": 1e-4})
+    g = estimate.gptq_estimate(plan, Scale(device="cuda"), figs)
+    assert g["load_seconds"] == pytest.approx(sum(la.bytes_in for la in layers.values()) / 1.18e9)
+    assert g["seconds"] == pytest.approx(g["load_seconds"] + g["flops"] / 10e12 + g["columns"] * 1e-4)
+
+
+def test_rates_from_a_layer_report_invert_the_time_model():
+    cfg = {"hidden_size": 256, "num_attention_heads": 4, "head_dim": 64, "num_experts_per_tok": 2,
+           "n_routed_experts": 4}
+    layer, sc = _moe_layer(), Scale(samples=8, seq_len=32, experts_per_pass=2)
+    w = estimate.layer_work(layer, list(layer.targets), cfg, sc)
+    assert w["passes"] == 3  # two chunks of 2 experts + the output forward
+    rate, per_col = 2e12, 3e-4  # FLOP/s, s per column
+    tokens = 8 * 32
+    fwd_s = w["flops"] / rate
+    row = {"calibration_tokens_per_s": tokens / (fwd_s / w["passes"]), "forward_tokens_per_s": tokens / (fwd_s / w["passes"]),
+           "seconds": fwd_s + w["columns"] * per_col + layer.bytes_in / 1e9}
+    got = estimate.rates_from_layer_report(row, layer, cfg, sc, load_GBps=1.0)
+    assert got["forward_TFLOPs"] == pytest.approx(2.0) and got["s_per_column"] == pytest.approx(per_col)
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def test_cli_prints_every_section(make_ckpt):
+    src = make_ckpt("glm_moe_dsa", "fp8-block")
+    res = CliRunner().invoke(main, ["plan", "-m", str(src / "config.json"), "--ranks", "2", "--device", "cuda"])
+    assert res.exit_code == 0, res.output
+    for text in ("== predicted output", "routed_expert:quantize", "total", "== RTN on 2 rank(s)",
+                 "output files split by bytes read + written", "peak RSS per rank",
+                 "model check", "wall: ", "== GPTQ on 2 rank(s)", "largest decoder layer", "Hessians, all",
+                 "Hessians, experts_per_pass", "hidden states offloaded", "carried top-k", "peak per rank",
+                 "measured part:", "wall: not measured yet; a lower bound", "gptq_cuda_forward_TFLOPs"):
+        assert text in res.output, text
+    res = CliRunner().invoke(main, ["plan", "-m", str(src / "config.json"), "--device", "cuda",
+                                    "--throughput", "gptq_cuda_forward_TFLOPs=20",
+                                    "--throughput", "gptq_cuda_s_per_column=0.0001"])
+    assert res.exit_code == 0 and "EXTRAPOLATION" in res.output and NOT_MEASURED not in res.output
+    res = CliRunner().invoke(main, ["plan", "-m", str(src / "config.json"), "--throughput", "bogus=1"])
+    assert res.exit_code != 0 and "unknown --throughput key" in res.output
+
+
+def test_layer_index_of_the_largest_layer_is_a_moe_layer(real):
+    for n, s in real.items():
+        cfg = json.loads((CONFIGS / f"{n}-config.json").read_text())
+        assert cfg["first_k_dense_replace"] <= s["gptq"]["largest_layer"] < cfg["num_hidden_layers"], n
+        assert s["gptq"]["experts"] == cfg["n_routed_experts"]
+        assert layer_index(f"model.layers.{s['gptq']['largest_layer']}.x") == s["gptq"]["largest_layer"]
