@@ -1,39 +1,73 @@
-"""Triton W4A16 GEMM that reads compressed-tensors `pack-quantized` int4 weights as stored.
+"""Triton W4A16 GEMM over compressed-tensors `pack-quantized` int4 weights, repacked once at load.
 
     y[M, N] = x[M, K] @ dequant(weight_packed[N, K/8], weight_scale[N, K/g]).T      (fp32 accumulate)
 
-Layout: the checkpoint's own (formats.md §2c), no repacking. Row n of `weight_packed` is K/8 int32
-words, K-contiguous, nibble k%8 of word k//8 = q + 8, LSB first. A program loads a `[BLOCK_N, g/8]`
-word tile per quantization group: with g >= 32 that is >= 16 contiguous bytes per row, which
-Triton turns into 16-byte vector loads (it specialises the row stride K/8 on divisibility by 16,
-true for every GLM shape), so the weights stream at full width without a load-time `prepack()`. A repack
-(Marlin-style interleave into the mma fragment order) would save the in-register shuffle between
-the unpacked tile and the dot operand; whether that is worth a second weight format is a question
-for GPU profiling, and this file keeps the format the converter writes.
+Layout. The checkpoint stores element k of row n in nibble k % 8 of word k // 8 (formats.md §2c,
+u = q + 8, LSB first). `prepack` permutes the nibbles once, inside each CHUNK of C consecutive
+columns (C = 128 when K allows, else 64 or 32; P = C / 8 words per chunk):
 
-Dequantization in registers (`_unpack_int4`): the word tile is widened with `tl.interleave` (each
-thread keeps its own word and the 8 nibbles stay in that thread), shifted and masked; the nibble is
-ORed into the mantissa of 2^23 so one float subtraction gives q = u - 8 exactly, with no
-int->float conversion instruction. The group scale is applied once per (row, group) *after* the
-group's dot product (sum_k x*q, then * scale) rather than once per weight, except on the large-M
-path, where scaling the weight tile lets the tensor-core accumulator chain across groups.
+    prepacked word w of a chunk, nibble j  =  element  j * P + w  of that chunk      (0 <= w < P, 0 <= j < 8)
 
-Two kernels, chosen by M (`choose_config`, deterministic, no autotuning):
-  * GEMV (M <= GEMV_MAX_M): CUDA-core dot products, one [BLOCK_N, g] tile per group, reduced
-    along K inside each thread; split-K over groups so that decode shapes launch several CTAs per
-    SM (many loads in flight is what a bandwidth-bound GEMV needs).
-  * MMA (larger M): `tl.dot` tiles of [BLOCK_M, g] x [g, BLOCK_N], the same split-K for the
-    mid-M shapes that have too few output tiles, grouped tile order for L2 reuse at large M.
-Split-K reduction is deterministic and needs no memset: every split stores its fp32 partial, then
-takes a ticket from a per-tile counter; the last one to arrive sums all partials in split order,
-writes the output and resets the counter to zero (CUDA's threadFenceReduction pattern).
+The words keep their shape `[N, K/8]` and the scales are not touched. Nibble "plane" j of the P words
+of a chunk is then P *consecutive* columns: plane j of a word tile multiplies a contiguous slice of x
+(one vector load, shared by every row of the tile) on the CUDA cores, and is a ready `[P, BLOCK_N]`
+operand of a K = 16 tensor-core dot against `x[:, c*128 + 16j : c*128 + 16j + 16]` (C = 128), so no
+kernel shuffles nibbles between threads. A plane never straddles a quantization group (P divides g).
+Plane j is extracted with one mask (no shift for j <= 4; one shift of the word by 20 serves j = 5..7):
+`(w & 0xF << 4s) | 0x4B000000` read as fp32 is 2^23 + u * 16^s, exactly, and one FMA
+(`* 16^-s - (2^23 * 16^-s + 8)`) gives q = u - 8 exactly, with no int -> float conversion.
+
+`w4a16_matmul` takes the checkpoint's tensors and prepacks them on first use, caching the result per
+weight tensor (weakly referenced, invalidated by in-place writes); `prepack` + `w4a16_matmul_packed`
+do the same explicitly, which is what a serving loader should do (the cache holds a second copy).
+
+Three kernels:
+  * GEMV (`_gemv_kernel`, M <= 8 rows per program): CUDA-core FMAs over a `[BLOCK_M, BLOCK_N, CPI, P]`
+    register tile (CPI chunks per step); the word tile of the next step is loaded before the current
+    one is computed (two tiles in flight per program); the group scale is applied once per
+    (row, word) after the group's planes are summed; any chunk size.
+  * MMA, transposed (`_mma_swap_kernel`, `DenseConfig.swap`, C = 128 only): y.T = dequant(W) @ x.T, so
+    the dequantized weights are the tensor cores' *register* operand (Hopper wgmma reads A from
+    registers; B, here x.T, from shared memory) and the tokens are the MMA's N dimension (16..256, no
+    padded rows at small M). The layout makes this cheap: in the wgmma/mma.sync A-fragment layout a
+    thread holds, for every k16 block j of a chunk, columns {2c, 2c+1, 2c+8, 2c+9} of that block, i.e.
+    plane j of prepacked words {2c, 2c+1, 2c+8, 2c+9}: the words a thread loads carry all 8 k-blocks
+    it needs, and concatenating the planes (`_cat`: join/permute/reshape, pure register renaming under
+    Triton's linear layouts) gives the natural-order `[BLOCK_N, 128]` operand of ONE K = 128 dot per
+    chunk (eight back-to-back async wgmma) without any shuffle or shared-memory round trip of
+    dequantized values (Triton hoists the operand layout to the words' shared-memory load). Words and
+    x tiles are pipelined by Triton's cp.async pipeliner (num_stages); the group scales are folded
+    into the dequantized weights, so the accumulator chains across chunks. Dequantization
+    (`_plane_asm`, inline PTX) does two weights per instruction: prmt + lop3 + two bf16x2/f16x2 fma
+    per pair, ~2.5 instructions per weight (the main loop of a 64 x 128 tile: 413 SASS instructions
+    per chunk against 581 with plain Triton ops); whether that wins depends on the tile (on H200 it
+    did at M = 2048, not for 64 x 128 tiles at M = 64), so `asm` is a tuned option.
+  * MMA, per plane (`_mma_kernel`, BLOCK_M >= 16, C = 128 only): per chunk and plane one `tl.dot` of
+    `[BLOCK_M, 16] x [16, BLOCK_N]`; the group's dots accumulate in a temporary that is scaled once
+    per group; optional register prefetch of the next chunk's words. On Hopper each small dot needs
+    its dequantized operand in shared memory (wgmma reads B from there); in the H200 tuning of
+    2026-11-29 it was 1.2-2.8x slower than the transposed kernel at every GLM-5 shape and M = 4..2048
+    where the table held it, so it stays only as the baseline the tuner compares against.
+Both split K over programs when the output has few tiles (decode shapes on 132 SMs); the split-K
+reduction is deterministic and needs no memset: every split stores its fp32 partial and takes a
+ticket from a per-tile counter; the last one to arrive sums the partials in split order, writes the
+output and re-arms the counter (CUDA's threadFenceReduction pattern).
+
+Launch parameters: `choose_config` reads a table tuned on the target GPU (`tuned_configs.json`
+beside this file, written by scripts/tune_kernels.py, keyed by GPU name, (N, K, g) and an M bucket)
+and falls back to a deterministic heuristic for other GPUs and shapes. Nothing is autotuned at call time.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+import json
 import math
-from dataclasses import dataclass
+import threading
+import weakref
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -46,11 +80,15 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 ACT_DTYPES = (torch.float16, torch.bfloat16)
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# M at or below which the CUDA-core GEMV beats a 16-row tensor-core tile (tuning knob, set on H200).
+MMA_CHUNK = 128  # the tensor-core kernels' chunk: planes of 16 columns = one k16 MMA block
+# Heuristic (untuned shapes): M at or below which the CUDA-core GEMV is used. On H200 the transposed
+# tensor-core kernel at M = 4 (16-token tiles: the same work as at M = 1) ran at 0.92-1.17x the speed
+# of the GEMV at M = 1 and 1.2-1.6x faster than the previous table's M = 4 entries.
 GEMV_MAX_M = 2
 # Streaming multiprocessors assumed when no GPU is visible (interpreter runs): an H200's 132, so the
 # heuristics take the same decisions under TRITON_INTERPRET=1 as on the target.
 DEFAULT_SM_COUNT = 132
+TUNED_PATH = Path(__file__).with_name("tuned_configs.json")
 
 
 class KernelKind(str, enum.Enum):
@@ -66,8 +104,19 @@ class DenseConfig:
         kind: GEMV or MMA kernel.
         block_m: rows of x per program (GEMV: 1..8; MMA: >= 16). Powers of two.
         block_n: output columns per program (power of two, >= 16).
-        split_k: number of K ranges (each a whole number of groups) reduced across programs.
-        scale_b: MMA only: scale the weight tile before the dot (True) or the group's dot result (False).
+        split_k: number of K ranges reduced across programs (clamped so that no range is empty).
+        cpi: GEMV only: chunks per loop step (power of two).
+        prefetch: MMA only: load the next chunk's words into registers before computing this one.
+        big_dot: MMA only, group 128, not swap: one K = 128 dot per chunk (activations gathered in
+            the prepacked column order) instead of eight K = 16 dots. 2-5x slower than the per-plane
+            dots in every H200 tuning (the gathered activation loads are 2-byte scalar loads); kept
+            for comparison.
+        swap: MMA only: the transposed product `y.T = W @ x.T` (`_mma_swap_kernel`): the dequantized
+            weights are the tensor cores' register operand A (no shared-memory round trip), the
+            tokens are the dot's N dimension (any BLOCK_M >= 16 fills it), one K = 128 dot per chunk
+            in natural k order, pipelined by Triton (num_stages).
+        asm: swap only: dequantize two weights per instruction with inline PTX (`_plane_asm`);
+            False: plain Triton ops (the interpreter always takes that path).
         group_m: MMA only: output-tile rows per L2 "super-row" in the launch order.
         num_warps, num_stages: Triton launch options.
     """
@@ -76,14 +125,18 @@ class DenseConfig:
     block_m: int
     block_n: int
     split_k: int = 1
-    scale_b: bool = False
+    cpi: int = 1
+    prefetch: bool = True
+    big_dot: bool = False
+    swap: bool = False
+    asm: bool = True
     group_m: int = 8
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", KernelKind(self.kind))
-        for name in ("block_m", "block_n"):
+        for name in ("block_m", "block_n", "cpi"):
             v = getattr(self, name)
             if v <= 0 or v & (v - 1):
                 raise ValueError(f"DenseConfig.{name} must be a power of two, got {v}")
@@ -95,6 +148,139 @@ class DenseConfig:
             raise ValueError(f"block_n must be >= 16, got {self.block_n}")
         if self.split_k < 1:
             raise ValueError(f"split_k must be >= 1, got {self.split_k}")
+        if self.swap and self.kind is not KernelKind.MMA:
+            raise ValueError("swap applies to the MMA kernel only")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["kind"] = self.kind.value
+        return d
+
+
+# --------------------------------------------------------------------------------------------------
+# Prepacking (host side, once per weight)
+# --------------------------------------------------------------------------------------------------
+
+
+def chunk_for(k: int) -> int:
+    """The prepack chunk for K columns: 128, else 64, else 32 (K is a multiple of the group, >= 32)."""
+    for c in (128, 64, 32):
+        if k % c == 0:
+            return c
+    raise ValueError(f"K = {k} must be a multiple of 32")
+
+
+@dataclass(frozen=True, eq=False)
+class PackedW4:
+    """A symmetric int4 weight in the kernels' layout (see the module docstring).
+
+    Attributes:
+        qweight: int32 `[..., N, K/8]`, nibbles permuted within each chunk.
+        scale: fp16/bf16/fp32 `[..., N, K/group_size]`, the checkpoint's scales (same tensor).
+        group_size: 32, 64 or 128.
+        chunk: 128, 64 or 32 (`chunk_for(K)`).
+    """
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    group_size: int
+    chunk: int
+
+    @property
+    def n(self) -> int:
+        return self.qweight.shape[-2]
+
+    @property
+    def k(self) -> int:
+        return self.qweight.shape[-1] * 8
+
+
+def _regroup_words(words: torch.Tensor, inner: tuple[int, int]) -> torch.Tensor:
+    """int32 words `[..., K/8]` -> words whose chunk nibbles, viewed as `inner` = (a, b), are transposed.
+
+    A chunk's nibbles in word order (element e = 8 * word + nibble) are viewed as an `[a, b]` matrix,
+    transposed to `[b, a]`, and re-packed 8 per word, LSB first; done in row blocks.
+    """
+    kw = words.shape[-1]
+    flat = words.reshape(-1, kw)
+    rows, k, chunk = flat.shape[0], kw * 8, inner[0] * inner[1]
+    out = torch.empty_like(flat)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=flat.device)
+    block = max(1, (1 << 22) // k)  # ~4M nibbles (32 MB of int64) per step
+    for r0 in range(0, rows, block):
+        w = flat[r0 : r0 + block]
+        r = w.shape[0]
+        nib = ((w.unsqueeze(-1) >> shifts) & 0xF).view(r, k // chunk, *inner)
+        nib = nib.transpose(-1, -2).reshape(r, kw, 8).long()
+        word = (nib << shifts.long()).sum(-1)  # < 2^32, exact in int64
+        out[r0 : r0 + block] = (word - ((word >> 31) << 32)).to(torch.int32)  # two's complement
+    return out.view(words.shape)
+
+
+def prepack_words(weight_packed: torch.Tensor, chunk: int) -> torch.Tensor:
+    """compressed-tensors words `[..., N, K/8]` -> prepacked words (module docstring), same shape.
+
+    Checkpoint element e of a chunk viewed as `[8, P]` is `[e // P, e % P] = [j, w]`; transposed to
+    `[P, 8]`, word w holds planes j = 0..7.
+    """
+    return _regroup_words(weight_packed, (8, chunk // 8))
+
+
+def unprepack_words(qweight: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Inverse of `prepack_words` (tests, debugging)."""
+    return _regroup_words(qweight, (chunk // 8, 8))
+
+
+def prepack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int) -> PackedW4:
+    """Repack a compressed-tensors int4 weight (`[..., N, K/8]` int32, `[..., N, K/g]` scales) once.
+
+    The result feeds `w4a16_matmul_packed` (and, stacked over experts, `fused_moe_w4a16`).
+    Raises ValueError on a dtype/shape the kernels do not take.
+    """
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
+    if weight_packed.dtype != torch.int32:
+        raise ValueError(f"weight_packed must be int32, got {weight_packed.dtype}")
+    if weight_scale.dtype not in SCALE_DTYPES:
+        raise ValueError(f"weight_scale must be float16, bfloat16 or float32, got {weight_scale.dtype}")
+    k = weight_packed.shape[-1] * 8
+    check_k(k, group_size)
+    if tuple(weight_scale.shape) != (*weight_packed.shape[:-1], k // group_size):
+        raise ValueError(
+            f"weight_scale has shape {list(weight_scale.shape)}, expected "
+            f"{[*weight_packed.shape[:-1], k // group_size]} for group_size {group_size}"
+        )
+    chunk = chunk_for(k)
+    return PackedW4(prepack_words(weight_packed.contiguous(), chunk), weight_scale.contiguous(), group_size, chunk)
+
+
+_CACHE: dict[int, tuple] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def cached_prepack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int) -> PackedW4:
+    """`prepack`, remembered per `weight_packed` tensor while it lives and is not written in place."""
+    key = id(weight_packed)
+    with _CACHE_LOCK:
+        hit = _CACHE.get(key)
+    if hit is not None:
+        ref, ver, sref, sver, g, packed = hit
+        if ref() is weight_packed and sref() is weight_scale and g == group_size and ver == weight_packed._version \
+                and sver == weight_scale._version:  # fmt: skip
+            return packed
+    packed = prepack(weight_packed, weight_scale, group_size)
+
+    def drop(_, key=key):
+        with _CACHE_LOCK:
+            ent = _CACHE.get(key)
+            if ent is not None and ent[0]() is None:
+                del _CACHE[key]
+
+    entry = (weakref.ref(weight_packed, drop), weight_packed._version, weakref.ref(weight_scale),
+             weight_scale._version, group_size, packed)  # fmt: skip
+    with _CACHE_LOCK:
+        _CACHE[key] = entry
+    return packed
 
 
 # --------------------------------------------------------------------------------------------------
@@ -103,22 +289,34 @@ class DenseConfig:
 
 
 @triton.jit
-def _unpack_int4(words, GROUP: tl.constexpr):
-    """int32 `[R, GROUP // 8]` words -> float32 `[R, GROUP]` holding q = u - 8 exactly."""
-    w = tl.interleave(words, words)
-    w = tl.interleave(w, w)
-    w = tl.interleave(w, w)  # (R, GROUP): column k holds word k // 8, still in the loading thread
-    shift = (tl.arange(0, GROUP) % 8) * 4  # nibble k % 8, LSB first (formats.md §2c)
-    nib = (w >> shift[None, :]) & 0xF
-    # 0x4B000000 is 2.0**23; a nibble ORed into its mantissa reads as 2**23 + u, exactly.
-    return (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # 2**23 + 8
+def _magic_words(words):
+    """Prepacked words -> (lo, hi): lo holds nibbles 0..4 (bits 0..19), hi nibbles 5..7 (bits 0..11),
+    both with bits 20..31 replaced by 0x4B0 (the exponent of 2^23), so that one AND per nibble
+    (`_plane`) yields a float 2^23 + u * 16^s."""
+    lo = (words & 0x000FFFFF) | 0x4B000000
+    hi = ((words >> 20) & 0x00000FFF) | 0x4B000000  # arithmetic shift: the sign bits are masked off
+    return lo, hi
+
+
+@triton.jit
+def _plane(lo, hi, J: tl.constexpr):
+    """Nibble plane J of prepacked words (given as `_magic_words`) -> float32 q = u - 8, exact."""
+    if J < 5:
+        S: tl.constexpr = J
+        w = lo
+    else:
+        S: tl.constexpr = J - 5
+        w = hi
+    # 0x4B000000 is 2^23; keeping it and nibble u at bits [4S, 4S + 4) reads as 2^23 + u * 16^S.
+    v = (w & (-0x100000 | (0xF << (4 * S)))).to(tl.float32, bitcast=True)  # -0x100000 = 0xFFF00000
+    return v * (1.0 / (1 << (4 * S))) - (8388608.0 / (1 << (4 * S)) + 8.0)
 
 
 @triton.jit
 def _dot(a, b, acc, EMULATE: tl.constexpr):
     """tl.dot(a, b, acc); EMULATE (interpreter only) feeds it float32 copies of a and b.
 
-    Triton 3.9's interpreter runs `np.matmul` on bf16's uint16 storage, so bf16 dots come out as
+    Triton's interpreter runs `np.matmul` on bf16's uint16 storage, so bf16 dots come out as
     garbage there; the float32 copies hold the same values, and fp32 products of bf16 numbers are
     exact, so the emulated dot computes what the tensor cores compute.
     """
@@ -129,18 +327,158 @@ def _dot(a, b, acc, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _mma_group(a, w_ptrs, s_ptrs, acc, GROUP: tl.constexpr, SCALE_B: tl.constexpr, EMULATE: tl.constexpr):
-    """acc += a @ dequant(one group of weights).T.
+def _chunk_dots(a_ptrs, words, s_ptrs, acc, GPC: tl.constexpr, EMULATE: tl.constexpr):
+    """acc += x[:, chunk] @ dequant(chunk).T for one 128-column chunk.
 
-    a: `[BM, GROUP]` fp16/bf16 activations; w_ptrs: `[BN, GROUP // 8]` word pointers; s_ptrs: `[BN]`.
+    a_ptrs: `[BM, 16]` pointers to plane 0's activations (plane j is 16 columns further per j);
+    words: `[BN, 16]` prepacked int32; s_ptrs: `[BN]` pointers to the chunk's first group scale.
+    GPC groups per chunk; each group's planes accumulate in a temporary scaled once.
     """
-    q = _unpack_int4(tl.load(w_ptrs), GROUP)  # (BN, GROUP) f32, small integers
-    s = tl.load(s_ptrs).to(tl.float32)  # (BN,)
-    if SCALE_B:
-        return _dot(a, tl.trans((q * s[:, None]).to(a.dtype)), acc, EMULATE)
+    PPG: tl.constexpr = 8 // GPC
+    lo, hi = _magic_words(words)
+    for gi in tl.static_range(GPC):
+        a = tl.load(a_ptrs + gi * PPG * 16)
+        tmp = _dot(a, tl.trans(_plane(lo, hi, gi * PPG).to(a.dtype)), tl.zeros_like(acc), EMULATE)
+        for jj in tl.static_range(1, PPG):
+            a = tl.load(a_ptrs + (gi * PPG + jj) * 16)
+            tmp = _dot(a, tl.trans(_plane(lo, hi, gi * PPG + jj).to(a.dtype)), tmp, EMULATE)
+        acc += tmp * tl.load(s_ptrs + gi).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def _dequant_chunk(words, dtype: tl.constexpr):
+    """`[BN, 16]` prepacked words of one 128-column chunk -> `[BN, 128]` q in `dtype`, column c = 8 * w + j.
+
+    Column c holds plane j = c % 8 of word w = c // 8, i.e. chunk element 16 * j + w (`chunk_perm`).
+    Nested joins put their first operand at bit-reversed positions, hence the operand order.
+    """
+    lo, hi = _magic_words(words)
+    q0 = _plane(lo, hi, 0).to(dtype)
+    q1 = _plane(lo, hi, 1).to(dtype)
+    q2 = _plane(lo, hi, 2).to(dtype)
+    q3 = _plane(lo, hi, 3).to(dtype)
+    q4 = _plane(lo, hi, 4).to(dtype)
+    q5 = _plane(lo, hi, 5).to(dtype)
+    q6 = _plane(lo, hi, 6).to(dtype)
+    q7 = _plane(lo, hi, 7).to(dtype)
+    q = tl.join(tl.join(tl.join(q0, q4), tl.join(q2, q6)), tl.join(tl.join(q1, q5), tl.join(q3, q7)))
+    return tl.reshape(q, [words.shape[0], 128])
+
+
+@triton.jit
+def _chunk_dot(a, words, s, acc, EMULATE: tl.constexpr):
+    """acc += (a @ dequant(chunk).T) * s: one K = 128 dot; a `[BM, 128]` in the `chunk_perm` column order."""
+    q = _dequant_chunk(words, a.dtype)
+    return acc + _dot(a, tl.trans(q), tl.zeros_like(acc), EMULATE) * s[None, :]
+
+
+@triton.jit
+def _cat(a, b):
+    """`[R, C]`, `[R, C]` -> `[R, 2C]`: the columns of a, then those of b.
+
+    join + permute + reshape only renumber registers under Triton's linear layouts (no data moves
+    between threads: checked in the TTGIR of Triton 3.6 and 3.9 for sm_90), which is what lets
+    `_dequant_nat` hand the tensor cores a natural-order tile straight from the prepacked planes.
+    """
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), [a.shape[0], 2 * a.shape[1]])
+
+
+def _plane_asm(odd: bool, bf16: bool) -> str:
+    """PTX for two elements of a nibble plane (`_plane_pair`): $1, $2 words, $3 two scales, $4 selector.
+
+    prmt gathers the byte holding the nibble from each word into the two 16-bit halves; the nibble
+    (shifted down for odd planes) ORed into the mantissa of 128.0 (bf16 0x4300; fp16: 1024.0, 0x6400)
+    reads as 128 + u, exactly; one fma subtracts 136 (q = u - 8, exact) and one multiplies by the
+    scale (rounded once), each on both halves: ~2.5 instructions per weight instead of ~3.5.
+    """
+    magic, one, nbias, t = ("0x43004300", "0x3F803F80", "0xC308C308", "bf16x2") if bf16 else \
+        ("0x64006400", "0x3C003C00", "0xE408E408", "f16x2")  # fmt: skip
+    shift = "shr.b32 t, t, 4; " if odd else ""
+    return (
+        "{ .reg .b32 t, c1, c2; prmt.b32 t, $1, $2, $4; " + shift +
+        f"lop3.b32 t, t, 0x000F000F, {magic}, 0xEA; mov.b32 c1, {one}; mov.b32 c2, {nbias}; fma.rn.{t} t, t, c1, c2; "
+        f"mov.b32 c2, 0x80008000; fma.rn.{t} $0, t, $3, c2; }}"
+    )
+
+
+_ASM_EVEN_BF16 = tl.constexpr(_plane_asm(False, True))
+_ASM_ODD_BF16 = tl.constexpr(_plane_asm(True, True))
+_ASM_EVEN_F16 = tl.constexpr(_plane_asm(False, False))
+_ASM_ODD_F16 = tl.constexpr(_plane_asm(True, False))
+
+
+@triton.jit
+def _plane_pair(words, s, J: tl.constexpr, dtype: tl.constexpr):
+    """`_plane(words, J) * s` rounded to `dtype` by `_plane_asm` (two weights per register); s: `[BN, 1]` in dtype."""
+    sel = tl.full(words.shape, (J // 2) | ((4 + J // 2) << 8), tl.int32)  # byte J // 2 of each word
+    if dtype == tl.bfloat16:
+        if J % 2 == 0:
+            asm: tl.constexpr = _ASM_EVEN_BF16
+        else:
+            asm: tl.constexpr = _ASM_ODD_BF16
     else:
-        # q is exact in fp16/bf16; the scale is constant over the group, so apply it to the result.
-        return acc + _dot(a, tl.trans(q.to(a.dtype)), tl.zeros_like(acc), EMULATE) * s[None, :]
+        if J % 2 == 0:
+            asm: tl.constexpr = _ASM_EVEN_F16
+        else:
+            asm: tl.constexpr = _ASM_ODD_F16
+    return tl.inline_asm_elementwise(asm, "=r,r,r,r,r,r", [words, s, sel], dtype=s.dtype, is_pure=True, pack=2)
+
+
+@triton.jit
+def _scaled_plane(words, lo, hi, s0, s1, s2, s3, J: tl.constexpr, PPG: tl.constexpr, dtype: tl.constexpr,
+                  ASM: tl.constexpr):  # fmt: skip
+    """Plane J times the fp32 `[BN]` scale of its group (J // PPG: s0..s3), rounded once to `dtype`."""
+    G: tl.constexpr = J // PPG
+    if G == 0:
+        s = s0
+    elif G == 1:
+        s = s1
+    elif G == 2:
+        s = s2
+    else:
+        s = s3
+    if ASM:
+        return _plane_pair(words, s.to(dtype)[:, None], J, dtype)
+    else:  # fp32 product, rounded once (bf16 arithmetic is not emulated by the interpreter)
+        return (_plane(lo, hi, J) * s[:, None]).to(dtype)
+
+
+@triton.jit
+def _dequant_nat(words, s0, s1, s2, s3, dtype: tl.constexpr, GPC: tl.constexpr, ASM: tl.constexpr):
+    """`[BN, 16]` prepacked words of a 128-column chunk -> `[BN, 128]` q * scale in `dtype`, natural k order.
+
+    Column 16 j + w is plane j of word w, i.e. chunk element 16 j + w: concatenating the eight planes
+    undoes the prepack permutation. s0..s3: fp32 `[BN]` scales of the chunk's GPC groups (plane j is
+    in group j // (8 // GPC); the ones past GPC are not read). ASM: dequantize with `_plane_asm`
+    (CUDA only; the interpreter takes the plain Triton path, `_plane`).
+    """
+    PPG: tl.constexpr = 8 // GPC
+    lo, hi = _magic_words(words)
+    q0 = _scaled_plane(words, lo, hi, s0, s1, s2, s3, 0, PPG, dtype, ASM)
+    q1 = _scaled_plane(words, lo, hi, s0, s1, s2, s3, 1, PPG, dtype, ASM)
+    q2 = _scaled_plane(words, lo, hi, s0, s1, s2, s3, 2, PPG, dtype, ASM)
+    q3 = _scaled_plane(words, lo, hi, s0, s1, s2, s3, 3, PPG, dtype, ASM)
+    q4 = _scaled_plane(words, lo, hi, s0, s1, s2, s3, 4, PPG, dtype, ASM)
+    q5 = _scaled_plane(words, lo, hi, s0, s1, s2, s3, 5, PPG, dtype, ASM)
+    q6 = _scaled_plane(words, lo, hi, s0, s1, s2, s3, 6, PPG, dtype, ASM)
+    q7 = _scaled_plane(words, lo, hi, s0, s1, s2, s3, 7, PPG, dtype, ASM)
+    return _cat(_cat(_cat(q0, q1), _cat(q2, q3)), _cat(_cat(q4, q5), _cat(q6, q7)))
+
+
+@triton.jit
+def _load_scales(s_ptrs, c, mask, GPC: tl.constexpr):
+    """The fp32 `[BN]` scales of chunk c's GPC groups as a 4-tuple (entries past GPC repeat s0)."""
+    s0 = tl.load(s_ptrs + c * GPC, mask=mask, other=0.0).to(tl.float32)
+    s1 = s0
+    s2 = s0
+    s3 = s0
+    if GPC > 1:
+        s1 = tl.load(s_ptrs + c * GPC + 1, mask=mask, other=0.0).to(tl.float32)
+    if GPC > 2:
+        s2 = tl.load(s_ptrs + c * GPC + 2, mask=mask, other=0.0).to(tl.float32)
+        s3 = tl.load(s_ptrs + c * GPC + 3, mask=mask, other=0.0).to(tl.float32)
+    return s0, s1, s2, s3
 
 
 @triton.jit
@@ -181,48 +519,89 @@ def _write_tile(acc, out_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_om, tile_id,
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, stride_xm, stride_wn, stride_sn, stride_om, groups_per_split, num_groups, split_k,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    M, N, stride_xm, stride_wn, stride_sn, stride_om, steps_per_split, num_chunks, split_k,
+    GROUP: tl.constexpr, CHUNK: tl.constexpr, GPC: tl.constexpr, CPI: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
-    """grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k). CUDA-core y = x @ dequant(W).T."""
+    """grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k). CUDA-core y = x @ dequant(W).T.
+
+    Each loop step covers CPI chunks of CHUNK columns; GPC = groups per chunk (CHUNK // GROUP, or 1
+    when a group spans several chunks). EVEN: the chunk count is a multiple of CPI (no K mask).
+    """
     tile = tl.program_id(0)
     pid_k = tl.program_id(1)
     n_tiles = tl.cdiv(N, BLOCK_N)
     pid_m = tile // n_tiles
     pid_n = tile % n_tiles
-    WPG: tl.constexpr = GROUP // 8
+    P: tl.constexpr = CHUNK // 8
+    PPG: tl.constexpr = 8 // GPC
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn_ld = rn % N  # in-bounds rows for the loads; the store masks the tail
-    rk = tl.arange(0, GROUP)
-    rows = tl.arange(0, BLOCK_M)
-    w_ptrs = w_ptr + rn_ld[:, None] * stride_wn + tl.arange(0, WPG)[None, :]  # (BN, WPG)
-    s_ptrs = s_ptr + rn_ld * stride_sn
-    g_lo = pid_k * groups_per_split
-    g_hi = tl.minimum(g_lo + groups_per_split, num_groups)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for g in range(g_lo, g_hi):
-        q = _unpack_int4(tl.load(w_ptrs + g * WPG), GROUP)  # (BN, GROUP) f32, q = u - 8
-        s = tl.load(s_ptrs + g).to(tl.float32)  # (BN,)
-        for i in tl.static_range(BLOCK_M):
-            row = tl.minimum(pid_m * BLOCK_M + i, M - 1)  # rows past M compute junk, never stored
-            xv = tl.load(x_ptr + row * stride_xm + g * GROUP + rk).to(tl.float32)  # (GROUP,)
-            part = tl.sum(q * xv[None, :], axis=1) * s  # (BN,): one group of row i
-            if BLOCK_M == 1:
-                acc += part[None, :]
+    # 4-D tiles [BLOCK_N, CPI, BLOCK_M, P] (rows of x in dim 2: Triton orders equally non-contiguous
+    # dims by index, so this keeps the words, x and scale tiles in one register layout)
+    rn4 = tl.minimum(rn, N - 1)[:, None, None, None]
+    rc4 = tl.arange(0, CPI)[None, :, None, None]
+    rm4 = tl.minimum(rm, M - 1)[None, None, :, None]  # rows past M compute junk, never stored
+    rw4 = tl.arange(0, P)[None, None, None, :]
+    w_ptrs = w_ptr + rn4 * stride_wn + rc4 * P + rw4  # [BN, CPI, 1, P]
+    # x and the scales are loaded as full tiles (x replicated along N, scales along rows and P), so
+    # that they share the words' register layout and need no shuffles.
+    x_ptrs = x_ptr + rm4 * stride_xm + rn4 * 0 + rc4 * CHUNK + rw4  # [BN, CPI, BM, P], plane 0
+    # 4 activations (8 bytes) per vector: the words' 16-byte vectors hold 4 int32, and equal
+    # elements per thread let both tiles share one register layout.
+    x_ptrs = tl.max_contiguous(x_ptrs, [1, 1, 1, 4])
+    s_ptrs = s_ptr + rn4 * stride_sn + ((rc4 * CHUNK) // GROUP) + rw4 * 0  # [BN, CPI, 1, P], first group
+    # chunk index of every element of the word and x tiles (masks must have the pointers' shape)
+    kc_w = rc4 + rn4 * 0 + rw4 * 0  # [BN, CPI, 1, P]
+    kc_x = rc4 + rm4 * 0 + rn4 * 0 + rw4 * 0  # [BN, CPI, BM, P]
+    step_lo = pid_k * steps_per_split
+    step_hi = tl.minimum(step_lo + steps_per_split, tl.cdiv(num_chunks, CPI))
+    acc = tl.zeros([BLOCK_N, CPI, BLOCK_M, P], dtype=tl.float32)
+    if EVEN:
+        words = tl.load(w_ptrs + step_lo * (CPI * P))
+    else:
+        words = tl.load(w_ptrs + step_lo * (CPI * P), mask=step_lo * CPI + kc_w < num_chunks, other=0)
+    for step in range(step_lo, step_hi):
+        c0 = step * CPI
+        # the next step's words first: two word tiles in flight per program
+        if EVEN:
+            nxt = tl.load(w_ptrs + (c0 + CPI) * P, mask=kc_w * 0 + step + 1 < step_hi, other=0)
+        else:
+            nxt = tl.load(w_ptrs + (c0 + CPI) * P, mask=(c0 + CPI + kc_w < num_chunks) & (kc_w * 0 + step + 1 < step_hi),
+                          other=0)  # fmt: skip
+        lo, hi = _magic_words(words)
+        for gi in tl.static_range(GPC):
+            if EVEN:
+                s = tl.load(s_ptrs + (c0 * CHUNK) // GROUP + gi).to(tl.float32)
+                xv = tl.load(x_ptrs + c0 * CHUNK + gi * PPG * P).to(tl.float32)
             else:
-                acc = tl.where(rows[:, None] == i, acc + part[None, :], acc)
-    rm = pid_m * BLOCK_M + rows
-    _write_tile(acc, out_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_om, tile, pid_k, split_k, SPLIT)
+                s = tl.load(s_ptrs + (c0 * CHUNK) // GROUP + gi, mask=c0 + kc_w < num_chunks, other=0.0).to(tl.float32)
+                xv = tl.load(x_ptrs + c0 * CHUNK + gi * PPG * P, mask=c0 + kc_x < num_chunks, other=0.0).to(tl.float32)
+            part = _plane(lo, hi, gi * PPG) * xv
+            for jj in tl.static_range(1, PPG):
+                if EVEN:
+                    xv = tl.load(x_ptrs + c0 * CHUNK + (gi * PPG + jj) * P).to(tl.float32)
+                else:
+                    xv = tl.load(x_ptrs + c0 * CHUNK + (gi * PPG + jj) * P, mask=c0 + kc_x < num_chunks,
+                                 other=0.0).to(tl.float32)  # fmt: skip
+                part += _plane(lo, hi, gi * PPG + jj) * xv
+            acc += part * s
+        words = nxt
+    y = tl.trans(tl.sum(tl.sum(acc, axis=3), axis=1))  # [BN, BM] -> [BM, BN]
+    _write_tile(y, out_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_om, tile, pid_k, split_k, SPLIT)
 
 
 @triton.jit
 def _mma_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, stride_xm, stride_wn, stride_sn, stride_om, groups_per_split, num_groups, split_k,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT: tl.constexpr, SCALE_B: tl.constexpr, EMULATE_DOT: tl.constexpr,
+    M, N, stride_xm, stride_wn, stride_sn, stride_om, chunks_per_split, num_chunks, split_k,
+    GPC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT: tl.constexpr, PREFETCH: tl.constexpr, BIG_DOT: tl.constexpr, EMULATE_DOT: tl.constexpr,
 ):  # fmt: skip
-    """grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k). Tensor-core y = x @ dequant(W).T."""
+    """grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k). Tensor-core y = x @ dequant(W).T, chunk 128.
+
+    BIG_DOT (GPC == 1 only): one K = 128 dot per chunk instead of one K = 16 dot per plane.
+    """
     tile = tl.program_id(0)
     pid_k = tl.program_id(1)
     # Grouped launch order (Triton matmul tutorial): GROUP_M row-tiles share each weight column tile.
@@ -233,20 +612,80 @@ def _mma_kernel(
     size_m = tl.minimum(n_m - first_m, GROUP_M)
     pid_m = first_m + (tile % width) % size_m
     pid_n = (tile % width) // size_m
-    WPG: tl.constexpr = GROUP // 8
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, GROUP)
-    a_ptrs = x_ptr + (rm % M)[:, None] * stride_xm + rk[None, :]  # (BM, GROUP)
-    w_ptrs = w_ptr + (rn % N)[:, None] * stride_wn + tl.arange(0, WPG)[None, :]  # (BN, WPG)
+    r16 = tl.arange(0, 16)
+    a_ptrs = x_ptr + (rm % M)[:, None] * stride_xm + r16[None, :]  # [BM, 16]: plane 0 of chunk 0
+    w_ptrs = w_ptr + (rn % N)[:, None] * stride_wn + r16[None, :]  # [BN, 16]: words of chunk 0
     s_ptrs = s_ptr + (rn % N) * stride_sn
-    g_lo = pid_k * groups_per_split
-    g_hi = tl.minimum(g_lo + groups_per_split, num_groups)
+    c_lo = pid_k * chunks_per_split
+    c_hi = tl.minimum(c_lo + chunks_per_split, num_chunks)
+    if BIG_DOT:  # one K = 128 dot per chunk: activations in the chunk_perm order
+        r128 = tl.arange(0, 128)
+        a_ptrs = x_ptr + (rm % M)[:, None] * stride_xm + ((r128 % 8) * 16 + r128 // 8)[None, :]  # [BM, 128]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for g in range(g_lo, g_hi):
-        a = tl.load(a_ptrs + g * GROUP)
-        acc = _mma_group(a, w_ptrs + g * WPG, s_ptrs + g, acc, GROUP, SCALE_B, EMULATE_DOT)
+    if PREFETCH:
+        words = tl.load(w_ptrs + c_lo * 16)
+    for c in range(c_lo, c_hi):
+        if PREFETCH:
+            nxt = tl.load(w_ptrs + (c + 1) * 16, mask=r16[None, :] * 0 + (rn[:, None] * 0 + c + 1) < c_hi, other=0)
+        else:
+            words = tl.load(w_ptrs + c * 16)
+        if BIG_DOT:
+            acc = _chunk_dot(tl.load(a_ptrs + c * 128), words, tl.load(s_ptrs + c).to(tl.float32), acc, EMULATE_DOT)
+        else:
+            acc = _chunk_dots(a_ptrs + c * 128, words, s_ptrs + c * GPC, acc, GPC, EMULATE_DOT)
+        if PREFETCH:
+            words = nxt
     _write_tile(acc, out_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_om, tile, pid_k, split_k, SPLIT)
+
+
+@triton.jit
+def _mma_swap_kernel(
+    x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, stride_xm, stride_wn, stride_sn, stride_om, chunks_per_split, num_chunks, split_k,
+    GPC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT: tl.constexpr, ASM: tl.constexpr, EMULATE_DOT: tl.constexpr,
+):  # fmt: skip
+    """grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k). Tensor-core y.T = dequant(W) @ x.T, chunk 128.
+
+    The transposed product: the accumulator is `[BLOCK_N, BLOCK_M]`, the dequantized weight tile is
+    the dot's first operand, which Hopper's wgmma (and mma.sync) reads from registers, and x.T the
+    second, read from shared memory. Triton hoists the operand layout up to the words' shared-memory
+    load (the dequantization is elementwise plus `_cat`), so each thread unpacks exactly the words its
+    MMA fragment needs and no dequantized value goes through shared memory. Per 128-column chunk:
+    one `[BN, 128] x [128, BM]` dot (eight k16 wgmma issued back to back), the group scales folded
+    into the dequantized weights so the accumulator chains across chunks; words and x tiles are
+    pipelined by Triton (cp.async, num_stages), the next chunk's scales prefetched into registers.
+    Tokens are the MMA's N dimension, so small BLOCK_M (16..64) wastes no tensor-core rows.
+    """
+    tile = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n_m = tl.cdiv(M, BLOCK_M)
+    n_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * n_n
+    first_m = (tile // width) * GROUP_M
+    size_m = tl.minimum(n_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % width) % size_m
+    pid_n = (tile % width) // size_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r16 = tl.arange(0, 16)
+    r128 = tl.arange(0, 128)
+    xt_ptrs = x_ptr + (rm % M)[None, :] * stride_xm + r128[:, None]  # [128, BM]: x.T of chunk 0
+    w_ptrs = w_ptr + (rn % N)[:, None] * stride_wn + r16[None, :]  # [BN, 16]: words of chunk 0
+    s_ptrs = s_ptr + (rn % N) * stride_sn
+    c_lo = pid_k * chunks_per_split
+    c_hi = tl.minimum(c_lo + chunks_per_split, num_chunks)
+    s0, s1, s2, s3 = _load_scales(s_ptrs, c_lo, rn * 0 + c_lo < c_hi, GPC)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for c in range(c_lo, c_hi):
+        words = tl.load(w_ptrs + c * 16)
+        xt = tl.load(xt_ptrs + c * 128)
+        n0, n1, n2, n3 = _load_scales(s_ptrs, c + 1, rn * 0 + c + 1 < c_hi, GPC)  # in flight during this chunk
+        acc = _dot(_dequant_nat(words, s0, s1, s2, s3, xt.dtype, GPC, ASM), xt, acc, EMULATE_DOT)
+        s0, s1, s2, s3 = n0, n1, n2, n3
+    _write_tile(tl.trans(acc), out_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_om, tile, pid_k, split_k, SPLIT)
 
 
 _INTERPRETED = type(_mma_kernel).__name__ == "InterpretedFunction"
@@ -260,52 +699,112 @@ def _next_pow2(v: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(v, 1))))
 
 
-def split_groups(tiles: int, num_groups: int, target_ctas: int, min_groups: int = 4) -> tuple[int, int]:
-    """(split_k, groups_per_split) that brings `tiles * split_k` up to about `target_ctas`.
+def split_for(tiles: int, steps: int, target_ctas: int, min_steps: int = 2, max_split: int = 32) -> int:
+    """split_k that brings `tiles * split_k` up to about `target_ctas`, each split keeping >= `min_steps` steps."""
+    if tiles >= target_ctas or steps < 2 * min_steps:
+        return 1
+    return max(1, min(-(-target_ctas // tiles), steps // min_steps, max_split))
 
-    Each split keeps >= `min_groups` groups (so the fp32 partials stay a small fraction of the
-    traffic), and no split is empty.
-    """
-    if tiles >= target_ctas or num_groups < 2 * min_groups:
-        return 1, num_groups
-    split = min(-(-target_ctas // tiles), num_groups // min_groups, 32)
+
+def split_groups(tiles: int, num_groups: int, target_ctas: int, min_groups: int = 4) -> tuple[int, int]:
+    """(split_k, groups_per_split) with no empty split (kept for callers of the old API)."""
+    split = split_for(tiles, num_groups, target_ctas, min_groups)
     per = -(-num_groups // split)
     return -(-num_groups // per), per
+
+
+@functools.lru_cache(maxsize=16)
+def _device_info(index: int) -> tuple[int, str]:
+    p = torch.cuda.get_device_properties(index)
+    return p.multi_processor_count, p.name
 
 
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of `device`, or DEFAULT_SM_COUNT (H200) off-GPU."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _device_info(device.index if device.index is not None else torch.cuda.current_device())[0]
     return DEFAULT_SM_COUNT
 
 
-def choose_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT_SM_COUNT) -> DenseConfig:
-    """Deterministic launch configuration by M bucket (no autotuning).
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return _device_info(device.index if device.index is not None else torch.cuda.current_device())[1]
+    return "cpu"
 
-    M <= GEMV_MAX_M: GEMV with a [BLOCK_N, g] tile of 8192 weights (4 KB packed) per group step,
-        split-K up to ~4 CTAs per SM: decode is bandwidth-bound and needs loads in flight.
-    M <= 64: tensor-core tiles of 16..64 rows, scale applied after each group's dot, split-K as
-        above (these shapes are still bandwidth-bound; few output tiles).
-    M > 64: 64/128 x 128 tiles, weight tile scaled before the dot so the accumulator chains,
-        split-K only when there are fewer tiles than SMs.
+
+@functools.lru_cache(maxsize=4)
+def _tuned_table(path: str) -> dict:
+    p = Path(path)
+    if not p.exists():
+        return {}
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def tuned_entry(section: str, key: str, m: int, device: str) -> dict | None:
+    """The tuned config for `key` (e.g. "N,K,g") at the smallest tuned M >= m (else the largest), if any.
+
+    Only used when `device` (the GPU's name) matches the table's; so CPU/interpreter runs and other
+    GPUs always take the heuristics.
     """
-    groups = k // group_size
-    if m <= GEMV_MAX_M:
-        block_m, block_n = _next_pow2(m), max(16, 8192 // group_size)
+    table = _tuned_table(str(TUNED_PATH))
+    if not table or table.get("device") != device:
+        return None
+    rows = table.get(section, {}).get(key)
+    if not rows:
+        return None
+    ms = sorted(int(v) for v in rows)
+    pick = next((v for v in ms if v >= m), ms[-1])
+    return rows[str(pick)]
+
+
+def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT_SM_COUNT) -> DenseConfig:
+    """Deterministic launch configuration by M bucket (no tuning table).
+
+    M <= GEMV_MAX_M (or K not a multiple of 128): GEMV, 8 KB of words per step, split-K up to ~4
+        programs per SM: decode is bandwidth-bound and needs loads in flight.
+    M <= 64: transposed tensor-core tiles (`swap`) of 16..64 tokens x 128 weight rows, split-K up to
+        ~2 programs per SM (still bandwidth-bound, few tiles).
+    M > 64: transposed tiles over two warpgroups, 64/128 tokens x 128 weight rows (M >= 1024: 128 x 256,
+        which won every GLM-5 shape at M = 2048 on H200 by 1.3-1.7x), split-K only when there are fewer
+        tiles than SMs.
+    """
+    chunk = chunk_for(k)
+    if m <= GEMV_MAX_M or chunk != MMA_CHUNK:
+        block_m = min(8, _next_pow2(m))
+        p = chunk // 8
+        block_n = 32 if block_m <= 2 else 16
+        cpi = max(1, min(_next_pow2(2048 // (block_n * p)), _next_pow2(k // chunk)))  # ~8 KB of words per step
         tiles = -(-m // block_m) * -(-n // block_n)
-        split, _ = split_groups(tiles, groups, 4 * sms)
-        return DenseConfig(KernelKind.GEMV, block_m, block_n, split, num_warps=4, num_stages=3)
+        steps = -(-(k // chunk) // cpi)
+        split = split_for(tiles, steps, 4 * sms)
+        return DenseConfig(KernelKind.GEMV, block_m, block_n, split, cpi=cpi, num_warps=4)
+    chunks = k // MMA_CHUNK
     if m <= 64:
-        block_m, block_n = max(16, _next_pow2(m)), 64
-        tiles = -(-m // block_m) * -(-n // block_n)
-        split, _ = split_groups(tiles, groups, 4 * sms)
-        return DenseConfig(KernelKind.MMA, block_m, block_n, split, scale_b=False, num_warps=4, num_stages=4)
+        block_m = max(16, _next_pow2(m))
+        tiles = -(-m // block_m) * -(-n // 128)
+        split = split_for(tiles, chunks, 2 * sms)
+        return DenseConfig(KernelKind.MMA, block_m, 128, split, swap=True, num_warps=4, num_stages=4 if block_m <= 32 else 3)
     block_m = 128 if m >= 256 else 64
-    tiles = -(-m // block_m) * -(-n // 128)
-    split, _ = split_groups(tiles, groups, sms)
-    warps = 8 if block_m == 128 else 4
-    return DenseConfig(KernelKind.MMA, block_m, 128, split, scale_b=True, num_warps=warps, num_stages=3)
+    block_n = 256 if m >= 1024 else 128
+    tiles = -(-m // block_m) * -(-n // block_n)
+    split = split_for(tiles, chunks, sms)
+    return DenseConfig(KernelKind.MMA, block_m, block_n, split, swap=True, num_warps=8, num_stages=3)
+
+
+def choose_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT_SM_COUNT, device: str = "cpu") -> DenseConfig:
+    """The tuned configuration for this GPU and shape if there is one, else `heuristic_config`."""
+    ent = tuned_entry("dense", f"{n},{k},{group_size}", m, device)
+    if ent is not None:
+        cfg = DenseConfig(**ent)
+        if cfg.kind is KernelKind.GEMV:
+            if m <= 8:  # a GEMV entry tuned at a larger M than this call: fewer rows per program
+                return DenseConfig(**{**ent, "block_m": min(cfg.block_m, _next_pow2(m))})
+        elif chunk_for(k) == MMA_CHUNK:
+            return cfg
+    return heuristic_config(m, n, k, group_size, sms)
 
 
 _TICKETS: dict[torch.device, torch.Tensor] = {}
@@ -382,6 +881,11 @@ def check_out(out: torch.Tensor | None, shape: tuple[int, int], x: torch.Tensor)
         raise ValueError(f"out must be contiguous on {x.device}")
 
 
+def check_config(cfg: DenseConfig, chunk: int) -> None:
+    if cfg.kind is KernelKind.MMA and chunk != MMA_CHUNK:
+        raise ValueError(f"the MMA kernel needs K to be a multiple of {MMA_CHUNK} (prepack chunk {chunk}); use a GEMV config")
+
+
 def w4a16_matmul(
     x: torch.Tensor,
     weight_packed: torch.Tensor,
@@ -393,13 +897,16 @@ def w4a16_matmul(
 ) -> torch.Tensor:
     """y = x @ dequant(W).T for a symmetric compressed-tensors int4 weight, fp32 accumulation.
 
+    The weight is prepacked on first use and the result cached per `weight_packed` tensor
+    (`cached_prepack`); call `prepack` once and `w4a16_matmul_packed` to manage that copy yourself.
+
     Args:
         x: float16/bfloat16 `[M, K]`, contiguous.
         weight_packed: int32 `[N, K/8]`, contiguous, LSB-first nibbles q + 8 (formats.md §2c).
         weight_scale: float16/bfloat16/float32 `[N, K/group_size]`, contiguous.
         group_size: 32, 64 or 128; K must be a multiple of it (and of 8).
         out: optional `[M, N]` buffer of x's dtype; every element is written.
-        config: optional launch override (tests, tuning); default `choose_config(M, N, K, g)`.
+        config: optional launch override (tests, tuning); default `choose_config`.
     Returns:
         `[M, N]` in x's dtype (`out` if given).
     Raises:
@@ -415,39 +922,64 @@ def w4a16_matmul(
     n = weight_packed.shape[0]
     check_packed("weight", weight_packed, weight_scale, (n, k), group_size, x.device)
     check_out(out, (m, n), x)
-    cfg = config or choose_config(m, n, k, group_size, sm_count(x.device))
+    return w4a16_matmul_packed(x, cached_prepack(weight_packed, weight_scale, group_size), out=out, config=config)
 
+
+def w4a16_matmul_packed(
+    x: torch.Tensor, w: PackedW4, *, out: torch.Tensor | None = None, config: DenseConfig | None = None
+) -> torch.Tensor:
+    """`w4a16_matmul` on a `prepack`ed weight (same arguments and errors)."""
+    check_common(x, w.group_size)
+    m, k = x.shape
+    if w.qweight.ndim != 2 or w.k != k:
+        raise ValueError(f"prepacked weight {list(w.qweight.shape)} does not take x of shape {list(x.shape)}")
+    n = w.n
+    check_packed("weight", w.qweight, w.scale, (n, k), w.group_size, x.device)
+    check_out(out, (m, n), x)
+    cfg = config or choose_config(m, n, k, w.group_size, sm_count(x.device), device_name(x.device))
+    check_config(cfg, w.chunk)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0 or n == 0:
         return out
-    _launch(x, weight_packed, weight_scale, out, group_size, cfg)
+    _launch(x, w, out, cfg)
     return out
 
 
-def _launch(x, wp, ws, out, group_size: int, cfg: DenseConfig) -> None:
+def _launch(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DenseConfig) -> None:
     """Allocate the split-K scratch (if any) and launch the kernel `cfg` names; writes `out`."""
     m, k = x.shape
-    n = wp.shape[0]
-    groups = k // group_size
-    per = -(-groups // cfg.split_k)
-    split = -(-groups // per)  # no empty splits
+    n, g, chunk = w.n, w.group_size, w.chunk
+    chunks = k // chunk
+    gpc = max(1, chunk // g)
+    if cfg.kind is KernelKind.GEMV:
+        cpi = min(cfg.cpi, _next_pow2(chunks))
+        steps = -(-chunks // cpi)
+    else:
+        cpi, steps = 1, chunks
+    per = -(-steps // cfg.split_k)
+    split = -(-steps // per)  # no empty splits
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
     if split > 1:
         scratch = torch.empty(split, m, n, dtype=torch.float32, device=x.device)  # fp32 partials
         tickets = _tickets(x.device, tiles)
     else:
         scratch = tickets = out  # not dereferenced without SPLIT
-    args = (x, wp, ws, out, scratch, tickets, m, n, x.stride(0), wp.stride(0), ws.stride(0), out.stride(0), per, groups,
-            split)  # fmt: skip
+    args = (x, w.qweight, w.scale, out, scratch, tickets, m, n, x.stride(0), w.qweight.stride(0), w.scale.stride(0),
+            out.stride(0), per, chunks, split)  # fmt: skip
     grid = (tiles, split)
     if cfg.kind is KernelKind.GEMV:
         _gemv_kernel[grid](
-            *args, GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=split > 1,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            *args, GROUP=g, CHUNK=chunk, GPC=gpc, CPI=cpi, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            SPLIT=split > 1, EVEN=chunks % cpi == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    elif cfg.swap:
+        _mma_swap_kernel[grid](
+            *args, GPC=gpc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, SPLIT=split > 1,
+            ASM=cfg.asm and not _INTERPRETED, EMULATE_DOT=_INTERPRETED and x.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     else:
         _mma_kernel[grid](
-            *args, GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
-            SPLIT=split > 1, SCALE_B=cfg.scale_b, EMULATE_DOT=_INTERPRETED and x.dtype == torch.bfloat16,
+            *args, GPC=gpc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, SPLIT=split > 1,
+            PREFETCH=cfg.prefetch, BIG_DOT=cfg.big_dot and gpc == 1, EMULATE_DOT=_INTERPRETED and x.dtype == torch.bfloat16,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip

@@ -2,10 +2,13 @@
 
     y[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),   e = topk_ids[t, j]
 
-Weights are the checkpoint's per-expert tensors stacked on a leading expert dim, layout unchanged
-(formats.md §2c, reference.py for the w13 convention):
+Weights are the checkpoint's per-expert tensors stacked on a leading expert dim (formats.md §2c,
+reference.py for the w13 convention), repacked once by `w4a16_dense.prepack` (nibbles permuted
+inside 128-column chunks; `fused_moe_w4a16` does it on first use and caches the result, or pass
+`prepack_moe`'s result to `fused_moe_w4a16_packed`):
     w13_packed int32 [E, 2I, H/8]  rows [0, I) gate_proj, [I, 2I) up_proj;  w13_scale [E, 2I, H/g]
     w2_packed  int32 [E, H, I/8]   down_proj;                                w2_scale  [E, H, I/g]
+H and I must be multiples of 128 (the tensor-core chunk; GLM-5: 6144 and 2048).
 
 Steps (four launches at decode sizes):
   1. `moe_align_block_size`: sort the M*topk (token, slot) assignments by expert, stably, and pad
@@ -22,9 +25,13 @@ Steps (four launches at decode sizes):
      writing row (t, j) of a [M, topk, H] buffer.
   4. `torch.sum` over topk (fp32 accumulation inside torch), i.e. a fixed-order, deterministic
      per-token reduction instead of atomics.
-Both kernels reuse the dense MMA building blocks (`_mma_group`: int4 unpack in registers, tl.dot per
-quantization group); a block of padded rows costs a 16-row tensor-core tile, which at decode sizes is
-cheap next to streaming the expert's weights.
+Both launches come in two variants that reuse the dense building blocks: `_moe_swap_kernel`
+(`MoeConfig.swap`; the transposed product of `w4a16_dense._mma_swap_kernel`: dequantized expert
+weights as the tensor cores' register operand, the block's gathered activation rows as the
+shared-memory operand, one K = 128 dot per chunk, Triton's cp.async pipelining) and `_moe_kernel`
+(`_chunk_dots` / `_chunk_dot`: a dot per plane or a gathered K = 128 dot, group scale applied once per
+group, the next chunk's words prefetched into registers). A block of padded rows costs a 16-row
+tile, which at decode sizes is cheap next to streaming the expert's weights.
 """
 
 from __future__ import annotations
@@ -38,13 +45,22 @@ import triton.language as tl
 from glmq.kernels.w4a16_dense import (
     _INTERPRETED,
     DEFAULT_SM_COUNT,
-    _mma_group,
+    MMA_CHUNK,
+    PackedW4,
+    _chunk_dot,
+    _chunk_dots,
+    _dequant_nat,
+    _dot,
+    _load_scales,
     _next_pow2,
+    cached_prepack,
     check_common,
     check_k,
     check_out,
     check_packed,
+    device_name,
     sm_count,
+    tuned_entry,
 )
 
 # Up to this many (token, slot) assignments the alignment runs as one Triton program (O(T * E) work
@@ -60,16 +76,25 @@ class MoeConfig:
         block_m: sorted assignments per program (>= 16, power of two); each expert's run is padded to it.
         block_n_up: columns of I per gate_up program (it computes gate and up for these columns).
         block_n_down: columns of H per down program.
-        scale_b: scale the weight tile before the dot (large blocks) or the group's dot result (small).
+        prefetch: load the next chunk's words into registers before computing this one.
+        big_dot: group 128 only, not swap: one K = 128 dot per chunk (gathered activations)
+            instead of eight K = 16 dots.
+        swap: the transposed product (`_moe_swap_kernel`, as `DenseConfig.swap`): dequantized
+            weights as the register operand of the tensor cores, one K = 128 dot per chunk,
+            pipelined by Triton (num_stages); prefetch and big_dot do not apply.
+        asm: swap only: `_plane_asm` dequantization (CUDA; the interpreter ignores it).
         num_warps, num_stages: Triton launch options.
     """
 
     block_m: int
     block_n_up: int
     block_n_down: int
-    scale_b: bool = False
+    prefetch: bool = True
+    big_dot: bool = False
+    swap: bool = False
+    asm: bool = True
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n_up", "block_n_down"):
@@ -79,13 +104,18 @@ class MoeConfig:
 
 
 def choose_moe_config(
-    m: int, topk: int, num_experts: int, inter: int, hidden: int, sms: int = DEFAULT_SM_COUNT
-) -> MoeConfig:
-    """Deterministic configuration from the routing size.
+    m: int, topk: int, num_experts: int, inter: int, hidden: int, sms: int = DEFAULT_SM_COUNT,
+    group_size: int = 128, device: str = "cpu",
+) -> MoeConfig:  # fmt: skip
+    """The tuned configuration for this GPU and shape if any, else a deterministic heuristic.
 
-    BLOCK_M follows the mean tokens per active expert (16 at decode, up to 64 at prefill); the
-    column tiles shrink until there are ~4 programs per SM, since decode MoE is bandwidth-bound.
+    Heuristic: the transposed kernel (`swap`); BLOCK_M follows the mean tokens per active expert
+    (16 at decode, up to 64 at prefill); the column tiles shrink (to 64, the tensor cores' M) until
+    there are ~4 programs per SM, since decode MoE is bandwidth-bound.
     """
+    ent = tuned_entry("moe", f"{num_experts},{hidden},{inter},{topk},{group_size}", m, device)
+    if ent is not None:
+        return MoeConfig(**ent)
     assignments = m * topk
     active = max(1, min(num_experts, assignments))
     block_m = min(64, max(16, _next_pow2(-(-assignments // active))))
@@ -97,7 +127,8 @@ def choose_moe_config(
                 return bn
         return 32
 
-    return MoeConfig(block_m, cols(inter), cols(hidden), scale_b=block_m >= 64)
+    return MoeConfig(block_m, max(64, cols(inter)), max(64, cols(hidden)), swap=True,
+                     num_warps=8 if block_m >= 64 else 4, num_stages=3)  # fmt: skip
 
 
 def align_num_blocks(assignments: int, block_m: int, num_experts: int) -> int:
@@ -198,18 +229,18 @@ def _align_one_launch(flat_ids: torch.Tensor, block_m: int, num_experts: int):
 @triton.jit
 def _moe_kernel(
     a_ptr, w_ptr, s_ptr, c_ptr, sorted_ids_ptr, expert_ids_ptr, router_w_ptr,
-    N, num_valid, num_groups, num_experts,
+    N, num_valid, num_chunks, num_experts,
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
-    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SCALE_B: tl.constexpr, EMULATE_DOT: tl.constexpr,
+    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr, GPC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, BIG_DOT: tl.constexpr,
+    EMULATE_DOT: tl.constexpr,
 ):  # fmt: skip
     """grid = (num_blocks * cdiv(N, BLOCK_N),). One expert's BLOCK_M sorted rows x BLOCK_N columns.
 
     Row r of block b is assignment i = sorted_ids[b*BLOCK_M + r] (i >= num_valid: padding). It reads
     activation row i // A_ROW_DIV (x[token] for gate_up, h[i] for down) and writes output row i.
     GATED: weight rows [0, N) are gate and [N, 2N) up; the output is silu(gate) * up.
-    ROUTED: the output row is multiplied by router_w[i].
+    ROUTED: the output row is multiplied by router_w[i]. Weights prepacked, chunk 128.
     """
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -218,29 +249,111 @@ def _moe_kernel(
     expert = tl.load(expert_ids_ptr + pid_m)
     if expert >= num_experts:  # block past the last expert's padded run
         return
-    WPG: tl.constexpr = GROUP // 8
     ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = ids < num_valid
     a_rows = tl.where(valid, ids // A_ROW_DIV, 0)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, GROUP)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + rk[None, :]  # (BM, GROUP)
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + (rn % N)[:, None] * stride_wn + tl.arange(0, WPG)[None, :]
+    r16 = tl.arange(0, 16)
+    if BIG_DOT:  # activations of a chunk in the prepacked column order (`_dequant_chunk`)
+        r128 = tl.arange(0, 128)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + ((r128 % 8) * 16 + r128 // 8)[None, :]  # [BM, 128]
+    else:
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + r16[None, :]  # [BM, 16]: plane 0 of chunk 0
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + (rn % N)[:, None] * stride_wn + r16[None, :]  # [BN, 16]
     s_ptrs = s_ptr + expert.to(tl.int64) * stride_se + (rn % N) * stride_sn
+    up_off = N * stride_wn  # the up rows of the same columns sit N rows further down
+    up_soff = N * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for g in range(0, num_groups):
-        a = tl.load(a_ptrs + g * GROUP)
-        acc = _mma_group(a, w_ptrs + g * WPG, s_ptrs + g, acc, GROUP, SCALE_B, EMULATE_DOT)
-        if GATED:  # the up rows of the same columns sit N rows further down
-            up_w = w_ptrs + N * stride_wn + g * WPG
-            acc_up = _mma_group(a, up_w, s_ptrs + N * stride_sn + g, acc_up, GROUP, SCALE_B, EMULATE_DOT)
+    if PREFETCH:
+        words = tl.load(w_ptrs)
+        if GATED:
+            words_up = tl.load(w_ptrs + up_off)
+    for c in range(0, num_chunks):
+        if PREFETCH:
+            more = r16[None, :] * 0 + (rn[:, None] * 0 + c + 1) < num_chunks
+            nxt = tl.load(w_ptrs + (c + 1) * 16, mask=more, other=0)
+            if GATED:
+                nxt_up = tl.load(w_ptrs + up_off + (c + 1) * 16, mask=more, other=0)
+        else:
+            words = tl.load(w_ptrs + c * 16)
+            if GATED:
+                words_up = tl.load(w_ptrs + up_off + c * 16)
+        if BIG_DOT:
+            a = tl.load(a_ptrs + c * 128)
+            acc = _chunk_dot(a, words, tl.load(s_ptrs + c).to(tl.float32), acc, EMULATE_DOT)
+            if GATED:
+                acc_up = _chunk_dot(a, words_up, tl.load(s_ptrs + up_soff + c).to(tl.float32), acc_up, EMULATE_DOT)
+        else:
+            acc = _chunk_dots(a_ptrs + c * 128, words, s_ptrs + c * GPC, acc, GPC, EMULATE_DOT)
+            if GATED:
+                acc_up = _chunk_dots(a_ptrs + c * 128, words_up, s_ptrs + up_soff + c * GPC, acc_up, GPC, EMULATE_DOT)
+        if PREFETCH:
+            words = nxt
+            if GATED:
+                words_up = nxt_up
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
     if ROUTED:
         acc = acc * tl.load(router_w_ptr + ids, mask=valid, other=0.0).to(tl.float32)[:, None]
     mask = valid[:, None] & (rn[None, :] < N)
     tl.store(c_ptr + ids[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _moe_swap_kernel(
+    a_ptr, w_ptr, s_ptr, c_ptr, sorted_ids_ptr, expert_ids_ptr, router_w_ptr,
+    N, num_valid, num_chunks, num_experts,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
+    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr, GPC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr, EMULATE_DOT: tl.constexpr,
+):  # fmt: skip
+    """`_moe_kernel` as a transposed product (see `w4a16_dense._mma_swap_kernel`): accumulators
+    `[BLOCK_N, BLOCK_M]` = dequant(W_e) @ a.T, the expert's dequantized weights the tensor cores'
+    register operand, the block's gathered activation rows (transposed) the shared-memory operand;
+    one K = 128 dot per chunk and weight matrix, scales folded into the weights."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // n_tiles
+    pid_n = pid % n_tiles
+    expert = tl.load(expert_ids_ptr + pid_m)
+    if expert >= num_experts:  # block past the last expert's padded run
+        return
+    ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = ids < num_valid
+    a_rows = tl.where(valid, ids // A_ROW_DIV, 0)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r16 = tl.arange(0, 16)
+    r128 = tl.arange(0, 128)
+    at_ptrs = a_ptr + a_rows[None, :] * stride_am + r128[:, None]  # [128, BM]: chunk 0 of the rows, transposed
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + (rn % N)[:, None] * stride_wn + r16[None, :]  # [BN, 16]
+    s_ptrs = s_ptr + expert.to(tl.int64) * stride_se + (rn % N) * stride_sn
+    up_off = N * stride_wn  # the up rows of the same columns sit N rows further down
+    up_soff = N * stride_sn
+    s0, s1, s2, s3 = _load_scales(s_ptrs, 0, rn >= 0, GPC)
+    if GATED:
+        u0, u1, u2, u3 = _load_scales(s_ptrs + up_soff, 0, rn >= 0, GPC)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for c in range(0, num_chunks):
+        at = tl.load(at_ptrs + c * 128)
+        words = tl.load(w_ptrs + c * 16)
+        more = rn * 0 + c + 1 < num_chunks
+        n0, n1, n2, n3 = _load_scales(s_ptrs, c + 1, more, GPC)  # in flight during this chunk
+        acc = _dot(_dequant_nat(words, s0, s1, s2, s3, at.dtype, GPC, ASM), at, acc, EMULATE_DOT)
+        s0, s1, s2, s3 = n0, n1, n2, n3
+        if GATED:
+            words_up = tl.load(w_ptrs + up_off + c * 16)
+            m0, m1, m2, m3 = _load_scales(s_ptrs + up_soff, c + 1, more, GPC)
+            acc_up = _dot(_dequant_nat(words_up, u0, u1, u2, u3, at.dtype, GPC, ASM), at, acc_up, EMULATE_DOT)
+            u0, u1, u2, u3 = m0, m1, m2, m3
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    y = tl.trans(acc)  # [BM, BN]
+    if ROUTED:
+        y = y * tl.load(router_w_ptr + ids, mask=valid, other=0.0).to(tl.float32)[:, None]
+    mask = valid[:, None] & (rn[None, :] < N)
+    tl.store(c_ptr + ids[:, None] * stride_cm + rn[None, :], y.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_moe(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, group_size) -> None:
@@ -257,6 +370,9 @@ def _check_moe(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk
         raise ValueError(f"w13_packed has {two_i} rows per expert; expected 2I (gate rows then up rows)")
     inter = two_i // 2
     check_k(inter, group_size, "intermediate size I")
+    for what, v in (("hidden size H", hidden), ("intermediate size I", inter)):
+        if v % MMA_CHUNK:
+            raise ValueError(f"{what} = {v} must be a multiple of {MMA_CHUNK} for the fused MoE kernel")
     check_packed("w13", w13_packed, w13_scale, (num_experts, two_i, hidden), group_size, x.device)
     check_packed("w2", w2_packed, w2_scale, (num_experts, hidden, inter), group_size, x.device)
     if topk_ids.ndim != 2 or topk_ids.shape[0] != m or topk_ids.dtype not in (torch.int32, torch.int64):
@@ -269,6 +385,13 @@ def _check_moe(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk
     for t, name in ((topk_ids, "topk_ids"), (topk_weights, "topk_weights")):
         if t.device != x.device or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous on {x.device}")
+
+
+def prepack_moe(w13_packed, w13_scale, w2_packed, w2_scale, group_size: int) -> tuple[PackedW4, PackedW4]:
+    """Repack stacked expert weights once (`w4a16_dense.prepack`) for `fused_moe_w4a16_packed`."""
+    from glmq.kernels.w4a16_dense import prepack
+
+    return prepack(w13_packed, w13_scale, group_size), prepack(w2_packed, w2_scale, group_size)
 
 
 def fused_moe_w4a16(
@@ -286,6 +409,9 @@ def fused_moe_w4a16(
 ) -> torch.Tensor:
     """Routed SwiGLU experts with int4 weights: the MoE block of GLM-5 minus router and shared expert.
 
+    The stacked weights are prepacked on first use and cached per tensor (`cached_prepack`); use
+    `prepack_moe` + `fused_moe_w4a16_packed` to hold that copy yourself.
+
     Args:
         x: float16/bfloat16 `[M, H]`, contiguous.
         w13_packed: int32 `[E, 2I, H/8]`; rows [0, I) gate_proj, [I, 2I) up_proj.
@@ -294,8 +420,8 @@ def fused_moe_w4a16(
         w2_scale: float16/bfloat16/float32 `[E, H, I/group_size]`.
         topk_weights: float `[M, topk]` router weights (applied after down_proj).
         topk_ids: int32/int64 `[M, topk]`, values in [0, E) (not checked: that would sync with the
-            GPU; out-of-range ids fail inside torch's index_add_).
-        group_size: 32, 64 or 128; H and I must be multiples of it.
+            GPU; out-of-range ids are undefined behaviour, as in vLLM's fused_moe).
+        group_size: 32, 64 or 128; H and I must be multiples of 128 (and of the group size).
         out: optional `[M, H]` buffer of x's dtype; every element is written.
         config: optional launch override (tests, tuning); default `choose_moe_config`.
     Returns:
@@ -304,11 +430,31 @@ def fused_moe_w4a16(
         ValueError: on any unsupported dtype, shape, layout or device.
     """
     _check_moe(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, group_size)
+    w13 = cached_prepack(w13_packed, w13_scale, group_size)
+    w2 = cached_prepack(w2_packed, w2_scale, group_size)
+    return fused_moe_w4a16_packed(x, w13, w2, topk_weights, topk_ids, out=out, config=config)
+
+
+def fused_moe_w4a16_packed(
+    x: torch.Tensor,
+    w13: PackedW4,
+    w2: PackedW4,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """`fused_moe_w4a16` on `prepack_moe`'s weights (same arguments and errors)."""
+    g = w13.group_size
+    _check_moe(x, w13.qweight, w13.scale, w2.qweight, w2.scale, topk_weights, topk_ids, g)
+    if w2.group_size != g:
+        raise ValueError(f"w13 and w2 have group sizes {g} and {w2.group_size}")
     m, hidden = x.shape
-    num_experts, inter = w13_packed.shape[0], w13_packed.shape[1] // 2
+    num_experts, inter = w13.qweight.shape[0], w13.qweight.shape[1] // 2
     topk = topk_ids.shape[1]
     check_out(out, (m, hidden), x)
-    cfg = config or choose_moe_config(m, topk, num_experts, inter, hidden, sm_count(x.device))
+    cfg = config or choose_moe_config(m, topk, num_experts, inter, hidden, sm_count(x.device), g, device_name(x.device))
 
     out = torch.empty(m, hidden, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0 or topk == 0:
@@ -316,31 +462,39 @@ def fused_moe_w4a16(
     sorted_ids, expert_ids, num_blocks = moe_align_block_size(topk_ids, cfg.block_m, num_experts)
     h = torch.empty(m * topk, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up per assignment
     y = torch.empty(m, topk, hidden, dtype=x.dtype, device=x.device)  # weighted expert outputs
-    _launch_experts(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, sorted_ids, expert_ids,
-                    num_blocks, h, y, group_size, cfg)  # fmt: skip
+    _launch_experts(x, w13, w2, topk_weights, sorted_ids, expert_ids, num_blocks, h, y, cfg)
     return torch.sum(y, dim=1, out=out)
 
 
-def _launch_experts(x, w13p, w13s, w2p, w2s, topk_weights, sorted_ids, expert_ids, num_blocks, h, y, g, cfg):
+def _launch_experts(x, w13: PackedW4, w2: PackedW4, topk_weights, sorted_ids, expert_ids, num_blocks, h, y, cfg):
     """The two grouped GEMM launches; `h` `[T, I]` and `y` `[M, topk, H]` are written."""
     m, hidden = x.shape
-    num_experts, inter = w13p.shape[0], w13p.shape[1] // 2
+    g = w13.group_size
+    num_experts, inter = w13.qweight.shape[0], w13.qweight.shape[1] // 2
     topk = y.shape[1]
-    common = dict(
-        num_valid=m * topk, num_experts=num_experts, GROUP=g, BLOCK_M=cfg.block_m, SCALE_B=cfg.scale_b,
-        EMULATE_DOT=_INTERPRETED and x.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    _moe_kernel[(num_blocks * triton.cdiv(inter, cfg.block_n_up),)](
+    kernel, common = _kernel_and_options(cfg, m * topk, num_experts, MMA_CHUNK // g, x.dtype)
+    w13p, w13s, w2p, w2s = w13.qweight, w13.scale, w2.qweight, w2.scale
+    kernel[(num_blocks * triton.cdiv(inter, cfg.block_n_up),)](
         x, w13p, w13s, h, sorted_ids, expert_ids, topk_weights,
-        inter, num_groups=hidden // g,
+        inter, num_chunks=hidden // MMA_CHUNK,
         stride_am=x.stride(0), stride_we=w13p.stride(0), stride_wn=w13p.stride(1),
         stride_se=w13s.stride(0), stride_sn=w13s.stride(1), stride_cm=h.stride(0),
         A_ROW_DIV=topk, GATED=True, ROUTED=False, BLOCK_N=cfg.block_n_up, **common,
     )  # fmt: skip
-    _moe_kernel[(num_blocks * triton.cdiv(hidden, cfg.block_n_down),)](
+    kernel[(num_blocks * triton.cdiv(hidden, cfg.block_n_down),)](
         h, w2p, w2s, y, sorted_ids, expert_ids, topk_weights,
-        hidden, num_groups=inter // g,
+        hidden, num_chunks=inter // MMA_CHUNK,
         stride_am=h.stride(0), stride_we=w2p.stride(0), stride_wn=w2p.stride(1),
         stride_se=w2s.stride(0), stride_sn=w2s.stride(1), stride_cm=hidden,
         A_ROW_DIV=1, GATED=False, ROUTED=True, BLOCK_N=cfg.block_n_down, **common,
     )  # fmt: skip
+
+
+def _kernel_and_options(cfg: MoeConfig, num_valid: int, num_experts: int, gpc: int, dtype) -> tuple:
+    """The grouped-GEMM kernel `cfg` names and its launch options shared by both launches."""
+    common = dict(num_valid=num_valid, num_experts=num_experts, GPC=gpc, BLOCK_M=cfg.block_m,
+                  EMULATE_DOT=_INTERPRETED and dtype == torch.bfloat16, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)  # fmt: skip
+    if cfg.swap:
+        return _moe_swap_kernel, dict(common, ASM=cfg.asm and not _INTERPRETED)
+    return _moe_kernel, dict(common, PREFETCH=cfg.prefetch, BIG_DOT=cfg.big_dot and gpc == 1)

@@ -9,12 +9,14 @@ What is timed (symmetric int4, group 128, bf16 activations and scales):
   dense   y = x @ W.T for [N, K] in {6144->24576, 12288->6144, the expert's 6144->2*2048 and 2048->6144}
           at M in {1, 4, 16, 64, 256, 2048}, plus 8192x8192 at M = 1 (seen on H200 before: floor ~8.3 us,
           cuBLAS ~45-49 us, _weight_int4pack_mm ~25 us):
-            glmq        glmq.kernels.w4a16_dense.w4a16_matmul on the compressed-tensors tensors
+            glmq        glmq.kernels.w4a16_dense.w4a16_matmul on the compressed-tensors tensors (prepacked on
+                        the first, untimed call and cached, as a serving engine repacks at load)
             cublas-fp16 / cublas-bf16   torch.nn.functional.linear with the dequantized weight
             int4pack    torch._weight_int4pack_mm (tinygemm) with its own packing
                         (torch._convert_weight_to_int4pack(uint8 [N, K/2], inner_k_tiles=8), scales and zeros
                         [K/g, N, 2] bf16; x must be bf16); recorded "unavailable" with the reason if it fails
-            floor       (packed + scale bytes) / measured device-to-device copy rate
+            floor       (packed + scale bytes) / measured device-to-device copy rate (read + write counted)
+            read floor  the same bytes / measured streaming-read rate (a large torch.amax): the stricter one
   moe     GLM-5 routed experts: E = 256, H = 6144, I = 2048, top-8, at the same M:
             glmq-fused        fused_moe_w4a16 (alignment included)
             glmq-kernels      its two grouped GEMM launches + the top-k sum, alignment precomputed
@@ -25,10 +27,12 @@ What is timed (symmetric int4, group 128, bf16 activations and scales):
 
 Method: every implementation is checked against glmq.kernels.reference first (a wrong result is
 recorded and not timed). Timing replays a CUDA graph of `inner` rounds over R copies of the weights
-(R chosen so that the copies are >= 4x the L2 cache, so no call finds its weights in L2), after a
-warm-up; the median of 15 replays divided by the calls per replay is reported in microseconds. The
-graph removes Python launch overhead, as a serving engine's decode graphs do. If capture fails, the
-same loop is timed eagerly with CUDA events (the "mode" field says which).
+(R chosen so that the copies together are >= 4x the L2 cache, however small one copy is, so no call
+finds its weights in L2), after a warm-up; the median of 15 replays divided by the calls per replay
+is reported in microseconds. The graph removes Python launch overhead, as a serving engine's decode
+graphs do. If capture fails, the same loop is timed eagerly with CUDA events (the "mode" field says
+which). Launch configurations come from kernels/tuned_configs.json (scripts/tune_kernels.py) when it
+was tuned on this GPU; nothing is tuned inside the timed region.
 
 Outputs in --out (default $OUT, else ./bench-out): bench_kernels.json, bench_kernels.md, bench_kernels.png
 (if matplotlib imports).
@@ -98,6 +102,7 @@ class Bench:
         props = torch.cuda.get_device_properties(device) if self.cuda else None
         self.l2_bytes = getattr(props, "L2_cache_size", 50 << 20) if props else 50 << 20
         self.copy_rate = self.measure_copy_rate()
+        self.read_rate = self.measure_read_rate()
 
     # ---- timing ---------------------------------------------------------------------------------
 
@@ -105,8 +110,10 @@ class Bench:
         return time.monotonic() > self.deadline
 
     def copies(self, bytes_per_copy: int) -> int:
-        """Weight copies to rotate through so that consecutive calls miss L2."""
-        return max(1, min(8, math.ceil(4 * self.l2_bytes / max(bytes_per_copy, 1))))
+        """Weight copies to rotate through so that consecutive calls miss L2 (together >= 4x L2; 2 on CPU)."""
+        if not self.cuda:
+            return 2
+        return max(1, min(64, math.ceil(4 * self.l2_bytes / max(bytes_per_copy, 1))))
 
     def time_us(self, calls: list[Callable[[], object]]) -> tuple[float, str]:
         """Median microseconds per call of `calls` (run round-robin)."""
@@ -188,6 +195,17 @@ class Bench:
         del src, dst
         return rate
 
+    def measure_read_rate(self) -> float:
+        """Streaming-read rate in bytes/s (torch.amax over 1 GiB of fp32): the floor of a read-bound kernel."""
+        n = (1 << 28) if self.cuda else (1 << 20)
+        src = torch.randn(n, device=self.device)
+        us, mode = self.time_us([lambda: torch.amax(src)])
+        rate = 4 * n / (us * 1e-6)
+        self.records.append(Record("copy", f"{4 * n >> 20} MiB", 0, "read-amax", us=us, mode=mode, bytes_moved=4 * n))
+        log.info("streaming read (amax): %.1f us for %d MiB -> %.2f TB/s", us, 4 * n >> 20, rate / 1e12)
+        del src
+        return rate
+
     # ---- bookkeeping -----------------------------------------------------------------------------
 
     def run(self, op, shape, m, impl, make: Callable[[], tuple[list[Callable], torch.Tensor]], ref, nbytes=None,
@@ -215,6 +233,7 @@ class Bench:
 
     def floor(self, op, shape, m, nbytes) -> None:
         self.records.append(Record(op, shape, m, "floor", us=nbytes / self.copy_rate * 1e6, bytes_moved=nbytes))
+        self.records.append(Record(op, shape, m, "read-floor", us=nbytes / self.read_rate * 1e6, bytes_moved=nbytes))
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -238,6 +257,26 @@ def packed_bytes(wp: torch.Tensor, ws: torch.Tensor) -> int:
 
 
 # ---- dense ----------------------------------------------------------------------------------------
+
+
+def dense_config_note(b: Bench, m: int, n: int, k: int) -> str:
+    """The launch configuration `w4a16_matmul` picks for this call (tuned table or heuristic)."""
+    from glmq.kernels import w4a16_dense as D
+
+    cfg = D.choose_config(m, n, k, GROUP, D.sm_count(b.device), D.device_name(b.device))
+    return f"config {compact(cfg)}"
+
+
+def compact(cfg) -> str:
+    """A launch config as 'field=value' for the fields that differ from the defaults (tiles always)."""
+    keep = ("kind", "block_m", "block_n", "block_n_up", "block_n_down", "split_k")
+    parts = []
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        v = getattr(v, "value", v)
+        if f.name in keep or v != f.default:
+            parts.append(f"{f.name}={v}")
+    return " ".join(parts)
 
 
 def int4pack_weights(wp: torch.Tensor, ws: torch.Tensor):
@@ -279,7 +318,7 @@ def bench_dense(b: Bench, shape: str, n: int, k: int, ms, seed: int) -> None:
         def ours():
             return [lambda p=p, s=s: w4a16_matmul(x, p, s, GROUP) for p, s in ours_w], w4a16_matmul(x, wp, ws, GROUP)
 
-        b.run("dense", shape, m, "glmq", ours, ref, nbytes, flops)
+        b.run("dense", shape, m, "glmq", ours, ref, nbytes, flops, note=dense_config_note(b, m, n, k))
         for dt, name in ((torch.float16, "cublas-fp16"), (torch.bfloat16, "cublas-bf16")):
 
             def cublas(dt=dt):
@@ -389,17 +428,18 @@ def bench_moe(b: Bench, cfg: dict, ms, seed: int) -> None:
         def fused(r):
             return MO.fused_moe_w4a16(r.x, *args, r.weights, r.ids, GROUP)
 
-        b.run("moe", shape, m, "glmq-fused", check(fused), ref_small, r0.experts_touched * expert_bytes, flops)
+        mcfg = MO.choose_moe_config(m, topk, e_, i_, h_, MO.sm_count(b.device), GROUP, MO.device_name(b.device))
+        b.run("moe", shape, m, "glmq-fused", check(fused), ref_small, r0.experts_touched * expert_bytes, flops,
+              note=f"config {compact(mcfg)}")  # fmt: skip
 
-        mcfg = MO.choose_moe_config(m, topk, e_, i_, h_, torch.cuda.get_device_properties(b.device).multi_processor_count
-                                    if b.cuda else MO.DEFAULT_SM_COUNT)  # fmt: skip
         aligned = {id(r): MO.moe_align_block_size(r.ids, mcfg.block_m, e_) for r in routes}
+        packed = (MO.cached_prepack(w13p, w13s, GROUP), MO.cached_prepack(w2p, w2s, GROUP))
 
         def kernels_only(r):
             sorted_ids, expert_ids, nb = aligned[id(r)]
             h = torch.empty(m * topk, i_, dtype=r.x.dtype, device=r.x.device)
             y = torch.empty(m, topk, h_, dtype=r.x.dtype, device=r.x.device)
-            MO._launch_experts(r.x, *args, r.weights, sorted_ids, expert_ids, nb, h, y, GROUP, mcfg)
+            MO._launch_experts(r.x, *packed, r.weights, sorted_ids, expert_ids, nb, h, y, mcfg)
             return y.sum(dim=1)
 
         b.run("moe", shape, m, "glmq-kernels", check(kernels_only), ref_small, None, flops, note="alignment not timed")
@@ -456,11 +496,13 @@ def targets(records: list[Record]) -> list[dict]:
                 continue
             fp16 = speedup(idx.get(("dense", shape, m, "cublas-fp16")), ours)
             floor = speedup(idx.get(("dense", shape, m, "floor")), ours)
+            rfloor = speedup(idx.get(("dense", shape, m, "read-floor")), ours)
             i4 = speedup(idx.get(("dense", shape, m, "int4pack")), ours)
             if m <= 16 and shape in LARGE and fp16 is not None:
                 add(">=3x cuBLAS fp16 (M<=16, large)", fp16 >= 3, f"{shape} M={m}: {fp16:.2f}x")
             if m <= 16 and floor is not None:
-                add(">=70% of bandwidth floor (M<=16)", floor >= 0.7, f"{shape} M={m}: {100 * floor:.0f}%")
+                add(">=70% of bandwidth floor (M<=16)", floor >= 0.7, f"{shape} M={m}: {100 * floor:.0f}% of the copy floor"
+                    + (f", {100 * rfloor:.0f}% of the read floor" if rfloor is not None else ""))
             if m <= 64 and fp16 is not None:
                 add("not slower than cuBLAS fp16 (M<=64)", fp16 >= 1, f"{shape} M={m}: {fp16:.2f}x")
             if i4 is not None:
@@ -478,33 +520,40 @@ def markdown(records: list[Record], env: dict) -> str:
     idx = index(records)
     lines = ["# glmq W4A16 kernel benchmark", "", "```", json.dumps(env, indent=1), "```", ""]
     lines += ["Median microseconds per call (CUDA-graph replay, weights rotated past L2). floor = packed+scale",
-              "bytes / device-to-device copy rate. eff = floor / glmq.", ""]  # fmt: skip
+              "bytes / device-to-device copy rate (read + write); read floor = the same bytes / streaming-read",
+              "rate. eff = floor / glmq, eff(read) = read floor / glmq.", ""]  # fmt: skip
     for shape in dict.fromkeys(r.shape for r in records if r.op == "dense"):
-        lines += [f"## {shape}", "", "| M | glmq | cuBLAS fp16 | cuBLAS bf16 | int4pack | floor | eff | vs fp16 | vs int4pack |",
-                  "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"## {shape}", "", "| M | glmq | cuBLAS fp16 | cuBLAS bf16 | int4pack | floor | read floor | eff | eff(read) | vs fp16 | vs int4pack |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for m in sorted({r.m for r in records if r.shape == shape}):
             g = lambda impl: idx.get(("dense", shape, m, impl))  # noqa: E731
             lines.append(
                 f"| {m} | {cell(g('glmq'))} | {cell(g('cublas-fp16'))} | {cell(g('cublas-bf16'))} | "
-                f"{cell(g('int4pack'))} | {cell(g('floor'))} | {fmt_x(speedup(g('floor'), g('glmq')), True)} | "
+                f"{cell(g('int4pack'))} | {cell(g('floor'))} | {cell(g('read-floor'))} | "
+                f"{fmt_x(speedup(g('floor'), g('glmq')), True)} | {fmt_x(speedup(g('read-floor'), g('glmq')), True)} | "
                 f"{fmt_x(speedup(g('cublas-fp16'), g('glmq')))} | {fmt_x(speedup(g('int4pack'), g('glmq')))} |"
             )
         lines.append("")
     for shape in dict.fromkeys(r.shape for r in records if r.op == "moe"):
-        lines += [f"## {shape}", "", "| M | glmq fused | glmq kernels only | bf16 grouped | bf16 loop | floor | eff | vs best bf16 |",
-                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"## {shape}", "", "| M | glmq fused | glmq kernels only | bf16 grouped | bf16 loop | floor | read floor | eff | eff(read) | vs best bf16 |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for m in sorted({r.m for r in records if r.shape == shape}):
             g = lambda impl: idx.get(("moe", shape, m, impl))  # noqa: E731
             bf = [x for x in (g("bf16-grouped"), g("bf16-loop")) if x and x.status == "ok"]
             best = min(bf, key=lambda x: x.us) if bf else None
             lines.append(
                 f"| {m} | {cell(g('glmq-fused'))} | {cell(g('glmq-kernels'))} | {cell(g('bf16-grouped'))} | "
-                f"{cell(g('bf16-loop'))} | {cell(g('floor'))} | {fmt_x(speedup(g('floor'), g('glmq-fused')), True)} | "
+                f"{cell(g('bf16-loop'))} | {cell(g('floor'))} | {cell(g('read-floor'))} | "
+                f"{fmt_x(speedup(g('floor'), g('glmq-fused')), True)} | {fmt_x(speedup(g('read-floor'), g('glmq-fused')), True)} | "
                 f"{fmt_x(speedup(best, g('glmq-fused')))} |"
             )
         lines.append("")
     lines += ["## Targets", "", "| target | met | detail |", "|---|---|---|"]
     lines += [f"| {t['target']} | {'yes' if t['met'] else 'NO'} | {t['detail']} |" for t in targets(records)]
+    cfgs = [r for r in records if r.impl in ("glmq", "glmq-fused") and r.note.startswith("config ")]
+    if cfgs:
+        lines += ["", "## glmq launch configurations", "", "| shape | M | config |", "|---|---|---|"]
+        lines += [f"| {r.shape} | {r.m} | `{r.note[len('config '):]}` |" for r in cfgs]
     notes = [r for r in records if r.status in ("unavailable", "wrong")]
     if notes:
         lines += ["", "## Not timed", ""]
@@ -529,7 +578,7 @@ def plot(records: list[Record], path: Path) -> bool:
         rs = [r for r in records if r.shape == shape and r.status == "ok"]
         for impl in dict.fromkeys(r.impl for r in rs):
             pts = sorted((r.m, r.us) for r in rs if r.impl == impl)
-            ax.plot(*zip(*pts), marker="o", linestyle="--" if impl == "floor" else "-", label=impl)
+            ax.plot(*zip(*pts), marker="o", linestyle="--" if impl.endswith("floor") else "-", label=impl)
         ax.set(xscale="log", yscale="log", title=shape, xlabel="M", ylabel="us / call")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
@@ -546,12 +595,17 @@ def environment(b: Bench) -> dict:
     env = {
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
         "device": torch.cuda.get_device_name(b.device) if b.cuda else "cpu (TRITON_INTERPRET smoke run)",
-        "copy_rate_TBps": round(b.copy_rate / 1e12, 3), "l2_MiB": b.l2_bytes >> 20, "group_size": GROUP,
+        "copy_rate_TBps": round(b.copy_rate / 1e12, 3), "read_rate_TBps": round(b.read_rate / 1e12, 3),
+        "l2_MiB": b.l2_bytes >> 20, "group_size": GROUP,
         "activations": "bf16", "scales": "bf16",
     }  # fmt: skip
     if b.cuda:
+        from glmq.kernels import w4a16_dense as D
+
         p = torch.cuda.get_device_properties(b.device)
-        env.update(sms=p.multi_processor_count, cuda=torch.version.cuda)
+        table = D._tuned_table(str(D.TUNED_PATH))
+        env.update(sms=p.multi_processor_count, cuda=torch.version.cuda,
+                   tuned_table=bool(table) and table.get("device") == p.name)  # fmt: skip
     return env
 
 

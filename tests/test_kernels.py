@@ -22,6 +22,7 @@ kernel forgets to write fails the NaN check.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import subprocess
@@ -42,7 +43,7 @@ pytest.importorskip("triton")
 from glmq.kernels import reference as R  # noqa: E402
 from glmq.kernels import w4a16_dense as D  # noqa: E402
 from glmq.kernels import w4a16_moe as MO  # noqa: E402
-from glmq.quantize.pack import pack_int32, pack_zero_point  # noqa: E402
+from glmq.quantize.pack import pack_int32, pack_zero_point, unpack_int32  # noqa: E402
 from glmq.quantize.rtn import QWeight, dequantize, quantize_rtn  # noqa: E402
 from glmq.quantize.spec import QuantSpec  # noqa: E402
 
@@ -167,21 +168,42 @@ def test_dense_m1024(g, dtype):
 
 
 @pytest.mark.parametrize(
-    "m, config",
+    "m, config, g",
     [
-        (1, D.DenseConfig("gemv", 1, 32, split_k=1)),
-        (3, D.DenseConfig("gemv", 4, 64, split_k=5)),  # masked 4th row; 12 groups in splits of 3
-        (2, D.DenseConfig("gemv", 2, 16, split_k=12)),  # one group per split
-        (1, D.DenseConfig("mma", 16, 64, split_k=2)),
-        (17, D.DenseConfig("mma", 32, 32, split_k=1, scale_b=True)),
-        (17, D.DenseConfig("mma", 16, 128, split_k=4, scale_b=False)),  # 2 row tiles x 2 col tiles x 4
-        (118, D.DenseConfig("mma", 64, 64, split_k=3, scale_b=True, group_m=2)),
+        (1, D.DenseConfig("gemv", 1, 32, split_k=1, cpi=1), 32),
+        (3, D.DenseConfig("gemv", 4, 64, split_k=3, cpi=1), 32),  # masked 4th row; 3 chunks in 3 splits
+        (2, D.DenseConfig("gemv", 2, 16, split_k=2, cpi=2), 32),  # 2 steps, the last one half empty (K mask)
+        (5, D.DenseConfig("gemv", 8, 16, split_k=1, cpi=4, num_warps=8), 32),
+        (1, D.DenseConfig("mma", 16, 64, split_k=2), 32),
+        (17, D.DenseConfig("mma", 32, 32, split_k=1, prefetch=False), 32),
+        (17, D.DenseConfig("mma", 16, 128, split_k=3, big_dot=True), 128),  # 2 row tiles x 2 col tiles x 3
+        (118, D.DenseConfig("mma", 64, 64, split_k=2, big_dot=True, group_m=2), 128),
+        # transposed kernel: 16-token tiles, split-K over 3 chunks, group 32 (4 scales per chunk)
+        (17, D.DenseConfig("mma", 16, 64, split_k=3, swap=True), 32),
+        (118, D.DenseConfig("mma", 64, 128, split_k=1, swap=True, group_m=2, num_warps=8), 128),  # column tail
+        (5, D.DenseConfig("mma", 32, 64, split_k=2, swap=True, asm=False), 64),  # plain-Triton dequantization
     ],
-    ids=lambda v: str(v) if isinstance(v, int) else f"{v.kind.value}-{v.block_m}x{v.block_n}-s{v.split_k}-b{int(v.scale_b)}",
+    ids=lambda v: str(v) if isinstance(v, int) else f"{v.kind.value}-{v.block_m}x{v.block_n}-s{v.split_k}-c{v.cpi}"
+    f"-p{int(v.prefetch)}-b{int(v.big_dot)}-t{int(v.swap)}{'' if v.asm else '-noasm'}",
 )
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_dense_forced_configs(m, config, dtype):
-    run_dense(m, 136, 384, 32, dtype, config=config)
+def test_dense_forced_configs(m, config, g, dtype):
+    run_dense(m, 136, 384, g, dtype, config=config)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("g", [32, 128])
+def test_swap_asm_dequant_is_bit_exact_gpu(g, dtype):
+    # The inline-PTX dequantization rounds (u - 8) * scale to the activation dtype once, as the
+    # plain path does (fp32 product, one rounding): same dot operands, so the same bits out.
+    wp, ws = quantized(320, 512, group_size=g)
+    x = acts(70, 512, dtype)
+    cfg = D.DenseConfig("mma", 64, 128, split_k=2, swap=True, num_warps=8, num_stages=3)
+    y_asm = D.w4a16_matmul(x, wp, ws, g, config=cfg)
+    y_plain = D.w4a16_matmul(x, wp, ws, g, config=D.DenseConfig(**{**cfg.to_dict(), "asm": False}))
+    assert torch.equal(y_asm, y_plain)
+    assert_close(y_asm, R.w4a16_matmul_ref(x, wp, ws, g), dtype)
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32], ids=str)
@@ -208,12 +230,91 @@ def test_dense_empty_m():
 def test_choose_config_buckets():
     decode = D.choose_config(1, 24576, 6144, 128)
     assert decode.kind is D.KernelKind.GEMV and decode.block_m == 1
-    assert D.choose_config(1, 6144, 12288, 128).split_k > 1  # 96 column tiles < 132 SMs
+    assert D.choose_config(1, 6144, 12288, 128).split_k > 1  # few column tiles for 132 SMs
     mid = D.choose_config(16, 6144, 12288, 128)
-    assert mid.kind is D.KernelKind.MMA and mid.block_m == 16 and not mid.scale_b and mid.split_k > 1
+    assert mid.kind is D.KernelKind.MMA and mid.block_m == 16 and mid.split_k > 1
+    assert mid.swap and D.choose_config(64, 4096, 6144, 128).swap  # transposed tensor-core kernel from M = 5
     big = D.choose_config(2048, 24576, 6144, 128)
-    assert big.kind is D.KernelKind.MMA and big.block_m == 128 and big.scale_b and big.split_k == 1
+    assert big.kind is D.KernelKind.MMA and big.block_m == 128 and big.split_k == 1 and big.swap
+    assert D.choose_config(64, 256, 96, 32).kind is D.KernelKind.GEMV  # K = 96: chunk 32, no tensor-core path
     assert D.split_groups(tiles=10, num_groups=12, target_ctas=1000) == (3, 4)  # >= 4 groups per split
+
+
+def test_tuned_table_lookup(tmp_path, monkeypatch):
+    table = {
+        "device": "GPU-X",
+        "dense": {"256,384,128": {"4": {"kind": "gemv", "block_m": 4, "block_n": 64, "split_k": 3, "cpi": 1},
+                                   "64": {"kind": "mma", "block_m": 32, "block_n": 64, "big_dot": True}}},
+        "moe": {"8,256,128,3,128": {"1": {"block_m": 16, "block_n_up": 32, "block_n_down": 64, "big_dot": True}}},
+    }  # fmt: skip
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setattr(D, "TUNED_PATH", path)
+    pick = functools.partial(D.choose_config, n=256, k=384, group_size=128, device="GPU-X")
+    assert pick(3) == D.DenseConfig("gemv", 4, 64, split_k=3)  # smallest tuned M >= 3
+    assert pick(2) == D.DenseConfig("gemv", 2, 64, split_k=3)  # fewer rows per program than tuned
+    assert pick(17) == D.DenseConfig("mma", 32, 64, big_dot=True)
+    assert pick(5000) == pick(64)  # past the table: its largest M
+    assert D.choose_config(3, 256, 384, 128, device="GPU-Y") == D.heuristic_config(3, 256, 384, 128)
+    assert D.choose_config(3, 512, 384, 128, device="GPU-X") == D.heuristic_config(3, 512, 384, 128)
+    assert MO.choose_moe_config(1, 3, 8, 128, 256, device="GPU-X") == MO.MoeConfig(16, 32, 64, big_dot=True)
+    assert MO.choose_moe_config(1, 3, 8, 128, 256) == MO.choose_moe_config(1, 3, 8, 128, 256, device="cpu")
+    if DEV.type == "cuda" or D._INTERPRETED:
+        run_dense(3, 256, 384, 128, torch.bfloat16, config=pick(3))
+
+
+# ------------------------------------------------------------------------------------------------
+# prepacking
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [384, 192, 96])
+def test_prepack_layout_is_the_documented_permutation(k):
+    wp, _ = quantized(24, k, group_size=32)
+    chunk = D.chunk_for(k)
+    assert chunk == {384: 128, 192: 64, 96: 32}[k]
+    q = D.prepack_words(wp.cpu(), chunk)
+    assert q.shape == wp.shape and q.dtype == torch.int32
+    assert torch.equal(D.unprepack_words(q, chunk), wp.cpu())
+    p = chunk // 8
+    # prepacked word w of a chunk, nibble j = checkpoint element j * P + w of that chunk
+    orig = unpack_int32(wp.cpu(), k).view(24, k // chunk, 8, p)  # [chunk, j, w]
+    new = unpack_int32(q, k).view(24, k // chunk, p, 8)  # [chunk, w, j]
+    assert torch.equal(new.transpose(-1, -2), orig)
+
+
+def test_prepack_golden_word():
+    # One 32-column chunk (P = 4): checkpoint elements e = 0..31 hold u = e % 16. Prepacked word w
+    # nibble j holds element 4 * j + w, i.e. u = (4 * j + w) % 16.
+    u = torch.arange(32) % 16
+    packed = pack_int32((u - 8).to(torch.int8)[None])
+    q = D.prepack_words(packed, 32)[0].tolist()
+    want = [sum(((4 * j + w) % 16) << (4 * j) for j in range(8)) for w in range(4)]
+    assert [v & 0xFFFFFFFF for v in q] == want
+
+
+def test_prepack_dequantizes_bit_exactly_and_is_cached():
+    wp, ws = quantized(3, 40, 256, group_size=64)  # leading expert dim
+    packed = D.prepack(wp, ws, 64)
+    assert packed.chunk == 128 and torch.equal(packed.scale, ws)
+    back = D.unprepack_words(packed.qweight, packed.chunk)
+    assert torch.equal(R.dequantize_packed(back[1], packed.scale[1], 64), R.dequantize_packed(wp[1], ws[1], 64))
+    a = D.cached_prepack(wp[0].contiguous(), ws[0].contiguous(), 64)
+    w0, s0 = wp[0].clone(), ws[0].clone()
+    first = D.cached_prepack(w0, s0, 64)
+    assert D.cached_prepack(w0, s0, 64) is first  # same tensors: cached
+    assert D.cached_prepack(w0, s0.clone(), 64) is not first  # another scale tensor
+    w0.add_(0)  # an in-place write bumps the version counter
+    assert D.cached_prepack(w0, s0, 64) is not first
+    assert torch.equal(a.qweight, first.qweight)
+
+
+def test_packed_entry_point_matches():
+    wp, ws = quantized(72, 256, group_size=128)
+    x = acts(2, 256, torch.float16)
+    y1 = D.w4a16_matmul(x, wp, ws, 128)
+    y2 = D.w4a16_matmul_packed(x, D.prepack(wp, ws, 128))
+    assert torch.equal(y1, y2)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -236,16 +337,21 @@ def run_moe(m, hidden, inter, num_experts, topk, g, dtype, config=None):
 @pytest.mark.parametrize("g", GROUPS)
 @pytest.mark.parametrize("m", [1, 3, 17, 118])
 def test_moe(m, g, dtype):
-    # Whole-width column tiles keep the interpreter fast; the tiling itself is covered below.
-    config = MO.MoeConfig(block_m=64 if m > 64 else 16, block_n_up=128, block_n_down=256, scale_b=m > 64)
+    # Whole-width column tiles keep the interpreter fast; the tiling itself is covered below. M = 1 and
+    # 118 take the transposed kernel (swap), 3 the gathered K = 128 dot, 17 the per-plane dots.
+    swap = m in (1, 118)
+    config = MO.MoeConfig(block_m=64 if m > 64 else 16, block_n_up=128, block_n_down=256, big_dot=m == 3,
+                          prefetch=m != 17, swap=swap, num_warps=8 if swap and m > 64 else 4)  # fmt: skip
     run_moe(m, 256, 128, num_experts=8, topk=3, g=g, dtype=dtype, config=config)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_moe_column_tails_and_default_config(dtype):
-    # I = 160 and H = 96 are not multiples of 64: the last column tile of both launches is masked.
-    run_moe(5, 96, 160, num_experts=6, topk=2, g=32, dtype=dtype, config=MO.MoeConfig(16, 64, 64))
-    run_moe(2, 96, 64, num_experts=4, topk=2, g=32, dtype=dtype)  # choose_moe_config's tiles
+    # I = 384 and H = 128 are not multiples of 256: the last column tile of both launches is masked.
+    # (bf16: the transposed kernel; fp16: the per-plane one)
+    config = MO.MoeConfig(16, 256, 256, swap=dtype == torch.bfloat16)
+    run_moe(5, 128, 384, num_experts=6, topk=2, g=32, dtype=dtype, config=config)
+    run_moe(2, 128, 128, num_experts=4, topk=2, g=64, dtype=dtype)  # choose_moe_config's tiles
 
 
 ALIGN_CASES = [(1, 8, 256, 16), (37, 3, 8, 16), (50, 4, 8, 64), (3, 2, 6, 16), (40, 8, 256, 16)]
@@ -283,9 +389,10 @@ def test_moe_align_paths_agree(m, topk, num_experts, block_m):
 
 def test_choose_moe_config():
     decode = MO.choose_moe_config(1, 8, 256, 2048, 6144)
-    assert decode.block_m == 16 and not decode.scale_b
+    assert decode.block_m == 16 and decode.swap
     prefill = MO.choose_moe_config(2048, 8, 256, 2048, 6144)
-    assert prefill.block_m == 64 and prefill.scale_b
+    assert prefill.block_m == 64 and prefill.num_warps == 8
+    assert min(prefill.block_n_up, prefill.block_n_down, decode.block_n_up) >= 64  # the transposed MMA's M
 
 
 # ------------------------------------------------------------------------------------------------
@@ -331,6 +438,24 @@ def test_dense_preconditions(mutate, match):
         D.w4a16_matmul(**args)
 
 
+def test_dense_mma_needs_k_multiple_of_128():
+    wp, ws = quantized(64, 192, group_size=64)  # K = 192: chunk 64
+    with pytest.raises(ValueError, match="multiple of 128"):
+        D.w4a16_matmul(acts(16, 192, torch.float16), wp, ws, 64, config=D.DenseConfig("mma", 16, 64))
+
+
+def test_prepack_preconditions():
+    wp, ws = quantized(64, 256, group_size=128)
+    with pytest.raises(ValueError, match="group_size must be one of"):
+        D.prepack(wp, ws, 16)
+    with pytest.raises(ValueError, match="weight_packed must be int32"):
+        D.prepack(wp.long(), ws, 128)
+    with pytest.raises(ValueError, match="weight_scale has shape"):
+        D.prepack(wp, ws[:, :1], 128)
+    with pytest.raises(ValueError, match="does not take x"):
+        D.w4a16_matmul_packed(acts(2, 128, torch.float16), D.prepack(wp, ws, 128))
+
+
 def test_dense_needs_cuda_outside_interpreter(monkeypatch):
     monkeypatch.setattr(D, "_INTERPRETED", False)
     x, wp, ws = _dense_inputs()
@@ -346,7 +471,9 @@ def test_dense_needs_cuda_outside_interpreter(monkeypatch):
         (dict(kind="gemv", block_m=1, block_n=48), "power of two"),
         (dict(kind="gemv", block_m=1, block_n=8), "block_n must be >= 16"),
         (dict(kind="mma", block_m=16, block_n=64, split_k=0), "split_k"),
+        (dict(kind="gemv", block_m=1, block_n=64, cpi=3), "cpi must be a power of two"),
         (dict(kind="wgmma", block_m=16, block_n=64), "is not a valid KernelKind"),
+        (dict(kind="gemv", block_m=1, block_n=64, swap=True), "swap applies to the MMA kernel only"),
     ],
 )
 def test_dense_config_validation(kwargs, match):
@@ -354,7 +481,7 @@ def test_dense_config_validation(kwargs, match):
         D.DenseConfig(**kwargs)
 
 
-def _moe_inputs(m=3, hidden=128, inter=64, num_experts=4, topk=2, g=32):
+def _moe_inputs(m=3, hidden=128, inter=128, num_experts=4, topk=2, g=32):
     w13p, w13s = quantized(num_experts, 2 * inter, hidden, group_size=g)
     w2p, w2s = quantized(num_experts, hidden, inter, group_size=g)
     tw, ti = routing(m, num_experts, topk)
@@ -369,7 +496,11 @@ def _moe_inputs(m=3, hidden=128, inter=64, num_experts=4, topk=2, g=32):
     [
         (lambda a: {**a, "x": a["x"].float()}, "float16 or bfloat16"),
         (lambda a: {**a, "group_size": 48}, "group_size must be one of"),
-        (lambda a: {**a, "group_size": 128}, "intermediate size I = 64 must be a multiple of group_size 128"),
+        (lambda a: {**a, "group_size": 128, "w13_packed": a["w13_packed"][:, :128].contiguous()},
+         "intermediate size I = 64 must be a multiple of group_size 128"),
+        (lambda a: {**a, "w13_packed": a["w13_packed"][:, :128].contiguous()},
+         "intermediate size I = 64 must be a multiple of 128 for the fused MoE"),
+        (lambda a: {**a, "x": a["x"][:, :96].contiguous()}, "hidden size H = 96 must be a multiple of 128"),
         (lambda a: {**a, "x": a["x"][:, :120].contiguous()}, "multiple of group_size"),
         (lambda a: {**a, "w13_packed": a["w13_packed"][0]}, "must be 3-D"),
         (lambda a: {**a, "w13_packed": a["w13_packed"][:, :127]}, "expected 2I"),

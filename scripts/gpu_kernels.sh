@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# One device-machine call for the W4A16 kernels (issue 4): kernel tests on the GPU, re-tune the launch
+# table, benchmark with it, then the GLM-shape GPU tests again on the new table. Run from the repository
+# root; results go to $OUT (<= 8 files: run.log, tune_results.json, tuned_configs.json, validate.json,
+# bench_kernels.{json,md,png}).
+#
+# Flow ("tune" and "tests" both in PARTS): the tuner's candidates are compiled in the background
+# (CPU-bound, Triton's cache) while the tests run, so the timing pass that follows finds every kernel
+# compiled; the tuner starts from the existing table (--merge), re-tunes only TUNE_M, and keeps each
+# bucket's old entry as a candidate, so no bucket gets slower. Every step is clipped to a deadline of
+# TOTAL_S seconds after the start (the device call's limit minus a margin), so the benchmark files are
+# written before the call ends.
+#
+# PARTS (default "tune tests bench retest"; "validate" adds the `glmq validate --device cuda` timing)
+# TUNE_M (default "1 4 16 64 256 2048"), TOTAL_S (default 570), TEST_TIMEOUT, COMPILE_TIMEOUT, TUNE_BUDGET,
+# BENCH_BUDGET, RETEST_TIMEOUT, WORKERS (compile processes beside the tests' 8).
+# Needs the wheels in .whl/ only for "validate" (compressed-tensors and its pydantic deps).
+set -uo pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+PARTS=${PARTS:-tune tests bench retest}
+TUNE_M=${TUNE_M:-1 4 16 64 256 2048}
+TOTAL_S=${TOTAL_S:-570}
+exec > >(tee -a "$OUT/run.log") 2>&1
+T0=$SECONDS
+left() { echo $(( TOTAL_S - (SECONDS - T0) )); }  # seconds left before the deadline
+clip() { local want=$1 l; l=$(left); (( want > l )) && want=$l; (( want < 5 )) && want=5; echo "$want"; }
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/glmq  # import the checkout as `glmq`
+export PYTHONPATH=/tmp/pkg:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+TABLE=kernels/tuned_configs.json
+CPID=
+if [[ $PARTS == *tune* ]]; then
+  echo "== tune: compiling the candidates in the background"
+  timeout "$(clip ${COMPILE_TIMEOUT:-200})" python3 scripts/tune_kernels.py --out "$OUT" --merge $TABLE --m $TUNE_M \
+    --compile-only --workers "${WORKERS:-7}" > /tmp/tune_compile.log 2>&1 &
+  CPID=$!
+fi
+if [[ $PARTS == *tests* ]]; then
+  echo "== GPU tests (old table for the tuned shapes)"
+  timeout "$(clip ${TEST_TIMEOUT:-170})" python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels.py 2>&1 | tail -30
+  echo "tests done at $((SECONDS - T0)) s"
+fi
+if [[ -n $CPID ]]; then
+  wait $CPID; echo "compile phase exit $? at $((SECONDS - T0)) s"
+  grep -v "^warm-up failed" /tmp/tune_compile.log | tail -5
+  grep "^warm-up failed" /tmp/tune_compile.log | cut -c1-300 | head -20
+fi
+if [[ $PARTS == *tune* ]]; then
+  echo "== tune: timing"
+  B=$(clip ${TUNE_BUDGET:-110})
+  timeout "$(clip $((B + 30)))" python3 scripts/tune_kernels.py --out "$OUT" --merge $TABLE --write $TABLE --m $TUNE_M \
+    --no-warm --budget-s "$B" 2>&1 | grep -v "^warm-up failed" | tail -80
+  echo "tune done at $((SECONDS - T0)) s"
+fi
+if [[ $PARTS == *validate* ]]; then
+  echo "== validate --device cuda"
+  V=/tmp/glmq-validate; rm -rf $V; mkdir -p $V
+  timeout "$(clip 120)" python3 -m glmq quantize --model builtin:glm5-tiny --device cuda --output $V/tiny-int4 --no-progress 2>&1 | tail -3
+  timeout "$(clip 60)" python3 -m glmq validate $V/tiny-int4 --device cuda 2>&1 | tail -12
+  echo "tiny validate exit: $?"
+  timeout "$(clip 200)" python3 - <<'EOF' 2>&1 | tail -40
+import json, os, subprocess, sys, time
+from pathlib import Path
+from glmq.formats import fixtures
+V = Path("/tmp/glmq-validate")
+t = time.time()
+src = fixtures.make_checkpoint(V / "bench-fp8", "glm_moe_dsa", preset="bench", config_overrides={"num_hidden_layers": 1})
+print(f"bench source written in {time.time() - t:.0f} s")
+t = time.time()
+q = subprocess.run([sys.executable, "-m", "glmq", "quantize", "--model", str(src), "--device", "cuda", "--output",
+                    str(V / "bench-int4"), "--no-progress"], capture_output=True, text=True)
+print(f"quantize --device cuda: exit {q.returncode} in {time.time() - t:.0f} s", q.stderr[-1500:] if q.returncode else "")
+ckpt = V / "bench-int4"
+files = sorted(ckpt.glob("*.safetensors"))
+size = sum(f.stat().st_size for f in files)
+def read_all():
+    t = time.perf_counter()
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while fh.read(64 << 20):
+                pass
+    return time.perf_counter() - t
+reads = [read_all(), read_all(), read_all()]
+out = {"checkpoint_bytes": size, "files": len(files), "read_s": reads}
+for dev in ("cuda", "cuda"):  # the first run also compiles kernels for new shapes; the second is warm
+    t = time.perf_counter()
+    rep_path = V / f"report-{dev}.json"
+    r = subprocess.run([sys.executable, "-m", "glmq", "validate", str(ckpt), "--device", dev, "--json", str(rep_path)],
+                       capture_output=True, text=True)
+    dt = time.perf_counter() - t
+    rep = rep_path.read_text()[:20000] if rep_path.exists() else ""
+    out.setdefault("validate", []).append({"device": dev, "exit": r.returncode, "wall_s": dt, "report": rep,
+                                           "stdout_tail": r.stdout[-3000:], "stderr_tail": r.stderr[-3000:]})
+    print(f"validate --device {dev}: exit {r.returncode}, {dt:.1f} s; warm read {min(reads[1:]):.2f} s "
+          f"-> ratio {dt / min(reads[1:]):.1f}x  ({size / 1e9:.2f} GB in {len(files)} files)")
+    print(r.stdout[-1500:])
+    if r.returncode:
+        print(r.stderr[-1500:])
+Path(os.environ["OUT"], "validate.json").write_text(json.dumps(out, indent=1, default=str))
+EOF
+  echo "validate done at $((SECONDS - T0)) s"
+fi
+if [[ $PARTS == *bench* ]]; then
+  echo "== benchmark (tuned table)"
+  B=$(clip ${BENCH_BUDGET:-90})
+  (( B > 25 )) && B=$((B - 20))  # the budget stops new measurements; the files are written after it
+  timeout "$(clip $((B + 40)))" python3 scripts/bench_kernels.py --out "$OUT" --budget-s "$B" 2>&1 | tail -90
+  echo "bench done at $((SECONDS - T0)) s"
+fi
+if [[ $PARTS == *retest* ]]; then
+  echo "== GPU tests at GLM-5 shapes on the new table"
+  timeout "$(clip ${RETEST_TIMEOUT:-120})" python3 -m pytest -q -p no:cacheprovider -n 4 -k "glm_shapes or asm" \
+    tests/test_kernels.py 2>&1 | tail -15
+  echo "retest done at $((SECONDS - T0)) s"
+fi
+cp $TABLE "$OUT/tuned_configs.json" 2>/dev/null || true
+echo "all done at $((SECONDS - T0)) s"
