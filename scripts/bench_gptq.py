@@ -109,9 +109,14 @@ def quality(args) -> dict:
                  for v in args.peers]
         for label, fn in runs:
             out = work / f"{targets}-{label.replace(' ', '-')}"
+            done = work / f"{out.name}.row.json"  # a rerun reuses finished runs (the peers take long)
+            if done.exists() and (out / "config.json").exists():
+                rows.append(json.loads(done.read_text()))
+                continue
             shutil.rmtree(out, ignore_errors=True)
             print(f"[{targets}] {label} ...", flush=True)
             rows.append({"recipe": targets, "tool": label, "checkpoint": str(out)} | fn(out))
+            done.write_text(json.dumps(rows[-1]))
     print("evaluating ...", flush=True)
     ev = compare(src, [r["checkpoint"] for r in rows], text, seq_len=256, windows=96)
     for r, m in zip(rows, ev["models"][1:]):

@@ -92,21 +92,62 @@ def common(f):
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Also write the run report here.")
-def quantize(model, recipe, max_shard_size, output, scheme, device, no_progress, json_out):
-    """Convert a checkpoint, streaming one shard at a time."""
+@click.option("--calibration", default=None, metavar="FILE_OR_DATASET",
+              help="GPTQ calibration text: a .txt, .jsonl ('text' field) or .parquet file, or a Hugging Face dataset NAME[:CONFIG] (needs `datasets`).")
+@click.option("--samples", default=128, show_default=True, type=click.IntRange(min=1), help="GPTQ: calibration sequences.")
+@click.option("--seq-len", default=256, show_default=True, type=click.IntRange(min=2), help="GPTQ: tokens per calibration sequence.")
+@click.option("--seed", default=0, show_default=True, type=int, help="GPTQ: seed of the calibration sample draw.")
+@click.option("--offload-activations", default=None, type=click.Path(file_okay=False), metavar="DIR",
+              help="GPTQ: keep the hidden states between layers in DIR instead of memory (one batch in memory).")
+@click.option("--min-expert-tokens", default=None, type=click.IntRange(min=0),
+              help="GPTQ: routed experts that receive fewer calibration tokens get the all-token Hessian only, and "
+                   "are listed in the report [default: 1, i.e. experts no token reaches; rarer experts' Hessians are "
+                   "blended with the all-token one anyway].")
+def quantize(model, recipe, max_shard_size, output, scheme, device, no_progress, json_out, calibration, samples,
+             seq_len, seed, offload_activations, min_expert_tokens):
+    """Convert a checkpoint, streaming one shard at a time (GPTQ: calibrated one decoder layer at a time)."""
     from glmq.formats.safetensors_io import CheckpointError
-    from glmq.quantize import stream
+    from glmq.quantize import dist, stream
     from glmq.recipes import RecipeError
 
     try:
         plan = _plan(model, recipe, scheme, max_shard_size)
-        if plan.recipe.spec.method.value != "rtn":
-            raise click.UsageError("--scheme gptq needs the calibration engine, which this glmq version does not have yet")
         out = Path(output) if output else Path(f"{plan.source.root.name.removesuffix('-fp8')}-{plan.recipe.name}")
-        report = stream.run(plan, out, device=device, progress=not no_progress)
+        if plan.recipe.spec.method.value == "gptq":
+            from glmq.calibration.engine import CalibrationSettings, run_gptq_from_text
+
+            if not calibration:
+                raise click.UsageError("--scheme gptq needs --calibration FILE_OR_DATASET (text to calibrate on)")
+            extra = {} if min_expert_tokens is None else {"min_expert_tokens": min_expert_tokens}
+            settings = CalibrationSettings(calibration=calibration, samples=samples, seq_len=seq_len, seed=seed,
+                                           offload_activations=offload_activations, **extra)
+            world = dist.init(device) if dist.launched() else None  # torchrun: this process is one rank
+            try:
+                report = run_gptq_from_text(plan, out, settings, device=world.device if world else device,
+                                            progress=not no_progress, world=world)
+            except Exception as e:  # one rank's error names the rank; torchrun stops the others
+                if world is None or isinstance(e, dist.RankFailure):
+                    raise
+                raise world.failure("GPTQ calibration", e) from e
+            if world is not None:
+                dist.shutdown()
+                report = report if world.is_lead else None
+        elif dist.launched():  # torchrun: this process is one rank; rank 0 gets the report
+            report = dist.run_rtn(plan, out, device=device, progress=not no_progress)
+        else:
+            report = stream.run(plan, out, device=device, progress=not no_progress)
+    except dist.RankFailure as e:
+        click.echo(f"glmq: {e}", err=True)
+        sys.exit(1)
     except (CheckpointError, RecipeError, ValueError) as e:
         _fail(e)
+    if report is None:  # a rank other than 0: rank 0 prints the summary
+        return
     _print_summary(report, out)
+    if "gptq" in report:
+        from glmq.calibration.report import format_report
+
+        click.echo(format_report(report["gptq"]))
     if json_out:
         Path(json_out).write_text(json.dumps(report, indent=1) + "\n")
 
@@ -123,21 +164,33 @@ def _print_summary(rep: dict, out: Path) -> None:
 
 @main.command("plan")
 @common
+@click.option("--ranks", default=1, show_default=True, type=click.IntRange(min=1), help="Processes (GPUs or hosts) sharing the job.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--samples", default=128, show_default=True, type=click.IntRange(min=1), help="GPTQ: calibration sequences.")
+@click.option("--seq-len", default=256, show_default=True, type=click.IntRange(min=1), help="GPTQ: tokens per calibration sequence.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True, help="GPTQ: compute dtype.")
+@click.option("--experts-per-pass", default=32, show_default=True, type=click.IntRange(min=1),
+              help="GPTQ: the bounded Hessian variant shown next to 'all experts at once'.")
+@click.option("--throughput", multiple=True, metavar="KEY=VALUE",
+              help="Override a measured figure of glmq/quantize/estimate.py FIGURES, e.g. gptq_cuda_s_per_column=0.002.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the plan summary as JSON.")
-def plan_cmd(model, recipe, max_shard_size, json_out):
-    """Predict output size per tensor class and peak memory, from headers and config only."""
+def plan_cmd(model, recipe, max_shard_size, ranks, device, samples, seq_len, dtype, experts_per_pass, throughput, json_out):
+    """Predict output size per tensor class, peak memory per rank and wall time for RTN and GPTQ, from headers or a config.json alone."""
     from glmq.formats.safetensors_io import CheckpointError
     from glmq.quantize import estimate
     from glmq.recipes import RecipeError
 
     try:
+        figures = estimate.with_overrides(estimate.parse_overrides(throughput))
+        scale = estimate.Scale(ranks=ranks, device=device, samples=samples, seq_len=seq_len, dtype=dtype,
+                               experts_per_pass=experts_per_pass)
         if Path(model).suffix == ".json":
-            summary = estimate.from_config_file(Path(model), recipe)
+            summary = estimate.from_config_file(Path(model), recipe, scale, figures)
         else:
-            summary = estimate.from_plan(_plan(model, recipe, None, max_shard_size))
+            summary = estimate.from_plan(_plan(model, recipe, None, max_shard_size), scale, figures)
     except (CheckpointError, RecipeError, ValueError) as e:
         _fail(e)
-    click.echo(estimate.format_summary(summary))
+    click.echo(estimate.format_summary(summary, figures))
     if json_out:
         Path(json_out).write_text(json.dumps(summary, indent=1) + "\n")
 
@@ -154,9 +207,13 @@ def recipes_cmd():
 
 @main.command("validate")
 @click.argument("checkpoint", type=click.Path())
-@click.option("--source", default=None, type=click.Path(), help="Source checkpoint: compare weights (RTN bound; GPTQ: error per layer).")
-@click.option("--sample", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
-              help="Fraction of quantized modules that get the matmul / source checks (deterministic with --seed).")
+@click.option("--source", default=None, type=click.Path(),
+              help="Source checkpoint: compare weights (RTN: within the rounding bound; GPTQ: error per layer).")
+@click.option("--sample", type=click.FloatRange(0, 1, min_open=True), default=None,
+              help="Fraction of each kind of quantized module (class, projection, shape), at least one each, that gets "
+                   "the matmul / source-weight checks (deterministic with --seed). Default 0.005 "
+                   "(validate.DEFAULT_SAMPLE: cheap next to hashing every byte); 1.0 checks all. Scales, structure and "
+                   "integrity always cover every module and byte.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="cuda: run the Triton W4A16 kernel; cpu: its float32 reference.")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
@@ -172,16 +229,46 @@ def validate_cmd(checkpoint, source, sample, device, tp, no_serving, json_out, s
     from glmq.quantize import validate as v
 
     try:
-        report = v.validate(checkpoint, source, sample=sample, device=device, tp=tp, seed=seed, serving=not no_serving)
+        report = v.validate(checkpoint, source, sample=v.DEFAULT_SAMPLE if sample is None else sample, device=device,
+                            tp=tp, seed=seed, serving=not no_serving)
     except v.CannotValidate as e:
         if json_out:
-            Path(json_out).write_text(json.dumps({"checkpoint": checkpoint, "valid": None, "exit_code": 2, "error": str(e)}) + "\n")
+            doc = {"checkpoint": checkpoint, "valid": None, "exit_code": 2, "error": str(e)}
+            Path(json_out).write_text(json.dumps(doc) + "\n")
         _fail(e, code=2)
     click.echo(v.format_report(report))
     if json_out:
         Path(json_out).write_text(json.dumps(report.to_dict(), indent=1) + "\n")
     sys.exit(report.exit_code)
 
+
+@main.command("eval")
+@click.argument("source", type=click.Path(exists=True, file_okay=False))
+@click.argument("quantized", nargs=-1, type=click.Path(exists=True, file_okay=False))
+@click.option("--text", required=True, type=click.Path(exists=True, dir_okay=False), help="Evaluation text file.")
+@click.option("--seq-len", default=256, show_default=True, type=click.IntRange(min=2), help="Tokens per window.")
+@click.option("--windows", default=96, show_default=True, type=click.IntRange(min=1), help="First N windows of the text.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON.")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="PNG plot of the per-layer error (needs matplotlib).")
+def eval_cmd(source, quantized, text, seq_len, windows, json_out, plot):
+    """Perplexity and KL(source || quantized) on a text file, and per-layer hidden-state error."""
+    from glmq.calibration.compare import compare, format_table, plot_layer_errors
+    from glmq.formats.safetensors_io import CheckpointError
+
+    try:
+        result = compare(source, list(quantized), text, seq_len, windows)
+    except (CheckpointError, ValueError, OSError) as e:
+        _fail(e)
+    click.echo(format_table(result))
+    if json_out:
+        Path(json_out).write_text(json.dumps(result, indent=1) + "\n")
+    if plot:
+        note = plot_layer_errors(result, plot)
+        click.echo(note or f"plot written to {plot}")
+
+
+from glmq.scripts.upload import upload_cmd  # noqa: E402
+main.add_command(upload_cmd)
 
 if __name__ == "__main__":
     main()

@@ -93,7 +93,7 @@ class InProcessConfigJob:
     run here, where compressed-tensors is already imported (the child spends ~10 s importing it on a
     busy 2-core machine, which would dominate these tests)."""
 
-    def __init__(self, plan):
+    def __init__(self, plan, own_session: bool = False):  # own_session: the child's session, moot here
         self.request = json.dumps(stream.config_request(plan))
 
     def result(self) -> dict:
@@ -130,13 +130,13 @@ def damaged(converted, tmp_path):
 @pytest.mark.parametrize("job", ["glm5", "glm5-all-linear", "glm5-g32", "glm4", "deepseek-v3"])
 def test_passes_on_glmq_output_with_and_without_source(converted, job):
     src, out = converted[job]
-    rep = v.validate(out)
+    rep = v.validate(out, sample=1.0)  # every module through the matmul (the default samples them)
     assert_all_pass(rep)
     assert "source" not in rep.checks
     n = rep.settings["quantized_modules"]
     assert n > 0 and rep.checks["numerics"].details["sampled"] == n
     assert rep.checks["integrity"].checked == rep.settings["tensors"]
-    rep = v.validate(out, src)
+    rep = v.validate(out, src, sample=1.0)
     assert_all_pass(rep)
     d = rep.checks["source"].details
     assert d["method"] == "rtn" and d["compared"] == n and d["bound_steps"] == 0.5 + 1 / 16
@@ -177,7 +177,7 @@ def test_gptq_checkpoint_reports_error_per_layer_instead_of_a_bound(damaged, mak
     man = json.loads((damaged / "glmq_manifest.json").read_text())
     man["identity"]["recipe"]["method"] = "gptq"  # what a GPTQ run records
     (damaged / "glmq_manifest.json").write_text(json.dumps(man))
-    rep = v.validate(damaged, other)
+    rep = v.validate(damaged, other, sample=1.0)
     assert failed_checks(rep) == {"source"}  # unquantized tensors still differ, but no quantized weight fails
     assert not any("scale steps" in m for m in failures(rep, "source"))
     d = rep.checks["source"].details
@@ -309,7 +309,7 @@ def test_without_manifest_warns_and_passes(damaged):
 def test_source_mismatch_fails(converted, make_ckpt):
     _, out = converted["glm5"]
     other = make_ckpt("glm_moe_dsa", "fp8-block", seed=1)  # same layout, other weights
-    rep = v.validate(out, other)
+    rep = v.validate(out, other, sample=1.0)  # EXPERT among the compared weights
     assert failed_checks(rep) == {"source"}
     msgs = failures(rep, "source")
     assert any(m.startswith(f"{EXPERT}: max |w_q - w_src| = ") and "> bound 0.5625 (RTN, symmetric)" in m for m in msgs)
@@ -338,9 +338,10 @@ def test_sample_is_deterministic(damaged):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_kernel_path(converted):
     src, out = converted["glm5"]
-    rep = v.validate(out, src, device="cuda")
+    rep = v.validate(out, src, device="cuda", sample=1.0)  # every module through the Triton kernel
     assert_all_pass(rep)
-    assert rep.checks["numerics"].details["paths"] == ["triton"] and rep.checks["numerics"].details["bounds"] == [1e-2]
+    d = rep.checks["numerics"].details
+    assert d["paths"] == ["triton"] and d["bounds"] == [1e-2] and d["sampled"] == rep.settings["quantized_modules"]
 
 
 # ----------------------------------------------------------------------------------------- CLI
@@ -379,3 +380,148 @@ def test_subprocess_exit_codes(damaged, tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 2 and "config.json: not found" in r.stderr and "Traceback" not in r.stderr
     assert json.loads((tmp_path / "r.json").read_text())["exit_code"] == 2
+
+
+# ----------------------------------------------------------------------------------------- cost
+def test_default_sample_takes_each_stratum_and_integrity_still_reads_everything(converted):
+    _, out = converted["glm5"]
+    rep = v.validate(out)
+    assert_all_pass(rep)
+    d = rep.checks["numerics"].details
+    projections = {m.rpartition(".")[2] for m in d["sampled_modules"]}
+    assert d["sampled"] == 3 and projections == {"gate_proj", "up_proj", "down_proj"}  # 0.5% of 24: at least 1 each
+    assert rep.settings["sample"] == v.DEFAULT_SAMPLE
+    assert rep.checks["integrity"].checked == rep.settings["tensors"]
+    assert rep.timings["scan_threads"]["bytes"] == rep.checks["index"].details["total_bytes"]
+    assert v.validate(out, seed=5).checks["numerics"].details["sampled_modules"] != d["sampled_modules"]
+
+
+def test_flipped_byte_outside_the_numerics_sample_fails_integrity(damaged):
+    sampled = set(v.validate(damaged).checks["numerics"].details["sampled_modules"])
+    module = next(f"model.layers.2.mlp.experts.{e}.up_proj" for e in range(8)
+                  if f"model.layers.2.mlp.experts.{e}.up_proj" not in sampled)
+    name = f"{module}.weight_packed"
+    shard = shard_of(damaged, name)
+    entries, _, start = read_header(damaged / shard)
+    with open(damaged / shard, "r+b") as f:
+        f.seek(start + entries[name].end - 1)  # the last byte: no row the matmul would have seen
+        byte = f.read(1)[0]
+        f.seek(start + entries[name].end - 1)
+        f.write(bytes([byte ^ 0x01]))
+    rep = v.validate(damaged)
+    assert module not in rep.checks["numerics"].details["sampled_modules"]
+    assert failed_checks(rep) == {"integrity"}
+    (msg,) = failures(rep, "integrity")
+    assert name in msg and shard in msg and "sha256" in msg
+
+
+def test_units_split_shards_at_tensor_boundaries_and_hash_like_the_writer(converted, monkeypatch):
+    from glmq.formats.safetensors_io import file_tensor_hashes
+    from glmq.quantize.validate import reading
+
+    _, out = converted["glm5"]
+    ck = v.load_checkpoint(out)
+    units = reading.work_units(ck, unit_bytes=50_000)
+    assert len(units) > 2 * len(ck.shards)
+    assert sorted(e.name for u in units for e in u.entries) == sorted(ck.entries())
+    monkeypatch.setattr(reading, "UNIT_BYTES", 50_000)
+    kept = []
+    hashes, errors = v.scan_shards(ck, {"lm_head.weight"}, lambda n, t: kept.append((n, t.clone())), workers=3)
+    assert not errors and hashes == {s: file_tensor_hashes(out / s) for s in ck.shards}
+    (name, t), = kept
+    with safe_open(str(out / shard_of(out, name)), "pt") as f:
+        assert name == "lm_head.weight" and torch.equal(t, f.get_tensor(name))
+
+
+@pytest.mark.parametrize("n,k,group,symmetric", [(1, 128, 128, True), (17, 256, 32, True), (130, 192, 64, False),
+                                                 (3, 200, None, True), (9, 384, 128, False)])
+def test_float64_reference_matches_the_torch_dequantization(n, k, group, symmetric):
+    from glmq.formats.dense import dequantize_packed
+    from glmq.quantize.pack import pack_int32, pack_zero_point
+    from glmq.quantize.validate.cpu_kernels import w4a16_matmul_f64
+
+    gen = torch.Generator().manual_seed(n * k)
+    gs = group or k
+    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
+    scale = (torch.rand(n, -(-k // gs), generator=gen) + 0.01).to(torch.bfloat16)
+    zp = None if symmetric else pack_zero_point(torch.randint(-8, 8, scale.shape, generator=gen, dtype=torch.int8))
+    x = torch.randn(5, k, generator=gen).to(torch.bfloat16)
+    packed = pack_int32(q)
+    got = w4a16_matmul_f64(x, packed, scale, zp, (n, k), gs)
+    want = x.double() @ dequantize_packed(packed, scale.double(), (n, k), 4, gs, zp).T
+    assert got.dtype == torch.float64 and got.shape == (5, n)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    scale[0, 0] = float("nan")
+    assert torch.isnan(w4a16_matmul_f64(x, packed, scale, zp, (n, k), gs)[:, 0]).all()
+    with pytest.raises(ValueError, match="do not fit weight_shape"):
+        w4a16_matmul_f64(x, packed[:, :-1], scale, zp, (n, k), gs)
+
+
+def test_scale_check_reads_the_bits_like_the_float_comparisons():
+    for dtype in (torch.bfloat16, torch.float16):
+        every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+        for i in range(0, every.numel(), 4099):
+            one = every[i:i + 1].reshape(1, 1)
+            f = one.float()
+            assert (v.scale_problem(one) is None) == bool((torch.isfinite(f) & (f > 0)).all()), (dtype, one)
+    s = torch.tensor([[0.5, -0.0], [float("-inf"), float("nan")]], dtype=torch.float32)
+    assert v.scale_problem(s) == "2 NaN/Inf and 2 zero/negative of 4 scales"
+    assert v.scale_problem(torch.rand(64, 3) + 1e-3) is None
+
+
+def test_source_reader_gives_what_iter_dense_gives(make_ckpt):
+    from glmq.formats.dense import iter_dense
+
+    src = make_ckpt("glm_moe_dsa", "fp8-block")
+    reader = v.SourceReader(src)
+    seen = set()
+    for name, w in iter_dense(src, torch.bfloat16):
+        seen.add(name)
+        got = reader.dense(name)
+        assert got.dtype == w.dtype and torch.equal(got, w), name
+    reader.close()
+    assert seen == reader.names()
+
+
+def test_source_read_error_during_the_scan_is_cannot_validate(converted, monkeypatch):
+    src, out = converted["glm5"]
+    real = v.SourceReader.raw
+
+    def raw(self, name):  # the headers were read; then a source tensor cannot be
+        if name == "lm_head.weight":
+            raise OSError("injected: the source disk went away")
+        return real(self, name)
+
+    monkeypatch.setattr(v.SourceReader, "raw", raw)
+    with pytest.raises(v.CannotValidate, match="--source .*injected"):
+        v.validate(out, src)
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (300, 257), (8300, 130)])  # 8300 rows: two bands of row blocks
+def test_source_fp8_dequantization_is_the_reference_bits(n, k):
+    from glmq.formats import fp8
+    from glmq.quantize.validate.cpu_kernels import fp8_block_mismatches
+    from glmq.quantize.validate.source import _dequantize_block_rows
+
+    gen = torch.Generator().manual_seed(n)
+    w8 = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)  # NaN codes too
+    scale_inv = torch.rand(-(-n // 128), -(-k // 128), generator=gen) * 3
+    want = fp8.dequantize_block(w8, scale_inv, (128, 128))
+    assert torch.equal(_dequantize_block_rows(w8, scale_inv, (128, 128)).view(torch.int16), want.view(torch.int16))
+    nan = int(torch.isnan(want).sum())  # NaN is never equal, as in torch.equal
+    assert fp8_block_mismatches(want, w8, scale_inv, (128, 128)) == nan
+    changed = want.clone()
+    changed.view(-1)[-1] = changed.view(-1)[-1] * 2 + 1
+    assert fp8_block_mismatches(changed, w8, scale_inv, (128, 128)) == nan + (not torch.isnan(want.view(-1)[-1]))
+    signed_zero = torch.where(want == 0, -want, want)  # -0 == +0, as torch.equal
+    assert fp8_block_mismatches(signed_zero, w8, scale_inv, (128, 128)) == nan
+    assert fp8_block_mismatches(want[:, :-1], w8, scale_inv, (128, 128)) == w8.numel()
+
+
+def test_changed_dequantized_attention_weight_fails_the_source_check(damaged, converted):
+    src, _ = converted["glm5"]
+    name = "model.layers.1.self_attn.q_b_proj.weight"  # FP8 in the source, dequantized to bf16 by glmq
+    rewrite_shard(damaged, shard_of(damaged, name), lambda t: t[name].view(-1)[7:8].add_(0.5))
+    rep = v.validate(damaged, src)
+    assert failed_checks(rep) == {"source", "integrity"}
+    assert failures(rep, "source") == [f"{name}: stored unquantized but differs from the source"]

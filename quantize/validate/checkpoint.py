@@ -1,0 +1,168 @@
+"""What the headers say: config.json, the index, every shard header, the manifest; the index check."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from glmq.formats.families import TensorClass, classify
+from glmq.formats.manifest import Manifest
+from glmq.formats.safetensors_io import CheckpointError, TensorEntry, read_header
+from glmq.formats.source import INDEX_NAME, SINGLE_NAME
+from glmq.quantize.validate.report import CannotValidate, CheckResult
+
+INT_LEAVES = ("weight_packed", "weight_shape", "weight_zero_point", "weight_g_idx")
+COMPANIONS = ("weight_scale", "weight_scale_inv", "input_scale", *INT_LEAVES)
+
+
+@dataclass
+class Checkpoint:
+    """What the headers say: config, index, each readable shard's tensors (no tensor data)."""
+
+    root: Path
+    config: dict | None  # None: config.json is not valid JSON (the config check says why)
+    config_error: str | None
+    weight_map: dict[str, str]
+    shards: dict[str, dict[str, TensorEntry]]
+    data_start: dict[str, int]
+    index: CheckResult  # problems met while loading, completed by `check_index`
+    manifest: Manifest | None
+    manifest_error: str | None = None
+
+    def entries(self) -> dict[str, TensorEntry]:
+        return {n: e for es in self.shards.values() for n, e in es.items()}
+
+
+def load_checkpoint(root: Path) -> Checkpoint:
+    """Read config.json, the index, every shard header and the manifest.
+
+    Raises:
+        CannotValidate: `root` is not a folder or has no config.json.
+    """
+    if not root.is_dir():
+        raise CannotValidate(f"{root}: not a directory; glmq validate takes a checkpoint folder")
+    cfg_path = root / "config.json"
+    if not cfg_path.is_file():
+        raise CannotValidate(f"{cfg_path}: not found, so {root} is not a checkpoint (glmq writes config.json "
+                             f"last: a conversion that did not finish has none)")
+    config, config_error = None, None
+    try:
+        config = json.loads(cfg_path.read_text())
+    except ValueError as e:
+        config_error = f"{cfg_path}: not valid JSON ({e})"
+    except OSError as e:
+        raise CannotValidate(f"{cfg_path}: unreadable ({e})") from e
+    index = CheckResult("index")
+    weight_map, total = _read_index(root, index)
+    shards, starts = {}, {}
+    for shard in sorted(set(weight_map.values())):
+        try:
+            shards[shard], _, starts[shard] = read_header(root / shard)
+        except FileNotFoundError:
+            index.fail(f"{shard}: listed in {INDEX_NAME} but missing from the folder", shard=shard)
+        except (CheckpointError, OSError) as e:
+            index.fail(str(e), shard=shard)
+    check_index(weight_map, total, shards, index)
+    listed = set(weight_map.values())
+    for name in sorted(p.name for p in root.glob("*.safetensors") if p.name not in listed):
+        index.warn(f"{name}: a safetensors file the index does not reference (loaders skip it)", shard=name)
+    ck = Checkpoint(root, config, config_error, weight_map, shards, starts, index, None)
+    try:
+        ck.manifest = Manifest.load(root)
+    except ValueError as e:
+        ck.manifest_error = str(e)
+    return ck
+
+
+def _read_index(root: Path, res: CheckResult) -> tuple[dict[str, str], int | None]:
+    path = root / INDEX_NAME
+    if not path.exists():
+        if (root / SINGLE_NAME).exists():
+            try:
+                return {n: SINGLE_NAME for n in read_header(root / SINGLE_NAME)[0]}, None
+            except CheckpointError as e:
+                res.fail(str(e), shard=SINGLE_NAME)
+                return {}, None
+        res.fail(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME}: the checkpoint stores no tensors")
+        return {}, None
+    dups: list[str] = []
+
+    def pairs(items):  # json keeps the last of duplicate keys silently; loaders would too
+        d = {}
+        for k, v in items:
+            if k in d:
+                dups.append(k)
+            d[k] = v
+        return d
+
+    try:
+        idx = json.loads(path.read_text(), object_pairs_hook=pairs)
+    except ValueError as e:
+        res.fail(f"{INDEX_NAME}: not valid JSON ({e})")
+        return {}, None
+    wm = idx.get("weight_map")
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        res.fail(f"{INDEX_NAME}: weight_map is not a mapping of tensor name -> shard file")
+        return {}, None
+    for name in dups:
+        res.fail(f"{INDEX_NAME}: tensor {name} is listed more than once", tensor=name)
+    total = (idx.get("metadata") or {}).get("total_size")
+    return wm, total
+
+
+def check_index(weight_map: dict[str, str], total: int | None, shards: dict[str, dict[str, TensorEntry]],
+                res: CheckResult) -> CheckResult:
+    """Index entries <-> shard headers, duplicates, total_size (pure; adds to `res`)."""
+    res.checked = len(weight_map)
+    if not weight_map and not res.failures:
+        res.fail(f"{INDEX_NAME}: the weight_map lists no tensors")
+    seen: dict[str, str] = {}
+    for shard, entries in shards.items():
+        for name in entries:
+            if name in seen:
+                res.fail(f"tensor {name} is stored twice, in {seen[name]} and {shard}", tensor=name, shard=shard)
+            seen[name] = shard
+            if weight_map.get(name) != shard:
+                where = f"places it in {weight_map[name]}" if name in weight_map else "does not list it"
+                res.fail(f"{shard}: holds tensor {name}, but {INDEX_NAME} {where}", tensor=name, shard=shard)
+    for name, shard in weight_map.items():
+        if shard in shards and name not in shards[shard]:
+            res.fail(f"{INDEX_NAME}: tensor {name} is placed in {shard}, which does not hold it",
+                     tensor=name, shard=shard)
+    actual = sum(e.nbytes for es in shards.values() for e in es.values())
+    if total is not None and total != actual:
+        res.fail(f"{INDEX_NAME}: metadata.total_size is {total} but the tensors hold {actual} bytes "
+                 f"({actual - total:+d})")
+    res.details["total_bytes"] = actual
+    return res
+
+
+
+@dataclass
+class Module:
+    """The tensors of one module (`model.layers.1.mlp.experts.3.down_proj`) by leaf name."""
+
+    name: str
+    cls: TensorClass
+    parts: dict[str, TensorEntry] = field(default_factory=dict)
+
+    @property
+    def is_int(self) -> bool:
+        p = self.parts
+        return bool(set(INT_LEAVES) & p.keys()) or ("weight_scale" in p and "weight" not in p)
+
+    @property
+    def is_fp8(self) -> bool:
+        return "weight" in self.parts and self.parts["weight"].dtype == "F8_E4M3"
+
+    def shard(self) -> str | None:
+        return next(iter(self.parts.values())).shard if self.parts else None
+
+
+def modules_of(entries: dict[str, TensorEntry]) -> dict[str, Module]:
+    mods: dict[str, Module] = {}
+    for name, e in sorted(entries.items()):
+        module, _, leaf = name.rpartition(".")
+        mods.setdefault(module, Module(module, classify(module))).parts[leaf] = e
+    return mods

@@ -1,0 +1,140 @@
+"""`validate()`: load the headers, read the shards once with every check riding on the read, report."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from glmq.quantize.validate.checkpoint import load_checkpoint, modules_of
+from glmq.quantize.validate.config import _ct, check_config, group_for, read_quant_config
+from glmq.quantize.validate.integrity import check_integrity
+from glmq.quantize.validate.numerics import DEFAULT_SAMPLE, ModuleScan, sample_modules, stratum
+from glmq.quantize.validate.reading import ScanStats, scan_shards
+from glmq.quantize.validate.report import CannotValidate, CheckResult, Report
+from glmq.quantize.validate.serving import check_serving
+from glmq.quantize.validate.source import SourceCheck
+from glmq.quantize.validate.structure import check_structure
+
+
+def validate(checkpoint: str | Path, source: str | Path | None = None, *, sample: float = DEFAULT_SAMPLE,
+             device: str = "cpu", tp: int = 1, seed: int = 0, serving: bool = True,
+             workers: int | None = None) -> Report:
+    """Run every check on a converted checkpoint folder.
+
+    Args:
+        checkpoint: the folder `glmq quantize` wrote (or any compressed-tensors pack-quantized one).
+        source: optional source checkpoint folder to compare weights with.
+        sample: fraction in (0, 1] of the quantized modules of each stratum (numerics.stratum; at
+            least one each) that get the matmul / source-weight checks. Scales, structure and
+            integrity cover every module and every byte whatever the sample.
+        device: "cpu" (reference path) or "cuda" (the Triton kernel).
+        tp: tensor-parallel degree for the serving rules. serving: False skips them.
+        seed: activation and sampling seed. workers: reader threads (default: the usable cores, at most 8).
+    Returns:
+        The report; `report.exit_code` is 0 (valid) or 1 (invalid).
+    Raises:
+        CannotValidate: the checks cannot run (exit code 2).
+    """
+    t0 = time.perf_counter()
+    _check_arguments(source, sample, device, tp)
+    root = Path(checkpoint)
+    ck = load_checkpoint(root)
+    # compressed-tensors takes seconds to import (transformers); only the checks after the read need it
+    ct_import = threading.Thread(target=_ct, daemon=True)
+    ct_import.start()
+    modules = modules_of(ck.entries())
+    q = read_quant_config(ck.config, ck.config_error)
+    groups, ignore = q.groups, q.ignore
+    scheme = {n: g for n, m in modules.items()
+              if m.is_int and (g := group_for(n, groups)) is not None and g.kind == "int"}
+    sampled = sample_modules(list(scheme), sample, seed, key=lambda n: stratum(modules[n], scheme[n]))
+    src = None if source is None else SourceCheck(Path(source), ck, scheme)
+    scan = ModuleScan(modules, scheme, sampled, device, seed, source=src)
+    entries = ck.entries()
+
+    def sink(name: str, t: torch.Tensor) -> None:
+        if name in scan.owner:
+            scan.add(name, t)
+        if src is not None and name in src.keep:
+            src.compare_tensor(name, t, entries[name].shard)
+
+    t_headers = time.perf_counter()
+    stats = ScanStats()
+    with _one_intra_op_thread(), _closing(src):
+        hashes, read_errors = scan_shards(ck, scan.keep | (src.keep if src else set()), sink,
+                                          workers or min(8, _cores()), stats)
+    t_scan = time.perf_counter()
+    ct_import.join()
+    try:
+        _ct()
+    except ImportError as e:
+        raise CannotValidate(f"compressed-tensors cannot be imported ({e}); the config checks need it") from e
+    for msg in read_errors:
+        ck.index.fail(msg)
+    checks = {"config": check_config(q), "structure": check_structure(modules, groups, scan.shapes, ignore, ck.config),
+              "index": ck.index}
+    if serving:
+        checks["serving"] = check_serving(modules, groups, scan.shapes, ignore, q.qc, tp)
+    else:
+        checks["serving"] = CheckResult("serving", skipped="skipped (serving=False / --no-serving)")
+    checks["numerics"] = scan.result()
+    if src is not None:
+        checks["source"] = src.result()
+    sizes = {s: (root / s).stat().st_size for s in hashes}
+    checks["integrity"] = check_integrity(ck.manifest, ck.manifest_error, hashes, sizes)
+    settings = {"source": str(source) if source else None, "sample": sample, "device": device, "tp": tp, "seed": seed,
+                "serving": serving, "shards": len(ck.shards), "tensors": sum(len(e) for e in ck.shards.values()),
+                "quantized_modules": len(scheme)}
+    end = time.perf_counter()
+    timings = {"headers_s": round(t_headers - t0, 3), "scan_s": round(t_scan - t_headers, 3),
+               "checks_s": round(end - t_scan, 3), "scan_threads": stats.to_dict()}
+    return Report(str(root), settings, checks, end - t0, timings)
+
+
+def _check_arguments(source, sample: float, device: str, tp: int) -> None:
+    if not 0.0 < sample <= 1.0:
+        raise CannotValidate(f"sample must be in (0, 1], got {sample}")
+    if tp < 1:
+        raise CannotValidate(f"tp must be >= 1, got {tp}")
+    if device not in ("cpu", "cuda"):
+        raise CannotValidate(f"device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CannotValidate("--device cuda: no CUDA device is visible to PyTorch; use --device cpu")
+    if source is not None and not (Path(source) / "config.json").is_file():
+        raise CannotValidate(f"--source {source}: no config.json there; point it at the source checkpoint folder")
+
+
+def _cores() -> int:
+    """Cores this process may run on (a container's CPU set, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def _closing(src: SourceCheck | None):
+    """Close the source's files however the scan ends."""
+    try:
+        yield
+    finally:
+        if src is not None:
+            src.src.close()
+
+
+@contextlib.contextmanager
+def _one_intra_op_thread():
+    """Validation parallelises over work units with its own threads (one per core); torch's intra-op
+    threads on top of them oversubscribe the cores, which made element-wise ops up to 20x slower on a
+    busy 2-core machine. Restored on exit."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)

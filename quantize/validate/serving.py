@@ -1,0 +1,137 @@
+"""The serving check: vLLM Marlin / Marlin-MoE shape rules at a tensor-parallel degree (pure)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from glmq.formats.families import FUSED_PARTNERS, LINEAR_CLASSES, TensorClass, layer_index
+from glmq.quantize.validate.checkpoint import Module
+from glmq.quantize.validate.config import Group, group_for
+from glmq.quantize.validate.report import CheckResult
+from glmq.quantize.validate.structure import _EXPERT
+
+# vLLM's parallel layout per module leaf (deepseek_v2.py / glm4_moe.py): q_a_proj + kv_a_proj_with_mqa
+# are one replicated layer (`DeepSeekV2FusedQkvAProjLinear`, disable_tp=True); other leaves: replicated.
+COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj",
+                             "lm_head", "head"})
+ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
+# Layers vLLM builds without a quant_config (deepseek_v2.py), so a packed weight there cannot load.
+NO_QUANT_LAYERS = {"gate": "vLLM's GateLinear router takes no quant_config",
+                   "wk": "vLLM fuses indexer.wk + weights_proj with quant_config=None",
+                   "weights_proj": "vLLM fuses indexer.wk + weights_proj with quant_config=None"}
+
+
+
+def dense_rules(leaf: str, n: int, k: int, tp: int, g: Group) -> list[tuple[str, str]]:
+    """vLLM Marlin W4A16 rules for one dense Linear at `tp` (verify_marlin_supports_shape): (rule, numbers)."""
+    col, row = leaf in COLUMN_PARALLEL, leaf in ROW_PARALLEL
+    out = []
+    if (col and n % tp) or (row and k % tp):
+        dim, size = ("N", n) if col else ("K", k)
+        out.append(("tensor-parallel split", f"{dim} = {size} is not divisible by tp = {tp}"))
+        return out
+    n_p, k_p = (n // tp if col else n), (k // tp if row else k)
+    split = "column-parallel" if col else "row-parallel" if row else "replicated"
+    if n_p % 64:
+        out.append(("output_size_per_partition % 64 == 0", f"N = {n}, {split} at tp {tp}: {n_p} % 64 = {n_p % 64}"))
+    if k_p % 128:
+        out.append(("input_size_per_partition % 128 == 0", f"K = {k}, {split} at tp {tp}: {k_p} % 128 = {k_p % 128}"))
+    gs = g.group_size
+    if gs is not None and gs < k and k_p % gs:
+        out.append(("input_size_per_partition % group_size == 0", f"{k_p} % {gs} = {k_p % gs}"))
+    if gs is not None and gs not in (32, 64, 128):
+        out.append(("group_size in {-1, 32, 64, 128}", f"group_size = {gs}"))
+    return out
+
+
+def moe_rules(hidden: int, inter: int, tp: int, g: Group) -> list[tuple[str, str]]:
+    """vLLM check_moe_marlin_supports_layer + the Marlin-MoE/SGLang symmetric assert: (rule, numbers)."""
+    gs = g.group_size or -1
+    out = []
+    if hidden % 128:
+        out.append(("hidden_size % 128 == 0", f"hidden = {hidden}: {hidden} % 128 = {hidden % 128}"))
+    if inter % tp:
+        out.append(("tensor-parallel split", f"moe_intermediate = {inter} is not divisible by tp = {tp}"))
+    elif (inter // tp) % max(64, gs):
+        out.append(("(moe_intermediate / tp) % max(64, group_size) == 0",
+                    f"{inter} / {tp} = {inter // tp}, % {max(64, gs)} = {(inter // tp) % max(64, gs)}"))
+    if gs not in (-1, 32, 64, 128):
+        out.append(("group_size in {-1, 32, 64, 128}", f"group_size = {gs}"))
+    if not g.symmetric:
+        out.append(("symmetric weights", "symmetric: false (vLLM Marlin-MoE and SGLang assert symmetric for MoE)"))
+    return out
+
+
+def check_serving(modules: dict[str, Module], groups: list[Group], shapes: dict, ignore: list[str], qc: dict,
+                  tp: int) -> CheckResult:
+    """Shapes and layout vLLM/SGLang serve at `tp`, reported per tensor class (pure)."""
+    res = CheckResult("serving", details={"tp": tp, "classes": {}})
+    rows: dict[str, dict] = res.details["classes"]
+    quant = {n: m for n, m in modules.items() if m.is_int and shapes.get(n)}
+    bad: dict[tuple[str, str], list] = {}
+
+    def note(m: Module, rule: str, numbers: str) -> None:
+        bad.setdefault((m.cls.value, rule), [m.name, numbers, 0])[2] += 1
+        rows[m.cls.value]["failed"].add(m.name)
+
+    experts: dict[int, list[Module]] = defaultdict(list)
+    for name, m in quant.items():
+        rows.setdefault(m.cls.value, {"modules": 0, "failed": set()})["modules"] += 1
+        g = group_for(name, groups)
+        if g is None:
+            continue
+        leaf = name.rpartition(".")[2]
+        if m.cls in (TensorClass.ROUTER, TensorClass.INDEXER) and leaf in NO_QUANT_LAYERS:
+            note(m, "layer takes no quantization", NO_QUANT_LAYERS[leaf])
+        if m.cls is TensorClass.ROUTED_EXPERT:
+            experts[layer_index(name)].append(m)
+            continue
+        for rule, numbers in dense_rules(leaf, *shapes[name], tp, g):
+            note(m, rule, numbers)
+    for layer, mods in sorted(experts.items()):
+        gate = next((m for m in mods if m.name.endswith(("gate_proj", "up_proj"))), None)
+        inter, hidden = shapes[gate.name] if gate else shapes[mods[0].name][::-1]
+        for rule, numbers in moe_rules(hidden, inter, tp, group_for(mods[0].name, groups)):
+            for m in mods:
+                note(m, rule, f"layer {layer}: {numbers}")
+    _check_partners(modules, res)
+    for pat in (p for p in ignore if not p.startswith("re:") and p != "lm_head"):
+        hit = [n for n in quant if pat.lower() in n.lower()]
+        if hit:
+            res.fail(f"ignore entry {pat!r} is not a regex: SGLang matches it as a case-insensitive substring and "
+                     f"would leave {len(hit)} quantized module(s) (e.g. {hit[0]}) unquantized; use an anchored 're:'")
+    if not any("Linear" in g.targets for g in groups if g.kind == "int"):
+        res.warn("no INT group targets 'Linear': older vLLM (WNA16 Marlin-MoE) and SGLang before PR #29761 "
+                 "raise KeyError")
+    if quant and qc.get("format") != "pack-quantized":
+        res.warn(f"top-level format {qc.get('format')!r}: older SGLang reads it for W4A16 MoE and needs "
+                 f"'pack-quantized'")
+    for (cls, rule), (example, numbers, count) in sorted(bad.items()):
+        res.fail(f"{cls}: {rule} fails for {count} module(s), e.g. {example}: {numbers}", tensor=example, value=count)
+    for cls, row in rows.items():
+        row["failed"] = len(row["failed"])
+        row["rules"] = [{"rule": r, "modules": c, "example": ex, "numbers": nb}
+                        for (k, r), (ex, nb, c) in bad.items() if k == cls]
+    res.checked = len(quant)
+    return res
+
+
+def _check_partners(modules: dict[str, Module], res: CheckResult) -> None:
+    """Modules an engine fuses (q/k/v, gate/up, q_a/kv_a; all experts of a layer) need one scheme."""
+    by_parent: dict[str, dict[str, bool]] = defaultdict(dict)
+    for name, m in modules.items():
+        if m.is_int or ("weight" in m.parts and m.cls in LINEAR_CLASSES):
+            parent, _, leaf = name.rpartition(".")
+            by_parent[parent][leaf] = m.is_int
+            if (hit := _EXPERT.match(name)) is not None:
+                by_parent[f"model.layers.{hit[1]}.mlp.experts"][f"{hit[2]}.{hit[3]}_proj"] = m.is_int
+    for parent, leaves in sorted(by_parent.items()):
+        if parent.endswith(".mlp.experts"):
+            sets = [list(leaves)]
+        else:
+            sets = [[x for x in grp if x in leaves] for grp in FUSED_PARTNERS]
+        for members in sets:
+            if len({leaves[x] for x in members}) > 1:
+                q = sorted(x for x in members if leaves[x])
+                res.fail(f"{parent}: {len(q)} of {len(members)} fused members quantized (e.g. {q[0]}); vLLM/SGLang "
+                         f"fuse them into one layer with one scheme and raise", tensor=parent)

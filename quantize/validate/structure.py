@@ -1,0 +1,119 @@
+"""The structure check: promised tensors present and well-formed, nothing left over (pure)."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+from glmq.formats.families import LINEAR_CLASSES, mtp_layers
+from glmq.quantize.validate.checkpoint import COMPANIONS, Module
+from glmq.quantize.validate.config import Group, _ct, group_for
+from glmq.quantize.validate.report import CheckResult
+
+LEAF_DTYPES = {"weight_packed": ("I32",), "weight_scale": ("BF16", "F16", "F32"), "weight_shape": ("I64", "I32"),
+               "weight_zero_point": ("I32",), "weight_g_idx": ("I32",)}
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj$")
+
+
+def expected_shapes(n: int, k: int, g: Group) -> dict[str, tuple[int, ...]]:
+    """Shapes of the pack-quantized tensors of an `[N, K]` weight (formats.md §2a)."""
+    groups = 1 if g.group_size is None else -(-k // g.group_size)
+    want = {"weight_packed": (n, -(-k * g.num_bits // 32)), "weight_scale": (n, groups), "weight_shape": (2,)}
+    if not g.symmetric:
+        want["weight_zero_point"] = (-(-n * g.num_bits // 32), groups)
+    if g.actorder == "group":
+        want["weight_g_idx"] = (k,)
+    return want
+
+
+def int_module_problems(m: Module, g: Group, shape: tuple[int, int] | None) -> list[str]:
+    """What is wrong with one pack-quantized module under group `g` (pure); `shape` is weight_shape's value."""
+    p, out = m.parts, []
+    need = ["weight_packed", "weight_scale", "weight_shape"] + ([] if g.symmetric else ["weight_zero_point"])
+    need += ["weight_g_idx"] if g.actorder == "group" else []
+    out += [f"{m.name}.{leaf} is missing ({g.name} promises it)" for leaf in need if leaf not in p]
+    if g.symmetric and "weight_zero_point" in p:
+        out.append(f"{m.name}.weight_zero_point is stored but {g.name} is symmetric")
+    if g.actorder != "group" and "weight_g_idx" in p:
+        out.append(f"{m.name}.weight_g_idx is stored but {g.name} has actorder {g.actorder!r}")
+    if "weight" in p:
+        out.append(f"{m.name}.weight ({p['weight'].dtype}) is stored next to the packed weight: a leftover")
+    out += [f"{m.name}.{leaf} is {p[leaf].dtype}, expected {'/'.join(ok)}"
+            for leaf, ok in LEAF_DTYPES.items() if leaf in p and p[leaf].dtype not in ok]
+    if shape is None:
+        return out
+    n, k = shape
+    if g.group_size and k >= g.group_size and k % g.group_size:
+        out.append(f"{m.name}: K = {k} is not a multiple of group_size {g.group_size}")
+    for leaf, want in expected_shapes(n, k, g).items():
+        if leaf in p and tuple(p[leaf].shape) != want:
+            out.append(f"{m.name}.{leaf} has shape {list(p[leaf].shape)}, expected {list(want)} for weight_shape "
+                       f"[{n}, {k}] with num_bits {g.num_bits}, group_size {g.group_size or k}")
+    return out
+
+
+def check_structure(modules: dict[str, Module], groups: list[Group], shapes: dict, ignore: list[str],
+                    config: dict | None) -> CheckResult:
+    """Promised tensors present and well-formed, nothing left over, ignore list == storage (pure)."""
+    res = CheckResult("structure", checked=len(modules))
+    ct = _ct()
+    float_groups = [g for g in groups if g.kind == "float"]
+    for m in modules.values():
+        where = {"tensor": m.name, "shard": m.shard()}
+        if "weight_scale_inv" in m.parts:
+            res.fail(f"{m.name}.weight_scale_inv: an FP8-source scale left in a compressed-tensors checkpoint", **where)
+        if m.is_int:
+            g = group_for(m.name, groups) if groups else None
+            if g is None or g.kind != "int":
+                res.fail(f"{m.name} is stored pack-quantized but no INT config group targets it", **where)
+                continue
+            for msg in int_module_problems(m, g, shapes.get(m.name)):
+                res.fail(msg, **where)
+            hit = [p for p in ignore if ct.is_ignored(m.name, [p])]
+            if hit:
+                res.fail(f"{m.name} is quantized (weight_packed) but matches ignore entry {hit[0]!r}: loaders "
+                         f"would build it unquantized and find no .weight", **where)
+        elif m.is_fp8:
+            fg = next((g for g in float_groups if ct.is_ignored(m.name, list(g.targets))), None)
+            if fg is None:
+                res.fail(f"{m.name}.weight is F8_E4M3 but no float-quantized config group targets it", **where)
+            elif "weight_scale" not in m.parts:
+                res.fail(f"{m.name}.weight_scale is missing (FP8 weight of {fg.name})", **where)
+            elif fg.block and len(w8 := m.parts["weight"].shape) == 2:
+                want = (-(-w8[0] // fg.block[0]), -(-w8[1] // fg.block[1]))
+                if tuple(m.parts["weight_scale"].shape) != want:
+                    res.fail(f"{m.name}.weight_scale has shape {list(m.parts['weight_scale'].shape)}, expected "
+                             f"{list(want)} for FP8 weight {list(w8)} in {fg.block[0]}x{fg.block[1]} blocks", **where)
+        else:
+            stray = [leaf for leaf in m.parts if leaf in COMPANIONS and leaf != "weight_scale_inv"]
+            if stray:
+                res.fail(f"{m.name}.{stray[0]} belongs to no quantized weight (orphan companion)", **where)
+            w = m.parts.get("weight")
+            if (w is not None and m.cls in LINEAR_CLASSES and len(w.shape) == 2
+                    and not any(ct.is_ignored(m.name, [p]) for p in ignore)):
+                res.fail(f"{m.name}.weight is stored unquantized ({w.dtype}) but matches no ignore entry: vLLM would "
+                         f"build it as INT and find no weight_packed", **where)
+    _check_experts(modules, config or {}, res)
+    return res
+
+
+def _check_experts(modules: dict[str, Module], config: dict, res: CheckResult) -> None:
+    """Every MoE layer holds all n_routed_experts x (gate, up, down)."""
+    found: dict[int, set[tuple[int, str]]] = defaultdict(set)
+    for name in modules:
+        if (hit := _EXPERT.match(name)) is not None:
+            found[int(hit[1])].add((int(hit[2]), hit[3]))
+    n = config.get("n_routed_experts") or config.get("num_local_experts")
+    if not isinstance(n, int):
+        return
+    layers = set(found)
+    if isinstance(config.get("num_hidden_layers"), int):
+        dense = int(config.get("first_k_dense_replace", 0) or 0)
+        layers |= set(range(dense, config["num_hidden_layers"])) | set(mtp_layers(config))
+    for layer in sorted(layers):
+        missing = [(e, p) for e in range(n) for p in ("gate", "up", "down") if (e, p) not in found[layer]]
+        if missing:
+            e, p = missing[0]
+            res.fail(f"model.layers.{layer}.mlp.experts: {len(missing)} of {3 * n} expert projections missing "
+                     f"(config n_routed_experts = {n}), e.g. experts.{e}.{p}_proj",
+                     tensor=f"model.layers.{layer}.mlp.experts")
