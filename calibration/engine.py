@@ -399,6 +399,8 @@ def calibrate(plan: Plan, cache: Path, tokens: torch.Tensor, settings: Calibrati
     run = _Run(plan, cache, tokens, settings, device, progress, world)
     done = [cc.layer_meta(cache, i) is not None for i in range(run.n_layers)]
     start = done.index(False) if False in done else run.n_layers
+    if world is not None:  # rank 0's view, taken before any rank starts (a fast rank 0 may finish a layer
+        start = world.broadcast(start, "finding the first layer to calibrate")  # before rank 1 looks)
     if start < run.n_layers:
         run.bar = tqdm(total=sum(len(run.targets[i]) for i in range(start, run.n_layers)), unit="tensor",
                        desc="glmq gptq", disable=not progress, dynamic_ncols=True)
@@ -415,5 +417,7 @@ def calibrate(plan: Plan, cache: Path, tokens: torch.Tensor, settings: Calibrati
                 d.rmdir()
             except OSError:  # not empty (another rank's states) or already gone
                 pass
+    if world is not None:  # rank 0 writes each layer file after the layer's forward: wait for the last one
+        world.barrier("writing the last layer file")
     metas = [cc.layer_meta(cache, i) for i in range(run.n_layers)]
     return summarize(plan, metas, settings, tokens, resumed_from=start, seconds=time.perf_counter() - t0)

@@ -128,6 +128,7 @@ def quantize(model, recipe, max_shard_size, output, scheme, device, no_progress,
             except Exception as e:  # one rank's error names the rank; torchrun stops the others
                 if world is None or isinstance(e, dist.RankFailure):
                     raise
+                logging.getLogger("glmq").info("rank %d failed", world.rank, exc_info=True)  # -v: the traceback
                 raise world.failure("GPTQ calibration", e) from e
             if world is not None:
                 dist.shutdown()
