@@ -45,7 +45,7 @@ import torch
 
 from glmq.calibration import cache as cc
 from glmq.calibration.collect import Target, make_target
-from glmq.calibration.layer_gptq import quantize_layer
+from glmq.calibration.layer_gptq import gptq_batches, quantize_layer
 from glmq.calibration.layers import LayerBuilder
 from glmq.calibration.report import summarize
 from glmq.formats.families import layer_index
@@ -288,7 +288,10 @@ class _Run:
         state = dict(state)
         for module, qw in qweights.items():
             name = module[len(prefix):] + ".weight"
-            state[name] = dequantize(qw, self.spec.group_size).to(state[name].dtype)
+            w = state[name]  # dequantized where the layer lives: on a GPU the host holds only the integers
+            qw = QWeight(qw.q.to(w.device), qw.scale.to(w.device),
+                         None if qw.zero_point is None else qw.zero_point.to(w.device))
+            state[name] = dequantize(qw, self.spec.group_size).to(w.dtype)
         return self.builder.build(i, state)
 
     def layer(self, i: int, src: cc.Activations, carry: cc.Activations | None):
@@ -323,13 +326,26 @@ class _Run:
 
     # -- several ranks
     def share(self, targets: list[Target], state: dict) -> list[Target]:
-        """This rank's targets of a layer: whole routed experts and single other Linears, balanced by size."""
-        units: dict[object, list[Target]] = {}
-        for t in targets:
-            units.setdefault(("expert", t.expert) if t.expert is not None else t.module, []).append(t)
-        keys = list(units)
-        cost = [sum(state[t.local + ".weight"].numel() for t in units[k]) for k in keys]
-        return [t for k in self.world.mine(keys, cost) for t in units[k]]
+        """This rank's targets of a layer, balanced by weight size, in their original order.
+
+        With one Hessian pass (no `experts_per_pass`) the units shared are whole GPTQ batches, exactly as
+        one process forms them (`gptq_batches`): every problem is then solved in a batch of the same size
+        and make-up as in a single process. cuBLAS and cuSOLVER may pick another kernel for another batch
+        count, so this is what keeps a GPU run byte-identical across rank counts. The balance granularity
+        is one batch (GLM-5: 32 expert batches of 16, 4 per rank on 8 GPUs). With several passes, each
+        rank forms its own passes, so units are single experts and plain Linears (identical on CPU,
+        where batched kernels loop over the batch, not guaranteed on a GPU).
+        """
+        if self.s.experts_per_pass is None:
+            units = [[t for g in batch for t in g] for batch in gptq_batches(targets, state, self.s.gptq_batch)]
+        else:
+            by: dict[object, list[Target]] = {}
+            for t in targets:
+                by.setdefault(("expert", t.expert) if t.expert is not None else t.module, []).append(t)
+            units = list(by.values())
+        cost = [sum(state[t.local + ".weight"].numel() for t in u) for u in units]
+        keep = {t for j in self.world.mine(range(len(units)), cost) for t in units[j]}
+        return [t for t in targets if t in keep]
 
     def merge(self, i: int, qweights: dict[str, QWeight], meta: dict) -> tuple[dict[str, QWeight], dict]:
         """Every rank's part of layer i -> the whole layer on every rank, through the cache folder.
@@ -417,7 +433,11 @@ def calibrate(plan: Plan, cache: Path, tokens: torch.Tensor, settings: Calibrati
                 d.rmdir()
             except OSError:  # not empty (another rank's states) or already gone
                 pass
+    ranks = [{"rank": 0, **stream.peak_memory()}]
     if world is not None:  # rank 0 writes each layer file after the layer's forward: wait for the last one
         world.barrier("writing the last layer file")
+        ranks = world.gather({"rank": world.rank, **stream.peak_memory()}, "gathering the ranks' peak memory")
     metas = [cc.layer_meta(cache, i) for i in range(run.n_layers)]
-    return summarize(plan, metas, settings, tokens, resumed_from=start, seconds=time.perf_counter() - t0)
+    report = summarize(plan, metas, settings, tokens, resumed_from=start, seconds=time.perf_counter() - t0)
+    report["ranks"] = ranks  # None on ranks other than 0, which do not write the report
+    return report

@@ -63,7 +63,7 @@ def quantize_layer(run: _Run, i: int, layer, state: dict, targets: list[Target],
         t_solve = time.perf_counter()
         # problems are built (weights on the device, blended Hessians) one batch at a time, and each
         # solved expert's Hessians are dropped: the layer's Hessians are the largest thing held
-        for chunk in _same_shape_chunks(_problems(todo), state, run.s.gptq_batch):
+        for chunk in gptq_batches(todo, state, run.s.gptq_batch):
             batch = [_Problem.make(run, g, state, col, under, all_h) for g in chunk]
             _solve(batch, run)
             for p in batch:
@@ -176,10 +176,12 @@ class _Problem:
         return list(torch.split(x, self.rows))
 
 
-def _same_shape_chunks(groups: list[list[Target]], state: dict, size: int) -> list[list[list[Target]]]:
-    """Problems (target groups) in chunks of at most `size` whose stacked weights have one shape."""
+def gptq_batches(targets: list[Target], state: dict, size: int) -> list[list[list[Target]]]:
+    """`targets` as GPTQ problems (`_problems`), in batches of at most `size` problems whose stacked
+    weights have one shape: in order of first appearance per shape, only each shape's last batch short.
+    engine.share hands out these batches whole, which depends on exactly this rule."""
     by_shape: dict[tuple, list[list[Target]]] = {}
-    for g in groups:
+    for g in _problems(targets):
         ws = [state[t.local + ".weight"] for t in g]
         by_shape.setdefault((sum(w.shape[0] for w in ws), ws[0].shape[1]), []).append(g)
     return [gs[b0:b0 + size] for gs in by_shape.values() for b0 in range(0, len(gs), size)]

@@ -601,3 +601,17 @@ def _write_side_files(out: pathlib.Path, config: dict) -> None:
         "eos_token": "<|endoftext|>", "model_max_length": config["max_position_embeddings"],
         "clean_up_tokenization_spaces": False})
     (out / "chat_template.jinja").write_text(_CHAT_TEMPLATE + "\n")
+
+
+def write_byte_tokenizer(folder) -> None:
+    """A byte-level tokenizer (256 byte tokens + <|endoftext|>) that loads with AutoTokenizer, so a
+    generated checkpoint can be calibrated from text (ids < 257 fit every preset's vocabulary)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab["<|endoftext|>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(pathlib.Path(folder) / "tokenizer.json"))

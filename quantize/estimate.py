@@ -325,12 +325,15 @@ def peak_memory(parts: dict[str, float], device: str, process: float) -> dict[st
     """Host and device peaks from layer_memory's parts. Phase A (calibrate + solve) holds the layer, the
     Hessians and the solve workspace; phase B (rebuild with the integers + output forward) the rebuild copies.
     On CPU the device is the host."""
-    host_always = process + parts["source_bf16"] + parts["integers"] + parts["hidden"] + parts["carry"]
+    host = process + parts["integers"] + parts["hidden"] + parts["carry"]
     dev_a = parts["layer"] + parts["hessians"] + parts["solve"] + parts["workspace"]
-    dev_b = parts["layer"] + parts["workspace"]
+    dev_b = parts["layer"] + parts["workspace"] + parts["rebuild"]
+    # the source weights are dequantized where the layer is computed (layers.SourceTensors): on a GPU the
+    # host keeps only the integers and the hidden states
+    work = parts["source_bf16"] + max(dev_a, dev_b)
     if device == "cpu":
-        return {"host": host_always + max(dev_a, dev_b + parts["rebuild"]), "device": 0.0}
-    return {"host": host_always + parts["rebuild"], "device": max(dev_a, dev_b)}
+        return {"host": host + work, "device": 0.0}
+    return {"host": host, "device": work}
 
 
 def attention_flops_per_token(cfg: dict, seq_len: int) -> float:

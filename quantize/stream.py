@@ -421,7 +421,7 @@ class FileBook:
 
 def _rank_row(rank: int, stats: RunStats) -> dict:
     return {"rank": rank, "files_written": stats.files_written, "bytes_in_processed": stats.bytes_in,
-            "seconds": round(stats.seconds, 3), "peak_rss_bytes": peak_rss_bytes()}
+            "seconds": round(stats.seconds, 3), **peak_memory()}
 
 
 def _config_result(job: "ConfigJob", world, phases: dict) -> dict:
@@ -608,6 +608,15 @@ def finish_checkpoint(plan: Plan, out: Path, man: Manifest, quantization_config:
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_memory() -> dict:
+    """This process's peak host RSS and, once it has used CUDA, the peak the allocator handed out on its
+    current device (the number `torch.cuda.max_memory_allocated` gives; the driver's own use is not in it)."""
+    row = {"peak_rss_bytes": peak_rss_bytes()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+    return row
 
 
 def make_report(plan: Plan, stats: RunStats, device: str) -> dict:

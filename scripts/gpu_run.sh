@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU kernel tests, the kernel benchmark, and RTN --device cuda against the
 # I/O floor. Run from the repository root on a machine with CUDA; results go to $OUT (or ./gpu-out).
-# PARTS (default "tests kernels rtn"; also "cudapath", "gpq-unit" (GPTQ + cuda-path tests), "gptq" (GLM-5-shape GPTQ bench)) picks what runs. Needs the wheels in .whl/ for what the GPU image lacks (compressed-tensors and its pydantic deps).
+# PARTS (default "tests kernels rtn"; also "cudapath", "gpq-unit" (GPTQ + cuda-path tests), "gptq" (GLM-5-shape GPTQ bench),
+# "dist-rtn" / "dist-gptq" (torchrun on the machine's GPUs against one GPU, scripts/bench_dist.py; DIST_JOBS picks the
+# GPTQ rank counts, e.g. "2" in one call and "1" in the next: the JSON digests compare them)) picks what runs. Needs the wheels in .whl/ for what the GPU image lacks (compressed-tensors and its pydantic deps).
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -14,9 +16,14 @@ export PYTHONPATH=/tmp/pkg:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
 PARTS=${PARTS:-tests kernels rtn}
-[[ $PARTS == *tests* ]] && python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gptq.py tests/test_cuda_path.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
-[[ $PARTS == *gpq-unit* ]] && python3 -m pytest -q -p no:cacheprovider tests/test_gptq.py tests/test_cuda_path.py 2>&1 | tail -8 | tee "$OUT/gptq_cuda_tests.txt"
-[[ $PARTS == *cudapath* ]] && python3 -m pytest -q -p no:cacheprovider tests/test_cuda_path.py 2>&1 | tail -8 | tee "$OUT/cuda_path_tests.txt"
-[[ $PARTS == *kernels* ]] && timeout 330 python3 scripts/bench_kernels.py --out "$OUT" 2>&1 | tail -60 | tee "$OUT/bench_kernels.log"
-[[ $PARTS == *gptq* ]] && timeout ${GPTQ_TIMEOUT:-500} python3 scripts/bench_gptq_gpu.py --work /tmp/glmq-g5 ${GPTQ_ARGS:-} --json "$OUT/bench_gptq_gpu.json" 2>&1 | tail -40 | tee "$OUT/bench_gptq_gpu.log"
-[[ $PARTS == *rtn* ]] && timeout 400 python3 scripts/bench_rtn.py --work /tmp/glmq-bench --layers 3 --device cuda --repeats 3 --out "$OUT/bench_rtn_cuda.json" 2>&1 | tail -40 | tee "$OUT/bench_rtn_cuda.log"
+has() { [[ " $PARTS " == *" $1 "* ]]; }  # whole words: "rtn" is not "dist-rtn"
+has tests && python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gptq.py tests/test_cuda_path.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
+has gpq-unit && python3 -m pytest -q -p no:cacheprovider tests/test_gptq.py tests/test_cuda_path.py 2>&1 | tail -8 | tee "$OUT/gptq_cuda_tests.txt"
+has cudapath && python3 -m pytest -q -p no:cacheprovider tests/test_cuda_path.py 2>&1 | tail -8 | tee "$OUT/cuda_path_tests.txt"
+has kernels && timeout 330 python3 scripts/bench_kernels.py --out "$OUT" 2>&1 | tail -60 | tee "$OUT/bench_kernels.log"
+has gptq && timeout ${GPTQ_TIMEOUT:-500} python3 scripts/bench_gptq_gpu.py --work /tmp/glmq-g5 ${GPTQ_ARGS:-} --json "$OUT/bench_gptq_gpu.json" 2>&1 | tail -40 | tee "$OUT/bench_gptq_gpu.log"
+has rtn && timeout 400 python3 scripts/bench_rtn.py --work /tmp/glmq-bench --layers 3 --device cuda --repeats 3 --out "$OUT/bench_rtn_cuda.json" 2>&1 | tail -40 | tee "$OUT/bench_rtn_cuda.log"
+DIST="python3 scripts/bench_dist.py --work /tmp/glmq-dist --device cuda --layers ${DIST_LAYERS:-2} --experts ${DIST_EXPERTS:-256} --shard-mb 1000 --ranks ${DIST_RANKS:-2}"
+has dist-rtn && timeout ${DIST_TIMEOUT:-300} $DIST --repeats ${DIST_REPEATS:-2} --out "$OUT/bench_dist_cuda_rtn.json" 2>&1 | tail -30 | tee "$OUT/bench_dist_cuda_rtn.log"
+has dist-gptq && timeout ${DIST_TIMEOUT:-500} $DIST --scheme gptq --jobs ${DIST_JOBS:-1,2} --out "$OUT/bench_dist_cuda_gptq_${DIST_JOBS:-1,2}.json" 2>&1 | tail -30 | tee "$OUT/bench_dist_cuda_gptq.log"
+true

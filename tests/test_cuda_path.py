@@ -23,3 +23,22 @@ def test_cuda_output_is_byte_identical_to_cpu(make_ckpt, tmp_path, recipe):
         assert (tmp_path / "cpu" / f.name).read_bytes() == (tmp_path / "cuda" / f.name).read_bytes(), f.name
     for name in ("config.json", "model.safetensors.index.json", "glmq_manifest.json"):
         assert (tmp_path / "cpu" / name).read_bytes() == (tmp_path / "cuda" / name).read_bytes()
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-ct"])
+def test_calibration_layer_state_dequantized_on_the_gpu_is_bit_identical(make_ckpt, fmt):
+    """GPTQ on CUDA dequantizes each layer's FP8 weights on the GPU (the host never holds the BF16
+    layer): the values must be the ones the CPU path, and RTN, quantize."""
+    from glmq.calibration.layers import SourceTensors
+
+    source = open_source(make_ckpt("glm_moe_dsa", fmt))
+    cpu, gpu = SourceTensors(source), SourceTensors(source, "cuda")
+    for i in range(source.config["num_hidden_layers"]):
+        a, b = cpu.layer_state(i), gpu.layer_state(i)
+        assert sorted(a) == sorted(b)
+        for k in a:
+            assert b[k].device.type == "cuda", k
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k].cpu()), k
+    assert not gpu.handles  # the shards' memory maps are closed after each layer
