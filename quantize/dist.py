@@ -158,9 +158,10 @@ def init(device: str = "cpu", timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> 
         dev, backend = f"cuda:{local}", "nccl"
     elif device == "cpu":
         dev, backend = "cpu", "gloo"
-        _share_cpu_cores(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     else:
         raise ValueError(f"unknown device {device!r}; use cpu or cuda")
+    # on a GPU host too: the host side (reading, packing, hashing, CPU-side copies) needs threads
+    _share_cpu_cores(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     try:
         d.init_process_group(backend, timeout=timeout, device_id=torch.device(dev) if backend == "nccl" else None)
         cpu_group = d.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else d.group.WORLD

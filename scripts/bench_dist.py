@@ -55,7 +55,10 @@ def timed(cmd: list[str], env: dict) -> float:
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     dt = time.perf_counter() - t
     if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:8])} ... failed ({r.returncode}):\n{r.stderr[-3000:]}")
+        # glmq's own message comes before torchrun's ChildFailedError block: keep the lines that are not
+        # traceback frames, from both ends
+        lines = [x for x in r.stderr.splitlines() if not x.startswith(("  File ", "    "))]
+        raise RuntimeError(f"{' '.join(cmd[:8])} ... failed ({r.returncode}):\n" + "\n".join(lines[:40] + ["..."] + lines[-20:]))
     return dt
 
 
@@ -180,6 +183,8 @@ def main() -> None:
                                 "ranks": rows, "loadavg_1min_after": os.getloadavg()[0]})
             print(f"round {r}, {ranks} rank(s): {wall:.1f} s wall, {rep['seconds']:.1f} s in run()", flush=True)
             digests[ranks] = digest(out)
+            if args.out:  # what a killed run leaves behind
+                args.out.with_suffix(".partial.json").write_text(json.dumps({"runs": runs, "digests": digests}) + "\n")
             if not args.keep:
                 shutil.rmtree(out)
     first = digests[jobs[0]]

@@ -25,5 +25,5 @@ has gptq && timeout ${GPTQ_TIMEOUT:-500} python3 scripts/bench_gptq_gpu.py --wor
 has rtn && timeout 400 python3 scripts/bench_rtn.py --work /tmp/glmq-bench --layers 3 --device cuda --repeats 3 --out "$OUT/bench_rtn_cuda.json" 2>&1 | tail -40 | tee "$OUT/bench_rtn_cuda.log"
 DIST="python3 scripts/bench_dist.py --work /tmp/glmq-dist --device cuda --layers ${DIST_LAYERS:-2} --experts ${DIST_EXPERTS:-256} --shard-mb 1000 --ranks ${DIST_RANKS:-2}"
 has dist-rtn && timeout ${DIST_TIMEOUT:-300} $DIST --repeats ${DIST_REPEATS:-2} --out "$OUT/bench_dist_cuda_rtn.json" 2>&1 | tail -30 | tee "$OUT/bench_dist_cuda_rtn.log"
-has dist-gptq && timeout ${DIST_TIMEOUT:-500} $DIST --scheme gptq --jobs ${DIST_JOBS:-1,2} --out "$OUT/bench_dist_cuda_gptq_${DIST_JOBS:-1,2}.json" 2>&1 | tail -30 | tee "$OUT/bench_dist_cuda_gptq.log"
+has dist-gptq && timeout ${DIST_TIMEOUT:-500} $DIST --scheme gptq --jobs ${DIST_JOBS:-1,2} --out "$OUT/bench_dist_cuda_gptq.json" 2>&1 | tail -30 | tee "$OUT/bench_dist_cuda_gptq.log"
 true
