@@ -4,6 +4,12 @@ Lives in the output folder as `glmq_manifest.json` and stays there (`glmq valida
 checksums). It holds nothing time-dependent, so an interrupted-and-resumed run writes the same bytes
 as an uninterrupted one; timings go to `glmq_report.json`.
 
+Each finished output file is recorded as
+    {"source_shard": ..., "bytes": file size,
+     "tensors": {tensor: sha256 hex},        # every glmq manifest
+     "xxh3_128": {tensor: xxh3-128 hex}}     # since the fast checksum was added; older records lack it
+of the same bytes (formats/safetensors_io.CHECKSUMS). `checksum_record(rec, algorithm)` reads either.
+
 In a distributed run (quantize/dist.py) only rank 0 writes `glmq_manifest.json`; each rank records the
 files it finishes in its own fragment, `glmq_manifest.rankNNNNN.json` (same format, its files only),
 so no file has two writers. Records are per output file, not per rank: the next run, whatever its
@@ -17,11 +23,20 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from glmq.formats.safetensors_io import atomic_write_text
+from glmq.formats.safetensors_io import SHA256, XXH3_128, atomic_write_text
 
 MANIFEST_NAME = "glmq_manifest.json"
 REPORT_NAME = "glmq_report.json"
 FRAGMENT_GLOB = "glmq_manifest.rank*.json"
+
+
+# the key of each checksum's {tensor: hex} record in a file record ("tensors" predates the fast checksum)
+CHECKSUM_KEYS = {SHA256: "tensors", XXH3_128: XXH3_128}
+
+
+def checksum_record(rec: dict, algorithm: str) -> dict[str, str] | None:
+    """A file record's {tensor: hex} for `algorithm`, or None if the record predates it."""
+    return rec.get(CHECKSUM_KEYS[algorithm])
 
 
 def fragment_name(rank: int) -> str:
@@ -32,7 +47,7 @@ def fragment_name(rank: int) -> str:
 @dataclass
 class Manifest:
     identity: dict  # source digest, recipe, shard size limit, planned file names: what must match to resume
-    files: dict[str, dict] = field(default_factory=dict)  # name -> {"source_shard", "bytes", "tensors": {name: sha256}}
+    files: dict[str, dict] = field(default_factory=dict)  # name -> file record (module docstring)
     complete: bool = False
     format_version: int = 1
 

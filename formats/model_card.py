@@ -253,8 +253,10 @@ def validation_section(validation: dict | None) -> list[str]:
         return lines + [""]
     s, checks = validation.get("settings", {}), validation.get("checks", {})
     sampled = (checks.get("numerics") or {}).get("details", {}).get("sampled", "?")
-    hashed = ("every tensor's sha256 checked against glmq_manifest.json"
-              if (checks.get("integrity") or {}).get("status") in ("pass", "fail") else "no checksums to check")
+    integrity = checks.get("integrity") or {}
+    sums = " or ".join(sorted((integrity.get("details") or {}).get("checksums") or {})) or "checksum"
+    hashed = (f"every tensor's {sums} checked against glmq_manifest.json"
+              if integrity.get("status") in ("pass", "fail") else "no checksums to check")
     lines += ["", f"Kernel check on {sampled} of {s.get('quantized_modules', '?')} quantized modules "
               f"({s.get('device')}), serving shape rules at tensor parallel {s.get('tp')}, {hashed}.", ""]
     rows = [[k, c["status"], c["checked"], c["failed"]] for k, c in checks.items()]

@@ -7,7 +7,8 @@ hand-written because the library does not offer them:
   * `StreamingWriter`: safetensors only writes a whole dict of in-memory tensors, which would make
     peak memory the size of an output shard. The header depends only on names, dtypes and shapes,
     which the plan knows, so we write it first and stream each tensor's bytes into place, hashing
-    them as they go. The file is written under a temporary name and renamed when complete.
+    them as they go (sha256 and xxh3-128, see CHECKSUMS). The file is written under a temporary name
+    and renamed when complete.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import xxhash
 
 # safetensors dtype strings <-> torch dtypes (the subset these checkpoints use)
 DTYPES: dict[str, torch.dtype] = {
@@ -37,6 +39,14 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 ITEMSIZE: dict[str, int] = {k: torch.empty(0, dtype=v).element_size() for k, v in DTYPES.items()}
+
+# The per-tensor checksums the writer records (formats/manifest.py) and `glmq validate` recomputes.
+# sha256: cryptographic, ~1 GB/s per core, the record every glmq manifest has. xxh3-128: not
+# cryptographic (it catches any accidental change: a flipped bit, a truncated or swapped copy; not a
+# deliberate forgery, which is what sha256 is kept for), ~30 GB/s per core, so that hashing every byte
+# costs less than reading it; validate checks it by default.
+SHA256, XXH3_128 = "sha256", "xxh3_128"
+CHECKSUMS = {SHA256: hashlib.sha256, XXH3_128: xxhash.xxh3_128}
 
 TMP_SUFFIX = ".glmq-tmp"
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
@@ -154,8 +164,9 @@ class StreamingWriter:
     """Write one planned safetensors file tensor by tensor (row blocks allowed), atomically.
 
     Usage: `w = StreamingWriter(path, specs)`, then `w.write(name, tensor)` for each spec (one or
-    several calls per tensor, in row order), then `w.commit()` -> per-tensor sha256. Until `commit`
-    the data lives in `<path>.glmq-tmp`; `abort()` removes it.
+    several calls per tensor, in row order), then `w.commit()` -> per-tensor sha256, and
+    `w.digests(XXH3_128)` for the fast checksum of the same bytes. Until `commit` the data lives in
+    `<path>.glmq-tmp`; `abort()` removes it.
     """
 
     def __init__(self, path: Path, specs: list[OutSpec], metadata: dict[str, str] | None = None):
@@ -165,6 +176,7 @@ class StreamingWriter:
         head, self.offsets = layout(specs, metadata or {"format": "pt"})
         self.written = {s.name: 0 for s in specs}
         self.hashes = {s.name: hashlib.sha256() for s in specs}
+        self.fast = {s.name: xxhash.xxh3_128() for s in specs}
         self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.pwrite(self.fd, head, 0)
         self.size = len(head) + sum(s.nbytes for s in specs)
@@ -180,6 +192,7 @@ class StreamingWriter:
             raise ValueError(f"{self.path.name}: {name} overflows its planned {spec.nbytes} bytes")
         os.pwrite(self.fd, buf, self.offsets[name] + done)
         self.hashes[name].update(buf)
+        self.fast[name].update(buf)
         self.written[name] = done + buf.nbytes
 
     def commit(self) -> dict[str, str]:
@@ -192,7 +205,11 @@ class StreamingWriter:
         os.close(self.fd)
         self.fd = -1
         os.replace(self.tmp, self.path)
-        return {n: h.hexdigest() for n, h in self.hashes.items()}
+        return self.digests(SHA256)
+
+    def digests(self, algorithm: str) -> dict[str, str]:
+        """name -> hex checksum (`SHA256` or `XXH3_128`) of the bytes written so far."""
+        return {n: h.hexdigest() for n, h in (self.hashes if algorithm == SHA256 else self.fast).items()}
 
     def abort(self) -> None:
         if self.fd >= 0:
@@ -211,18 +228,28 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def file_tensor_hashes(path: Path) -> dict[str, str]:
-    """sha256 of every tensor's bytes in a safetensors file (what `StreamingWriter.commit` returned)."""
+def file_tensor_hashes(path: Path, algorithm: str = SHA256) -> dict[str, str]:
+    """`algorithm`'s checksum of every tensor's bytes in a safetensors file (what `StreamingWriter`
+    recorded: `commit()` for sha256, `digests(XXH3_128)`)."""
+    return file_tensor_checksums(path, (algorithm,))[algorithm]
+
+
+def file_tensor_checksums(path: Path, algorithms=(SHA256, XXH3_128)) -> dict[str, dict[str, str]]:
+    """{algorithm: {tensor: hex checksum}} of every tensor of a safetensors file, in one read."""
     entries, _, start = read_header(path)
-    out = {}
+    out: dict[str, dict[str, str]] = {a: {} for a in algorithms}
     with open(path, "rb") as f:
         for e in sorted(entries.values(), key=lambda e: e.begin):
             f.seek(start + e.begin)
-            h = hashlib.sha256()
+            hs = [CHECKSUMS[a]() for a in algorithms]
             left = e.nbytes
             while left:
                 chunk = f.read(min(left, 64 << 20))
-                h.update(chunk)
+                if not chunk:
+                    raise CheckpointError(f"{path}: tensor {e.name}: unexpected end of file; the file is truncated")
+                for h in hs:
+                    h.update(chunk)
                 left -= len(chunk)
-            out[e.name] = h.hexdigest()
+            for a, h in zip(algorithms, hs):
+                out[a][e.name] = h.hexdigest()
     return out

@@ -36,8 +36,9 @@ from safetensors import safe_open
 
 from glmq import __version__
 from glmq.formats.families import LINEAR_CLASSES, ignore_list
-from glmq.formats.manifest import FRAGMENT_GLOB, MANIFEST_NAME, REPORT_NAME, Manifest, fragment_name
-from glmq.formats.safetensors_io import TMP_SUFFIX, CheckpointError, StreamingWriter, atomic_write_text, file_tensor_hashes
+from glmq.formats.manifest import CHECKSUM_KEYS, FRAGMENT_GLOB, MANIFEST_NAME, REPORT_NAME, Manifest, fragment_name
+from glmq.formats.safetensors_io import (SHA256, TMP_SUFFIX, XXH3_128, CheckpointError, StreamingWriter,
+                                         atomic_write_text, file_tensor_checksums)
 from glmq.formats.source import INDEX_NAME, Source
 from glmq.quantize import ops
 from glmq.quantize.plan import Action, Item, OutFile, Plan
@@ -118,11 +119,13 @@ def _prepare_output(plan: Plan, out: Path) -> Manifest:
     for name, rec in man.files.items():
         path = out / name
         try:
-            ok = path.exists() and file_tensor_hashes(path) == rec["tensors"]
+            sums = file_tensor_checksums(path) if path.exists() else None
         except (CheckpointError, OSError):
-            ok = False
+            sums = None
+        # a record written before the fast checksum gets it here, from the bytes its sha256 just verified
+        ok = sums is not None and all(rec.get(CHECKSUM_KEYS[a], sums[a]) == sums[a] for a in (SHA256, XXH3_128))
         if ok:
-            kept[name] = rec
+            kept[name] = {**rec, CHECKSUM_KEYS[XXH3_128]: sums[XXH3_128]}
         else:
             log.warning("%s: recorded as finished but does not check out; converting it again", path)
             path.unlink(missing_ok=True)
@@ -412,10 +415,11 @@ class FileBook:
     def files(self) -> dict[str, dict]:
         return self.book.files
 
-    def record(self, f: OutFile, size: int, hashes: dict[str, str]) -> None:
-        """Called from the commit thread once `f` is renamed into place."""
+    def record(self, f: OutFile, size: int, hashes: dict[str, str], fast: dict[str, str]) -> None:
+        """Called from the commit thread once `f` is renamed into place: its tensors' sha256 and xxh3-128."""
         with self._lock:
-            self.book.files[f.name] = {"source_shard": f.source_shard, "bytes": size, "tensors": hashes}
+            self.book.files[f.name] = {"source_shard": f.source_shard, "bytes": size, CHECKSUM_KEYS[SHA256]: hashes,
+                                       CHECKSUM_KEYS[XXH3_128]: fast}
             self.book.save(self.out, self.name)
 
 
@@ -486,7 +490,7 @@ def convert_files(plan: Plan, out: Path, files: list[OutFile], dev: torch.device
 
     def commit(f: OutFile, w: StreamingWriter):
         hashes = w.commit()
-        record(f, w.size, hashes)
+        record(f, w.size, hashes, w.digests(XXH3_128))
 
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="glmq-load") as pool:

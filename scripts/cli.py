@@ -222,7 +222,10 @@ def recipes_cmd():
 @click.option("--no-serving", is_flag=True, help="Skip the serving rules (a checkpoint not meant for vLLM/SGLang).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Also write the report as JSON.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the activations and the sample.")
-def validate_cmd(checkpoint, source, sample, device, tp, no_serving, json_out, seed):
+@click.option("--sha256", is_flag=True,
+              help="Check every tensor's sha256 in the manifest instead of its xxh3-128 (the default: not "
+                   "cryptographic, ~30x cheaper). Manifests without xxh3-128 are checked by sha256 anyway.")
+def validate_cmd(checkpoint, source, sample, device, tp, no_serving, json_out, seed, sha256):
     """Check a converted checkpoint: structure, index, config, serving shapes, numerics, integrity.
 
     Exit code 0: valid; 1: invalid (a check failed, serving rules at --tp included); 2: could not run.
@@ -231,7 +234,7 @@ def validate_cmd(checkpoint, source, sample, device, tp, no_serving, json_out, s
 
     try:
         report = v.validate(checkpoint, source, sample=v.DEFAULT_SAMPLE if sample is None else sample, device=device,
-                            tp=tp, seed=seed, serving=not no_serving)
+                            tp=tp, seed=seed, serving=not no_serving, sha256=sha256)
     except v.CannotValidate as e:
         if json_out:
             doc = {"checkpoint": checkpoint, "valid": None, "exit_code": 2, "error": str(e)}

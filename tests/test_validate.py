@@ -433,6 +433,107 @@ def test_units_split_shards_at_tensor_boundaries_and_hash_like_the_writer(conver
         assert name == "lm_head.weight" and torch.equal(t, f.get_tensor(name))
 
 
+# ----------------------------------------------------------------------------------------- checksums
+def strip_fast_checksums(root: Path, shards=None) -> None:
+    """Make the manifest look like one written before the fast checksum (only sha256 per tensor)."""
+    man = json.loads((root / "glmq_manifest.json").read_text())
+    for shard, rec in man["files"].items():
+        if shards is None or shard in shards:
+            del rec["xxh3_128"]
+    (root / "glmq_manifest.json").write_text(json.dumps(man))
+
+
+def flip_byte(root: Path, name: str) -> str:
+    """Flip one bit in the middle of tensor `name`'s bytes; return its shard."""
+    shard = shard_of(root, name)
+    entries, _, start = read_header(root / shard)
+    with open(root / shard, "r+b") as f:
+        f.seek(start + (entries[name].begin + entries[name].end) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, 1)
+        f.write(bytes([byte ^ 0x04]))
+    return shard
+
+
+def test_writer_records_sha256_and_xxh3_of_every_tensor(converted):
+    import hashlib
+
+    import xxhash
+
+    _, out = converted["glm5"]
+    man = json.loads((out / "glmq_manifest.json").read_text())
+    assert set(man["files"]) == set(index(out)["weight_map"].values())
+    for shard, rec in man["files"].items():
+        entries, _, start = read_header(out / shard)
+        data = (out / shard).read_bytes()
+        raw = {n: data[start + e.begin:start + e.end] for n, e in entries.items()}
+        assert rec["tensors"] == {n: hashlib.sha256(b).hexdigest() for n, b in raw.items()}
+        assert rec["xxh3_128"] == {n: xxhash.xxh3_128_hexdigest(b) for n, b in raw.items()}
+        assert all(len(d) == 32 for d in rec["xxh3_128"].values())
+
+
+def test_default_checks_xxh3_and_sha256_on_request(converted):
+    from glmq.formats.safetensors_io import XXH3_128, file_tensor_hashes
+
+    _, out = converted["glm5"]
+    rep = v.validate(out)
+    assert_all_pass(rep)
+    integrity = rep.checks["integrity"]
+    assert integrity.details["checksums"] == {"xxh3_128": rep.settings["shards"]}
+    assert integrity.checked == rep.settings["tensors"]
+    rep = v.validate(out, sha256=True)
+    assert_all_pass(rep)
+    assert rep.checks["integrity"].details["checksums"] == {"sha256": rep.settings["shards"]}
+    ck = v.load_checkpoint(out)
+    hashes, errors = v.scan_shards(ck, set(), None, workers=2, algorithm=XXH3_128)
+    assert not errors and hashes == {s: file_tensor_hashes(out / s, XXH3_128) for s in ck.shards}
+
+
+def test_flipped_byte_fails_the_fast_checksum_and_sha256(damaged):
+    name = f"{EXPERT}.weight_packed"
+    shard = flip_byte(damaged, name)
+    rep = v.validate(damaged)
+    assert failed_checks(rep) == {"integrity"}
+    (msg,) = failures(rep, "integrity")
+    assert msg.startswith(f"{shard}: tensor {name}: xxh3_128 ") and "re-download or re-convert this shard" in msg
+    assert rep.checks["integrity"].failures[0].tensor == name and rep.checks["integrity"].failures[0].shard == shard
+    rep = v.validate(damaged, sha256=True)
+    assert failed_checks(rep) == {"integrity"}
+    (msg,) = failures(rep, "integrity")
+    assert msg.startswith(f"{shard}: tensor {name}: sha256 ") and "xxh3" not in msg
+
+
+def test_manifest_without_the_fast_checksum_validates_with_sha256(damaged):
+    strip_fast_checksums(damaged)
+    rep = v.validate(damaged)
+    assert_all_pass(rep)
+    assert rep.checks["integrity"].details["checksums"] == {"sha256": rep.settings["shards"]}
+    assert rep.checks["integrity"].checked == rep.settings["tensors"]
+    name = f"{EXPERT}.weight_packed"
+    shard = flip_byte(damaged, name)
+    rep = v.validate(damaged)
+    (msg,) = failures(rep, "integrity")
+    assert msg.startswith(f"{shard}: tensor {name}: sha256 ") and "xxh3" not in msg
+
+
+def test_mixed_manifest_checks_each_shard_with_what_it_records(damaged):
+    shards = sorted(set(index(damaged)["weight_map"].values()))
+    strip_fast_checksums(damaged, shards[:1])
+    rep = v.validate(damaged)
+    assert_all_pass(rep)
+    assert rep.checks["integrity"].details["checksums"] == {"sha256": 1, "xxh3_128": len(shards) - 1}
+
+
+def test_resume_adds_the_fast_checksum_to_an_old_manifest(converted, damaged, monkeypatch):
+    src, out = converted["glm5"]
+    strip_fast_checksums(damaged)
+    written = {p.name: p.stat().st_mtime_ns for p in damaged.glob("*.safetensors")}
+    monkeypatch.setattr(stream, "ConfigJob", InProcessConfigJob)
+    convert(src, damaged, "int4-w4a16")  # the same run: every file verified by sha256 and kept
+    assert {p.name: p.stat().st_mtime_ns for p in damaged.glob("*.safetensors")} == written  # none redone
+    assert (damaged / "glmq_manifest.json").read_bytes() == (out / "glmq_manifest.json").read_bytes()
+
+
 @pytest.mark.parametrize("n,k,group,symmetric", [(1, 128, 128, True), (17, 256, 32, True), (130, 192, 64, False),
                                                  (3, 200, None, True), (9, 384, 128, False)])
 def test_float64_reference_matches_the_torch_dequantization(n, k, group, symmetric):

@@ -14,18 +14,22 @@ Seven checks, each returning a `CheckResult`:
              matmul of the dequantized weight (cpu_kernels.py on CPU).                         numerics.py
   source     (with a source) sampled quantized weights within the RTN bound of the source weights
              (GPTQ: relative error reported per layer); every unquantized tensor unchanged.  source.py
-  integrity  every tensor's sha256 against `glmq_manifest.json` (no manifest: a warning). integrity.py
+  integrity  every tensor's xxh3-128 (or, with --sha256 or an older manifest, sha256) against
+             `glmq_manifest.json` (no manifest: a warning).                                 integrity.py
 `driver.validate` runs them; report.py holds the result types and the terminal table.
 
 Cost: after the headers, the checkpoint is read once (reading.py): a pool of threads, one per core,
-hashes every byte and hands the tensors the checks need to them from the buffer just hashed (the
-scales and shapes of every module, the sampled modules' packed weights, with --source the unquantized
-tensors), so nothing is read twice and the checks overlap the reading. The floor is sha256 (~1.4 GB/s
-per core): on a 2-core machine hashing alone is ~2x a warm single-threaded read; with 8 cores it is
-faster than the disk. The default sample (numerics.DEFAULT_SAMPLE, 0.5% of each stratum, at least
-one) keeps the matmuls a small part of that; `--sample 1.0` checks every module. A source adds one
-read of the source tensors that are compared and the FP8 dequantization of them. Measured ratios to a
-warm read: BENCHMARKS.md, "validate" (scripts/bench_validate.py).
+maps the shards and hashes every byte straight from the page cache, and hands the tensors the checks
+need to them in copies of the bytes it hashed (the scales and shapes of every module, the sampled
+modules' packed weights, with --source the unquantized tensors), so nothing is read twice and the
+checks overlap the reading. The checksum is xxh3-128 (~30 GB/s per core; mapping + hashing ran at
+~8 GB/s on one core of the 2-core machine, faster than a buffered `read()` of the same files);
+`--sha256` (~1 GB/s per core) costs ~2-4x a warm read on 2 cores. The default sample
+(numerics.DEFAULT_SAMPLE, 0.5% of each stratum, at least one) keeps the matmuls a small part of that;
+`--sample 1.0` checks every module. A source adds one read of the source tensors that are compared and
+the FP8 dequantization of them. Fixed costs per process, whatever the checkpoint's size: importing
+compressed-tensors (seconds; it overlaps the scan) and loading the numba kernels (~1 s of CPU).
+Measured ratios to a warm read: BENCHMARKS.md, "validate" (scripts/bench_validate.py).
 
 Exit codes (`Report.exit_code`, `CannotValidate`): 0 valid, 1 invalid, 2 could not run.
 """

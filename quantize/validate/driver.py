@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
+from glmq.formats.safetensors_io import XXH3_128
 from glmq.quantize.validate.checkpoint import load_checkpoint, modules_of
 from glmq.quantize.validate.config import _ct, check_config, group_for, read_quant_config
-from glmq.quantize.validate.integrity import check_integrity
+from glmq.quantize.validate.integrity import check_integrity, checksum_choice
 from glmq.quantize.validate.numerics import DEFAULT_SAMPLE, ModuleScan, sample_modules, stratum
 from glmq.quantize.validate.reading import ScanStats, scan_shards
 from glmq.quantize.validate.report import CannotValidate, CheckResult, Report
@@ -23,7 +24,7 @@ from glmq.quantize.validate.structure import check_structure
 
 def validate(checkpoint: str | Path, source: str | Path | None = None, *, sample: float = DEFAULT_SAMPLE,
              device: str = "cpu", tp: int = 1, seed: int = 0, serving: bool = True,
-             workers: int | None = None) -> Report:
+             workers: int | None = None, sha256: bool = False) -> Report:
     """Run every check on a converted checkpoint folder.
 
     Args:
@@ -35,6 +36,8 @@ def validate(checkpoint: str | Path, source: str | Path | None = None, *, sample
         device: "cpu" (reference path) or "cuda" (the Triton kernel).
         tp: tensor-parallel degree for the serving rules. serving: False skips them.
         seed: activation and sampling seed. workers: reader threads (default: the usable cores, at most 8).
+        sha256: check every tensor's sha256 instead of its xxh3-128 (integrity.py; ~30x the hashing
+            CPU). Shards whose manifest record predates xxh3-128 get sha256 regardless.
     Returns:
         The report; `report.exit_code` is 0 (valid) or 1 (invalid).
     Raises:
@@ -63,11 +66,13 @@ def validate(checkpoint: str | Path, source: str | Path | None = None, *, sample
         if src is not None and name in src.keep:
             src.compare_tensor(name, t, entries[name].shard)
 
+    # shards the manifest does not record (or no manifest): xxh3-128, only to read every byte cheaply
+    algorithms = {s: XXH3_128 for s in ck.shards} | checksum_choice(ck.manifest, sha256)
     t_headers = time.perf_counter()
     stats = ScanStats()
     with _one_intra_op_thread(), _closing(src):
         hashes, read_errors = scan_shards(ck, scan.keep | (src.keep if src else set()), sink,
-                                          workers or min(8, _cores()), stats)
+                                          workers or min(8, _cores()), stats, algorithms)
     t_scan = time.perf_counter()
     ct_import.join()
     try:
@@ -86,10 +91,10 @@ def validate(checkpoint: str | Path, source: str | Path | None = None, *, sample
     if src is not None:
         checks["source"] = src.result()
     sizes = {s: (root / s).stat().st_size for s in hashes}
-    checks["integrity"] = check_integrity(ck.manifest, ck.manifest_error, hashes, sizes)
+    checks["integrity"] = check_integrity(ck.manifest, ck.manifest_error, hashes, sizes, algorithms)
     settings = {"source": str(source) if source else None, "sample": sample, "device": device, "tp": tp, "seed": seed,
-                "serving": serving, "shards": len(ck.shards), "tensors": sum(len(e) for e in ck.shards.values()),
-                "quantized_modules": len(scheme)}
+                "serving": serving, "sha256": sha256, "shards": len(ck.shards),
+                "tensors": sum(len(e) for e in ck.shards.values()), "quantized_modules": len(scheme)}
     end = time.perf_counter()
     timings = {"headers_s": round(t_headers - t0, 3), "scan_s": round(t_scan - t_headers, 3),
                "checks_s": round(end - t_scan, 3), "scan_threads": stats.to_dict()}

@@ -2,12 +2,13 @@
 kernels' float32 reference on the CPU) against a float64 reference, on a deterministic sample.
 
 Sampling: on the CPU the check costs ~5 ns of CPU per weight (it was ~16 before cpu_kernels.py)
-against ~0.34 ns to sha256 the weight's half byte, so checking every module costs ~15x the hashing
-(18-40x a warm read on the 2-core machine, BENCHMARKS.md "validate"). A layout mistake (nibble order,
-group, scale row, a kernel bug) is the same in every module of one kind, and a changed byte anywhere
-is caught by the integrity check, which hashes every byte. So the matmul runs on `fraction` of the
-modules of each stratum (tensor class, projection, packed shape, config group), at least one per
-stratum, chosen by `seed`; DEFAULT_SAMPLE keeps it a small part of the hashing.
+against ~0.34 ns to sha256 the weight's half byte (~0.06 ns to map and xxh3 it; a warm `read()` of it
+took ~0.15-0.4 ns on the 2-core machine), so checking every module costs many reads (BENCHMARKS.md
+"validate"). A layout mistake (nibble order, group, scale row, a kernel bug) is the same in every
+module of one kind, and a changed byte anywhere is caught by the integrity check, which hashes every
+byte. So the matmul runs on `fraction` of the modules of each stratum (tensor class, projection, packed
+shape, config group), at least one per stratum, chosen by `seed`; DEFAULT_SAMPLE keeps it a small part
+of one read.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from glmq.quantize.validate.report import CheckResult
 from glmq.quantize.validate.structure import int_module_problems
 
 # 0.5% of each stratum. The CPU check costs ~5 ns of CPU per weight (the kernels' reference ~3-4.5,
-# the float64 reference ~2) against ~0.34 ns to hash the weight's half byte, so a fraction f of the
-# weights adds about 15 f times the hashing: 8% at 0.5%. On GLM-5 (~58k expert projections of 2048 x
+# the float64 reference ~2) against ~0.15-0.4 ns to read the weight's half byte once, so a fraction f
+# of the weights adds about 12-33 f reads: 6-17% of one at 0.5%. On GLM-5 (~58k expert projections of 2048 x
 # 6144) that is still ~290 modules, ~97 of each projection; on small checkpoints the one-per-stratum
 # floor decides (bench preset: 3 of 384 modules).
 DEFAULT_SAMPLE = 0.005

@@ -118,6 +118,8 @@ def _summary(c: CheckResult) -> str:
         w = d["worst"][0]
         unit = f"steps, bound {d['bound_steps']:.4f}" if d["method"] != "gptq" else "relative, GPTQ: reported only"
         return f"{d['compared']} weights ({d['method']}); worst {w['error']:.4f} {unit} {w['module']}"
+    if c.name == "integrity" and d.get("checksums"):
+        return "; ".join(f"{algo} of {n} shard(s)" for algo, n in d["checksums"].items())
     if c.name == "index" and "total_bytes" in d:
         return f"{d['total_bytes']} bytes of tensors"
     return ""
