@@ -51,6 +51,7 @@ from glmq.calibration.report import summarize
 from glmq.formats.families import layer_index
 from glmq.formats.safetensors_io import atomic_write_text
 from glmq.quantize import stream
+from glmq.quantize.output import plan_identity, prepare_output
 from glmq.quantize.plan import Action, Plan
 from glmq.quantize.rtn import QWeight, dequantize
 
@@ -143,9 +144,9 @@ def run_gptq(plan: Plan, out: str | Path, tokens: torch.Tensor, settings: Calibr
     if tokens.ndim != 2 or tokens.dtype != torch.int64:
         raise ValueError(f"calibration tokens must be an int64 [samples, seq_len] tensor, got {tokens.dtype} {list(tokens.shape)}")
     lead = world is None or world.is_lead
-    man = stream.prepare_output(plan, out, world)  # the manifest first: then the cache may live inside `out`
+    man = prepare_output(plan, out, world)  # the manifest first: then the cache may live inside `out`
     cache = out / cc.CACHE_DIR
-    identity = {"plan": stream.plan_identity(plan), "settings": settings.identity(),
+    identity = {"plan": plan_identity(plan), "settings": settings.identity(),
                 "tokens_sha256": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(), "tokens_shape": list(tokens.shape)}
     _on_lead(world, "checking the calibration cache", lambda: cc.check_identity(cache, identity))
     finished = man.complete and len(man.files) == len(plan.files) and (cache / cc.REPORT_NAME).exists()
@@ -328,15 +329,17 @@ class _Run:
     def share(self, targets: list[Target], state: dict) -> list[Target]:
         """This rank's targets of a layer, balanced by weight size, in their original order.
 
-        With one Hessian pass (no `experts_per_pass`) the units shared are whole GPTQ batches, exactly as
-        one process forms them (`gptq_batches`): every problem is then solved in a batch of the same size
-        and make-up as in a single process. cuBLAS and cuSOLVER may pick another kernel for another batch
-        count, so this is what keeps a GPU run byte-identical across rank counts. The balance granularity
-        is one batch (GLM-5: 32 expert batches of 16, 4 per rank on 8 GPUs). With several passes, each
-        rank forms its own passes, so units are single experts and plain Linears (identical on CPU,
-        where batched kernels loop over the batch, not guaranteed on a GPU).
+        On a GPU with one Hessian pass (no `experts_per_pass`) the units shared are whole GPTQ batches,
+        exactly as one process forms them (`gptq_batches`): every problem is then solved in a batch of
+        the same size and make-up as in a single process. cuBLAS and cuSOLVER may pick another kernel
+        for another batch count, so this is what keeps a GPU run byte-identical across rank counts; the
+        balance granularity is one batch (GLM-5: 32 expert batches of 16, 4 per rank on 8 GPUs). On CPU
+        the batched kernels loop over the batch (the same bits for any batch size, which
+        tests/test_distributed.py checks), so the units are single experts and plain Linears, the finer
+        balance that a few experts need. With several passes each rank forms its own passes, so the
+        units are single experts on a GPU too (identical bits then not guaranteed there).
         """
-        if self.s.experts_per_pass is None:
+        if self.device.type != "cpu" and self.s.experts_per_pass is None:
             units = [[t for g in batch for t in g] for batch in gptq_batches(targets, state, self.s.gptq_batch)]
         else:
             by: dict[object, list[Target]] = {}

@@ -7,7 +7,8 @@ and a writer thread writes and hashes finished ones while the main thread comput
 
 Crash safety: each output file is written under a temporary name and renamed when complete, then
 recorded with its tensor checksums in the manifest; the index and config.json are written last. A
-rerun with the same source and recipe verifies the recorded files and redoes only the rest.
+rerun with the same source and recipe verifies the recorded files and redoes only the rest (the output
+folder's side of this lives in quantize/output.py).
 
 Distributed (`world`, quantize/dist.py): every rank converts its share of the output files; rank 0
 prepares the folder, and after every rank has finished, merges the records and writes the manifest,
@@ -21,9 +22,6 @@ import json
 import logging
 import os
 import resource
-import shutil
-import subprocess
-import sys
 import threading
 import zlib
 import time
@@ -35,106 +33,16 @@ import torch
 from safetensors import safe_open
 
 from glmq import __version__
-from glmq.formats.families import LINEAR_CLASSES, ignore_list
-from glmq.formats.manifest import CHECKSUM_KEYS, FRAGMENT_GLOB, MANIFEST_NAME, REPORT_NAME, Manifest, fragment_name
-from glmq.formats.safetensors_io import (SHA256, TMP_SUFFIX, XXH3_128, CheckpointError, StreamingWriter,
-                                         atomic_write_text, file_tensor_checksums)
-from glmq.formats.source import INDEX_NAME, Source
+from glmq.formats.manifest import FRAGMENT_GLOB, REPORT_NAME, Manifest
+from glmq.formats.safetensors_io import XXH3_128, CheckpointError, StreamingWriter, atomic_write_text
+from glmq.formats.source import Source
 from glmq.quantize import ops
+from glmq.quantize.output import ConfigJob, FileBook, finish_checkpoint, prepare_output
 from glmq.quantize.plan import Action, Item, OutFile, Plan
 
 log = logging.getLogger("glmq")
 CHUNK_BYTES = 64 << 20  # source bytes per row block: big enough to amortise calls, small for memory
 PREFETCH = 3  # row blocks read ahead of the one being converted
-
-
-class OutputDirError(CheckpointError):
-    pass
-
-
-def plan_identity(plan: Plan) -> dict:
-    return {
-        "glmq_version": __version__,
-        "source_digest": plan.source.header_digest,
-        "recipe": plan.recipe.to_dict(),
-        "max_shard_bytes": plan.max_shard_bytes,
-        "files": [f.name for f in plan.files],
-    }
-
-
-# ----------------------------------------------------------------------------------------- output dir
-def prepare_output(plan: Plan, out: Path, world=None) -> Manifest:
-    """Create the output folder, or resume the interrupted run of this very plan that it holds.
-
-    Args:
-        world: a `dist.World`: rank 0 prepares the folder while the others wait, then every rank
-            gets rank 0's manifest (whose `files` are the verified finished files).
-    Raises:
-        OutputDirError: the folder holds anything else.
-        RankFailure: (distributed) rank 0 could not prepare the folder.
-    """
-    if world is None:
-        return _prepare_output(plan, Path(out))
-    man = None
-    if world.is_lead:
-        try:
-            man = _prepare_output(plan, Path(out))
-        except Exception as e:
-            raise world.failure(f"output folder {out}", e) from e
-    man = world.broadcast(man, "output folder check")
-    if man.identity != plan_identity(plan):  # e.g. another glmq version or source copy on another node
-        diff = sorted(k for k, v in plan_identity(plan).items() if man.identity.get(k) != v)
-        raise world.failure("planning", f"this rank's plan differs from rank 0's in {', '.join(diff)}; every rank "
-                                        f"must see the same source, recipe, options and glmq version")
-    return man
-
-
-def _prepare_output(plan: Plan, out: Path) -> Manifest:
-    identity = plan_identity(plan)
-    if out.exists() and not out.is_dir():
-        raise OutputDirError(f"{out}: exists and is not a directory; choose another --output")
-    out.mkdir(parents=True, exist_ok=True)
-    existing = [p for p in out.iterdir()]
-    man = Manifest.load(out)
-    if man is None:
-        if existing:
-            raise OutputDirError(
-                f"{out}: not empty and holds no interrupted glmq run ({len(existing)} entries, e.g. "
-                f"{existing[0].name}); choose an empty or new --output folder, or remove this one"
-            )
-        man = Manifest(identity)
-        man.save(out)
-        return man
-    if man.identity != identity:
-        diff = sorted(k for k in identity if identity[k] != man.identity.get(k))
-        raise OutputDirError(
-            f"{out / MANIFEST_NAME}: this folder holds a glmq run of a different source/recipe/settings "
-            f"(differs in: {', '.join(diff)}); use a new --output folder, or remove this one to start over"
-        )
-    fragments = man.absorb_fragments(out)  # records of the ranks of an interrupted distributed run
-    for p in existing:  # half-written files of the interrupted run
-        if p.name.endswith(TMP_SUFFIX):
-            p.unlink()
-    kept = {}
-    for name, rec in man.files.items():
-        path = out / name
-        try:
-            sums = file_tensor_checksums(path) if path.exists() else None
-        except (CheckpointError, OSError):
-            sums = None
-        # a record written before the fast checksum gets it here, from the bytes its sha256 just verified
-        ok = sums is not None and all(rec.get(CHECKSUM_KEYS[a], sums[a]) == sums[a] for a in (SHA256, XXH3_128))
-        if ok:
-            kept[name] = {**rec, CHECKSUM_KEYS[XXH3_128]: sums[XXH3_128]}
-        else:
-            log.warning("%s: recorded as finished but does not check out; converting it again", path)
-            path.unlink(missing_ok=True)
-    man.files = kept
-    man.complete = man.complete and len(kept) == len(plan.files)
-    man.save(out)
-    for p in fragments:  # now in the manifest
-        p.unlink()
-    return man
 
 
 # ----------------------------------------------------------------------------------------- reading
@@ -401,28 +309,6 @@ def file_cost(f: OutFile) -> int:
     return sum(it.in_bytes + it.out_bytes for it in f.items)
 
 
-class FileBook:
-    """Where finished output files are recorded: the manifest itself (single process), or this rank's
-    manifest fragment (distributed; rank 0 merges every rank's `files` at the end)."""
-
-    def __init__(self, out: Path, man: Manifest, world=None):
-        self.out = out
-        self.book = man if world is None else Manifest(man.identity)
-        self.name = MANIFEST_NAME if world is None else fragment_name(world.rank)
-        self._lock = threading.Lock()
-
-    @property
-    def files(self) -> dict[str, dict]:
-        return self.book.files
-
-    def record(self, f: OutFile, size: int, hashes: dict[str, str], fast: dict[str, str]) -> None:
-        """Called from the commit thread once `f` is renamed into place: its tensors' sha256 and xxh3-128."""
-        with self._lock:
-            self.book.files[f.name] = {"source_shard": f.source_shard, "bytes": size, CHECKSUM_KEYS[SHA256]: hashes,
-                                       CHECKSUM_KEYS[XXH3_128]: fast}
-            self.book.save(self.out, self.name)
-
-
 def _rank_row(rank: int, stats: RunStats) -> dict:
     return {"rank": rank, "files_written": stats.files_written, "bytes_in_processed": stats.bytes_in,
             "seconds": round(stats.seconds, 3), **peak_memory()}
@@ -550,64 +436,6 @@ def _progress(total: int, enabled: bool):
 
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="glmq quantize",
                 disable=not enabled, dynamic_ncols=True, smoothing=0.1)
-
-
-# ----------------------------------------------------------------------------------------- finish
-def config_request(plan: Plan) -> dict:
-    """What the compressed-tensors config depends on: spec, ignore and keep lists, every Linear module."""
-    present = {it.cls for it in plan.items if it.cls in LINEAR_CLASSES and it.name.endswith(".weight")}
-    ignore = ignore_list(present - set(plan.recipe.targets))
-    keep = sorted({f"re:^{it.module.replace('.', chr(92) + '.')}$" for it in plan.items if it.action is Action.KEEP_FP8})
-    spec = {k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(plan.recipe.spec).items()}
-    modules = {m: a is Action.QUANTIZE for m, a in plan.linear_modules().items()}
-    return {"spec": spec, "ignore": ignore, "keep": keep, "modules": modules}
-
-
-class ConfigJob:
-    """Builds the quantization_config in a child process while the conversion runs (see
-    `glmq.formats.compressed_tensors.main` for why)."""
-
-    def __init__(self, plan: Plan, own_session: bool = False):
-        # own_session (distributed runs): torchrun starts each rank in its own session, and Linux's
-        # autogroup scheduler shares CPU fairly between sessions; inside rank 0's session this child's
-        # import (seconds of CPU) came out of rank 0's share alone and made it the slowest rank.
-        self.proc = subprocess.Popen([sys.executable, "-m", "glmq.formats.compressed_tensors"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=own_session)
-        self.request = json.dumps(config_request(plan))
-
-    def result(self) -> dict:
-        out, err = self.proc.communicate(self.request, timeout=600)
-        if self.proc.returncode != 0:
-            raise RuntimeError(f"building the compressed-tensors config failed:\n{err[-3000:]}")
-        return json.loads(out)
-
-    def cancel(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def output_config(plan: Plan, quantization_config: dict) -> dict:
-    """The source config with its quantization_config replaced by the compressed-tensors one."""
-    cfg = {k: v for k, v in plan.source.config.items() if k != "quantization_config"}
-    cfg["quantization_config"] = quantization_config
-    return cfg
-
-
-def finish_checkpoint(plan: Plan, out: Path, man: Manifest, quantization_config: dict) -> None:
-    """Side files, then the index, then config.json (the file that makes the folder a checkpoint)."""
-    for name in plan.source.side_files:
-        dst = out / name
-        tmp = Path(str(dst) + TMP_SUFFIX)
-        shutil.copyfile(plan.source.root / name, tmp)
-        os.replace(tmp, dst)
-    weight_map = {o.name: f.name for f in plan.files for it in f.items for o in it.outputs}
-    index = {"metadata": {"total_size": sum(f.nbytes for f in plan.files)}, "weight_map": dict(sorted(weight_map.items()))}
-    atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
-    atomic_write_text(out / "config.json", json.dumps(output_config(plan, quantization_config), indent=2) + "\n")
-    man.complete = True
-    man.save(out)
 
 
 def peak_rss_bytes() -> int:

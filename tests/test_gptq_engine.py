@@ -287,7 +287,7 @@ def test_killed_mid_layer_resumes_byte_identical(cli_src, tmp_path, offload):
 
 def test_rerun_of_a_finished_job_and_foreign_folders(glm4, tmp_path, monkeypatch):
     from glmq.calibration import layer_gptq
-    from glmq.quantize.stream import OutputDirError
+    from glmq.quantize.output import OutputDirError
 
     src, gptq, rtn, report = glm4
     out = tmp_path / "out"

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from glmq import recipes
 from glmq.formats.safetensors_io import read_header
 from glmq.formats.source import open_source
-from glmq.quantize import stream
+from glmq.quantize import output, stream
 from glmq.quantize import validate as v
 from glmq.quantize.plan import make_plan
 from glmq.scripts.cli import main
@@ -89,12 +89,12 @@ JOBS = {
 
 
 class InProcessConfigJob:
-    """`stream.ConfigJob` without its child process: the same `config_from_request` on the same JSON,
+    """`output.ConfigJob` (as `stream` uses it) without its child process: the same `config_from_request` on the same JSON,
     run here, where compressed-tensors is already imported (the child spends ~10 s importing it on a
     busy 2-core machine, which would dominate these tests)."""
 
     def __init__(self, plan, own_session: bool = False):  # own_session: the child's session, moot here
-        self.request = json.dumps(stream.config_request(plan))
+        self.request = json.dumps(output.config_request(plan))
 
     def result(self) -> dict:
         from glmq.formats.compressed_tensors import config_from_request
