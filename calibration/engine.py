@@ -148,7 +148,10 @@ def run_gptq(plan: Plan, out: str | Path, tokens: torch.Tensor, settings: Calibr
     cache = out / cc.CACHE_DIR
     identity = {"plan": plan_identity(plan), "settings": settings.identity(),
                 "tokens_sha256": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(), "tokens_shape": list(tokens.shape)}
-    _on_lead(world, "checking the calibration cache", lambda: cc.check_identity(cache, identity))
+    if world is None:
+        cc.check_identity(cache, identity)
+    else:
+        world.on_lead("checking the calibration cache", lambda: cc.check_identity(cache, identity))
     finished = man.complete and len(man.files) == len(plan.files) and (cache / cc.REPORT_NAME).exists()
     if finished:
         report = json.loads((cache / cc.REPORT_NAME).read_text())
@@ -165,20 +168,6 @@ def run_gptq(plan: Plan, out: str | Path, tokens: torch.Tensor, settings: Calibr
             if p.name not in (cc.IDENTITY_NAME, cc.REPORT_NAME) and p.is_file():
                 p.unlink()
     return result
-
-
-def _on_lead(world, step: str, fn):
-    """Run `fn` on rank 0 only (or in a single process); the other ranks wait for it."""
-    if world is None:
-        return fn()
-    out = None
-    if world.is_lead:
-        try:
-            out = fn()
-        except Exception as e:
-            raise world.failure(step, e) from e
-    world.barrier(step)
-    return out
 
 
 def run_gptq_from_text(plan: Plan, out: str | Path, settings: CalibrationSettings, device: str = "cpu",

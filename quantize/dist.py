@@ -35,7 +35,7 @@ import datetime
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 # Every collective waits at most this long. It is not how failures are detected (see the module
 # docstring: torchrun stops the job when a rank exits); it only ends a job whose rank hangs without
@@ -108,6 +108,20 @@ class World:
 
     def failure(self, where: str, error: BaseException | str) -> RankFailure:
         return error if isinstance(error, RankFailure) else RankFailure(self.rank, where, error)
+
+    def on_lead(self, step: str, fn: Callable[[], Any], share: bool = False) -> Any:
+        """Run `fn` on rank 0 only while the other ranks wait (a failure there names rank 0 and `step`);
+        with `share`, every rank returns rank 0's result, otherwise the others return None."""
+        out = None
+        if self.is_lead:
+            try:
+                out = fn()
+            except Exception as e:
+                raise self.failure(step, e) from e
+        if share:
+            return self.broadcast(out, step)
+        self.barrier(step)
+        return out
 
     def barrier(self, step: str) -> None:
         self._collective(step, lambda d: d.barrier(group=self.cpu_group))

@@ -58,13 +58,7 @@ def prepare_output(plan: Plan, out: Path, world=None) -> Manifest:
     """
     if world is None:
         return _prepare_output(plan, Path(out))
-    man = None
-    if world.is_lead:
-        try:
-            man = _prepare_output(plan, Path(out))
-        except Exception as e:
-            raise world.failure(f"output folder {out}", e) from e
-    man = world.broadcast(man, "output folder check")
+    man = world.on_lead(f"output folder {out}", lambda: _prepare_output(plan, Path(out)), share=True)
     if man.identity != plan_identity(plan):  # e.g. another glmq version or source copy on another node
         diff = sorted(k for k, v in plan_identity(plan).items() if man.identity.get(k) != v)
         raise world.failure("planning", f"this rank's plan differs from rank 0's in {', '.join(diff)}; every rank "
