@@ -2,60 +2,65 @@
 
     y[M, N] = x[M, K] @ dequant(weight_packed[N, K/8], weight_scale[N, K/g]).T      (fp32 accumulate)
 
-Layout. The checkpoint stores element k of row n in nibble k % 8 of word k // 8 (formats.md §2c,
+Layouts. The checkpoint stores element k of row n in nibble k % 8 of word k // 8 (formats.md §2c,
 u = q + 8, LSB first). `prepack` permutes the nibbles once, inside each CHUNK of C consecutive
-columns (C = 128 when K allows, else 64 or 32; P = C / 8 words per chunk):
+columns (C = 128 when K allows, else 64 or 32), in one of two orders (`Layout`, `chunk_perm`):
 
-    prepacked word w of a chunk, nibble j  =  element  j * P + w  of that chunk      (0 <= w < P, 0 <= j < 8)
+  PAIRS (the default for group-128 weights with 128-column chunks; what the tensor-core kernels read):
+      word v = 4c + a of a chunk, nibble i  =  element  32a + 16((i >> 1) & 1) + 8(i & 1) + 2c + (i >> 2)
+  Nibbles i and i + 4 of a word are the adjacent columns (k, k + 1) that one 32-bit register of the
+  tensor cores' A fragment holds, and the fragment rule (lane c = lane % 4 holds columns {2c, 2c+1,
+  2c+8, 2c+9} of every k16 block) is met by thread c's four consecutive words 4c .. 4c+3: one 16-byte
+  load carries all 32 of its elements of a chunk for one row. One lop3 per pair turns a word (or the
+  word shifted by 4, 8, 12) into two bf16/fp16 values 128 + u (`_pairs_asm`), one fma makes them
+  q = u - 8 exactly: 1.4 instructions per weight. The group scale is not multiplied into the weights
+  but applied once per output after each chunk's dot (`_pairs_chunk_dot`). The words are also stored
+  chunk-major (`PackedW4.chunk_major`: `[K/128, N, 16]`, all rows of one chunk contiguous), so that a
+  tile of 128 rows x 1 chunk is one contiguous 8 KB block of memory.
+  PLANES (every chunk size; the GEMV, the per-plane MMA kernel, and group sizes 32 and 64):
+      prepacked word w of a chunk, nibble j  =  element  j * P + w  of that chunk   (P = C / 8)
+  The words keep their shape `[N, K/8]`. Nibble "plane" j of the P words of a chunk is then P
+  *consecutive* columns: plane j of a word tile multiplies a contiguous slice of x (one vector load,
+  shared by every row of the tile) on the CUDA cores, and is a ready `[P, BLOCK_N]` operand of a
+  K = 16 tensor-core dot; a plane never straddles a quantization group (P divides g). Plane j is
+  extracted with one mask (one shift of the word by 20 serves j = 5..7): `(w & 0xF << 4s) | 0x4B000000`
+  read as fp32 is 2^23 + u * 16^s, exactly, and one FMA gives q = u - 8 exactly.
+The scales are never touched.
 
-The words keep their shape `[N, K/8]` and the scales are not touched. Nibble "plane" j of the P words
-of a chunk is then P *consecutive* columns: plane j of a word tile multiplies a contiguous slice of x
-(one vector load, shared by every row of the tile) on the CUDA cores, and is a ready `[P, BLOCK_N]`
-operand of a K = 16 tensor-core dot against `x[:, c*128 + 16j : c*128 + 16j + 16]` (C = 128), so no
-kernel shuffles nibbles between threads. A plane never straddles a quantization group (P divides g).
-Plane j is extracted with one mask (no shift for j <= 4; one shift of the word by 20 serves j = 5..7):
-`(w & 0xF << 4s) | 0x4B000000` read as fp32 is 2^23 + u * 16^s, exactly, and one FMA
-(`* 16^-s - (2^23 * 16^-s + 8)`) gives q = u - 8 exactly, with no int -> float conversion.
-
-`w4a16_matmul` takes the checkpoint's tensors and prepacks them on first use, caching the result per
-weight tensor (weakly referenced, invalidated by in-place writes); `prepack` + `w4a16_matmul_packed`
-do the same explicitly, which is what a serving loader should do (the cache holds a second copy).
+`w4a16_matmul` takes the checkpoint's tensors and prepacks them on first use (in the layout its
+config needs), caching the result per weight tensor (weakly referenced, invalidated by in-place
+writes); `prepack` + `w4a16_matmul_packed` do the same explicitly, which is what a serving loader
+should do (the cache holds a second copy).
 
 Three kernels:
-  * GEMV (`_gemv_kernel`, M <= 8 rows per program): CUDA-core FMAs over a `[BLOCK_M, BLOCK_N, CPI, P]`
-    register tile (CPI chunks per step); the word tile of the next step is loaded before the current
-    one is computed (two tiles in flight per program); the group scale is applied once per
-    (row, word) after the group's planes are summed; any chunk size.
-  * MMA, transposed (`_mma_swap_kernel`, `DenseConfig.swap`, C = 128 only): y.T = dequant(W) @ x.T, so
-    the dequantized weights are the tensor cores' *register* operand (Hopper wgmma reads A from
-    registers; B, here x.T, from shared memory) and the tokens are the MMA's N dimension (16..256, no
-    padded rows at small M). The layout makes this cheap: in the wgmma/mma.sync A-fragment layout a
-    thread holds, for every k16 block j of a chunk, columns {2c, 2c+1, 2c+8, 2c+9} of that block, i.e.
-    plane j of prepacked words {2c, 2c+1, 2c+8, 2c+9}: the words a thread loads carry all 8 k-blocks
-    it needs, and concatenating the planes (`_cat`: join/permute/reshape, pure register renaming under
-    Triton's linear layouts) gives the natural-order `[BLOCK_N, 128]` operand of ONE K = 128 dot per
-    chunk (eight back-to-back async wgmma) without any shuffle or shared-memory round trip of
-    dequantized values (Triton hoists the operand layout to the words' shared-memory load). Words and
-    x tiles are pipelined by Triton's cp.async pipeliner (num_stages); the group scales are folded
-    into the dequantized weights, so the accumulator chains across chunks. Dequantization
-    (`_plane_asm`, inline PTX) does two weights per instruction: prmt + lop3 + two bf16x2/f16x2 fma
-    per pair, ~2.5 instructions per weight (the main loop of a 64 x 128 tile: 413 SASS instructions
-    per chunk against 581 with plain Triton ops); whether that wins depends on the tile (on H200 it
-    did at M = 2048, not for 64 x 128 tiles at M = 64), so `asm` is a tuned option.
-  * MMA, per plane (`_mma_kernel`, BLOCK_M >= 16, C = 128 only): per chunk and plane one `tl.dot` of
-    `[BLOCK_M, 16] x [16, BLOCK_N]`; the group's dots accumulate in a temporary that is scaled once
-    per group; optional register prefetch of the next chunk's words. On Hopper each small dot needs
-    its dequantized operand in shared memory (wgmma reads B from there); in the H200 tuning of
-    2026-11-29 it was 1.2-2.8x slower than the transposed kernel at every GLM-5 shape and M = 4..2048
-    where the table held it, so it stays only as the baseline the tuner compares against.
-Both split K over programs when the output has few tiles (decode shapes on 132 SMs); the split-K
+  * MMA, transposed (`_mma_swap_kernel`, `DenseConfig.swap`, C = 128 only; every M on PAIRS weights):
+    y.T = dequant(W) @ x.T, so the dequantized weights are the tensor cores' *register* operand
+    (Hopper wgmma reads A from registers; B, here x.T, from shared memory) and the tokens are the
+    MMA's N dimension (16..256; at decode the token columns past M are zero-filled, not loaded).
+    The dequantized `[BLOCK_N, 128]` tile is assembled from each word's elements by join/permute/
+    reshape, pure register renaming under Triton's linear layouts, into the natural-order operand of
+    ONE K = 128 dot per chunk (eight back-to-back async wgmma), without any shuffle or shared-memory
+    round trip of dequantized values (no convert_layout in Triton 3.6's TTGIR for sm_90). Words and x
+    tiles are pipelined by Triton's cp.async pipeliner (num_stages). The main loop of a 16 x 128 tile
+    is 302 SASS instructions per chunk on PAIRS weights against 409 on PLANES (`_dequant_nat`,
+    `_plane_asm`: a prmt gathers each pair of a plane from two words and the scale is folded in).
+  * GEMV (`_gemv_kernel`, M <= 8 rows per program, PLANES): CUDA-core FMAs over a `[BLOCK_M, BLOCK_N,
+    CPI, P]` register tile (CPI chunks per step); the word tile of the next step is loaded before the
+    current one is computed; the group scale is applied once per (row, word); any chunk size, so it
+    serves K that is not a multiple of 128.
+  * MMA, per plane (`_mma_kernel`, BLOCK_M >= 16, PLANES, C = 128 only): per chunk and plane one
+    `tl.dot` of `[BLOCK_M, 16] x [16, BLOCK_N]`. On Hopper each small dot needs its dequantized operand
+    in shared memory; in the H200 tuning of 2026-11-29 it was 1.2-2.8x slower than the transposed
+    kernel at every GLM-5 shape and M = 4..2048, so it stays only as the baseline the tuner compares.
+All split K over programs when the output has few tiles (decode shapes on 132 SMs); the split-K
 reduction is deterministic and needs no memset: every split stores its fp32 partial and takes a
 ticket from a per-tile counter; the last one to arrive sums the partials in split order, writes the
 output and re-arms the counter (CUDA's threadFenceReduction pattern).
 
 Launch parameters: `choose_config` reads a table tuned on the target GPU (`tuned_configs.json`
-beside this file, written by scripts/tune_kernels.py, keyed by GPU name, (N, K, g) and an M bucket)
-and falls back to a deterministic heuristic for other GPUs and shapes. Nothing is autotuned at call time.
+beside this file, written by scripts/tune_kernels.py, keyed by GPU name, weight layout, (N, K, g)
+and an M bucket) and falls back to a deterministic heuristic for other GPUs and shapes. Nothing is
+autotuned at call time. Measurements and the decisions they drove: kernels/NOTES.md.
 """
 
 from __future__ import annotations
@@ -170,21 +175,55 @@ def chunk_for(k: int) -> int:
     raise ValueError(f"K = {k} must be a multiple of 32")
 
 
+class Layout(str, enum.Enum):
+    """How `prepack` orders the nibbles inside each chunk (module docstring)."""
+
+    PLANES = "planes"  # word w, nibble j = element j * P + w: any chunk; the GEMV and per-plane kernels
+    PAIRS = "pairs"  # chunk 128 only: each word holds 4 (k, k+1) pairs of one thread's MMA fragment
+
+
+def chunk_perm(chunk: int, layout: Layout) -> torch.Tensor:
+    """int64 `[chunk]`: the chunk element that prepacked nibble slot s = 8 * word + nibble holds.
+
+    PLANES: word w, nibble j holds element j * P + w (P = chunk / 8).
+    PAIRS (chunk 128): word v = 4 c + a, nibble i holds element
+        (i >> 2) + 2 c + 8 (i & 1) + 16 ((i >> 1) & 1) + 32 a,
+    i.e. nibbles i and i + 4 are the adjacent columns (k, k + 1) that one 32-bit register of the
+    tensor cores' A fragment holds, c = lane % 4 picks columns {2c, 2c+1, 2c+8, 2c+9} of every k16
+    block (the fragment's rule), and a thread's four words v = 4c .. 4c+3 (one 16-byte load) carry
+    all 32 of its elements of the chunk for one row.
+    """
+    s = torch.arange(chunk)
+    word, nib = s // 8, s % 8
+    if layout is Layout.PLANES:
+        return nib * (chunk // 8) + word
+    if chunk != MMA_CHUNK:
+        raise ValueError(f"the {layout.value} layout needs 128-column chunks, got {chunk}")
+    c, a = word // 4, word % 4
+    return (nib >> 2) + 2 * c + 8 * (nib & 1) + 16 * ((nib >> 1) & 1) + 32 * a
+
+
 @dataclass(frozen=True, eq=False)
 class PackedW4:
     """A symmetric int4 weight in the kernels' layout (see the module docstring).
 
     Attributes:
-        qweight: int32 `[..., N, K/8]`, nibbles permuted within each chunk.
+        qweight: int32 words, nibbles permuted within each chunk (`chunk_perm`): `[..., N, K/8]`, or
+            with `chunk_major` `[..., K/chunk, N, chunk/8]` (each chunk of all rows contiguous, so
+            that a tile of rows of one chunk is one contiguous block of memory).
         scale: fp16/bf16/fp32 `[..., N, K/group_size]`, the checkpoint's scales (same tensor).
         group_size: 32, 64 or 128.
         chunk: 128, 64 or 32 (`chunk_for(K)`).
+        layout: the nibble order inside a chunk.
+        chunk_major: the word order described above (transposed-MMA kernels only).
     """
 
     qweight: torch.Tensor
     scale: torch.Tensor
     group_size: int
     chunk: int
+    layout: Layout = Layout.PLANES
+    chunk_major: bool = False
 
     @property
     def n(self) -> int:
@@ -192,49 +231,79 @@ class PackedW4:
 
     @property
     def k(self) -> int:
+        if self.chunk_major:
+            return self.qweight.shape[-3] * self.qweight.shape[-1] * 8
         return self.qweight.shape[-1] * 8
 
+    @property
+    def lead(self) -> tuple[int, ...]:
+        """Leading (expert) dims."""
+        return tuple(self.qweight.shape[:-3] if self.chunk_major else self.qweight.shape[:-2])
 
-def _regroup_words(words: torch.Tensor, inner: tuple[int, int]) -> torch.Tensor:
-    """int32 words `[..., K/8]` -> words whose chunk nibbles, viewed as `inner` = (a, b), are transposed.
+    def word_strides(self) -> tuple[int, int]:
+        """(words between consecutive rows, words between consecutive chunks of a row)."""
+        if self.chunk_major:
+            return self.qweight.stride(-2), self.qweight.stride(-3)
+        return self.qweight.stride(-2), self.chunk // 8
 
-    A chunk's nibbles in word order (element e = 8 * word + nibble) are viewed as an `[a, b]` matrix,
-    transposed to `[b, a]`, and re-packed 8 per word, LSB first; done in row blocks.
+    def check(self, lead: tuple[int, ...], n: int, k: int, device, name: str = "weight") -> None:
+        """ValueError unless this is a `[*lead, n, k]` weight on `device`, contiguous as prepacked."""
+        if (self.lead, self.n, self.k) != (tuple(lead), n, k):
+            raise ValueError(f"prepacked {name} is {[*self.lead, self.n, self.k]} (words {list(self.qweight.shape)}), "
+                             f"expected {[*lead, n, k]}")
+        if not self.chunk_major:
+            check_packed(name, self.qweight, self.scale, (*lead, n, k), self.group_size, device)
+            return
+        if self.qweight.dtype != torch.int32:
+            raise ValueError(f"prepacked {name} words must be int32, got {self.qweight.dtype}")
+        _check_tensor(name, "packed", self.qweight, device)
+        check_scale(name, self.scale, (*lead, n, k), self.group_size, device)
+
+
+def _permute_nibbles(words: torch.Tensor, chunk: int, perm: torch.Tensor) -> torch.Tensor:
+    """int32 words `[..., K/8]` -> words whose nibble slot s of each chunk holds old slot `perm[s]`.
+
+    Re-packed 8 nibbles per word, LSB first; done in row blocks to bound the int64 temporaries.
     """
     kw = words.shape[-1]
     flat = words.reshape(-1, kw)
-    rows, k, chunk = flat.shape[0], kw * 8, inner[0] * inner[1]
+    rows, k = flat.shape[0], kw * 8
     out = torch.empty_like(flat)
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=flat.device)
+    perm = perm.to(flat.device)
     block = max(1, (1 << 22) // k)  # ~4M nibbles (32 MB of int64) per step
     for r0 in range(0, rows, block):
         w = flat[r0 : r0 + block]
         r = w.shape[0]
-        nib = ((w.unsqueeze(-1) >> shifts) & 0xF).view(r, k // chunk, *inner)
-        nib = nib.transpose(-1, -2).reshape(r, kw, 8).long()
+        nib = ((w.unsqueeze(-1) >> shifts) & 0xF).view(r, k // chunk, chunk)
+        nib = nib[:, :, perm].reshape(r, kw, 8).long()
         word = (nib << shifts.long()).sum(-1)  # < 2^32, exact in int64
         out[r0 : r0 + block] = (word - ((word >> 31) << 32)).to(torch.int32)  # two's complement
     return out.view(words.shape)
 
 
-def prepack_words(weight_packed: torch.Tensor, chunk: int) -> torch.Tensor:
-    """compressed-tensors words `[..., N, K/8]` -> prepacked words (module docstring), same shape.
-
-    Checkpoint element e of a chunk viewed as `[8, P]` is `[e // P, e % P] = [j, w]`; transposed to
-    `[P, 8]`, word w holds planes j = 0..7.
-    """
-    return _regroup_words(weight_packed, (8, chunk // 8))
+def default_layout(chunk: int, group_size: int) -> Layout:
+    """PAIRS for 128-column chunks of group-128 weights, which only the tensor-core kernels read; PLANES
+    otherwise (the GEMV, and the folded per-group scales of smaller groups, run on PLANES)."""
+    return Layout.PAIRS if chunk == MMA_CHUNK and group_size == MMA_CHUNK else Layout.PLANES
 
 
-def unprepack_words(qweight: torch.Tensor, chunk: int) -> torch.Tensor:
+def prepack_words(weight_packed: torch.Tensor, chunk: int, layout: Layout | str = Layout.PLANES) -> torch.Tensor:
+    """compressed-tensors words `[..., N, K/8]` (element e = nibble e % 8 of word e // 8) -> prepacked words."""
+    return _permute_nibbles(weight_packed, chunk, chunk_perm(chunk, Layout(layout)))
+
+
+def unprepack_words(qweight: torch.Tensor, chunk: int, layout: Layout | str = Layout.PLANES) -> torch.Tensor:
     """Inverse of `prepack_words` (tests, debugging)."""
-    return _regroup_words(qweight, (chunk // 8, 8))
+    return _permute_nibbles(qweight, chunk, torch.argsort(chunk_perm(chunk, Layout(layout))))
 
 
-def prepack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int) -> PackedW4:
+def prepack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int,
+            layout: Layout | str | None = None, chunk_major: bool | None = None) -> PackedW4:
     """Repack a compressed-tensors int4 weight (`[..., N, K/8]` int32, `[..., N, K/g]` scales) once.
 
-    The result feeds `w4a16_matmul_packed` (and, stacked over experts, `fused_moe_w4a16`).
+    The result feeds `w4a16_matmul_packed` (and, stacked over experts, `fused_moe_w4a16`). layout:
+    default `default_layout(chunk_for(K), group_size)`; chunk_major: default True for PAIRS.
     Raises ValueError on a dtype/shape the kernels do not take.
     """
     if group_size not in SUPPORTED_GROUP_SIZES:
@@ -251,16 +320,29 @@ def prepack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size:
             f"{[*weight_packed.shape[:-1], k // group_size]} for group_size {group_size}"
         )
     chunk = chunk_for(k)
-    return PackedW4(prepack_words(weight_packed.contiguous(), chunk), weight_scale.contiguous(), group_size, chunk)
+    layout = default_layout(chunk, group_size) if layout is None else Layout(layout)
+    if layout is Layout.PAIRS and group_size != MMA_CHUNK:
+        raise ValueError(f"the pairs layout is for group-{MMA_CHUNK} weights (its kernels scale once per 128-column "
+                         f"chunk), got group_size {group_size}; use layout='planes'")
+    chunk_major = layout is Layout.PAIRS if chunk_major is None else chunk_major
+    words = prepack_words(weight_packed.contiguous(), chunk, layout)
+    if chunk_major:
+        *lead, n, kw = words.shape
+        words = words.view(*lead, n, kw // (chunk // 8), chunk // 8).transpose(-2, -3).contiguous()
+    return PackedW4(words, weight_scale.contiguous(), group_size, chunk, layout, chunk_major)
 
 
 _CACHE: dict[int, tuple] = {}
 _CACHE_LOCK = threading.Lock()
 
 
-def cached_prepack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int) -> PackedW4:
-    """`prepack`, remembered per `weight_packed` tensor while it lives and is not written in place."""
-    key = id(weight_packed)
+def cached_prepack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int,
+                   layout: Layout | None = None, chunk_major: bool | None = None) -> PackedW4:
+    """`prepack`, remembered per `weight_packed` tensor (and layout) while it lives and is not written in place."""
+    k = weight_packed.shape[-1] * 8
+    layout = default_layout(chunk_for(k), group_size) if layout is None else Layout(layout)
+    chunk_major = layout is Layout.PAIRS if chunk_major is None else chunk_major
+    key = (id(weight_packed), layout, chunk_major)
     with _CACHE_LOCK:
         hit = _CACHE.get(key)
     if hit is not None:
@@ -268,7 +350,7 @@ def cached_prepack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, grou
         if ref() is weight_packed and sref() is weight_scale and g == group_size and ver == weight_packed._version \
                 and sver == weight_scale._version:  # fmt: skip
             return packed
-    packed = prepack(weight_packed, weight_scale, group_size)
+    packed = prepack(weight_packed, weight_scale, group_size, layout, chunk_major)
 
     def drop(_, key=key):
         with _CACHE_LOCK:
@@ -281,6 +363,14 @@ def cached_prepack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, grou
     with _CACHE_LOCK:
         _CACHE[key] = entry
     return packed
+
+
+def layout_for(cfg, chunk: int, group_size: int) -> tuple[Layout | None, bool | None]:
+    """(layout, chunk_major) a launch config needs, for `cached_prepack`: the per-plane kernels (GEMV,
+    non-transposed MMA) read PLANES row-major words; anything else takes the defaults."""
+    if cfg is not None and not getattr(cfg, "swap", False):
+        return Layout.PLANES, False
+    return None, None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -466,6 +556,83 @@ def _dequant_nat(words, s0, s1, s2, s3, dtype: tl.constexpr, GPC: tl.constexpr, 
     return _cat(_cat(_cat(q0, q1), _cat(q2, q3)), _cat(_cat(q4, q5), _cat(q6, q7)))
 
 
+def _pairs_asm(bf16: bool) -> str:
+    """PTX for one PAIRS word ($8) -> its 8 elements q = u - 8 ($0..$7), exact, in bf16 or fp16.
+
+    Nibbles i and i + 4 are the two halves of a 32-bit lane, so one lop3 per pair ORs them into the
+    mantissa of 128.0 (bf16 0x4300; fp16 1024.0, 0x6400): each half reads as 128 + u, exactly; the
+    words shifted by 4, 8 and 12 give the other three pairs (bf16's 7-bit mantissa cannot hold 16 u,
+    so the odd nibbles are shifted down rather than masked in place). One fma per pair subtracts 136
+    (fp16: 1032). Per 8 weights: 3 shifts + 4 lop3 + 4 fma, 1.4 instructions per weight, against ~2.5
+    per weight for PLANES (`_plane_asm`: a prmt gathers each pair from two words, and the scale is
+    multiplied in).
+    """
+    magic, one, nbias, t = ("0x43004300", "0x3F803F80", "0xC308C308", "bf16x2") if bf16 else \
+        ("0x64006400", "0x3C003C00", "0xE408E408", "f16x2")  # fmt: skip
+    s = "{ .reg .b32 s4, s8, s12, t0, t1, t2, t3, c1, c2; shr.u32 s4, $8, 4; shr.u32 s8, $8, 8; shr.u32 s12, $8, 12; "
+    s += "".join(f"lop3.b32 t{j}, {src}, 0x000F000F, {magic}, 0xEA; " for j, src in enumerate(("$8", "s4", "s8", "s12")))
+    s += f"mov.b32 c1, {one}; mov.b32 c2, {nbias}; " + "".join(f"fma.rn.{t} t{j}, t{j}, c1, c2; " for j in range(4))
+    return s + "mov.b32 {$0, $4}, t0; mov.b32 {$1, $5}, t1; mov.b32 {$2, $6}, t2; mov.b32 {$3, $7}, t3; }"
+
+
+_PAIRS_BF16 = tl.constexpr(_pairs_asm(True))
+_PAIRS_F16 = tl.constexpr(_pairs_asm(False))
+
+
+@triton.jit
+def _pair_nibble(words, I: tl.constexpr, dtype: tl.constexpr):
+    """Plain-Triton element I (q = u - 8) of every PAIRS word, in dtype (the interpreter's path)."""
+    return (((words >> (4 * I)) & 0xF).to(tl.float32) - 8.0).to(dtype)
+
+
+@triton.jit
+def _dequant_pairs(words, like, ASM: tl.constexpr):
+    """`[BN, 16]` PAIRS words of a 128-column chunk -> `[BN, 128]` q = u - 8 (exact) in natural k order.
+
+    In like's dtype. The eight elements of a word are joined and permuted into place (`chunk_perm`):
+    register renaming only, since a thread holds all eight, and the result is the A-fragment layout
+    the tensor cores read from registers (no convert_layout in the TTGIR of Triton 3.6 for sm_90).
+    """
+    BN: tl.constexpr = words.shape[0]
+    if ASM:
+        if like.dtype == tl.bfloat16:
+            asm: tl.constexpr = _PAIRS_BF16
+        else:
+            asm: tl.constexpr = _PAIRS_F16
+        e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
+            asm, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
+            dtype=(like.dtype, like.dtype, like.dtype, like.dtype, like.dtype, like.dtype, like.dtype, like.dtype),
+            is_pure=True, pack=1)  # fmt: skip
+    else:
+        e0 = _pair_nibble(words, 0, like.dtype)
+        e1 = _pair_nibble(words, 1, like.dtype)
+        e2 = _pair_nibble(words, 2, like.dtype)
+        e3 = _pair_nibble(words, 3, like.dtype)
+        e4 = _pair_nibble(words, 4, like.dtype)
+        e5 = _pair_nibble(words, 5, like.dtype)
+        e6 = _pair_nibble(words, 6, like.dtype)
+        e7 = _pair_nibble(words, 7, like.dtype)
+    # element of nibble i = 4 i2 + 2 i1 + i0 of word v = 4 c + a is k = 32 a + 16 i1 + 8 i0 + 2 c + i2
+    w = tl.join(tl.join(tl.join(tl.reshape(e0, [BN, 4, 4]), tl.reshape(e4, [BN, 4, 4])),
+                        tl.join(tl.reshape(e1, [BN, 4, 4]), tl.reshape(e5, [BN, 4, 4]))),
+                tl.join(tl.join(tl.reshape(e2, [BN, 4, 4]), tl.reshape(e6, [BN, 4, 4])),
+                        tl.join(tl.reshape(e3, [BN, 4, 4]), tl.reshape(e7, [BN, 4, 4]))))  # [BN, c, a, i2, i0, i1]
+    return tl.reshape(tl.permute(w, (0, 2, 5, 4, 1, 3)), [BN, 128])  # [BN, a, i1, i0, c, i2] = [BN, k]
+
+
+@triton.jit
+def _pairs_chunk_dot(words, s, xt, acc, ASM: tl.constexpr, EMULATE: tl.constexpr):
+    """acc + dequant(PAIRS chunk) @ xt for one 128-column chunk of a group-128 weight.
+
+    acc `[BN, BM]` fp32, s fp32 `[BN]` the chunk's group scales. q stays exact in the dot, which gets
+    a fresh accumulator, and the scale is applied once per output: no multiply per weight. (Folding
+    the scale into the weights instead was slower on H200 for every tile that did not spill, and on
+    Triton 3.6 gave wrong results in some pipelined configurations; see kernels/NOTES.md.)
+    """
+    tmp = _dot(_dequant_pairs(words, xt, ASM), xt, tl.zeros_like(acc), EMULATE)
+    return acc + tmp * s[:, None]
+
+
 @triton.jit
 def _load_scales(s_ptrs, c, mask, GPC: tl.constexpr):
     """The fp32 `[BN]` scales of chunk c's GPC groups as a 4-tuple (entries past GPC repeat s0)."""
@@ -643,11 +810,16 @@ def _mma_kernel(
 @triton.jit
 def _mma_swap_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, stride_xm, stride_wn, stride_sn, stride_om, chunks_per_split, num_chunks, split_k,
+    M, N, stride_xm, stride_wn, stride_sn, stride_om, chunks_per_split, num_chunks, split_k, stride_wc,
     GPC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT: tl.constexpr, ASM: tl.constexpr, EMULATE_DOT: tl.constexpr,
+    SPLIT: tl.constexpr, ASM: tl.constexpr, EMULATE_DOT: tl.constexpr, PAIRS: tl.constexpr, X_MASK: tl.constexpr,
 ):  # fmt: skip
     """grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k). Tensor-core y.T = dequant(W) @ x.T, chunk 128.
+
+    PAIRS: the weights are in the PAIRS layout (`_pairs_chunk_dot`, group 128); else PLANES
+    (`_dequant_nat`, scales folded into the weights). X_MASK (M < BLOCK_M, decode): token columns
+    past M are not loaded but zero-filled; at M = 1 a 16-token tile would otherwise copy row 0 sixteen
+    times per chunk. Otherwise rows past M wrap (rm % M), which costs no predicate per load.
 
     The transposed product: the accumulator is `[BLOCK_N, BLOCK_M]`, the dequantized weight tile is
     the dot's first operand, which Hopper's wgmma (and mma.sync) reads from registers, and x.T the
@@ -672,7 +844,10 @@ def _mma_swap_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     r16 = tl.arange(0, 16)
     r128 = tl.arange(0, 128)
-    xt_ptrs = x_ptr + (rm % M)[None, :] * stride_xm + r128[:, None]  # [128, BM]: x.T of chunk 0
+    if X_MASK:
+        xt_ptrs = x_ptr + rm[None, :] * stride_xm + r128[:, None]  # [128, BM]: x.T of chunk 0
+    else:
+        xt_ptrs = x_ptr + (rm % M)[None, :] * stride_xm + r128[:, None]
     w_ptrs = w_ptr + (rn % N)[:, None] * stride_wn + r16[None, :]  # [BN, 16]: words of chunk 0
     s_ptrs = s_ptr + (rn % N) * stride_sn
     c_lo = pid_k * chunks_per_split
@@ -680,10 +855,16 @@ def _mma_swap_kernel(
     s0, s1, s2, s3 = _load_scales(s_ptrs, c_lo, rn * 0 + c_lo < c_hi, GPC)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for c in range(c_lo, c_hi):
-        words = tl.load(w_ptrs + c * 16)
-        xt = tl.load(xt_ptrs + c * 128)
+        words = tl.load(w_ptrs + c * stride_wc)
+        if X_MASK:
+            xt = tl.load(xt_ptrs + c * 128, mask=(rm < M)[None, :], other=0.0)
+        else:
+            xt = tl.load(xt_ptrs + c * 128)
         n0, n1, n2, n3 = _load_scales(s_ptrs, c + 1, rn * 0 + c + 1 < c_hi, GPC)  # in flight during this chunk
-        acc = _dot(_dequant_nat(words, s0, s1, s2, s3, xt.dtype, GPC, ASM), xt, acc, EMULATE_DOT)
+        if PAIRS:
+            acc = _pairs_chunk_dot(words, s0, xt, acc, ASM, EMULATE_DOT)
+        else:
+            acc = _dot(_dequant_nat(words, s0, s1, s2, s3, xt.dtype, GPC, ASM), xt, acc, EMULATE_DOT)
         s0, s1, s2, s3 = n0, n1, n2, n3
     _write_tile(tl.trans(acc), out_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_om, tile, pid_k, split_k, SPLIT)
 
@@ -743,15 +924,18 @@ def _tuned_table(path: str) -> dict:
         return {}
 
 
-def tuned_entry(section: str, key: str, m: int, device: str) -> dict | None:
+def tuned_entry(section: str, key: str, m: int, device: str, layout: Layout = Layout.PLANES) -> dict | None:
     """The tuned config for `key` (e.g. "N,K,g") at the smallest tuned M >= m (else the largest), if any.
 
-    Only used when `device` (the GPU's name) matches the table's; so CPU/interpreter runs and other
-    GPUs always take the heuristics.
+    Only used when `device` (the GPU's name) matches the table's, so CPU/interpreter runs and other
+    GPUs always take the heuristics. PLANES entries are the table's top-level sections, PAIRS entries
+    its "pairs" sub-table (each tuned on weights of that layout).
     """
     table = _tuned_table(str(TUNED_PATH))
     if not table or table.get("device") != device:
         return None
+    if layout is not Layout.PLANES:
+        table = table.get(layout.value, {})
     rows = table.get(section, {}).get(key)
     if not rows:
         return None
@@ -760,19 +944,20 @@ def tuned_entry(section: str, key: str, m: int, device: str) -> dict | None:
     return rows[str(pick)]
 
 
-def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT_SM_COUNT) -> DenseConfig:
+def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT_SM_COUNT,
+                     layout: Layout = Layout.PLANES) -> DenseConfig:
     """Deterministic launch configuration by M bucket (no tuning table).
 
     M <= GEMV_MAX_M (or K not a multiple of 128): GEMV, 8 KB of words per step, split-K up to ~4
         programs per SM: decode is bandwidth-bound and needs loads in flight.
     M <= 64: transposed tensor-core tiles (`swap`) of 16..64 tokens x 128 weight rows, split-K up to
         ~2 programs per SM (still bandwidth-bound, few tiles).
-    M > 64: transposed tiles over two warpgroups, 64/128 tokens x 128 weight rows (M >= 1024: 128 x 256,
-        which won every GLM-5 shape at M = 2048 on H200 by 1.3-1.7x), split-K only when there are fewer
-        tiles than SMs.
+    M > 64: transposed tiles, PLANES: two warpgroups, 64/128 tokens x 128 weight rows (M >= 1024:
+        128 x 256, which won every GLM-5 shape at M = 2048 on H200 by 1.3-1.7x); PAIRS: 64 x 128 on one
+        warpgroup below M = 1024, else 128 x 128 on two; split-K only when there are fewer tiles than SMs.
     """
     chunk = chunk_for(k)
-    if m <= GEMV_MAX_M or chunk != MMA_CHUNK:
+    if (m <= GEMV_MAX_M and layout is Layout.PLANES) or chunk != MMA_CHUNK:
         block_m = min(8, _next_pow2(m))
         p = chunk // 8
         block_n = 32 if block_m <= 2 else 16
@@ -787,16 +972,19 @@ def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT
         tiles = -(-m // block_m) * -(-n // 128)
         split = split_for(tiles, chunks, 2 * sms)
         return DenseConfig(KernelKind.MMA, block_m, 128, split, swap=True, num_warps=4, num_stages=4 if block_m <= 32 else 3)
-    block_m = 128 if m >= 256 else 64
-    block_n = 256 if m >= 1024 else 128
+    if layout is Layout.PAIRS:  # the tuned H200 winners at M = 256 / 2048; 128 x 256 spills (second accumulator)
+        block_m, block_n, warps = (64, 128, 4) if m < 1024 else (128, 128, 8)
+    else:
+        block_m, block_n, warps = 128 if m >= 256 else 64, 256 if m >= 1024 else 128, 8
     tiles = -(-m // block_m) * -(-n // block_n)
     split = split_for(tiles, chunks, sms)
-    return DenseConfig(KernelKind.MMA, block_m, block_n, split, swap=True, num_warps=8, num_stages=3)
+    return DenseConfig(KernelKind.MMA, block_m, block_n, split, swap=True, num_warps=warps, num_stages=3)
 
 
-def choose_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT_SM_COUNT, device: str = "cpu") -> DenseConfig:
-    """The tuned configuration for this GPU and shape if there is one, else `heuristic_config`."""
-    ent = tuned_entry("dense", f"{n},{k},{group_size}", m, device)
+def choose_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT_SM_COUNT, device: str = "cpu",
+                  layout: Layout = Layout.PLANES) -> DenseConfig:
+    """The tuned configuration for this GPU, shape and weight layout if there is one, else `heuristic_config`."""
+    ent = tuned_entry("dense", f"{n},{k},{group_size}", m, device, layout)
     if ent is not None:
         cfg = DenseConfig(**ent)
         if cfg.kind is KernelKind.GEMV:
@@ -804,7 +992,7 @@ def choose_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT_SM
                 return DenseConfig(**{**ent, "block_m": min(cfg.block_m, _next_pow2(m))})
         elif chunk_for(k) == MMA_CHUNK:
             return cfg
-    return heuristic_config(m, n, k, group_size, sms)
+    return heuristic_config(m, n, k, group_size, sms, layout)
 
 
 _TICKETS: dict[torch.device, torch.Tensor] = {}
@@ -849,20 +1037,30 @@ def check_packed(name: str, packed: torch.Tensor, scale: torch.Tensor, shape: tu
     *lead, n, k = shape
     if packed.dtype != torch.int32:
         raise ValueError(f"{name}_packed must be int32, got {packed.dtype}")
-    if scale.dtype not in SCALE_DTYPES:
-        raise ValueError(f"{name}_scale must be float16, bfloat16 or float32, got {scale.dtype}")
     if tuple(packed.shape) != (*lead, n, k // 8):
         raise ValueError(f"{name}_packed has shape {list(packed.shape)}, expected {[*lead, n, k // 8]}")
+    _check_tensor(name, "packed", packed, device)
+    check_scale(name, scale, shape, group_size, device)
+
+
+def check_scale(name: str, scale: torch.Tensor, shape: tuple, group_size: int, device) -> None:
+    """`scale` fp16/bf16/fp32 `[..., N, K/g]` for a `(..., N, K)` weight, contiguous, on `device`."""
+    *lead, n, k = shape
+    if scale.dtype not in SCALE_DTYPES:
+        raise ValueError(f"{name}_scale must be float16, bfloat16 or float32, got {scale.dtype}")
     if tuple(scale.shape) != (*lead, n, k // group_size):
         raise ValueError(
             f"{name}_scale has shape {list(scale.shape)}, expected {[*lead, n, k // group_size]} "
             f"for group_size {group_size}"
         )
-    for t, what in ((packed, "packed"), (scale, "scale")):
-        if t.device != device:
-            raise ValueError(f"{name}_{what} is on {t.device}, x is on {device}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name}_{what} must be contiguous (call .contiguous())")
+    _check_tensor(name, "scale", scale, device)
+
+
+def _check_tensor(name: str, what: str, t: torch.Tensor, device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name}_{what} is on {t.device}, x is on {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}_{what} must be contiguous (call .contiguous())")
 
 
 def check_k(k: int, group_size: int, what: str = "K") -> None:
@@ -881,9 +1079,12 @@ def check_out(out: torch.Tensor | None, shape: tuple[int, int], x: torch.Tensor)
         raise ValueError(f"out must be contiguous on {x.device}")
 
 
-def check_config(cfg: DenseConfig, chunk: int) -> None:
-    if cfg.kind is KernelKind.MMA and chunk != MMA_CHUNK:
-        raise ValueError(f"the MMA kernel needs K to be a multiple of {MMA_CHUNK} (prepack chunk {chunk}); use a GEMV config")
+def check_config(cfg: DenseConfig, w: PackedW4) -> None:
+    if cfg.kind is KernelKind.MMA and w.chunk != MMA_CHUNK:
+        raise ValueError(f"the MMA kernel needs K to be a multiple of {MMA_CHUNK} (prepack chunk {w.chunk}); use a GEMV config")
+    if (w.layout is Layout.PAIRS or w.chunk_major) and not cfg.swap:
+        raise ValueError("weights prepacked in the pairs layout or chunk-major run on the transposed MMA kernel only "
+                         "(swap=True); prepack with layout='planes', chunk_major=False for the GEMV and per-plane kernels")
 
 
 def w4a16_matmul(
@@ -922,7 +1123,8 @@ def w4a16_matmul(
     n = weight_packed.shape[0]
     check_packed("weight", weight_packed, weight_scale, (n, k), group_size, x.device)
     check_out(out, (m, n), x)
-    return w4a16_matmul_packed(x, cached_prepack(weight_packed, weight_scale, group_size), out=out, config=config)
+    packed = cached_prepack(weight_packed, weight_scale, group_size, *layout_for(config, chunk_for(k), group_size))
+    return w4a16_matmul_packed(x, packed, out=out, config=config)
 
 
 def w4a16_matmul_packed(
@@ -931,13 +1133,13 @@ def w4a16_matmul_packed(
     """`w4a16_matmul` on a `prepack`ed weight (same arguments and errors)."""
     check_common(x, w.group_size)
     m, k = x.shape
-    if w.qweight.ndim != 2 or w.k != k:
-        raise ValueError(f"prepacked weight {list(w.qweight.shape)} does not take x of shape {list(x.shape)}")
+    if w.lead or w.k != k:
+        raise ValueError(f"prepacked weight {[*w.lead, w.n, w.k]} does not take x of shape {list(x.shape)}")
     n = w.n
-    check_packed("weight", w.qweight, w.scale, (n, k), w.group_size, x.device)
+    w.check((), n, k, x.device)
     check_out(out, (m, n), x)
-    cfg = config or choose_config(m, n, k, w.group_size, sm_count(x.device), device_name(x.device))
-    check_config(cfg, w.chunk)
+    cfg = config or choose_config(m, n, k, w.group_size, sm_count(x.device), device_name(x.device), w.layout)
+    check_config(cfg, w)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0 or n == 0:
         return out
@@ -964,7 +1166,8 @@ def _launch(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DenseConfig) -
         tickets = _tickets(x.device, tiles)
     else:
         scratch = tickets = out  # not dereferenced without SPLIT
-    args = (x, w.qweight, w.scale, out, scratch, tickets, m, n, x.stride(0), w.qweight.stride(0), w.scale.stride(0),
+    stride_wn, stride_wc = w.word_strides()
+    args = (x, w.qweight, w.scale, out, scratch, tickets, m, n, x.stride(0), stride_wn, w.scale.stride(0),
             out.stride(0), per, chunks, split)  # fmt: skip
     grid = (tiles, split)
     if cfg.kind is KernelKind.GEMV:
@@ -974,8 +1177,9 @@ def _launch(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DenseConfig) -
         )  # fmt: skip
     elif cfg.swap:
         _mma_swap_kernel[grid](
-            *args, GPC=gpc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, SPLIT=split > 1,
-            ASM=cfg.asm and not _INTERPRETED, EMULATE_DOT=_INTERPRETED and x.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            *args, stride_wc, GPC=gpc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, SPLIT=split > 1,
+            ASM=cfg.asm and not _INTERPRETED, EMULATE_DOT=_INTERPRETED and x.dtype == torch.bfloat16,
+            PAIRS=w.layout is Layout.PAIRS, X_MASK=m < cfg.block_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     else:
         _mma_kernel[grid](

@@ -46,6 +46,7 @@ from glmq.kernels.w4a16_dense import (
     _INTERPRETED,
     DEFAULT_SM_COUNT,
     MMA_CHUNK,
+    Layout,
     PackedW4,
     _chunk_dot,
     _chunk_dots,
@@ -53,12 +54,14 @@ from glmq.kernels.w4a16_dense import (
     _dot,
     _load_scales,
     _next_pow2,
+    _pairs_chunk_dot,
     cached_prepack,
     check_common,
     check_k,
     check_out,
     check_packed,
     device_name,
+    layout_for,
     sm_count,
     tuned_entry,
 )
@@ -82,7 +85,7 @@ class MoeConfig:
         swap: the transposed product (`_moe_swap_kernel`, as `DenseConfig.swap`): dequantized
             weights as the register operand of the tensor cores, one K = 128 dot per chunk,
             pipelined by Triton (num_stages); prefetch and big_dot do not apply.
-        asm: swap only: `_plane_asm` dequantization (CUDA; the interpreter ignores it).
+        asm: swap only: inline-PTX dequantization (CUDA; the interpreter ignores it).
         num_warps, num_stages: Triton launch options.
     """
 
@@ -105,7 +108,7 @@ class MoeConfig:
 
 def choose_moe_config(
     m: int, topk: int, num_experts: int, inter: int, hidden: int, sms: int = DEFAULT_SM_COUNT,
-    group_size: int = 128, device: str = "cpu",
+    group_size: int = 128, device: str = "cpu", layout: Layout = Layout.PLANES,
 ) -> MoeConfig:  # fmt: skip
     """The tuned configuration for this GPU and shape if any, else a deterministic heuristic.
 
@@ -113,7 +116,7 @@ def choose_moe_config(
     (16 at decode, up to 64 at prefill); the column tiles shrink (to 64, the tensor cores' M) until
     there are ~4 programs per SM, since decode MoE is bandwidth-bound.
     """
-    ent = tuned_entry("moe", f"{num_experts},{hidden},{inter},{topk},{group_size}", m, device)
+    ent = tuned_entry("moe", f"{num_experts},{hidden},{inter},{topk},{group_size}", m, device, layout)
     if ent is not None:
         return MoeConfig(**ent)
     assignments = m * topk
@@ -304,14 +307,17 @@ def _moe_kernel(
 def _moe_swap_kernel(
     a_ptr, w_ptr, s_ptr, c_ptr, sorted_ids_ptr, expert_ids_ptr, router_w_ptr,
     N, num_valid, num_chunks, num_experts,
-    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm, stride_wc,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr, GPC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr, EMULATE_DOT: tl.constexpr,
+    PAIRS: tl.constexpr,
 ):  # fmt: skip
     """`_moe_kernel` as a transposed product (see `w4a16_dense._mma_swap_kernel`): accumulators
     `[BLOCK_N, BLOCK_M]` = dequant(W_e) @ a.T, the expert's dequantized weights the tensor cores'
     register operand, the block's gathered activation rows (transposed) the shared-memory operand;
-    one K = 128 dot per chunk and weight matrix, scales folded into the weights."""
+    one K = 128 dot per chunk and weight matrix. PLANES weights: scales folded into the weights;
+    PAIRS: `w4a16_dense._pairs_chunk_dot`. stride_wc: words between chunks. Padding rows of a block
+    are not loaded (zero-filled): at decode a block holds one valid row and 15 padding ones."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     pid_m = pid // n_tiles
@@ -326,6 +332,7 @@ def _moe_swap_kernel(
     r16 = tl.arange(0, 16)
     r128 = tl.arange(0, 128)
     at_ptrs = a_ptr + a_rows[None, :] * stride_am + r128[:, None]  # [128, BM]: chunk 0 of the rows, transposed
+    a_mask = valid[None, :]
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + (rn % N)[:, None] * stride_wn + r16[None, :]  # [BN, 16]
     s_ptrs = s_ptr + expert.to(tl.int64) * stride_se + (rn % N) * stride_sn
     up_off = N * stride_wn  # the up rows of the same columns sit N rows further down
@@ -336,16 +343,22 @@ def _moe_swap_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for c in range(0, num_chunks):
-        at = tl.load(at_ptrs + c * 128)
-        words = tl.load(w_ptrs + c * 16)
+        at = tl.load(at_ptrs + c * 128, mask=a_mask, other=0.0)
+        words = tl.load(w_ptrs + c * stride_wc)
         more = rn * 0 + c + 1 < num_chunks
         n0, n1, n2, n3 = _load_scales(s_ptrs, c + 1, more, GPC)  # in flight during this chunk
-        acc = _dot(_dequant_nat(words, s0, s1, s2, s3, at.dtype, GPC, ASM), at, acc, EMULATE_DOT)
+        if PAIRS:
+            acc = _pairs_chunk_dot(words, s0, at, acc, ASM, EMULATE_DOT)
+        else:
+            acc = _dot(_dequant_nat(words, s0, s1, s2, s3, at.dtype, GPC, ASM), at, acc, EMULATE_DOT)
         s0, s1, s2, s3 = n0, n1, n2, n3
         if GATED:
-            words_up = tl.load(w_ptrs + up_off + c * 16)
+            words_up = tl.load(w_ptrs + up_off + c * stride_wc)
             m0, m1, m2, m3 = _load_scales(s_ptrs + up_soff, c + 1, more, GPC)
-            acc_up = _dot(_dequant_nat(words_up, u0, u1, u2, u3, at.dtype, GPC, ASM), at, acc_up, EMULATE_DOT)
+            if PAIRS:
+                acc_up = _pairs_chunk_dot(words_up, u0, at, acc_up, ASM, EMULATE_DOT)
+            else:
+                acc_up = _dot(_dequant_nat(words_up, u0, u1, u2, u3, at.dtype, GPC, ASM), at, acc_up, EMULATE_DOT)
             u0, u1, u2, u3 = m0, m1, m2, m3
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
@@ -357,24 +370,52 @@ def _moe_swap_kernel(
 
 
 def _check_moe(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, group_size) -> None:
+    """Preconditions of `fused_moe_w4a16` on the checkpoint's tensors."""
     check_common(x, group_size)
-    m, hidden = x.shape
-    check_k(hidden, group_size, "hidden size H")
     if w13_packed.ndim != 3 or w2_packed.ndim != 3:
         raise ValueError(
             f"w13_packed and w2_packed must be 3-D [E, rows, cols/8], got {list(w13_packed.shape)} "
             f"and {list(w2_packed.shape)}"
         )
     num_experts, two_i = w13_packed.shape[:2]
+    inter = _check_dims(x, group_size, two_i, "w13_packed")
+    check_packed("w13", w13_packed, w13_scale, (num_experts, two_i, x.shape[1]), group_size, x.device)
+    check_packed("w2", w2_packed, w2_scale, (num_experts, x.shape[1], inter), group_size, x.device)
+    _check_routing(x, topk_weights, topk_ids)
+
+
+def _check_moe_packed(x, w13: PackedW4, w2: PackedW4, topk_weights, topk_ids) -> None:
+    """Preconditions of `fused_moe_w4a16_packed` (the same rules on `prepack_moe`'s weights)."""
+    g = w13.group_size
+    check_common(x, g)
+    if len(w13.lead) != 1 or len(w2.lead) != 1:
+        raise ValueError(f"prepacked w13 and w2 must be stacked over one expert dim, got {[*w13.lead, w13.n, w13.k]} "
+                         f"and {[*w2.lead, w2.n, w2.k]}")  # fmt: skip
+    if w2.group_size != g:
+        raise ValueError(f"w13 and w2 have group sizes {g} and {w2.group_size}")
+    num_experts, two_i = w13.lead[0], w13.n
+    inter = _check_dims(x, g, two_i, "w13")
+    w13.check((num_experts,), two_i, x.shape[1], x.device, "w13")
+    w2.check((num_experts,), x.shape[1], inter, x.device, "w2")
+    _check_routing(x, topk_weights, topk_ids)
+
+
+def _check_dims(x, group_size: int, two_i: int, what13: str) -> int:
+    """H (x's columns) and 2I (w13's rows) against the group size and the 128-column chunk; returns I."""
+    hidden = x.shape[1]
+    check_k(hidden, group_size, "hidden size H")
     if two_i % 2:
-        raise ValueError(f"w13_packed has {two_i} rows per expert; expected 2I (gate rows then up rows)")
+        raise ValueError(f"{what13} has {two_i} rows per expert; expected 2I (gate rows then up rows)")
     inter = two_i // 2
     check_k(inter, group_size, "intermediate size I")
     for what, v in (("hidden size H", hidden), ("intermediate size I", inter)):
         if v % MMA_CHUNK:
             raise ValueError(f"{what} = {v} must be a multiple of {MMA_CHUNK} for the fused MoE kernel")
-    check_packed("w13", w13_packed, w13_scale, (num_experts, two_i, hidden), group_size, x.device)
-    check_packed("w2", w2_packed, w2_scale, (num_experts, hidden, inter), group_size, x.device)
+    return inter
+
+
+def _check_routing(x, topk_weights, topk_ids) -> None:
+    m = x.shape[0]
     if topk_ids.ndim != 2 or topk_ids.shape[0] != m or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be int32/int64 [M={m}, topk], got {topk_ids.dtype} {list(topk_ids.shape)}")
     if topk_weights.shape != topk_ids.shape or not topk_weights.is_floating_point():
@@ -430,8 +471,9 @@ def fused_moe_w4a16(
         ValueError: on any unsupported dtype, shape, layout or device.
     """
     _check_moe(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, group_size)
-    w13 = cached_prepack(w13_packed, w13_scale, group_size)
-    w2 = cached_prepack(w2_packed, w2_scale, group_size)
+    lay = layout_for(config, MMA_CHUNK, group_size)
+    w13 = cached_prepack(w13_packed, w13_scale, group_size, *lay)
+    w2 = cached_prepack(w2_packed, w2_scale, group_size, *lay)
     return fused_moe_w4a16_packed(x, w13, w2, topk_weights, topk_ids, out=out, config=config)
 
 
@@ -447,14 +489,13 @@ def fused_moe_w4a16_packed(
 ) -> torch.Tensor:
     """`fused_moe_w4a16` on `prepack_moe`'s weights (same arguments and errors)."""
     g = w13.group_size
-    _check_moe(x, w13.qweight, w13.scale, w2.qweight, w2.scale, topk_weights, topk_ids, g)
-    if w2.group_size != g:
-        raise ValueError(f"w13 and w2 have group sizes {g} and {w2.group_size}")
+    _check_moe_packed(x, w13, w2, topk_weights, topk_ids)
     m, hidden = x.shape
-    num_experts, inter = w13.qweight.shape[0], w13.qweight.shape[1] // 2
+    num_experts, inter = w13.lead[0], w13.n // 2
     topk = topk_ids.shape[1]
     check_out(out, (m, hidden), x)
-    cfg = config or choose_moe_config(m, topk, num_experts, inter, hidden, sm_count(x.device), g, device_name(x.device))
+    cfg = config or choose_moe_config(m, topk, num_experts, inter, hidden, sm_count(x.device), g, device_name(x.device),
+                                      w13.layout)
 
     out = torch.empty(m, hidden, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0 or topk == 0:
@@ -469,32 +510,40 @@ def fused_moe_w4a16_packed(
 def _launch_experts(x, w13: PackedW4, w2: PackedW4, topk_weights, sorted_ids, expert_ids, num_blocks, h, y, cfg):
     """The two grouped GEMM launches; `h` `[T, I]` and `y` `[M, topk, H]` are written."""
     m, hidden = x.shape
-    g = w13.group_size
-    num_experts, inter = w13.qweight.shape[0], w13.qweight.shape[1] // 2
+    num_experts, inter = w13.lead[0], w13.n // 2
     topk = y.shape[1]
-    kernel, common = _kernel_and_options(cfg, m * topk, num_experts, MMA_CHUNK // g, x.dtype)
-    w13p, w13s, w2p, w2s = w13.qweight, w13.scale, w2.qweight, w2.scale
-    kernel[(num_blocks * triton.cdiv(inter, cfg.block_n_up),)](
-        x, w13p, w13s, h, sorted_ids, expert_ids, topk_weights,
-        inter, num_chunks=hidden // MMA_CHUNK,
-        stride_am=x.stride(0), stride_we=w13p.stride(0), stride_wn=w13p.stride(1),
-        stride_se=w13s.stride(0), stride_sn=w13s.stride(1), stride_cm=h.stride(0),
-        A_ROW_DIV=topk, GATED=True, ROUTED=False, BLOCK_N=cfg.block_n_up, **common,
-    )  # fmt: skip
-    kernel[(num_blocks * triton.cdiv(hidden, cfg.block_n_down),)](
-        h, w2p, w2s, y, sorted_ids, expert_ids, topk_weights,
-        hidden, num_chunks=inter // MMA_CHUNK,
-        stride_am=h.stride(0), stride_we=w2p.stride(0), stride_wn=w2p.stride(1),
-        stride_se=w2s.stride(0), stride_sn=w2s.stride(1), stride_cm=hidden,
-        A_ROW_DIV=1, GATED=False, ROUTED=True, BLOCK_N=cfg.block_n_down, **common,
+    _grouped_launch(cfg, "up", x, w13, h, sorted_ids, expert_ids, topk_weights, num_blocks, m * topk, num_experts, topk)
+    _grouped_launch(cfg, "down", h, w2, y, sorted_ids, expert_ids, topk_weights, num_blocks, m * topk, num_experts, topk)
+
+
+def _grouped_launch(cfg, which: str, a, w: PackedW4, c, sorted_ids, expert_ids, topk_weights, num_blocks: int,
+                    num_valid: int, num_experts: int, topk: int) -> None:  # fmt: skip
+    """One grouped GEMM launch: "up" (x -> silu(gate) * up into h `[T, I]`) or "down" (h -> y `[M, topk, H]`)."""
+    up = which == "up"
+    n = w.n // 2 if up else w.n
+    block_n = cfg.block_n_up if up else cfg.block_n_down
+    kernel, common = _kernel_and_options(cfg, w, num_valid, num_experts, a.dtype)
+    stride_wn, stride_wc = w.word_strides()
+    if cfg.swap:
+        common["stride_wc"] = stride_wc
+    kernel[(num_blocks * triton.cdiv(n, block_n),)](
+        a, w.qweight, w.scale, c, sorted_ids, expert_ids, topk_weights,
+        n, num_chunks=w.k // MMA_CHUNK,
+        stride_am=a.stride(0), stride_we=w.qweight.stride(0), stride_wn=stride_wn,
+        stride_se=w.scale.stride(0), stride_sn=w.scale.stride(1), stride_cm=c.stride(0) if up else c.shape[-1],
+        A_ROW_DIV=topk if up else 1, GATED=up, ROUTED=not up, BLOCK_N=block_n, **common,
     )  # fmt: skip
 
 
-def _kernel_and_options(cfg: MoeConfig, num_valid: int, num_experts: int, gpc: int, dtype) -> tuple:
+def _kernel_and_options(cfg: MoeConfig, w: PackedW4, num_valid: int, num_experts: int, dtype) -> tuple:
     """The grouped-GEMM kernel `cfg` names and its launch options shared by both launches."""
+    gpc = max(1, MMA_CHUNK // w.group_size)
     common = dict(num_valid=num_valid, num_experts=num_experts, GPC=gpc, BLOCK_M=cfg.block_m,
                   EMULATE_DOT=_INTERPRETED and dtype == torch.bfloat16, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)  # fmt: skip
     if cfg.swap:
-        return _moe_swap_kernel, dict(common, ASM=cfg.asm and not _INTERPRETED)
+        return _moe_swap_kernel, dict(common, ASM=cfg.asm and not _INTERPRETED, PAIRS=w.layout is Layout.PAIRS)
+    if w.layout is Layout.PAIRS or w.chunk_major:
+        raise ValueError("weights prepacked in the pairs layout or chunk-major run on the transposed MoE kernel only "
+                         "(swap=True); prepack with layout='planes', chunk_major=False for the per-plane kernel")
     return _moe_kernel, dict(common, PREFETCH=cfg.prefetch, BIG_DOT=cfg.big_dot and gpc == 1)

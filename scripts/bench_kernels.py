@@ -93,11 +93,12 @@ class Record:
 class Bench:
     """Timing and bookkeeping for one run."""
 
-    def __init__(self, device: torch.device, budget_s: float, smoke: bool):
+    def __init__(self, device: torch.device, budget_s: float, smoke: bool, compare_planes: bool = True):
         self.device = device
         self.cuda = device.type == "cuda"
         self.deadline = time.monotonic() + budget_s
         self.smoke = smoke
+        self.compare_planes = compare_planes  # also time the session-3 kernel (PLANES weights) at M <= 64
         self.records: list[Record] = []
         props = torch.cuda.get_device_properties(device) if self.cuda else None
         self.l2_bytes = getattr(props, "L2_cache_size", 50 << 20) if props else 50 << 20
@@ -185,13 +186,14 @@ class Bench:
 
     def measure_copy_rate(self) -> float:
         """Device-to-device copy rate in bytes/s, counting read + write (the floor's denominator)."""
-        n = (1 << 30) if self.cuda else (1 << 24)
-        src = torch.empty(n, dtype=torch.uint8, device=self.device)
+        # fp32 elements (a 1-byte dtype ran at 2.7 TB/s on H200, against ~4.3 TB/s for wider ones)
+        n = (1 << 28) if self.cuda else (1 << 22)
+        src = torch.randn(n, device=self.device)
         dst = torch.empty_like(src)
         us, mode = self.time_us([lambda: dst.copy_(src)])
-        rate = 2 * n / (us * 1e-6)
-        self.records.append(Record("copy", f"{n >> 20} MiB", 0, "d2d-copy", us=us, mode=mode, bytes_moved=2 * n))
-        log.info("device-to-device copy: %.1f us for %d MiB -> %.2f TB/s (read + write)", us, n >> 20, rate / 1e12)
+        rate = 2 * 4 * n / (us * 1e-6)
+        self.records.append(Record("copy", f"{4 * n >> 20} MiB", 0, "d2d-copy", us=us, mode=mode, bytes_moved=8 * n))
+        log.info("device-to-device copy: %.1f us for %d MiB -> %.2f TB/s (read + write)", us, 4 * n >> 20, rate / 1e12)
         del src, dst
         return rate
 
@@ -259,12 +261,13 @@ def packed_bytes(wp: torch.Tensor, ws: torch.Tensor) -> int:
 # ---- dense ----------------------------------------------------------------------------------------
 
 
-def dense_config_note(b: Bench, m: int, n: int, k: int) -> str:
+def dense_config_note(b: Bench, m: int, n: int, k: int, layout=None) -> str:
     """The launch configuration `w4a16_matmul` picks for this call (tuned table or heuristic)."""
     from glmq.kernels import w4a16_dense as D
 
-    cfg = D.choose_config(m, n, k, GROUP, D.sm_count(b.device), D.device_name(b.device))
-    return f"config {compact(cfg)}"
+    layout = D.default_layout(D.chunk_for(k), GROUP) if layout is None else D.Layout(layout)
+    cfg = D.choose_config(m, n, k, GROUP, D.sm_count(b.device), D.device_name(b.device), layout)
+    return f"{layout.value} config {compact(cfg)}"
 
 
 def compact(cfg) -> str:
@@ -295,6 +298,7 @@ def int4pack_weights(wp: torch.Tensor, ws: torch.Tensor):
 
 def bench_dense(b: Bench, shape: str, n: int, k: int, ms, seed: int) -> None:
     from glmq.kernels import reference as R
+    from glmq.kernels import w4a16_dense as D
     from glmq.kernels.w4a16_dense import w4a16_matmul
 
     wp, ws = random_int4(n, k, device=b.device, seed=seed)
@@ -319,6 +323,14 @@ def bench_dense(b: Bench, shape: str, n: int, k: int, ms, seed: int) -> None:
             return [lambda p=p, s=s: w4a16_matmul(x, p, s, GROUP) for p, s in ours_w], w4a16_matmul(x, wp, ws, GROUP)
 
         b.run("dense", shape, m, "glmq", ours, ref, nbytes, flops, note=dense_config_note(b, m, n, k))
+        if b.compare_planes and m <= 64:
+
+            def planes():
+                ws_p = [D.cached_prepack(p, s, GROUP, D.Layout.PLANES, False) for p, s in ours_w]
+                return [lambda w=w: D.w4a16_matmul_packed(x, w) for w in ws_p], D.w4a16_matmul_packed(x, ws_p[0])
+
+            b.run("dense", shape, m, "glmq-planes", planes, ref, nbytes, flops,
+                  note=dense_config_note(b, m, n, k, D.Layout.PLANES) + "; the session-3 kernel")  # fmt: skip
         for dt, name in ((torch.float16, "cublas-fp16"), (torch.bfloat16, "cublas-bf16")):
 
             def cublas(dt=dt):
@@ -428,9 +440,10 @@ def bench_moe(b: Bench, cfg: dict, ms, seed: int) -> None:
         def fused(r):
             return MO.fused_moe_w4a16(r.x, *args, r.weights, r.ids, GROUP)
 
-        mcfg = MO.choose_moe_config(m, topk, e_, i_, h_, MO.sm_count(b.device), GROUP, MO.device_name(b.device))
+        layout = MO.Layout.PAIRS if GROUP == MO.MMA_CHUNK else MO.Layout.PLANES
+        mcfg = MO.choose_moe_config(m, topk, e_, i_, h_, MO.sm_count(b.device), GROUP, MO.device_name(b.device), layout)
         b.run("moe", shape, m, "glmq-fused", check(fused), ref_small, r0.experts_touched * expert_bytes, flops,
-              note=f"config {compact(mcfg)}")  # fmt: skip
+              note=f"{layout.value} config {compact(mcfg)}")  # fmt: skip
 
         aligned = {id(r): MO.moe_align_block_size(r.ids, mcfg.block_m, e_) for r in routes}
         packed = (MO.cached_prepack(w13p, w13s, GROUP), MO.cached_prepack(w2p, w2s, GROUP))
@@ -443,6 +456,12 @@ def bench_moe(b: Bench, cfg: dict, ms, seed: int) -> None:
             return y.sum(dim=1)
 
         b.run("moe", shape, m, "glmq-kernels", check(kernels_only), ref_small, None, flops, note="alignment not timed")
+        if b.compare_planes and m <= 64:
+            planes = tuple(MO.cached_prepack(p, s, GROUP, MO.Layout.PLANES, False) for p, s in ((w13p, w13s), (w2p, w2s)))
+            pcfg = MO.choose_moe_config(m, topk, e_, i_, h_, MO.sm_count(b.device), GROUP, MO.device_name(b.device))
+            b.run("moe", shape, m, "glmq-planes", check(lambda r: MO.fused_moe_w4a16_packed(r.x, *planes, r.weights, r.ids)),
+                  ref_small, r0.experts_touched * expert_bytes, flops,
+                  note=f"planes config {compact(pcfg)}; the session-3 kernel")  # fmt: skip
         w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)  # (E, H, 2I), (E, I, H) views: K-major B
         grouped = b.run("moe", shape, m, "bf16-grouped", check(lambda r: bf16_grouped(r, w13_t, w2_t, i_)), ref_small,
                         None, flops, note="torch._grouped_mm; routing metadata not timed")  # fmt: skip
@@ -523,26 +542,26 @@ def markdown(records: list[Record], env: dict) -> str:
               "bytes / device-to-device copy rate (read + write); read floor = the same bytes / streaming-read",
               "rate. eff = floor / glmq, eff(read) = read floor / glmq.", ""]  # fmt: skip
     for shape in dict.fromkeys(r.shape for r in records if r.op == "dense"):
-        lines += [f"## {shape}", "", "| M | glmq | cuBLAS fp16 | cuBLAS bf16 | int4pack | floor | read floor | eff | eff(read) | vs fp16 | vs int4pack |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"## {shape}", "", "| M | glmq | session-3 kernel | cuBLAS fp16 | cuBLAS bf16 | int4pack | floor | read floor | eff | eff(read) | vs fp16 | vs int4pack |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for m in sorted({r.m for r in records if r.shape == shape}):
             g = lambda impl: idx.get(("dense", shape, m, impl))  # noqa: E731
             lines.append(
-                f"| {m} | {cell(g('glmq'))} | {cell(g('cublas-fp16'))} | {cell(g('cublas-bf16'))} | "
+                f"| {m} | {cell(g('glmq'))} | {cell(g('glmq-planes'))} | {cell(g('cublas-fp16'))} | {cell(g('cublas-bf16'))} | "
                 f"{cell(g('int4pack'))} | {cell(g('floor'))} | {cell(g('read-floor'))} | "
                 f"{fmt_x(speedup(g('floor'), g('glmq')), True)} | {fmt_x(speedup(g('read-floor'), g('glmq')), True)} | "
                 f"{fmt_x(speedup(g('cublas-fp16'), g('glmq')))} | {fmt_x(speedup(g('int4pack'), g('glmq')))} |"
             )
         lines.append("")
     for shape in dict.fromkeys(r.shape for r in records if r.op == "moe"):
-        lines += [f"## {shape}", "", "| M | glmq fused | glmq kernels only | bf16 grouped | bf16 loop | floor | read floor | eff | eff(read) | vs best bf16 |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"## {shape}", "", "| M | glmq fused | glmq kernels only | session-3 fused | bf16 grouped | bf16 loop | floor | read floor | eff | eff(read) | vs best bf16 |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for m in sorted({r.m for r in records if r.shape == shape}):
             g = lambda impl: idx.get(("moe", shape, m, impl))  # noqa: E731
             bf = [x for x in (g("bf16-grouped"), g("bf16-loop")) if x and x.status == "ok"]
             best = min(bf, key=lambda x: x.us) if bf else None
             lines.append(
-                f"| {m} | {cell(g('glmq-fused'))} | {cell(g('glmq-kernels'))} | {cell(g('bf16-grouped'))} | "
+                f"| {m} | {cell(g('glmq-fused'))} | {cell(g('glmq-kernels'))} | {cell(g('glmq-planes'))} | {cell(g('bf16-grouped'))} | "
                 f"{cell(g('bf16-loop'))} | {cell(g('floor'))} | {cell(g('read-floor'))} | "
                 f"{fmt_x(speedup(g('floor'), g('glmq-fused')), True)} | {fmt_x(speedup(g('read-floor'), g('glmq-fused')), True)} | "
                 f"{fmt_x(speedup(best, g('glmq-fused')))} |"
@@ -550,10 +569,10 @@ def markdown(records: list[Record], env: dict) -> str:
         lines.append("")
     lines += ["## Targets", "", "| target | met | detail |", "|---|---|---|"]
     lines += [f"| {t['target']} | {'yes' if t['met'] else 'NO'} | {t['detail']} |" for t in targets(records)]
-    cfgs = [r for r in records if r.impl in ("glmq", "glmq-fused") and r.note.startswith("config ")]
+    cfgs = [r for r in records if r.impl in ("glmq", "glmq-fused", "glmq-planes") and " config " in f" {r.note}"]
     if cfgs:
-        lines += ["", "## glmq launch configurations", "", "| shape | M | config |", "|---|---|---|"]
-        lines += [f"| {r.shape} | {r.m} | `{r.note[len('config '):]}` |" for r in cfgs]
+        lines += ["", "## glmq launch configurations", "", "| shape | M | impl | layout and config |", "|---|---|---|---|"]
+        lines += [f"| {r.shape} | {r.m} | {r.impl} | `{r.note}` |" for r in cfgs]
     notes = [r for r in records if r.status in ("unavailable", "wrong")]
     if notes:
         lines += ["", "## Not timed", ""]
@@ -616,6 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1")
     ap.add_argument("--skip-moe", action="store_true")
     ap.add_argument("--skip-dense", action="store_true")
+    ap.add_argument("--no-planes", action="store_true", help="skip the PLANES-layout (session-3) kernel at M <= 64")
     ap.add_argument("--m", type=int, nargs="+", help=f"override the M list {M_LIST}")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -629,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 references stay fp32
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    b = Bench(device, args.budget_s, args.smoke)
+    b = Bench(device, args.budget_s, args.smoke, not args.no_planes)
 
     square, dense, moe, ms = (SMOKE_SQUARE, SMOKE_DENSE, SMOKE_MOE, SMOKE_M) if args.smoke else (SQUARE, DENSE, MOE, M_LIST)
     ms = tuple(args.m) if args.m else ms

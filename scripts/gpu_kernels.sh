@@ -11,7 +11,8 @@
 # TOTAL_S seconds after the start (the device call's limit minus a margin), so the benchmark files are
 # written before the call ends.
 #
-# PARTS (default "tune tests bench retest"; "validate" adds the `glmq validate --device cuda` timing)
+# PARTS (default "tune tests bench retest"; "validate" adds the `glmq validate --device cuda` timing; "ncu" profiles
+# the dense kernels at decode shapes with Nsight Compute, scripts/profile_kernels.py)
 # TUNE_M (default "1 4 16 64 256 2048"), TOTAL_S (default 570), TEST_TIMEOUT, COMPILE_TIMEOUT, TUNE_BUDGET,
 # BENCH_BUDGET, RETEST_TIMEOUT, WORKERS (compile processes beside the tests' 8).
 # Needs the wheels in .whl/ only for "validate" (compressed-tensors and its pydantic deps).
@@ -116,6 +117,16 @@ if [[ $PARTS == *retest* ]]; then
   timeout "$(clip ${RETEST_TIMEOUT:-120})" python3 -m pytest -q -p no:cacheprovider -n 4 -k "glm_shapes or asm" \
     tests/test_kernels.py 2>&1 | tail -15
   echo "retest done at $((SECONDS - T0)) s"
+fi
+if [[ $PARTS == *ncu* ]]; then
+  echo "== ncu: dense kernels at decode shapes (scripts/profile_kernels.py)"
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  # every case launches PAIRS 3x then PLANES 3x; profile the last launch of each (split-K kernels only:
+  # the kernel name is _mma_swap_kernel or _gemv_kernel)
+  timeout "$(clip ${NCU_TIMEOUT:-150})" "$NCU" --clock-control none -k regex:"_mma_swap_kernel|_gemv_kernel" \
+    --section SpeedOfLight --section WarpStateStats --section Occupancy --section MemoryWorkloadAnalysis \
+    --section LaunchStats python3 scripts/profile_kernels.py > "$OUT/ncu.txt" 2>&1
+  echo "ncu exit $? at $((SECONDS - T0)) s"; grep -E "^  [a-z_]+kernel|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Stall|One or More" "$OUT/ncu.txt" | head -60
 fi
 cp $TABLE "$OUT/tuned_configs.json" 2>/dev/null || true
 echo "all done at $((SECONDS - T0)) s"

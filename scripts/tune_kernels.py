@@ -47,8 +47,8 @@ MOE = dict(experts=256, hidden=6144, inter=2048, topk=8)
 # split-K targets (programs per SM) tried for each. Register and shared-memory use of every tile was
 # checked offline with Triton 3.6's ptxas for sm_90a (no spills; 128 x 128 with 4 warps spills).
 SWAP_TILES = {
-    4: ([(16, 64, 4, 4), (16, 128, 4, 4)], (2, 4)),
-    16: ([(16, 64, 4, 4), (16, 128, 4, 4), (16, 256, 4, 3)], (1, 2, 4)),
+    4: ([(16, 64, 4, 4), (16, 128, 4, 4), (16, 64, 4, 6), (16, 128, 4, 6), (16, 128, 8, 4)], (2, 4)),
+    16: ([(16, 64, 4, 4), (16, 128, 4, 4), (16, 256, 4, 3), (16, 64, 4, 6), (16, 128, 8, 4)], (1, 2, 4)),
     64: ([(32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3), (64, 256, 8, 3)], (1, 2)),
     256: ([(64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3), (64, 256, 8, 3), (128, 256, 8, 3)], (1, 2)),
     2048: ([(128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3), (256, 128, 8, 2)], (1,)),
@@ -106,9 +106,11 @@ def legacy_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
     return out
 
 
-def dense_candidates(m: int, n: int, k: int, sms: int, base: dict | None = None) -> list[dict]:
-    """[baseline (the existing table's entry) or the legacy grid] + the transposed kernel's candidates."""
-    out = ([base] if base else legacy_candidates(m, n, k, sms)) + swap_candidates(m, n, k, sms)
+def dense_candidates(m: int, n: int, k: int, sms: int, base: dict | None = None, layout: str = "pairs") -> list[dict]:
+    """[baseline (the existing table's entry) or, on PLANES weights, the legacy grid] + the transposed
+    kernel's candidates."""
+    swap = swap_candidates(m, n, k, sms)
+    out = ([base] if base else [] if layout == "pairs" else legacy_candidates(m, n, k, sms)) + swap
     uniq = []
     for c in out:
         if c not in uniq:
@@ -119,12 +121,12 @@ def dense_candidates(m: int, n: int, k: int, sms: int, base: dict | None = None)
 MOE_SWAP_BM = {1: (16,), 4: (16,), 16: (16,), 64: (16, 32), 256: (32, 64), 2048: (64, 128)}
 
 
-def moe_candidates(m: int, base: dict | None = None) -> list[dict]:
-    """Per block size: warps/stages of the transposed kernel (+ the baseline, or the legacy grid)."""
+def moe_candidates(m: int, base: dict | None = None, layout: str = "pairs") -> list[dict]:
+    """Per block size: warps/stages of the transposed kernel (+ the baseline, or on PLANES the legacy grid)."""
     out = []
     if base:
         out.append({k: v for k, v in base.items() if k not in ("block_n_up", "block_n_down")})
-    else:
+    elif layout == "planes":
         for bm in (16,) if m <= 16 else (16, 32) if m <= 64 else (32, 64) if m <= 256 else (64,):
             for warps in (4,) if bm <= 32 else (4, 8):
                 out.append(dict(block_m=bm, num_warps=warps))
@@ -150,8 +152,22 @@ def moe_col_tiles(cfg: dict, which: str) -> tuple[int, ...]:
 # ---- compilation in parallel ----------------------------------------------------------------------
 
 
-def _warm(tasks: list[tuple]) -> int:
+LAYOUT = ["pairs"]  # the weight layout being tuned (--layout), also set in the compile workers
+
+
+def prepack_dense(D, wp, ws):
+    return D.prepack(wp, ws, GROUP, LAYOUT[0], LAYOUT[0] == "pairs")
+
+
+def prepack_moe(MO, w13p, w13s, w2p, w2s):
+    from glmq.kernels.w4a16_dense import prepack
+
+    return tuple(prepack(p, s, GROUP, LAYOUT[0], LAYOUT[0] == "pairs") for p, s in ((w13p, w13s), (w2p, w2s)))
+
+
+def _warm(tasks: list[tuple], layout: str = "pairs") -> int:
     """Worker: run each (op, args) once so that Triton compiles and caches it."""
+    LAYOUT[0] = layout
     import glmq.kernels.w4a16_dense as D
     import glmq.kernels.w4a16_moe as MO
 
@@ -165,7 +181,7 @@ def _warm(tasks: list[tuple]) -> int:
                 if shape not in weights:
                     wp = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device=dev)
                     ws = torch.rand(n, k // GROUP, device=dev).to(torch.bfloat16)
-                    weights[shape] = D.prepack(wp, ws, GROUP)
+                    weights[shape] = prepack_dense(D, wp, ws)
                 x = torch.randn(m, k, device=dev).to(torch.bfloat16)
                 D.w4a16_matmul_packed(x, weights[shape], config=D.DenseConfig(**cfg))
             else:
@@ -185,7 +201,7 @@ def _moe_once(MO, m, cfg, weights, dev):
         w2p = torch.randint(-(2**31), 2**31 - 1, (small, h, i // 8), dtype=torch.int32, device=dev)
         w13s = torch.rand(small, 2 * i, h // GROUP, device=dev).to(torch.bfloat16)
         w2s = torch.rand(small, h, i // GROUP, device=dev).to(torch.bfloat16)
-        weights["moe"] = MO.prepack_moe(w13p, w13s, w2p, w2s, GROUP)
+        weights["moe"] = prepack_moe(MO, w13p, w13s, w2p, w2s)
     x = torch.randn(m, h, device=dev).to(torch.bfloat16)
     ids = torch.randint(0, small, (m, topk), device=dev)
     tw = torch.rand(m, topk, device=dev)
@@ -198,10 +214,10 @@ def _moe_once(MO, m, cfg, weights, dev):
 
 def warm_all(tasks: list[tuple], workers: int) -> None:
     t0 = time.monotonic()
-    chunks = [tasks[j::workers] for j in range(workers)]
+    chunks = [(tasks[j::workers], LAYOUT[0]) for j in range(workers)]
     ctx = mp.get_context("spawn")
     with ctx.Pool(workers) as pool:
-        done = sum(pool.map(_warm, chunks))
+        done = sum(pool.starmap(_warm, chunks))
     print(f"compiled {done}/{len(tasks)} launches in {time.monotonic() - t0:.0f} s with {workers} workers", flush=True)
 
 
@@ -258,7 +274,7 @@ def tune_dense(name, n, k, ms, sms, l2, results, table, deadline, base):
     ws = (torch.rand(n, k // GROUP, device=dev) * 0.01 + 0.002).to(torch.bfloat16)
     nbytes = wp.numel() * 4 + ws.numel() * 2
     copies = max(1, math.ceil(4 * l2 / nbytes))
-    packs = [D.prepack(wp, ws, GROUP)] + [D.prepack(wp.clone(), ws.clone(), GROUP) for _ in range(copies - 1)]
+    packs = [prepack_dense(D, wp, ws)] + [prepack_dense(D, wp.clone(), ws.clone()) for _ in range(copies - 1)]
     w32 = R.dequantize_packed(wp, ws, GROUP)
     key = f"{n},{k},{GROUP}"
     entry = table.setdefault(key, {})
@@ -267,7 +283,7 @@ def tune_dense(name, n, k, ms, sms, l2, results, table, deadline, base):
         ref = x.float() @ w32.T
         best = None
         old = base.get(key, {}).get(str(m))
-        for cfg in dense_candidates(m, n, k, sms, old):
+        for cfg in dense_candidates(m, n, k, sms, old, LAYOUT[0]):
             if time.monotonic() > deadline:
                 print("tuning budget spent", flush=True)
                 return
@@ -306,7 +322,7 @@ def tune_moe(ms, sms, results, table, deadline, base):
     w2p = torch.randint(-(2**31), 2**31 - 1, (e, h, i // 8), dtype=torch.int32, device=dev, generator=gen)
     w13s = (torch.rand(e, 2 * i, h // GROUP, device=dev, generator=gen) * 0.01 + 0.002).to(torch.bfloat16)
     w2s = (torch.rand(e, h, i // GROUP, device=dev, generator=gen) * 0.01 + 0.002).to(torch.bfloat16)
-    w13, w2 = MO.prepack_moe(w13p, w13s, w2p, w2s, GROUP)
+    w13, w2 = prepack_moe(MO, w13p, w13s, w2p, w2s)
     key = f"{e},{h},{i},{topk},{GROUP}"
     entry = table.setdefault(key, {})
     for m in ms:
@@ -320,7 +336,7 @@ def tune_moe(ms, sms, results, table, deadline, base):
         ref = R.moe_w4a16_ref(x0[:nref], w13p, w13s, w2p, w2s, ti0[:nref], tw0[:nref], GROUP)
         best = None
         old = base.get(key, {}).get(str(m))
-        for idx, cand in enumerate(moe_candidates(m, old)):
+        for idx, cand in enumerate(moe_candidates(m, old, LAYOUT[0])):
             if time.monotonic() > deadline:
                 print("tuning budget spent", flush=True)
                 return
@@ -369,24 +385,11 @@ def tune_moe(ms, sms, results, table, deadline, base):
 
 def _one_launch(MO, which, x, w13, w2, tw, sorted_ids, expert_ids, num_blocks, h, y, cfg):
     """One of `_launch_experts`' two launches (the other's output buffer is left as is)."""
-    import triton
-
-    m, hidden = x.shape
-    num_experts, inter = w13.qweight.shape[0], w13.qweight.shape[1] // 2
-    topk = y.shape[1]
-    kernel, common = MO._kernel_and_options(cfg, m * topk, num_experts, MO.MMA_CHUNK // w13.group_size, x.dtype)
+    m, topk, num_experts = x.shape[0], y.shape[1], w13.lead[0]
     if which == "up":
-        kernel[(num_blocks * triton.cdiv(inter, cfg.block_n_up),)](
-            x, w13.qweight, w13.scale, h, sorted_ids, expert_ids, tw, inter, num_chunks=hidden // 128,
-            stride_am=x.stride(0), stride_we=w13.qweight.stride(0), stride_wn=w13.qweight.stride(1),
-            stride_se=w13.scale.stride(0), stride_sn=w13.scale.stride(1), stride_cm=h.stride(0),
-            A_ROW_DIV=topk, GATED=True, ROUTED=False, BLOCK_N=cfg.block_n_up, **common)  # fmt: skip
+        MO._grouped_launch(cfg, "up", x, w13, h, sorted_ids, expert_ids, tw, num_blocks, m * topk, num_experts, topk)
     else:
-        kernel[(num_blocks * triton.cdiv(hidden, cfg.block_n_down),)](
-            h, w2.qweight, w2.scale, y, sorted_ids, expert_ids, tw, hidden, num_chunks=inter // 128,
-            stride_am=h.stride(0), stride_we=w2.qweight.stride(0), stride_wn=w2.qweight.stride(1),
-            stride_se=w2.scale.stride(0), stride_sn=w2.scale.stride(1), stride_cm=hidden,
-            A_ROW_DIV=1, GATED=False, ROUTED=True, BLOCK_N=cfg.block_n_down, **common)  # fmt: skip
+        MO._grouped_launch(cfg, "down", h, w2, y, sorted_ids, expert_ids, tw, num_blocks, m * topk, num_experts, topk)
 
 
 def main(argv=None) -> int:
@@ -402,7 +405,10 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-dense", action="store_true")
     ap.add_argument("--compile-only", action="store_true", help="fill Triton's cache and stop")
     ap.add_argument("--no-warm", action="store_true", help="skip the parallel compilation (cache already warm)")
+    ap.add_argument("--layout", choices=["pairs", "planes"], default="pairs",
+                    help="weight layout to tune (pairs: the table's 'pairs' section; planes: its top level)")
     args = ap.parse_args(argv)
+    LAYOUT[0] = args.layout
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
     t0 = time.monotonic()
@@ -417,24 +423,31 @@ def main(argv=None) -> int:
     old = json.loads(args.merge.read_text()) if args.merge and args.merge.exists() else {}
     if old.get("device") != props.name:
         old = {}
-    base_dense, base_moe = old.get("dense", {}), old.get("moe", {})
+    section = old.get("pairs", {}) if args.layout == "pairs" else old
+    base_dense, base_moe = section.get("dense", {}), section.get("moe", {})
     tasks = []
     if not args.skip_dense:
         for n, k in DENSE.values():
             for m in args.m:
                 tasks += [("dense", (n, k), m, c)
-                          for c in dense_candidates(m, n, k, sms, base_dense.get(f"{n},{k},{GROUP}", {}).get(str(m)))]
+                          for c in dense_candidates(m, n, k, sms, base_dense.get(f"{n},{k},{GROUP}", {}).get(str(m)),
+                                                    args.layout)]
     if not args.skip_moe:
         mkey = f"{MOE['experts']},{MOE['hidden']},{MOE['inter']},{MOE['topk']},{GROUP}"
-        tasks += [("moe", None, m, c) for m in args.m for c in moe_candidates(m, base_moe.get(mkey, {}).get(str(m)))]
+        tasks += [("moe", None, m, c) for m in args.m
+                  for c in moe_candidates(m, base_moe.get(mkey, {}).get(str(m)), args.layout)]
     if not args.no_warm:
         warm_all(tasks, args.workers)
     if args.compile_only:
         print(f"compile-only: {len(tasks)} launches in {time.monotonic() - t0:.0f} s", flush=True)
         return 0
-    table = {"device": props.name, "triton": triton.__version__, "torch": torch.__version__, "group_size": GROUP,
-             "note": "written by scripts/tune_kernels.py; keys: 'N,K,g' / 'E,H,I,topk,g', then M",
-             "dense": json.loads(json.dumps(base_dense)), "moe": json.loads(json.dumps(base_moe))}  # fmt: skip
+    table = json.loads(json.dumps(old)) if old else {}  # every other layout's entries stay as they were
+    table.update({"device": props.name, "triton": triton.__version__, "torch": torch.__version__, "group_size": GROUP,
+                  "note": "written by scripts/tune_kernels.py; keys: 'N,K,g' / 'E,H,I,topk,g', then M; top level: "
+                          "PLANES weights, 'pairs': PAIRS weights (kernels/w4a16_dense.py Layout)"})  # fmt: skip
+    tuned = table.setdefault("pairs", {}) if args.layout == "pairs" else table
+    tuned["dense"], tuned["moe"] = json.loads(json.dumps(base_dense)), json.loads(json.dumps(base_moe))
+    tuned.pop("wall_s", None)
     results: list[dict] = []
     # dense before MoE, and every dense shape's decode sizes before any prefill size: what the budget
     # does not reach keeps its old entry
@@ -444,9 +457,9 @@ def main(argv=None) -> int:
         for ms in (small_ms, big_ms):
             for name, (n, k) in DENSE.items():
                 if ms:
-                    tune_dense(name, n, k, ms, sms, l2, results, table["dense"], deadline, base_dense)
+                    tune_dense(name, n, k, ms, sms, l2, results, tuned["dense"], deadline, base_dense)
     if not args.skip_moe:
-        tune_moe(list(args.m), sms, results, table["moe"], deadline, base_moe)
+        tune_moe(list(args.m), sms, results, tuned["moe"], deadline, base_moe)
     table["wall_s"] = round(time.monotonic() - t0, 1)
     (args.out / "tune_results.json").write_text(json.dumps(results, indent=0))
     (args.out / "tuned_configs.json").write_text(json.dumps(table, indent=1))

@@ -309,6 +309,89 @@ def test_prepack_dequantizes_bit_exactly_and_is_cached():
     assert torch.equal(a.qweight, first.qweight)
 
 
+def test_pairs_layout_is_the_documented_permutation():
+    # PAIRS (chunk 128): word v = 4c + a, nibble i holds element (i>>2) + 2c + 8(i&1) + 16((i>>1)&1) + 32a;
+    # nibbles i and i + 4 are adjacent columns (k, k + 1), and thread c's words 4c..4c+3 hold the
+    # columns {2c, 2c+1, 2c+8, 2c+9} of every k16 block (the tensor cores' A-fragment rule).
+    perm = D.chunk_perm(128, D.Layout.PAIRS)
+    assert sorted(perm.tolist()) == list(range(128))
+    for v in range(16):
+        c, a = v // 4, v % 4
+        for i in range(4):
+            assert perm[8 * v + i + 4] == perm[8 * v + i] + 1
+        for i in range(8):
+            col = int(perm[8 * v + i]) % 16
+            assert col in (2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9) and int(perm[8 * v + i]) // 32 == a
+    wp, ws = quantized(24, 384, group_size=128)
+    q = D.prepack_words(wp.cpu(), 128, D.Layout.PAIRS)
+    assert torch.equal(D.unprepack_words(q, 128, D.Layout.PAIRS), wp.cpu())
+    orig = unpack_int32(wp.cpu(), 384).view(24, 3, 128)
+    new = unpack_int32(q, 384).view(24, 3, 128)
+    assert torch.equal(new, orig[:, :, perm])
+
+
+@pytest.mark.parametrize("chunk_major", [True, False])
+def test_prepack_pairs_chunk_major(chunk_major):
+    wp, ws = quantized(2, 40, 384, group_size=128)
+    packed = D.prepack(wp, ws, 128, chunk_major=chunk_major)
+    assert packed.layout is D.Layout.PAIRS and packed.chunk_major is chunk_major
+    assert (packed.lead, packed.n, packed.k) == ((2,), 40, 384)
+    words = packed.qweight.transpose(-2, -3).reshape(2, 40, 48) if chunk_major else packed.qweight
+    assert torch.equal(D.unprepack_words(words, 128, D.Layout.PAIRS), wp)
+    assert packed.word_strides() == ((16, 40 * 16) if chunk_major else (48, 16))
+    assert D.prepack(*quantized(40, 384, group_size=64), 64).layout is D.Layout.PLANES  # smaller groups: PLANES
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "m, cfg, chunk_major",
+    [
+        (1, D.DenseConfig("mma", 16, 64, split_k=3, swap=True), True),  # token columns past M are zero-filled
+        (17, D.DenseConfig("mma", 32, 64, split_k=2, swap=True), False),
+        (70, D.DenseConfig("mma", 64, 128, split_k=1, swap=True, num_warps=8, num_stages=3), True),
+        (118, D.DenseConfig("mma", 128, 64, split_k=2, swap=True, group_m=2, num_warps=8, num_stages=3), True),
+        (5, D.DenseConfig("mma", 16, 64, split_k=1, swap=True, asm=False), False),
+    ],
+    ids=lambda v: str(v) if isinstance(v, (int, bool)) else f"{v.block_m}x{v.block_n}-s{v.split_k}-w{v.num_warps}"
+    f"{'' if v.asm else '-noasm'}",
+)
+def test_dense_pairs_layout(m, cfg, chunk_major, dtype):
+    wp, ws = quantized(136, 384, group_size=128)
+    x = acts(m, 384, dtype)
+    out = poisoned(m, 136, dtype)
+    packed = D.prepack(wp, ws, 128, D.Layout.PAIRS, chunk_major)
+    y = D.w4a16_matmul_packed(x, packed, out=out, config=cfg)
+    assert_close(y, R.w4a16_matmul_ref(x, wp, ws, 128), dtype)
+
+
+def test_pairs_layout_rejects_the_per_plane_kernels():
+    wp, ws = quantized(64, 256, group_size=128)
+    packed = D.prepack(wp, ws, 128)
+    for cfg in (D.DenseConfig("gemv", 1, 64), D.DenseConfig("mma", 16, 64)):
+        with pytest.raises(ValueError, match="transposed MMA kernel only"):
+            D.w4a16_matmul_packed(acts(1, 256, torch.float16), packed, config=cfg)
+    # the raw-tensor entry point prepacks in the layout the config needs
+    run_dense(1, 64, 256, 128, torch.float16, config=D.DenseConfig("gemv", 1, 64))
+    assert D.choose_config(1, 24576, 6144, 128, layout=D.Layout.PAIRS).swap  # decode too: tensor cores
+    with pytest.raises(ValueError, match="pairs layout is for group-128"):
+        D.prepack(*quantized(64, 256, group_size=64), 64, layout=D.Layout.PAIRS)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_m, warps, stages, split", [(16, 4, 4, 3), (64, 4, 3, 1), (128, 8, 3, 2)])
+def test_pairs_asm_dequant_is_bit_exact_gpu(block_m, warps, stages, split, dtype):
+    # The inline PTX yields q exactly, as the plain path does: same dot operands, so the same bits out.
+    wp, ws = quantized(320, 768, group_size=128)
+    x = acts(block_m, 768, dtype)  # full token tiles
+    cfg = D.DenseConfig("mma", block_m, 128, split_k=split, swap=True, num_warps=warps, num_stages=stages)
+    packed = D.prepack(wp, ws, 128)
+    y_asm = D.w4a16_matmul_packed(x, packed, config=cfg)
+    y_plain = D.w4a16_matmul_packed(x, packed, config=D.DenseConfig(**{**cfg.to_dict(), "asm": False}))
+    assert torch.equal(y_asm, y_plain)
+    assert_close(y_asm, R.w4a16_matmul_ref(x, wp, ws, 128), dtype)
+
+
 def test_packed_entry_point_matches():
     wp, ws = quantized(72, 256, group_size=128)
     x = acts(2, 256, torch.float16)
