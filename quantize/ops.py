@@ -10,10 +10,19 @@ from __future__ import annotations
 import torch
 
 from glmq.formats import fp8
-from glmq.quantize import fused_cpu
 from glmq.quantize.pack import pack_int32, pack_zero_point
 from glmq.quantize.rtn import quantize_rtn
 from glmq.quantize.spec import QuantSpec
+
+
+def _fused(t: torch.Tensor):
+    """glmq.quantize.fused_cpu for a CPU tensor when numba is there, else None. Imported on first use, so
+    a CUDA run never loads numba and LLVM (~0.2 s and ~60 MB of resident memory)."""
+    if t.device.type != "cpu":
+        return None
+    from glmq.quantize import fused_cpu
+
+    return fused_cpu if fused_cpu.available() else None
 
 
 def decode(w: torch.Tensor, scale: torch.Tensor | None, fmt: str, block: tuple[int, int] | None,
@@ -22,8 +31,9 @@ def decode(w: torch.Tensor, scale: torch.Tensor | None, fmt: str, block: tuple[i
     if scale is None:
         return w
     if fmt == "fp8-block":
-        if w.device.type == "cpu" and fused_cpu.available() and dtype == torch.bfloat16:
-            return fused_cpu.dequantize_fp8_block(w, scale, block)
+        fused = _fused(w)
+        if fused is not None and dtype == torch.bfloat16:
+            return fused.dequantize_fp8_block(w, scale, block)
         return fp8.dequantize_block(w, scale, block, dtype)
     return fp8.dequantize_channel(w, scale, dtype)
 
@@ -37,12 +47,12 @@ def quantize_rows(w: torch.Tensor, scale: torch.Tensor | None, fmt: str, block: 
         scale: block `weight_scale_inv` rows `[ceil(r/bn), ceil(K/bk)]`, a per-channel `[r, 1]` /
             per-tensor FP8 scale, or None for dense weights.
     """
-    cpu_fast = w.device.type == "cpu" and spec.symmetric and fused_cpu.available()
-    if cpu_fast and scale is not None and fmt == "fp8-block":
-        packed, sc = fused_cpu.quantize_fp8_block(w, scale, block, spec)
+    fused = _fused(w) if spec.symmetric else None
+    if fused is not None and scale is not None and fmt == "fp8-block":
+        packed, sc = fused.quantize_fp8_block(w, scale, block, spec)
         return {"weight_packed": packed, "weight_scale": sc}
-    if cpu_fast and scale is None and w.dtype == torch.bfloat16:
-        packed, sc = fused_cpu.quantize_bf16(w, spec)
+    if fused is not None and scale is None and w.dtype == torch.bfloat16:
+        packed, sc = fused.quantize_bf16(w, spec)
         return {"weight_packed": packed, "weight_scale": sc}
     qw = quantize_rtn(decode(w, scale, fmt, block), spec)
     out = {"weight_packed": pack_int32(qw.q, spec.num_bits), "weight_scale": qw.scale}

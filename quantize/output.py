@@ -15,8 +15,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from glmq.formats.manifest import CHECKSUM_KEYS, MANIFEST_NAME, Manifest, fragme
 from glmq.formats.safetensors_io import (SHA256, TMP_SUFFIX, XXH3_128, CheckpointError, atomic_write_text,
                                          file_tensor_checksums)
 from glmq.formats.source import INDEX_NAME
+from glmq.quantize import config_child
 from glmq.quantize.plan import Action, OutFile, Plan
 
 log = logging.getLogger("glmq")
@@ -148,15 +147,13 @@ def config_request(plan: Plan) -> dict:
 
 class ConfigJob:
     """Builds the quantization_config in a child process while the conversion runs (see
-    `glmq.formats.compressed_tensors.main` for why)."""
+    `glmq.quantize.config_child` for why, and for the child the CLI starts before anything else)."""
 
     def __init__(self, plan: Plan, own_session: bool = False):
         # own_session (distributed runs): torchrun starts each rank in its own session, and Linux's
         # autogroup scheduler shares CPU fairly between sessions; inside rank 0's session this child's
         # import (seconds of CPU) came out of rank 0's share alone and made it the slowest rank.
-        self.proc = subprocess.Popen([sys.executable, "-m", "glmq.formats.compressed_tensors"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=own_session)
+        self.proc = config_child.take(own_session)
         self.request = json.dumps(config_request(plan))
 
     def result(self) -> dict:
@@ -166,9 +163,7 @@ class ConfigJob:
         return json.loads(out)
 
     def cancel(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        config_child.kill(self.proc)
 
 
 def output_config(plan: Plan, quantization_config: dict) -> dict:

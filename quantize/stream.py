@@ -43,29 +43,43 @@ from glmq.quantize.plan import Action, Item, OutFile, Plan
 log = logging.getLogger("glmq")
 CHUNK_BYTES = 64 << 20  # source bytes per row block: big enough to amortise calls, small for memory
 PREFETCH = 3  # row blocks read ahead of the one being converted
+PENDING_BYTES = 4 * CHUNK_BYTES  # converted rows waiting for the write lanes (`_WritePipeline`)
 
 
 # ----------------------------------------------------------------------------------------- reading
 class Reader:
-    """Lazy row-block reads through safe_open, one handle per shard, opened on demand."""
+    """Lazy row-block reads through safe_open, one handle per shard, opened on demand.
+
+    safe_open maps the whole file, and the tensors it returns are views of that mapping: every page a
+    conversion touches stays resident (and counts in this process's RSS) while the handle or any view
+    lives. A handle is therefore dropped after every `RELEASE_BYTES` read through it (the next read
+    opens a new one, a header parse), so that RSS holds the row blocks in flight and at most that much
+    of a shard, not the whole shard.
+    """
+
+    RELEASE_BYTES = 2 * CHUNK_BYTES
 
     def __init__(self, source: Source):
         self.source = source
         self.handles: dict[str, object] = {}
+        self.read: dict[str, int] = {}
 
     def _h(self, shard: str):
         if shard not in self.handles:
             self.handles[shard] = safe_open(str(self.source.path(shard)), framework="pt")
+            self.read[shard] = 0
         return self.handles[shard]
 
     def rows(self, entry, r0: int | None = None, r1: int | None = None) -> torch.Tensor:
         h = self._h(entry.shard)
         try:
-            if r0 is None or len(entry.shape) == 0:
-                return h.get_tensor(entry.name)
-            return h.get_slice(entry.name)[r0:r1]
+            t = h.get_tensor(entry.name) if r0 is None or len(entry.shape) == 0 else h.get_slice(entry.name)[r0:r1]
         except Exception as e:  # safetensors raises several types; name the tensor and shard
             raise CheckpointError(f"{self.source.path(entry.shard)}: reading tensor {entry.name} failed: {e}") from e
+        self.read[entry.shard] += t.numel() * t.element_size()
+        if self.read[entry.shard] >= self.RELEASE_BYTES:
+            del self.handles[entry.shard]  # the mapping goes once the views handed out so far are freed
+        return t
 
     def close_except(self, keep: set[str]) -> None:
         """Drop handles (and their mapped pages) of shards the current work no longer needs."""
@@ -181,13 +195,17 @@ class _WritePipeline:
     A tensor always goes to the same lane, so its row blocks arrive in order for its running sha256;
     different tensors are written and hashed in parallel (pwrite and hashlib release the GIL). A
     file's commit (fsync, rename, manifest) waits for that file's writes only, so it overlaps with
-    the next file's. At most `max_pending` row blocks wait in memory.
+    the next file's. At most `max_pending_bytes` of converted rows wait to be written (one block
+    always may): a budget in bytes, not blocks, since an FP8 -> BF16 block is 4x a packed INT4 one
+    (counted in blocks, a run of attention weights made the peak RSS grow with the checkpoint).
     """
 
-    def __init__(self, lanes: int, max_pending: int):
+    def __init__(self, lanes: int, max_pending_bytes: int):
         self.lanes = [ThreadPoolExecutor(1, thread_name_prefix=f"glmq-write{i}") for i in range(lanes)]
         self.committer = ThreadPoolExecutor(1, thread_name_prefix="glmq-commit")
-        self.slots = threading.BoundedSemaphore(max_pending)
+        self.max_pending_bytes = max_pending_bytes
+        self.pending_bytes = 0
+        self._budget = threading.Condition()
         self.file_futures: dict[str, list] = {}
         self.commits: list[tuple[str, object]] = []  # (file name, commit future)
         self.failed: str | None = None  # the file whose write or commit failed
@@ -204,11 +222,20 @@ class _WritePipeline:
 
     def write(self, fname: str, w: StreamingWriter, name: str, t: torch.Tensor) -> None:
         self.check()
-        self.slots.acquire()
+        n = t.numel() * t.element_size()
+        with self._budget:
+            while self.pending_bytes and self.pending_bytes + n > self.max_pending_bytes:
+                self._budget.wait()
+            self.pending_bytes += n
         lane = self.lanes[zlib.crc32(name.encode()) % len(self.lanes)]
         fut = lane.submit(self._timed, "write_hash", w.write, name, t)
-        fut.add_done_callback(lambda _: self.slots.release())
+        fut.add_done_callback(lambda _, n=n: self._release(n))
         self.file_futures.setdefault(fname, []).append(fut)
+
+    def _release(self, n: int) -> None:
+        with self._budget:
+            self.pending_bytes -= n
+            self._budget.notify_all()
 
     def commit(self, fname: str, fn) -> None:
         futures = self.file_futures.pop(fname, [])
@@ -263,6 +290,9 @@ def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True,
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is visible to PyTorch; use --device cpu")
+    if dev.type == "cuda":
+        torch.zeros(1, device=dev)  # the CUDA context now, so that the start-up RSS below includes it
+    rss_start = current_rss_bytes()
     try:
         man = prepare_output(plan, out, world)
         phases["prepare_output"] = time.perf_counter() - t0 - phases["import"]
@@ -297,6 +327,7 @@ def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True,
                 raise
             raise world.failure(f"finishing {out}", e) from e
         report["stage_busy_seconds"] = {k: round(v, 3) for k, v in busy.items()}
+        report["rss_at_start_bytes"] = rss_start  # after imports (and the CUDA context), before any data
         report.update(extra_report or {})
         atomic_write_text(out / REPORT_NAME, json.dumps(report, indent=1) + "\n")
     return report if world is None else world.broadcast(report, "final report")
@@ -362,7 +393,7 @@ def convert_files(plan: Plan, out: Path, files: list[OutFile], dev: torch.device
         bar.set_description(f"glmq quantize (rank 0 of {world.size})")
     reader = Reader(plan.source)
     lanes = max(1, min(4, (os.cpu_count() or 2) // 2))
-    writer = _WritePipeline(lanes, max_pending=8)
+    writer = _WritePipeline(lanes, max_pending_bytes=PENDING_BYTES)
     writers: dict[str, StreamingWriter] = {}
     busy = {"load": 0.0, "convert": 0.0}
     current: OutFile | None = None
@@ -440,6 +471,15 @@ def _progress(total: int, enabled: bool):
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def current_rss_bytes() -> int | None:
+    """This process's resident set now (Linux /proc), or None where that is not available."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 def peak_memory() -> dict:

@@ -116,6 +116,8 @@ def main() -> None:
                 res["run_seconds"] = rep["seconds"]
                 res["stage_busy_seconds"] = rep.get("stage_busy_seconds")
                 res["phase_seconds"] = rep.get("phase_seconds")
+                res["own_peak_rss"] = rep.get("peak_rss_bytes")  # the glmq process alone (not the config child)
+                res["rss_at_start"] = rep.get("rss_at_start_bytes")
             results[name].append(res)
             print(f"round {r} {name}: {res['seconds']:.2f} s, peak RSS {res['peak_rss'] / 1e9:.2f} GB", flush=True)
     med = {k: {"seconds": statistics.median(x["seconds"] for x in v),

@@ -106,6 +106,12 @@ def common(f):
 def quantize(model, recipe, max_shard_size, output, scheme, device, no_progress, json_out, calibration, samples,
              seq_len, seed, offload_activations, min_expert_tokens):
     """Convert a checkpoint, streaming one shard at a time (GPTQ: calibrated one decoder layer at a time)."""
+    import os
+
+    from glmq.quantize import config_child
+
+    if scheme != "gptq" and os.environ.get("RANK", "0") == "0":  # RTN (GPTQ recipes waste nothing but a process)
+        config_child.prestart(own_session=int(os.environ.get("WORLD_SIZE", "1")) > 1)  # its import overlaps ours
     from glmq.formats.safetensors_io import CheckpointError
     from glmq.quantize import dist, stream
     from glmq.recipes import RecipeError

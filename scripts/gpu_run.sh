@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU kernel tests, the kernel benchmark, and RTN --device cuda against the
 # I/O floor. Run from the repository root on a machine with CUDA; results go to $OUT (or ./gpu-out).
-# PARTS (default "tests kernels rtn"; also "cudapath", "gpq-unit" (GPTQ + cuda-path tests), "gptq" (GLM-5-shape GPTQ bench),
+# PARTS (default "tests kernels rtn"; also "rtn-sizes" (RTN --device cuda against the copy at RTN_LAYERS decoder
+# layers, default "3 8": 5.9 and 13 GB), "probe" (import/start-up times), "cudapath", "gpq-unit" (GPTQ + cuda-path tests), "gptq" (GLM-5-shape GPTQ bench),
 # "dist-rtn" / "dist-gptq" (torchrun on the machine's GPUs against one GPU, scripts/bench_dist.py; DIST_JOBS picks the
 # GPTQ rank counts, e.g. "2" in one call and "1" in the next: the JSON digests compare them)) picks what runs. Needs the wheels in .whl/ for what the GPU image lacks (compressed-tensors and its pydantic deps).
 set -uo pipefail
@@ -17,12 +18,29 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
 PARTS=${PARTS:-tests kernels rtn}
 has() { [[ " $PARTS " == *" $1 "* ]]; }  # whole words: "rtn" is not "dist-rtn"
+if has probe; then  # where the H200 machine's start-up time goes (the compressed-tensors import, torch, CUDA)
+  T='import resource, subprocess, sys, time; t = time.time(); subprocess.run([sys.executable, "-c", sys.argv[2]]); print(f"{sys.argv[1]}: {time.time() - t:.2f} s wall, child max RSS {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6:.2f} GB")'
+  { for i in 1 2; do python3 -c "$T" "import compressed_tensors ($i)" "import compressed_tensors"; done
+    python3 -c "$T" "import torch" "import torch"
+    python3 -c "$T" "import torch + CUDA context" "import torch; torch.zeros(1, device='cuda')"
+    python3 -c "$T" "import transformers" "import transformers"
+    python3 -c "$T" "import glmq.quantize.stream" "import glmq.quantize.stream"
+    python3 -X importtime -c "import compressed_tensors" 2>&1 | sort -t'|' -k2 -n | tail -25
+  } 2>&1 | tee "$OUT/probe.txt"
+fi
 has tests && python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gptq.py tests/test_cuda_path.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
 has gpq-unit && python3 -m pytest -q -p no:cacheprovider tests/test_gptq.py tests/test_cuda_path.py 2>&1 | tail -8 | tee "$OUT/gptq_cuda_tests.txt"
 has cudapath && python3 -m pytest -q -p no:cacheprovider tests/test_cuda_path.py 2>&1 | tail -8 | tee "$OUT/cuda_path_tests.txt"
 has kernels && timeout 330 python3 scripts/bench_kernels.py --out "$OUT" 2>&1 | tail -60 | tee "$OUT/bench_kernels.log"
 has gptq && timeout ${GPTQ_TIMEOUT:-500} python3 scripts/bench_gptq_gpu.py --work /tmp/glmq-g5 ${GPTQ_ARGS:-} --json "$OUT/bench_gptq_gpu.json" 2>&1 | tail -40 | tee "$OUT/bench_gptq_gpu.log"
 has rtn && timeout 400 python3 scripts/bench_rtn.py --work /tmp/glmq-bench --layers 3 --device cuda --repeats 3 --out "$OUT/bench_rtn_cuda.json" 2>&1 | tail -40 | tee "$OUT/bench_rtn_cuda.log"
+if has rtn-sizes; then  # the same benchmark at several input sizes (RTN_LAYERS), one work folder at a time (disk)
+  for L in ${RTN_LAYERS:-3 8}; do
+    timeout ${RTN_TIMEOUT:-280} python3 scripts/bench_rtn.py --work /tmp/glmq-bench-L$L --layers $L --device cuda --repeats 3 \
+      --out "$OUT/bench_rtn_cuda_L$L.json" 2>&1 | grep -E "generated|round|glmq_over_copy|rss_minus"
+    rm -rf /tmp/glmq-bench-L$L
+  done
+fi
 DIST="python3 scripts/bench_dist.py --work /tmp/glmq-dist --device cuda --layers ${DIST_LAYERS:-2} --experts ${DIST_EXPERTS:-256} --shard-mb 1000 --ranks ${DIST_RANKS:-2}"
 has dist-rtn && timeout ${DIST_TIMEOUT:-300} $DIST --repeats ${DIST_REPEATS:-2} --out "$OUT/bench_dist_cuda_rtn.json" 2>&1 | tail -30 | tee "$OUT/bench_dist_cuda_rtn.log"
 has dist-gptq && timeout ${DIST_TIMEOUT:-500} $DIST --scheme gptq --jobs ${DIST_JOBS:-1,2} --out "$OUT/bench_dist_cuda_gptq.json" 2>&1 | tail -30 | tee "$OUT/bench_dist_cuda_gptq.log"

@@ -114,8 +114,8 @@ def _error_device(x, packed, scale, zp, shape, g, dev: torch.device) -> tuple[fl
     if triton:
         from glmq.kernels.w4a16_dense import w4a16_matmul
 
-        runs = [(w4a16_matmul(x, packed, scale, gs), ref),  # MMA kernel
-                (w4a16_matmul(x[:1].contiguous(), packed, scale, gs), ref[:1])]  # GEMV kernel
+        runs = [(w4a16_matmul(x, packed, scale, gs), ref),  # a full token tile
+                (w4a16_matmul(x[:1].contiguous(), packed, scale, gs), ref[:1])]  # the decode launch (M = 1)
     else:
         runs = [(reference.w4a16_matmul_ref(x, packed, scale, gs) if zp is None
                  else x.float() @ reference.dequantize_packed(packed, scale, gs, zp).T, ref)]

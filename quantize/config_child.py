@@ -1,0 +1,43 @@
+"""The child process that builds the compressed-tensors `quantization_config` (`glmq.formats.compressed_tensors`).
+
+Importing compressed-tensors imports transformers: seconds of start-up (4-5 s on this project's CPU machine,
+14-19 s measured on the H200 machine) that would otherwise hold the GIL the conversion needs. The child does
+that import at once and then waits for its request on stdin, so starting it as the first thing `glmq quantize`
+does overlaps the import with the parent's own start-up (torch, the plan, CUDA) as well as with the
+conversion. This module imports nothing heavy, so that the CLI can call `prestart` before anything else.
+"""
+
+from __future__ import annotations
+
+import atexit
+import subprocess
+import sys
+
+_STARTED: list[tuple[subprocess.Popen, bool]] = []
+
+
+def spawn(own_session: bool = False) -> subprocess.Popen:
+    """A fresh child. own_session: start it in its own session (torchrun ranks; see `output.ConfigJob`)."""
+    return subprocess.Popen([sys.executable, "-m", "glmq.formats.compressed_tensors"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=own_session)
+
+
+def prestart(own_session: bool = False) -> None:
+    """Start the child now; the next `take` hands it over. Killed at exit if nothing took it."""
+    if not _STARTED:
+        proc = spawn(own_session)
+        _STARTED.append((proc, own_session))
+        atexit.register(kill, proc)
+
+
+def take(own_session: bool = False) -> subprocess.Popen:
+    """The prestarted child (if started with the same session choice), else a fresh one."""
+    if _STARTED and _STARTED[0][1] == own_session and _STARTED[0][0].poll() is None:
+        return _STARTED.pop()[0]
+    return spawn(own_session)
+
+
+def kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
