@@ -64,8 +64,9 @@ class GPTQResult:
     Attributes:
         qweight: QWeight(q int8 [N, K], scale [N, K/g] w.dtype, zero_point int8 [N, K/g] | None),
             the same format as `quantize_rtn`.
-        error_gptq: tr((W - Wq) H (W - Wq)^T) of `qweight`, with the Hessian as passed (float64 sum).
-        error_rtn: the same for `quantize_rtn(w, spec)`.
+        error_gptq: tr((W - Wq) H (W - Wq)^T) of `qweight`, with the Hessian as passed (float64 sum);
+            None when the caller asked for no errors (`quantize_gptq_batch(errors=False)`).
+        error_rtn: the same for `quantize_rtn(w, spec)`, or None likewise.
         damp: dampening fraction of mean(diag(H)) that was used (the last one tried on a fallback).
         damp_increased: True when Cholesky failed at `spec.damp` and a larger fraction was needed.
         fallback: None, or why the result is RTN's.
@@ -73,8 +74,8 @@ class GPTQResult:
     """
 
     qweight: QWeight
-    error_gptq: float
-    error_rtn: float
+    error_gptq: float | None
+    error_rtn: float | None
     damp: float
     damp_increased: bool
     fallback: Fallback | None
@@ -114,7 +115,7 @@ def quantize_gptq(
 
 
 def quantize_gptq_batch(
-    w: torch.Tensor, h: torch.Tensor, spec: QuantSpec, *, clip_search: bool = False
+    w: torch.Tensor, h: torch.Tensor, spec: QuantSpec, *, clip_search: bool = False, errors: bool = True
 ) -> list[GPTQResult]:
     """`quantize_gptq` of B weights of one shape, each with its own Hessian, in one column loop.
 
@@ -126,6 +127,10 @@ def quantize_gptq_batch(
 
     Args:
         w: `[B, N, K]` float weights; h: `[B, K, K]` Hessians. Other arguments as `quantize_gptq`.
+        errors: compute `error_gptq` / `error_rtn` (two float64 `[N, K] x [K, K]` products and an RTN per
+            element). A caller that measures its own errors (calibration/layer_gptq.py, against the
+            Hessian of the tokens the Linear saw) passes False and gets None there; RTN is then only
+            computed for the elements that fall back to it.
     Returns:
         one GPTQResult per element, in order.
     """
@@ -133,19 +138,26 @@ def quantize_gptq_batch(
         raise ValueError(f"quantize_gptq_batch needs w [B, N, K] and h [B, K, K], got {list(w.shape)} and {list(h.shape)}")
     if spec.act_order and w.shape[0] > 1:
         return [r for b in range(w.shape[0]) for r in quantize_gptq_batch(w[b:b + 1], h[b:b + 1], spec,
-                                                                          clip_search=clip_search)]
+                                                                          clip_search=clip_search, errors=errors)]
     for b in range(w.shape[0]):
         _check_inputs(w[b], h[b], spec)
     h = h.to(device=w.device, dtype=torch.float32)
-    rtn = [quantize_rtn(w[b], spec) for b in range(w.shape[0])]
-    error_rtn = [hessian_error(w[b], dequantize(rtn[b], spec.group_size), h[b]) for b in range(w.shape[0])]
+    rtn_cache: dict[int, tuple[QWeight, float | None]] = {}
+
+    def rtn(b: int) -> tuple[QWeight, float | None]:  # RTN of element b and its error, computed once
+        if b not in rtn_cache:
+            qw = quantize_rtn(w[b], spec)
+            rtn_cache[b] = qw, hessian_error(w[b], dequantize(qw, spec.group_size), h[b]) if errors else None
+        return rtn_cache[b]
+
     dead = torch.diagonal(h, dim1=-2, dim2=-1) == 0  # (B, K)
     n_dead = dead.sum(1).tolist()
     out: list[GPTQResult | None] = [None] * w.shape[0]
     for b in range(w.shape[0]):
         if n_dead[b] == h.shape[-1]:
             logger.warning("GPTQ: empty Hessian (no calibration tokens); falling back to RTN")
-            out[b] = GPTQResult(rtn[b], error_rtn[b], error_rtn[b], spec.damp, False, Fallback.EMPTY_HESSIAN, n_dead[b])
+            qw, e = rtn(b)
+            out[b] = GPTQResult(qw, e, e, spec.damp, False, Fallback.EMPTY_HESSIAN, n_dead[b])
 
     live = [b for b in range(w.shape[0]) if out[b] is None]
     if live:
@@ -165,8 +177,8 @@ def quantize_gptq_batch(
                 logger.warning("GPTQ: Hessian not positive definite at damp=%g; used damp=%g", spec.damp, damps[j])
             if hinv[j] is None:
                 logger.warning("GPTQ: Hessian not positive definite even at damp=%g; falling back to RTN", damps[j])
-                out[b] = GPTQResult(rtn[b], error_rtn[b], error_rtn[b], damps[j], damps[j] != spec.damp,
-                                    Fallback.NOT_POSITIVE_DEFINITE, n_dead[b])
+                qw, e = rtn(b)
+                out[b] = GPTQResult(qw, e, e, damps[j], damps[j] != spec.damp, Fallback.NOT_POSITIVE_DEFINITE, n_dead[b])
         if ok:
             clip_h = H[ok] if clip_search else None
             q, scale, zp = _gptq_loop(W[ok], torch.stack([hinv[j] for j in ok]), perm, spec, w.dtype, clip_h)
@@ -174,8 +186,9 @@ def quantize_gptq_batch(
             for i, j in enumerate(ok):
                 b = live[j]
                 qw = QWeight(q[i].contiguous(), scale[i], None if zp is None else zp[i])
-                err = hessian_error(w[b], dequantize(qw, spec.group_size), h[b])
-                out[b] = GPTQResult(qw, err, error_rtn[b], damps[j], damps[j] != spec.damp, None, n_dead[b])
+                err = hessian_error(w[b], dequantize(qw, spec.group_size), h[b]) if errors else None
+                out[b] = GPTQResult(qw, err, rtn(b)[1] if errors else None, damps[j], damps[j] != spec.damp, None,
+                                    n_dead[b])
     return out
 
 

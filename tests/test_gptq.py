@@ -384,6 +384,19 @@ def test_batch_equals_one_at_a_time(act_order, clip, symmetric):
     assert batch[1].dead_columns == 1 and batch[0].fallback is None and batch[0].error_gptq < batch[0].error_rtn
 
 
+def test_batch_without_errors_gives_the_same_weights():
+    """`errors=False` (the engine measures its own) changes no bit of the result, only leaves errors out."""
+    probs = [problem(16, 96, seed=s) for s in (3, 4)]
+    w, h = torch.stack([p[0] for p in probs]), torch.stack([p[1] for p in probs] + [torch.zeros(96, 96)])[[0, 2]]
+    spec = gptq_spec(group_size=32)
+    full, lean = (quantize_gptq_batch(w, h, spec, clip_search=True, errors=e) for e in (True, False))
+    for a, b in zip(full, lean):
+        assert torch.equal(a.qweight.q, b.qweight.q) and torch.equal(a.qweight.scale, b.qweight.scale)
+        assert (a.fallback, a.damp, a.dead_columns) == (b.fallback, b.damp, b.dead_columns)
+        assert b.error_gptq is None and b.error_rtn is None and a.error_gptq is not None
+    assert lean[1].fallback is Fallback.EMPTY_HESSIAN
+
+
 def test_batch_shape_errors():
     w, h = problem(16, 64)
     with pytest.raises(ValueError, match=r"\[B, N, K\]"):
