@@ -94,7 +94,8 @@ class CalibrationSettings:
         experts_per_pass: routed experts whose Hessians are held at once (None: all); more passes,
             less memory.
         gptq_batch: same-shape GPTQ problems (experts) solved in one column loop
-            (`quantize_gptq_batch`); bounds the extra float32 memory to about gptq_batch x (W + 3 H).
+            (`quantize_gptq_batch`); bounds the extra float32 memory to about gptq_batch x (W + 3 H), plus
+            one W and one H more with coordinate descent (QuantSpec.cd_sweeps).
         offload_activations: folder for the hidden states between layers (None: in memory).
     """
 

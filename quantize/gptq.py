@@ -260,7 +260,8 @@ def _inverse_hessian_cholesky(H: torch.Tensor, damp: float) -> tuple[list[torch.
 
 
 def _damped(H: torch.Tensor, damps: list[float]) -> torch.Tensor:
-    """(H + damp_b * mean(diag H_b) * I), symmetrized: the matrix whose inverse GPTQ factored, `[B, K, K]`."""
+    """(H + damp_b * mean(diag H_b) * I) `[B, K, K]`, symmetrized: the matrix whose inverse GPTQ factored
+    (Cholesky reads one triangle of it; float32 sums leave H symmetric only up to rounding)."""
     d = torch.tensor(damps, device=H.device, dtype=H.dtype) * torch.diagonal(H, dim1=-2, dim2=-1).mean(-1)
     Hd = (H + H.transpose(-1, -2)) / 2
     torch.diagonal(Hd, dim1=-2, dim2=-1).add_(d.unsqueeze(-1))
@@ -503,7 +504,8 @@ def _coordinate_descent(
     and clamped to [q_min, q_max] (the integer minimizer of a parabola is the rounded real one; clamping
     a convex function keeps the best point of the interval). The change is then evaluated exactly with the
     dtype-rounded dequantized values (bf16 rounding makes Delta differ from s * step) and the move is kept
-    only if it lowers f by more than CD_MIN_GAIN * Delta^2 Hd_kk, so f never increases. g is kept as
+    only if it lowers f by more than CD_MIN_GAIN * Delta^2 Hd_kk, so f never increases (g is float32; the
+    margin is far above its rounding, and tests/test_gptq.py checks every row in float64). g is kept as
     lazy products per block of SUB_BLOCK columns: R = D Hd[:, block] is computed fresh at the block's start
     (one batched matmul) and updated with a rank-1 term per move inside the block, so a sweep costs about
     one `[N, K] x [K, K]` product plus K column steps on `[N, SUB_BLOCK]`. Sweeps stop early once one
