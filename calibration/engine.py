@@ -25,6 +25,11 @@ clip, vs 0.01118 / 0.01110 without); routing-weight^2 token weights 0.01285; all
 every expert 0.01259; output-sensitivity token weights for gate/up 0.01089 mean of 3 seeds with
 damp 0.3 (vs 0.01073 without); down_proj calibrated on quantized gate/up outputs toward the
 unquantized expert output (asymmetric, GPTAQ-style) 0.01768: it shrinks the experts' outputs.
+Solver (QuantSpec `damp`, `clip_objective`, `cd_sweeps`; mean KL of seeds 0-4, BENCHMARKS.md): the above
+(block clip, no descent, damp 0.01) 0.01104; propagated clip 0.01072; + 2 coordinate-descent sweeps
+0.01067; the same at damp 0.1 0.01058 (kept; every linear: 0.02994 over seeds 0-3 vs 0.03238 over 0-2);
+4 sweeps at damp 0.1 0.01065; propagated clip at damp 0.1 without descent 0.01082; block clip + 4 sweeps
+at damp 0.1 0.01068.
 
 Memory: one decoder layer (compute dtype) plus its Hessians (float32 K x K per target site; bound them
 with `experts_per_pass`), plus the hidden states `[S, T, H]` in the compute dtype (S*T*H*4 bytes in
@@ -82,13 +87,15 @@ class CalibrationSettings:
             expert compute in the calibration pass).
         under_covered: "all_tokens" (Hessians from every token of the layer, as llm-compressor's
             moe_calibrate_all_experts) or "rtn" (round-to-nearest).
-        clip_search: `quantize_gptq(clip_search=True)`.
+        clip_search: `quantize_gptq(clip_search=True)`: search each group's clipped scale, scored as the
+            recipe's `clip_objective` says.
         batch_size: calibration samples per forward.
         dtype: compute dtype of the layer forwards and of the stored hidden states.
         experts_per_pass: routed experts whose Hessians are held at once (None: all); more passes,
             less memory.
         gptq_batch: same-shape GPTQ problems (experts) solved in one column loop
-            (`quantize_gptq_batch`); bounds the extra float32 memory to about gptq_batch x (W + 3 H).
+            (`quantize_gptq_batch`); bounds the extra float32 memory to about gptq_batch x (W + 3 H), plus
+            one W and one H more with coordinate descent (QuantSpec.cd_sweeps).
         offload_activations: folder for the hidden states between layers (None: in memory).
     """
 

@@ -188,11 +188,15 @@ def gptq_batches(targets: list[Target], state: dict, size: int) -> list[list[lis
 
 
 def _solve(batch: list[_Problem], run: _Run) -> None:
-    """GPTQ of the batch's problems in one `quantize_gptq_batch` call (RTN problems are left alone)."""
+    """GPTQ of the batch's problems in one `quantize_gptq_batch` call (RTN problems are left alone).
+
+    `errors=False`: `_Problem.solve` measures the errors itself, against the Hessian of the tokens the
+    Linear saw, so the batch function's own (against the Hessian GPTQ used) would be computed for nothing.
+    """
     todo = [p for p in batch if p.h is not None]
     if todo:
         rs = quantize_gptq_batch(torch.stack([p.w for p in todo]), torch.stack([p.h.to(p.w.device) for p in todo]),
-                                 run.spec, clip_search=run.s.clip_search)
+                                 run.spec, clip_search=run.s.clip_search, errors=False)
         for p, r in zip(todo, rs):
             p.result = r
 

@@ -78,7 +78,9 @@ FIGURES: dict[str, Figure] = {
                                        "rates_from_layer_report's split with the layer loaded at rtn_cuda_GBps"),
     "gptq_cpu_s_per_column": Figure(None, "s per input column of a target", _GPTQ_TODO),
     "gptq_cuda_s_per_column": Figure(1.715e-5, "s per input column of a target", _GPTQ_GPU_RUN + ": layer 1, 62.9 s "
-                                     "solving 3.67 M input columns"),
+                                     "solving 3.67 M input columns, with the solver defaults of then (block clip "
+                                     "search, no coordinate descent); the current ones doubled the solve on CPU, "
+                                     "not measured on a GPU"),
 }
 BENCH_LARGEST_SHARD = 490_881_264  # the largest input shard of both RTN bench runs (benchmarks/bench_rtn_*.json)
 
@@ -315,7 +317,8 @@ def layer_memory(layer: Layer, targets: list[Target], cfg: dict, scale: Scale, e
         "integers": target_params * 1.5,
         "rebuild": 2 * target_params + 2 * layer.expert_params,  # dequantized targets + fused experts (bf16)
         "hessians": hessian_bytes(targets, experts_per_pass, scale.expert_prior > 0),
-        "solve": 0 if biggest is None else 4 * (4 * biggest.k**2 + 2 * biggest.n * biggest.k),
+        # float32 H copies and W copies of the largest problem; coordinate descent adds a damped H and a W
+        "solve": 0 if biggest is None else 4 * (5 * biggest.k**2 + 3 * biggest.n * biggest.k),
         "hidden": (2 if offload else 1) * tokens_kept * t * h * d,  # offloaded: one batch read + one written
         "carry": 2 * tokens_kept * t * topk * 4,  # GLM-5 top-k indices, int32: the layer's input and output
         "workspace": mask + indexer + b * t * cfg.get("num_experts_per_tok", 0) * cfg.get("n_routed_experts", 0) * 8

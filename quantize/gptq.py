@@ -25,6 +25,16 @@ Choices (each also noted where it is made):
 - "Current" includes the lazy-batch updates still pending inside the block (the reference gptq.py reads
   the stale `W` there when group_size < block_size), so the blocked loop makes exactly the decisions of
   the unblocked Algorithm 1; tests compare against a float64 column-by-column transcription.
+- Clip search (`clip_search=True`): when a group's scale is fixed, it is chosen per row among shrinks of
+  [min, max] (CLIP_GRID). `spec.clip_objective` says how a candidate is scored: "propagated" quantizes
+  the group's columns one by one with GPTQ's own error feedback inside the group and scores the GPTQ loss
+  that group adds (`_propagated_clip_search`); "block" rounds the group in isolation and scores it with
+  H's diagonal block (`_clip_search`).
+- Coordinate descent (`spec.cd_sweeps` > 0): after the column loop, with every scale fixed, cyclic sweeps
+  over the columns move each integer to its best value given all the others, on the damped objective
+  (`_coordinate_descent`). GPTQ decides each column once, from columns it has not quantized yet; the
+  sweeps revisit those decisions with the whole rounding known. Each accepted move lowers its row's
+  objective, so the result is never worse on it than GPTQ's (tests/test_gptq.py asserts it).
 - Dead columns (diag(H) == 0: the input channel never fired) get H[i, i] = 1 and W[:, i] = 0, as in the
   reference code. An all-zero Hessian (no tokens) and one that stays non-positive-definite after the
   dampening retries fall back to RTN; both are recorded in `GPTQResult.fallback`, never silent.
@@ -64,8 +74,9 @@ class GPTQResult:
     Attributes:
         qweight: QWeight(q int8 [N, K], scale [N, K/g] w.dtype, zero_point int8 [N, K/g] | None),
             the same format as `quantize_rtn`.
-        error_gptq: tr((W - Wq) H (W - Wq)^T) of `qweight`, with the Hessian as passed (float64 sum).
-        error_rtn: the same for `quantize_rtn(w, spec)`.
+        error_gptq: tr((W - Wq) H (W - Wq)^T) of `qweight`, with the Hessian as passed (float64 sum);
+            None when the caller asked for no errors (`quantize_gptq_batch(errors=False)`).
+        error_rtn: the same for `quantize_rtn(w, spec)`, or None likewise.
         damp: dampening fraction of mean(diag(H)) that was used (the last one tried on a fallback).
         damp_increased: True when Cholesky failed at `spec.damp` and a larger fraction was needed.
         fallback: None, or why the result is RTN's.
@@ -73,8 +84,8 @@ class GPTQResult:
     """
 
     qweight: QWeight
-    error_gptq: float
-    error_rtn: float
+    error_gptq: float | None
+    error_rtn: float | None
     damp: float
     damp_increased: bool
     fallback: Fallback | None
@@ -101,9 +112,9 @@ def quantize_gptq(
         w: `[N, K]` float weight (bf16 for GLM); its dtype becomes the scale dtype, its device is where
             the work runs (CPU or CUDA; float32 internally).
         h: `[K, K]` float Hessian `2/n sum x x^T` of the layer input; moved to w's device.
-        spec: bits, group size, symmetry, act_order, damp, block_size.
+        spec: bits, group size, symmetry, act_order, damp, block_size, clip_objective, cd_sweeps.
         clip_search: per group and row, pick the min/max shrink factor from `CLIP_GRID` that minimizes
-            the error weighted by the group's diagonal block of H. Off by default.
+            the error `spec.clip_objective` defines. Off by default.
     Returns:
         GPTQResult with the QWeight and diagnostics (errors, dampening, fallback).
     Raises:
@@ -114,7 +125,7 @@ def quantize_gptq(
 
 
 def quantize_gptq_batch(
-    w: torch.Tensor, h: torch.Tensor, spec: QuantSpec, *, clip_search: bool = False
+    w: torch.Tensor, h: torch.Tensor, spec: QuantSpec, *, clip_search: bool = False, errors: bool = True
 ) -> list[GPTQResult]:
     """`quantize_gptq` of B weights of one shape, each with its own Hessian, in one column loop.
 
@@ -126,6 +137,10 @@ def quantize_gptq_batch(
 
     Args:
         w: `[B, N, K]` float weights; h: `[B, K, K]` Hessians. Other arguments as `quantize_gptq`.
+        errors: compute `error_gptq` / `error_rtn` (two float64 `[N, K] x [K, K]` products and an RTN per
+            element). A caller that measures its own errors (calibration/layer_gptq.py, against the
+            Hessian of the tokens the Linear saw) passes False and gets None there; RTN is then only
+            computed for the elements that fall back to it.
     Returns:
         one GPTQResult per element, in order.
     """
@@ -133,19 +148,26 @@ def quantize_gptq_batch(
         raise ValueError(f"quantize_gptq_batch needs w [B, N, K] and h [B, K, K], got {list(w.shape)} and {list(h.shape)}")
     if spec.act_order and w.shape[0] > 1:
         return [r for b in range(w.shape[0]) for r in quantize_gptq_batch(w[b:b + 1], h[b:b + 1], spec,
-                                                                          clip_search=clip_search)]
+                                                                          clip_search=clip_search, errors=errors)]
     for b in range(w.shape[0]):
         _check_inputs(w[b], h[b], spec)
     h = h.to(device=w.device, dtype=torch.float32)
-    rtn = [quantize_rtn(w[b], spec) for b in range(w.shape[0])]
-    error_rtn = [hessian_error(w[b], dequantize(rtn[b], spec.group_size), h[b]) for b in range(w.shape[0])]
+    rtn_cache: dict[int, tuple[QWeight, float | None]] = {}
+
+    def rtn(b: int) -> tuple[QWeight, float | None]:  # RTN of element b and its error, computed once
+        if b not in rtn_cache:
+            qw = quantize_rtn(w[b], spec)
+            rtn_cache[b] = qw, hessian_error(w[b], dequantize(qw, spec.group_size), h[b]) if errors else None
+        return rtn_cache[b]
+
     dead = torch.diagonal(h, dim1=-2, dim2=-1) == 0  # (B, K)
     n_dead = dead.sum(1).tolist()
     out: list[GPTQResult | None] = [None] * w.shape[0]
     for b in range(w.shape[0]):
         if n_dead[b] == h.shape[-1]:
             logger.warning("GPTQ: empty Hessian (no calibration tokens); falling back to RTN")
-            out[b] = GPTQResult(rtn[b], error_rtn[b], error_rtn[b], spec.damp, False, Fallback.EMPTY_HESSIAN, n_dead[b])
+            qw, e = rtn(b)
+            out[b] = GPTQResult(qw, e, e, spec.damp, False, Fallback.EMPTY_HESSIAN, n_dead[b])
 
     live = [b for b in range(w.shape[0]) if out[b] is None]
     if live:
@@ -158,6 +180,7 @@ def quantize_gptq_batch(
         perm = (torch.argsort(torch.diagonal(H[0]), descending=True, stable=True) if spec.act_order
                 else torch.arange(W.shape[-1], device=W.device))
         W, H = W[:, :, perm], H[:, perm][:, :, perm]
+        W0 = W.clone() if spec.cd_sweeps else None  # the loop updates W in place; the descent needs W
         hinv, damps = _inverse_hessian_cholesky(H, spec.damp)
         ok = [j for j in range(len(live)) if hinv[j] is not None]
         for j, b in enumerate(live):
@@ -165,17 +188,22 @@ def quantize_gptq_batch(
                 logger.warning("GPTQ: Hessian not positive definite at damp=%g; used damp=%g", spec.damp, damps[j])
             if hinv[j] is None:
                 logger.warning("GPTQ: Hessian not positive definite even at damp=%g; falling back to RTN", damps[j])
-                out[b] = GPTQResult(rtn[b], error_rtn[b], error_rtn[b], damps[j], damps[j] != spec.damp,
-                                    Fallback.NOT_POSITIVE_DEFINITE, n_dead[b])
+                qw, e = rtn(b)
+                out[b] = GPTQResult(qw, e, e, damps[j], damps[j] != spec.damp, Fallback.NOT_POSITIVE_DEFINITE, n_dead[b])
         if ok:
-            clip_h = H[ok] if clip_search else None
-            q, scale, zp = _gptq_loop(W[ok], torch.stack([hinv[j] for j in ok]), perm, spec, w.dtype, clip_h)
+            clip = spec.clip_objective if clip_search else None
+            clip_h = H[ok] if clip == "block" else None
+            q, scale, zp = _gptq_loop(W[ok], torch.stack([hinv[j] for j in ok]), perm, spec, w.dtype, clip, clip_h)
+            if spec.cd_sweeps:
+                q = _coordinate_descent(W0[ok], q, scale, zp, _damped(H[ok], [damps[j] for j in ok]),
+                                        (perm // spec.group_size), spec, w.dtype)
             q = q[:, :, torch.argsort(perm)]
             for i, j in enumerate(ok):
                 b = live[j]
                 qw = QWeight(q[i].contiguous(), scale[i], None if zp is None else zp[i])
-                err = hessian_error(w[b], dequantize(qw, spec.group_size), h[b])
-                out[b] = GPTQResult(qw, err, error_rtn[b], damps[j], damps[j] != spec.damp, None, n_dead[b])
+                err = hessian_error(w[b], dequantize(qw, spec.group_size), h[b]) if errors else None
+                out[b] = GPTQResult(qw, err, rtn(b)[1] if errors else None, damps[j], damps[j] != spec.damp, None,
+                                    n_dead[b])
     return out
 
 
@@ -231,12 +259,22 @@ def _inverse_hessian_cholesky(H: torch.Tensor, damp: float) -> tuple[list[torch.
     return U, damps
 
 
+def _damped(H: torch.Tensor, damps: list[float]) -> torch.Tensor:
+    """(H + damp_b * mean(diag H_b) * I) `[B, K, K]`, symmetrized: the matrix whose inverse GPTQ factored
+    (Cholesky reads one triangle of it; float32 sums leave H symmetric only up to rounding)."""
+    d = torch.tensor(damps, device=H.device, dtype=H.dtype) * torch.diagonal(H, dim1=-2, dim2=-1).mean(-1)
+    Hd = (H + H.transpose(-1, -2)) / 2
+    torch.diagonal(Hd, dim1=-2, dim2=-1).add_(d.unsqueeze(-1))
+    return Hd
+
+
 def _gptq_loop(
     W: torch.Tensor,
     Hinv: torch.Tensor,
     perm: torch.Tensor,
     spec: QuantSpec,
     dtype: torch.dtype,
+    clip: str | None,
     clip_h: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Paper Alg. 1 over the (permuted) columns of B weights at once, with lazy batch updates of `spec.block_size`.
@@ -245,7 +283,8 @@ def _gptq_loop(
         W: float32 `[B, N, K]` weights, columns in processing order (modified in place).
         Hinv: float32 `[B, K, K]` upper Cholesky factors of the damped inverse Hessians, same order.
         perm: int64 `[K]`, processing position -> original column (shared by the batch).
-        clip_h: the (permuted) Hessians `[B, K, K]` when clip search is on, else None.
+        clip: None (no clip search) or the `spec.clip_objective` to search with.
+        clip_h: the (permuted) Hessians `[B, K, K]` for clip == "block", else None.
     Returns:
         q int8 `[B, N, K]` in processing order; scale `[B, N, G]` dtype and zero point int8 `[B, N, G]` | None,
         indexed by original group.
@@ -269,7 +308,7 @@ def _gptq_loop(
             if i1 + i in first:  # a group's first column: fix its scale from the current weights
                 g, pos = group_of[i1 + i], members[group_of[i1 + i]]
                 current = W[:, :, pos] - Err1 @ Hinv[:, i1:i2, pos]  # + the block's pending lazy updates
-                _set_group_qparams(current, g, pos, spec, scale, zp, col_scale, col_zp, clip_h)
+                _set_group_qparams(current, g, pos, spec, scale, zp, col_scale, col_zp, clip, clip_h, Hinv)
             w, d = W1[:, :, i], Hinv1[:, i, i].unsqueeze(1)  # (B, N), (B, 1)
             q_int, q = _quantize_column(w, col_scale[:, :, i1 + i], col_zp[:, :, i1 + i], spec, dtype)
             Q[:, :, i1 + i] = q_int
@@ -301,13 +340,22 @@ def _quantize_column(
     Returns:
         (int8 `[N]` integers, float32 `[N]` dequantized values (q - zp) * scale rounded to dtype).
     """
+    q, deq = _fake_quantize(w, scale, zp, spec, dtype)
+    return q.to(torch.int8), deq
+
+
+def _fake_quantize(
+    w: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, spec: QuantSpec, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_quantize_column` with the integers left as float32 (what the clip search needs)."""
     x = (w.to(dtype).float() / scale).to(dtype)
-    x = (x.float() + zp).to(dtype)  # adding 0 (symmetric) is exact
+    if not spec.symmetric:  # symmetric: zp == 0, and adding 0 then rounding to dtype changes nothing
+        x = (x.float() + zp).to(dtype)
     q = torch.round(x.float().clamp_(spec.q_min, spec.q_max))
     # For bf16/fp16, (q - zp) * scale is exact in float32 (<= 9-bit integer times an 8/11-bit mantissa),
     # so rounding it to dtype equals the dtype multiply compressed-tensors does on load (`dequantize`);
     # for float32 it is that multiply.
-    return q.to(torch.int8), ((q - zp) * scale).to(dtype).float()
+    return q, ((q if spec.symmetric else q - zp) * scale).to(dtype).float()
 
 
 def _set_group_qparams(
@@ -319,19 +367,25 @@ def _set_group_qparams(
     zp: torch.Tensor | None,
     col_scale: torch.Tensor,
     col_zp: torch.Tensor,
+    clip: str | None,
     clip_h: torch.Tensor | None,
+    Hinv: torch.Tensor,
 ) -> None:
     """Fix group g's scale (and zero point) from its columns' current values `current` float32 [B, N, gs].
 
-    RTN's math (min/max in the weight dtype, `compute_qparams`), optionally with a clip search; writes
-    `scale[:, g]`, `zp[:, g]` and expands them to the group's processing positions `pos` in
-    `col_scale`/`col_zp`.
+    RTN's math (min/max in the weight dtype, `compute_qparams`), optionally with a clip search (`clip`:
+    "block" scores with `clip_h`, "propagated" with Hinv); writes `scale[:, g]`, `zp[:, g]` and expands
+    them to the group's processing positions `pos` in `col_scale`/`col_zp`.
     """
     cur = current.to(scale.dtype)
     lo, hi = group_minmax(cur, cur.shape[-1])  # (B, N, 1) each
     s, z = compute_qparams(lo, hi, spec)
-    if clip_h is not None:
+    if clip == "block":
         s, z = _clip_search(cur, lo, hi, s, z, clip_h[:, pos][:, :, pos], spec)
+    elif clip == "propagated":
+        order = torch.argsort(pos)  # the group's columns in processing order (act_order: not ascending in pos)
+        p = pos[order]
+        s, z = _propagated_clip_search(current[:, :, order], lo, hi, Hinv[:, p][:, :, p], spec, scale.dtype)
     scale[:, :, g] = s[:, :, 0]
     col_scale[:, :, pos] = s.float()
     if zp is not None:
@@ -370,3 +424,151 @@ def _clip_search(
         s = torch.where(better, s_p, s)
         z = torch.where(better, z_p, z) if z is not None else None
     return s, z
+
+
+def _propagated_clip_search(
+    current: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    u_gg: torch.Tensor,
+    spec: QuantSpec,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per row, the shrink of [lo, hi] from CLIP_GRID whose GPTQ pass over the group loses least.
+
+    For every candidate scale at once (a leading grid dimension), the group's columns are quantized in
+    processing order as `_gptq_loop` does (the same rounding; its updates lazily by SUB_BLOCK columns, so
+    equal up to float summation order): column j's error `e_j = (w_j - q_j) / U_jj` is fed back into the
+    group's later columns through the group's block `U_gg` of the inverse-Hessian factor.
+    The score is the sum of `e_j^2` over the group's columns: GPTQ's loss is `||E||^2` (with H^-1 = U^T U
+    and W - Wq = E U, tr((W - Wq) H (W - Wq)^T) = tr(E E^T) for the damped H), so this is the group's
+    share of the objective when its scale is chosen. It ignores what the group's feedback later does to
+    the columns after it, and with act_order the columns of other groups quantized between the group's
+    columns (their errors are not known yet). Ties keep the earlier factor (1.0 first: plain min/max).
+
+    Args:
+        current: float32 `[B, N, gs]`, the group's current (error-updated) columns, in processing order.
+        lo, hi: `[B, N, 1]` group min/max in the weight dtype; u_gg: float32 `[B, gs, gs]` (upper).
+    Returns:
+        the chosen scale `[B, N, 1]` dtype and zero point `[B, N, 1]` int8 | None.
+    """
+    cands = [compute_qparams((lo.float() * p).to(lo.dtype), (hi.float() * p).to(hi.dtype), spec) for p in CLIP_GRID]
+    s = torch.stack([c[0] for c in cands])  # (P, B, N, 1)
+    z = None if spec.symmetric else torch.stack([c[1] for c in cands])
+    sf, zf = s[..., 0].float(), (torch.zeros_like(s[..., 0], dtype=torch.float32) if z is None else z[..., 0].float())
+    # columns as the second-last axis, so that one column of every candidate and row is contiguous
+    w = current.transpose(1, 2).unsqueeze(0).repeat(len(CLIP_GRID), 1, 1, 1)  # (P, B, gs, N), updated in place
+    loss = torch.zeros(w.shape[0], w.shape[1], w.shape[3], device=w.device)  # (P, B, N)
+    gs = w.shape[2]
+    e = torch.empty_like(w)
+    ut = u_gg.unsqueeze(-1)  # (B, gs, gs, 1)
+    for j1 in range(0, gs, SUB_BLOCK):  # lazy updates by SUB_BLOCK columns, as `_gptq_loop` by block_size
+        j2 = min(j1 + SUB_BLOCK, gs)
+        for j in range(j1, j2):
+            _, q = _fake_quantize(w[:, :, j], sf, zf, spec, dtype)
+            e[:, :, j] = (w[:, :, j] - q) / u_gg[:, j, j].unsqueeze(1)  # (P, B, N)
+            loss += e[:, :, j] * e[:, :, j]
+            if j + 1 < j2:
+                w[:, :, j + 1:j2] -= ut[:, j, j + 1:j2] * e[:, :, j].unsqueeze(2)
+        if j2 < gs:
+            w[:, :, j2:] -= u_gg[:, j1:j2, j2:].transpose(1, 2) @ e[:, :, j1:j2]
+    best = torch.argmin(loss, dim=0, keepdim=True).unsqueeze(-1)  # (1, B, N, 1): the first minimum on ties
+    return s.gather(0, best)[0], None if z is None else z.gather(0, best)[0]
+
+
+# Columns per lazy update inside the propagated clip search and the coordinate descent: updates inside a
+# sub-block are immediate rank-1 terms, the rest of the group / block gets one matmul per sub-block (the
+# same result up to float rounding order; fewer passes over memory).
+SUB_BLOCK = 32
+# A coordinate move is taken only if it lowers the objective by more than this fraction of its own
+# curvature term (delta^2 H_kk): moves whose gain is at the level of float32 rounding are left alone.
+CD_MIN_GAIN = 1e-3
+
+
+def _coordinate_descent(
+    W: torch.Tensor,
+    Q: torch.Tensor,
+    scale: torch.Tensor,
+    zp: torch.Tensor | None,
+    Hd: torch.Tensor,
+    group_of: torch.Tensor,
+    spec: QuantSpec,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """`spec.cd_sweeps` sweeps of cyclic coordinate descent on the integers, scales and zero points fixed.
+
+    Per row r (rows are independent), with d = w - wq (wq = the dequantized integers) the objective is
+    f(d) = d Hd d^T. Changing column k's dequantized value by Delta (d_k -= Delta) changes it by
+        f(d - Delta e_k) - f(d) = -2 Delta g_k + Delta^2 Hd_kk,   g = d Hd.
+    Its real minimizer is Delta = g_k / Hd_kk, i.e. q_k + g_k / (s_k Hd_kk); that is rounded to the grid
+    and clamped to [q_min, q_max] (the integer minimizer of a parabola is the rounded real one; clamping
+    a convex function keeps the best point of the interval). The change is then evaluated exactly with the
+    dtype-rounded dequantized values (bf16 rounding makes Delta differ from s * step) and the move is kept
+    only if it lowers f by more than CD_MIN_GAIN * Delta^2 Hd_kk, so f never increases (g is float32; the
+    margin is far above its rounding, and tests/test_gptq.py checks every row in float64). g is kept as
+    lazy products per block of SUB_BLOCK columns: R = D Hd[:, block] is computed fresh at the block's start
+    (one batched matmul) and updated with a rank-1 term per move inside the block, so a sweep costs about
+    one `[N, K] x [K, K]` product plus K column steps on `[N, SUB_BLOCK]`. Sweeps stop early once one
+    changes nothing (the next would repeat it), which keeps every batch element's result its own.
+
+    Args:
+        W: float32 `[B, N, K]` weights in processing order (dead columns zeroed), overwritten (it becomes
+            the residual D).
+        Q: int8 `[B, N, K]` GPTQ's integers, processing order; scale `[B, N, G]` dtype, zp int8 | None.
+        Hd: float32 `[B, K, K]` the damped symmetric Hessian (`_damped`), processing order.
+        group_of: int64 `[K]`, processing position -> group.
+    Returns:
+        the refined integers, int8 `[B, N, K]` (a new tensor; Q is not modified).
+    """
+    nb, n, k = W.shape
+    bs = SUB_BLOCK
+    Q = Q.clone()
+    sf = scale.float()
+    zf = None if zp is None else zp.float()
+    hdiag = torch.diagonal(Hd, dim1=-2, dim2=-1)  # (B, K)
+
+    def block_qparams(i1: int, i2: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cols = group_of[i1:i2]
+        return sf[:, :, cols], (torch.zeros(1, device=W.device) if zf is None else zf[:, :, cols])
+
+    def deq(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # as `_quantize_column`
+        return ((q - z) * s).to(dtype).float()
+
+    D = W  # the residual w - wq
+    for i1 in range(0, k, bs):
+        i2 = min(i1 + bs, k)
+        D[:, :, i1:i2] -= deq(Q[:, :, i1:i2].float(), *block_qparams(i1, i2))
+    for _ in range(spec.cd_sweeps):
+        moved = torch.zeros((), dtype=torch.int64, device=W.device)  # read once per sweep: no sync per column
+        for i1 in range(0, k, bs):
+            i2 = min(i1 + bs, k)
+            s_blk, z_blk = block_qparams(i1, i2)
+            # the block's columns as rows ([B, bs, N]), so that each column step reads contiguous memory
+            R = (D @ Hd[:, :, i1:i2]).transpose(1, 2).contiguous()  # g for the block's columns
+            q0 = Q[:, :, i1:i2].transpose(1, 2)
+            qb = q0.float().contiguous()
+            s_t = s_blk.transpose(1, 2).contiguous()
+            z_t = z_blk if zf is None else z_blk.transpose(1, 2).contiguous()
+            dq = deq(qb, s_t, z_t)  # the block's dequantized values, kept equal to deq(qb)
+            h_rows = Hd[:, i1:i2, i1:i2].unsqueeze(-1)  # (B, bs, bs, 1): row c is Hd[j, block]
+            for c in range(i2 - i1):
+                j = i1 + c
+                s, z = s_t[:, c], (z_t if zf is None else z_t[:, c])
+                h_jj = hdiag[:, j:j + 1]  # (B, 1)
+                g = R[:, c]
+                q_new = torch.round(qb[:, c] + g / (s * h_jj)).clamp_(spec.q_min, spec.q_max)
+                dq_new = deq(q_new, s, z)
+                delta = dq_new - dq[:, c]
+                dd_h = delta * delta * h_jj
+                take = 2 * delta * g - dd_h > CD_MIN_GAIN * dd_h  # false for delta == 0
+                delta = torch.where(take, delta, 0.0)
+                qb[:, c] = torch.where(take, q_new, qb[:, c])
+                dq[:, c] = torch.where(take, dq_new, dq[:, c])
+                D[:, :, j] -= delta
+                R -= h_rows[:, c] * delta.unsqueeze(1)
+            qb = qb.to(torch.int8)
+            moved += (qb != q0).sum()
+            Q[:, :, i1:i2] = qb.transpose(1, 2)
+        if not int(moved):
+            break
+    return Q

@@ -19,6 +19,8 @@ class Method(str, enum.Enum):
 SUPPORTED_BITS = (4, 8)
 # vLLM's Marlin kernels take exactly these group sizes (formats.md §3a); anything else would not serve.
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
+# How GPTQ's clip search scores a candidate group scale (glmq.quantize.gptq, `_clip_search`):
+CLIP_OBJECTIVES = ("propagated", "block")
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,17 @@ class QuantSpec:
         method: "rtn" or "gptq".
         act_order: GPTQ only: process columns by decreasing Hessian diagonal ("static" act-order);
             the written format is unchanged (no g_idx).
-        damp: GPTQ only: dampening added to the Hessian diagonal, as a fraction of its mean.
+        damp: GPTQ only: dampening added to the Hessian diagonal, as a fraction of its mean (0.1: with
+            the two options below it measured better than 0.01 on the shared model, BENCHMARKS.md).
         block_size: GPTQ only: columns per lazy-batch block (paper §4, "Lazy Batch-Updates").
+        clip_objective: GPTQ only, when the clip search is on (`CalibrationSettings.clip_search`): how a
+            candidate clipped group scale is scored per row. "propagated": the group's columns are
+            quantized one by one with GPTQ's own error feedback inside the group, and the GPTQ loss of the
+            group (sum of squared `(w - q) / [U]_jj`) is kept lowest; "block": the group is rounded in
+            isolation and `d H_gg d^T` (H's diagonal block of the group) is kept lowest.
+        cd_sweeps: GPTQ only: sweeps of integer coordinate descent after GPTQ, scales fixed, on the
+            damped objective tr((W - Wq) (H + damp) (W - Wq)^T); 0 = plain GPTQ. 2 measured as good as 4
+            at half the cost.
     """
 
     num_bits: int = 4
@@ -42,8 +53,10 @@ class QuantSpec:
     symmetric: bool = True
     method: Method = Method.RTN
     act_order: bool = False
-    damp: float = 0.01
+    damp: float = 0.1
     block_size: int = 128
+    clip_objective: str = "propagated"
+    cd_sweeps: int = 2
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method(self.method))
@@ -56,6 +69,10 @@ class QuantSpec:
             )
         if not 0.0 <= self.damp < 1.0:
             raise ValueError(f"damp must be in [0, 1), got {self.damp}")
+        if self.clip_objective not in CLIP_OBJECTIVES:
+            raise ValueError(f"clip_objective must be one of {CLIP_OBJECTIVES}, got {self.clip_objective!r}")
+        if not isinstance(self.cd_sweeps, int) or isinstance(self.cd_sweeps, bool) or self.cd_sweeps < 0:
+            raise ValueError(f"cd_sweeps must be an integer >= 0, got {self.cd_sweeps!r}")
         if self.block_size <= 0 or self.block_size % self.group_size and self.group_size % self.block_size:
             raise ValueError(
                 f"block_size {self.block_size} and group_size {self.group_size} must divide one another"

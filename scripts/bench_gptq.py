@@ -2,19 +2,23 @@
 
     python -m glmq.scripts.bench_gptq quality --shared ../shared/models [--peer-python /tmp/peer-venv/bin/python]
     python -m glmq.scripts.bench_gptq scaling --layers 4 8 16
+    python -m glmq.scripts.bench_gptq quality --peers --seeds 0 1 2 --set cd_sweeps=0 --tag cd0 --name solver
 
-quality: the shared GLM-4.x MoE (FP8), calibration 128 x 256 tokens of prose-calib.txt (seed 0), evaluation
+quality: the shared GLM-4.x MoE (FP8), calibration 128 x 256 tokens of prose-calib.txt (seed 0 by default;
+    `--seeds` repeats glmq's GPTQ for other calibration draws, the peers always use seed 0), evaluation
     the first 96 windows of 256 tokens of prose-eval.txt in float32 (`glmq eval`'s protocol). For each recipe
     (routed experts only; every FP8 linear) it runs glmq RTN, glmq GPTQ, and the peer's GPTQ (default,
     routed-only Hessians, no act-order) and AutoRound on the model dequantized to BF16 (the peer cannot read
     block FP8), all on the same token windows, then evaluates every output through the same reader.
+    `--set KEY=VALUE` overrides QuantSpec fields of glmq's GPTQ recipe (a copy of the shipped recipe in the
+    work folder) and `--tag` names that variant; `--no-rtn` skips glmq RTN.
 scaling: a generated random-weight GLM-4.x MoE (hidden 1024, 16 routed experts top-4, the shared model's
     tokenizer and vocabulary), 64 x 256 calibration tokens, at several layer counts: wall time and peak RSS
     of `glmq quantize --scheme gptq` against the peer's default GPTQ.
 
 Each tool runs as its own process under `/usr/bin/time -v` style accounting (the child's ru_maxrss), so the
 peak RSS is that of the process tree's largest process and the wall time includes imports and writing.
-Results go to benchmarks/bench_gptq_<mode>.json and are printed as a table.
+Results go to benchmarks/bench_gptq_<mode>[_<name>].json and are printed as a table.
 """
 
 from __future__ import annotations
@@ -66,12 +70,31 @@ def dense_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def glmq_run(src: Path, out: Path, recipe: str, scheme: str, calib: Path, samples: int, work: Path) -> dict:
+def glmq_run(src: Path, out: Path, recipe: str, scheme: str, calib: Path, samples: int, work: Path,
+             seed: int = 0) -> dict:
     cmd = [sys.executable, "-m", "glmq", "quantize", "--model", str(src), "--output", str(out), "--recipe", recipe,
            "--scheme", scheme, "--no-progress", "--json", str(work / f"{out.name}.report.json")]
     if scheme == "gptq":
-        cmd += ["--calibration", str(calib), "--samples", str(samples), "--seq-len", "256"]
+        cmd += ["--calibration", str(calib), "--samples", str(samples), "--seq-len", "256", "--seed", str(seed)]
     return timed(cmd, work / f"{out.name}.log")
+
+
+def recipe_variant(recipe: str, overrides: list[str], tag: str, work: Path) -> str:
+    """The shipped recipe with QuantSpec fields overridden (`KEY=VALUE`, YAML values), as a file in `work`."""
+    import yaml
+
+    from glmq import recipes
+
+    if not overrides:
+        return recipe
+    d = yaml.safe_load((recipes.RECIPE_DIR / f"{recipe}.yaml").read_text())
+    for kv in overrides:
+        k, _, v = kv.partition("=")
+        d[k] = yaml.safe_load(v)
+    path = work / f"{recipe}-{tag or 'variant'}.yaml"
+    path.write_text(yaml.safe_dump(d))
+    recipes.load(str(path))  # fail here, not in the child, on a bad key or value
+    return str(path)
 
 
 def peer_run(peer_python: str, dense: Path, tokens: Path, variant: str, targets: str, out: Path, work: Path) -> dict:
@@ -103,8 +126,11 @@ def quality(args) -> dict:
     rows = []
     for targets in args.recipes:
         recipe = RECIPES[targets]
-        runs = [("glmq rtn", lambda o: glmq_run(src, o, recipe, "rtn", calib, 128, work)),
-                ("glmq gptq", lambda o: glmq_run(src, o, recipe, "gptq", calib, 128, work))]
+        gptq_recipe = recipe_variant(recipe, args.set, args.tag, work)
+        runs = [] if args.no_rtn else [("glmq rtn", lambda o: glmq_run(src, o, recipe, "rtn", calib, 128, work))]
+        runs += [(f"glmq gptq{' ' + args.tag if args.tag else ''}{f' seed{s}' if s else ''}",
+                  lambda o, s=s: glmq_run(src, o, gptq_recipe, "gptq", calib, 128, work, s) | {
+                      "seed": s, "set": args.set}) for s in args.seeds]
         runs += [(f"llm-compressor {v}", lambda o, v=v: peer_run(args.peer_python, dense, tokens, v, targets, o, work))
                  for v in args.peers]
         for label, fn in runs:
@@ -167,13 +193,19 @@ def main() -> None:
     ap.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     ap.add_argument("--peers", nargs="*", default=list(PEER_VARIANTS), choices=list(PEER_VARIANTS))
     ap.add_argument("--layers", nargs="+", type=int, default=[4, 8, 16])
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0], help="quality: glmq GPTQ calibration draws")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="quality: QuantSpec override for glmq GPTQ (repeatable)")
+    ap.add_argument("--tag", default="", help="quality: name of the --set variant in labels and folders")
+    ap.add_argument("--no-rtn", action="store_true", help="quality: skip glmq RTN")
+    ap.add_argument("--name", default="", help="suffix of the result file name")
     ap.add_argument("--out", default="benchmarks")
     args = ap.parse_args()
     result = (quality if args.mode == "quality" else scaling)(args)
     result |= {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores",
                "load_before": os.getloadavg(), "torch": torch.__version__}
     Path(args.out).mkdir(exist_ok=True)
-    path = Path(args.out) / f"bench_gptq_{args.mode}.json"
+    path = Path(args.out) / f"bench_gptq_{args.mode}{'_' + args.name if args.name else ''}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     for r in result["rows"]:
         print({k: v for k, v in r.items() if k not in ("layer_rel_error", "checkpoint")})

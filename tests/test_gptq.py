@@ -6,7 +6,12 @@ What is asserted:
 - The output has RTN's exact format, packs, and dequantizes to what GPTQ reports.
 - Dampening retries and RTN fallbacks are recorded; a Hessian without cross terms reproduces RTN.
 - A batch of problems (the experts of a layer) gives each element exactly its single-problem result,
-  fallbacks included.
+  fallbacks included, with every clip objective and with coordinate descent.
+- Coordinate descent never raises any row's damped objective, lowers it clearly on correlated problems,
+  keeps GPTQ's scales, and equals a float64 column-by-column transcription; after enough sweeps no single
+  integer move helps.
+- The propagated clip search picks, per row, the clip factor GPTQ loses least with (exact on one group),
+  and beats plain GPTQ everywhere and the diagonal-block search on the fixed seeds / on average.
 - The accumulator is batch-split invariant, merges exactly, and round-trips its state.
 """
 
@@ -16,7 +21,8 @@ import pytest
 import torch
 
 from glmq.calibration.hessian import HessianAccumulator
-from glmq.quantize.gptq import Fallback, GPTQResult, hessian_error, quantize_gptq, quantize_gptq_batch
+from glmq.quantize import gptq
+from glmq.quantize.gptq import CD_MIN_GAIN, Fallback, GPTQResult, hessian_error, quantize_gptq, quantize_gptq_batch
 from glmq.quantize.pack import pack_int32, unpack_int32
 from glmq.quantize.rtn import (
     QWeight,
@@ -73,10 +79,11 @@ def test_act_order_helps_on_outlier_channels():
     assert ordered.error_gptq < plain.error_gptq
 
 
+@pytest.mark.parametrize("objective", ["propagated", "block"])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_clip_search_option(symmetric):
+def test_clip_search_option(symmetric, objective):
     w, h = problem(64, 256)
-    spec = gptq_spec(group_size=64, symmetric=symmetric, act_order=True)
+    spec = gptq_spec(group_size=64, symmetric=symmetric, act_order=True, clip_objective=objective)
     plain = quantize_gptq(w, h, spec)
     clipped = quantize_gptq(w, h, spec, clip_search=True)
     assert_rtn_format(clipped.qweight, w, spec)
@@ -141,7 +148,7 @@ def test_matches_float64_reference(symmetric, act_order, block_size, dtype):
     by float32 rounding, so they agree to ~1e-7 relative, and so do the errors.
     """
     w, h = problem(16, 64, seed=3, dtype=dtype)
-    spec = gptq_spec(group_size=32, symmetric=symmetric, act_order=act_order, block_size=block_size)
+    spec = gptq_spec(group_size=32, symmetric=symmetric, act_order=act_order, block_size=block_size, cd_sweeps=0)
     got = quantize_gptq(w, h, spec)
     ref = gptq_reference_f64(w, h, spec)
     assert torch.equal(got.qweight.q, ref.q), int((got.qweight.q != ref.q).sum())
@@ -170,12 +177,14 @@ def assert_rtn_format(qw: QWeight, w: torch.Tensor, spec: QuantSpec) -> None:
         assert int(qw.zero_point.min()) >= spec.q_min and int(qw.zero_point.max()) <= spec.q_max
 
 
+@pytest.mark.parametrize("solver", [dict(clip=False, cd_sweeps=0), dict(clip=True, cd_sweeps=4)])
 @pytest.mark.parametrize("num_bits", [4, 8])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_output_format_packs_and_dequantizes(num_bits, symmetric):
+def test_output_format_packs_and_dequantizes(num_bits, symmetric, solver):
     w, h = problem(48, 128, seed=5)
-    spec = gptq_spec(num_bits=num_bits, group_size=64, symmetric=symmetric, act_order=True)
-    r = quantize_gptq(w, h, spec)
+    spec = gptq_spec(num_bits=num_bits, group_size=64, symmetric=symmetric, act_order=True,
+                     cd_sweeps=solver["cd_sweeps"])
+    r = quantize_gptq(w, h, spec, clip_search=solver["clip"])
     assert isinstance(r, GPTQResult)
     assert_rtn_format(r.qweight, w, spec)
     packed = pack_int32(r.qweight.q, num_bits)
@@ -189,10 +198,11 @@ def test_output_format_packs_and_dequantizes(num_bits, symmetric):
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_diagonal_hessian_reproduces_rtn_bit_for_bit(symmetric, act_order):
-    """Without cross terms GPTQ has no error to propagate: integers, scales, zero points equal RTN's."""
+    """Without cross terms GPTQ has no error to propagate: integers, scales, zero points equal RTN's.
+    (Plain GPTQ: coordinate descent would also fix compressed-tensors' double rounding, see below.)"""
     w, _ = problem(32, 128, seed=7)
     h = torch.diag(torch.rand(128, generator=torch.Generator().manual_seed(0)) + 0.5)
-    spec = gptq_spec(group_size=32, symmetric=symmetric, act_order=act_order)
+    spec = gptq_spec(group_size=32, symmetric=symmetric, act_order=act_order, cd_sweeps=0)
     r, rtn = quantize_gptq(w, h, spec), quantize_rtn(w, spec)
     assert r.fallback is None
     assert torch.equal(r.qweight.q, rtn.q) and torch.equal(r.qweight.scale, rtn.scale)
@@ -232,7 +242,7 @@ def test_indefinite_hessian_needs_ten_times_the_damping():
     """An H whose smallest eigenvalue is -3% of mean(diag) fails at 1% and succeeds at 10%."""
     w, h = problem(16, 64)
     h = h - 0.03 * torch.diag(h).mean() * torch.eye(64) - torch.linalg.eigvalsh(h)[0] * torch.eye(64)
-    r = quantize_gptq(w, h, gptq_spec(group_size=32))
+    r = quantize_gptq(w, h, gptq_spec(group_size=32, damp=0.01))
     assert r.fallback is None and r.damp_increased and r.damp == pytest.approx(0.1)
 
 
@@ -361,11 +371,14 @@ def test_accumulated_hessian_drives_gptq():
 # --- batches of experts -----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("cd_sweeps", [0, 4])
 @pytest.mark.parametrize("act_order", [False, True])
-@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.parametrize("clip", [False, "block", "propagated"])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_batch_equals_one_at_a_time(act_order, clip, symmetric):
-    spec = gptq_spec(group_size=32, symmetric=symmetric, act_order=act_order, block_size=32)
+def test_batch_equals_one_at_a_time(act_order, clip, symmetric, cd_sweeps):
+    spec = gptq_spec(group_size=32, symmetric=symmetric, act_order=act_order, block_size=32, cd_sweeps=cd_sweeps,
+                     clip_objective=clip or "propagated")
+    clip = bool(clip)
     probs = [problem(16, 96, seed=s) for s in (3, 4, 5)]
     w = torch.stack([p[0] for p in probs] + [probs[0][0]])
     h = torch.stack([p[1] for p in probs] + [torch.zeros(96, 96)])  # the last one saw no token
@@ -384,9 +397,190 @@ def test_batch_equals_one_at_a_time(act_order, clip, symmetric):
     assert batch[1].dead_columns == 1 and batch[0].fallback is None and batch[0].error_gptq < batch[0].error_rtn
 
 
+def test_batch_without_errors_gives_the_same_weights():
+    """`errors=False` (the engine measures its own) changes no bit of the result, only leaves errors out."""
+    probs = [problem(16, 96, seed=s) for s in (3, 4)]
+    w, h = torch.stack([p[0] for p in probs]), torch.stack([p[1] for p in probs] + [torch.zeros(96, 96)])[[0, 2]]
+    spec = gptq_spec(group_size=32)
+    full, lean = (quantize_gptq_batch(w, h, spec, clip_search=True, errors=e) for e in (True, False))
+    for a, b in zip(full, lean):
+        assert torch.equal(a.qweight.q, b.qweight.q) and torch.equal(a.qweight.scale, b.qweight.scale)
+        assert (a.fallback, a.damp, a.dead_columns) == (b.fallback, b.damp, b.dead_columns)
+        assert b.error_gptq is None and b.error_rtn is None and a.error_gptq is not None
+    assert lean[1].fallback is Fallback.EMPTY_HESSIAN
+
+
 def test_batch_shape_errors():
     w, h = problem(16, 64)
     with pytest.raises(ValueError, match=r"\[B, N, K\]"):
         quantize_gptq_batch(w, h, gptq_spec(group_size=32))
     with pytest.raises(ValueError, match=r"\[B, N, K\]"):
         quantize_gptq_batch(w[None], h[None].expand(2, -1, -1), gptq_spec(group_size=32))
+
+
+# --- coordinate descent after GPTQ ------------------------------------------------------------------
+
+
+def damped_row_errors(w: torch.Tensor, qw: QWeight, h: torch.Tensor, spec: QuantSpec, damp: float) -> torch.Tensor:
+    """Per row (w - wq) (H + damp * mean(diag H) * I) (w - wq)^T in float64: what the descent minimizes."""
+    hd = h.double() + damp * torch.diag(h.double()).mean() * torch.eye(h.shape[0], dtype=torch.float64)
+    d = w.double() - dequantize(qw, spec.group_size).double()
+    return ((d @ hd) * d).sum(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_cd_never_increases_the_objective(group_size, symmetric, act_order, dtype):
+    """Every sweep leaves every row's damped objective where it was or lower (float64, exactly: a move is
+    only taken when it gains more than CD_MIN_GAIN of its curvature); 4 sweeps lower the total clearly;
+    the scales and zero points are GPTQ's, the integers stay on the grid."""
+    w, h = problem(32, 256, seed=1, dtype=dtype)
+    prev, first = None, None
+    for sweeps in range(5):
+        spec = gptq_spec(group_size=group_size, symmetric=symmetric, act_order=act_order, cd_sweeps=sweeps)
+        r = quantize_gptq(w, h, spec, clip_search=True)
+        assert_rtn_format(r.qweight, w, spec)
+        e = damped_row_errors(w, r.qweight, h, spec, r.damp)
+        if prev is None:
+            first, plain = e, r.qweight
+        else:
+            assert bool((e <= prev).all()), float((e - prev).max())
+            assert torch.equal(r.qweight.scale, plain.scale)
+            if not symmetric:
+                assert torch.equal(r.qweight.zero_point, plain.zero_point)
+        prev = e
+    assert float(prev.sum()) < (0.99 if act_order else 0.97) * float(first.sum()), (float(prev.sum()), float(first.sum()))
+    assert r.error_gptq < r.error_rtn
+
+
+def cd_reference_f64(w: torch.Tensor, h: torch.Tensor, qw: QWeight, spec: QuantSpec, sweeps: int) -> torch.Tensor:
+    """Cyclic coordinate descent on the integers in float64, one column at a time, g = D Hd recomputed
+    for every column: the rule `_coordinate_descent` states, without its lazy block products. Columns in
+    GPTQ's processing order; a move is the rounded, clamped real minimizer, kept if it gains more than
+    CD_MIN_GAIN of its curvature term, evaluated with the dtype-rounded dequantized values."""
+    k, gs = w.shape[1], spec.group_size
+    W, H = w.double().clone(), h.double().clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    H = (H + H.T) / 2 + spec.damp * torch.diag(H).mean() * torch.eye(k, dtype=torch.float64)
+    order = torch.argsort(torch.diag(H), descending=True, stable=True) if spec.act_order else torch.arange(k)
+    q = qw.q.clone()
+    s = qw.scale.float().repeat_interleave(gs, 1)
+    z = torch.zeros_like(s) if qw.zero_point is None else qw.zero_point.float().repeat_interleave(gs, 1)
+    D = W - dequantize(qw, gs).double()
+    for _ in range(sweeps):
+        for j in order.tolist():
+            g = D @ H[:, j]
+            q_old = q[:, j].float()
+            q_new = torch.round(q_old + (g / (s[:, j].double() * H[j, j])).float()).clamp(spec.q_min, spec.q_max)
+            delta = (((q_new - z[:, j]) * s[:, j]).to(w.dtype).double()
+                     - ((q_old - z[:, j]) * s[:, j]).to(w.dtype).double())
+            take = 2 * delta * g - delta**2 * H[j, j] > CD_MIN_GAIN * delta**2 * H[j, j]
+            q[:, j] = torch.where(take, q_new, q_old).to(torch.int8)
+            D[:, j] -= torch.where(take, delta, torch.zeros_like(delta))
+    return q
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_cd_matches_float64_reference(symmetric, act_order, block_size, dtype):
+    """The refined integers EQUAL the float64 transcription's, from the same GPTQ start (checked on seeds
+    3-5 for all 24 cases at damp 0.01 and 0.1: 0 integers differ, while 3 sweeps move 2-27 % of them)."""
+    w, h = problem(16, 64, seed=4, dtype=dtype)
+    spec = gptq_spec(group_size=32, symmetric=symmetric, act_order=act_order, block_size=block_size, cd_sweeps=3)
+    start = quantize_gptq(w, h, gptq_spec(group_size=32, symmetric=symmetric, act_order=act_order,
+                                          block_size=block_size, cd_sweeps=0))
+    got = quantize_gptq(w, h, spec)
+    ref = cd_reference_f64(w, h, start.qweight, spec, 3)
+    assert int((got.qweight.q != start.qweight.q).sum()) > 0  # the descent did move something
+    assert torch.equal(got.qweight.q, ref), int((got.qweight.q != ref).sum())
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_cd_converges_to_a_coordinatewise_optimum(symmetric):
+    """After enough sweeps, no single integer of any row can move to another grid value and lower the
+    damped objective by more than CD_MIN_GAIN of that move's curvature (checked exhaustively, float64)."""
+    w, h = problem(8, 64, seed=6)
+    spec = gptq_spec(group_size=32, symmetric=symmetric, cd_sweeps=50)
+    r = quantize_gptq(w, h, spec)
+    hd = h.double() + r.damp * torch.diag(h.double()).mean() * torch.eye(64, dtype=torch.float64)
+    base = damped_row_errors(w, r.qweight, h, spec, r.damp)
+    s = r.qweight.scale.float().repeat_interleave(32, 1)
+    z = torch.zeros_like(s) if symmetric else r.qweight.zero_point.float().repeat_interleave(32, 1)
+    d = w.double() - dequantize(r.qweight, 32).double()
+    g = d @ hd
+    for v in range(spec.q_min, spec.q_max + 1):  # every column of every row set to v, one at a time
+        delta = ((v - z) * s).to(w.dtype).double() - dequantize(r.qweight, 32).double()  # (N, K)
+        gain = 2 * delta * g - delta**2 * torch.diag(hd)
+        assert bool((gain <= CD_MIN_GAIN * delta**2 * torch.diag(hd) + 1e-9 * base[:, None]).all()), v
+
+
+def test_cd_improves_on_rtn_with_a_diagonal_hessian():
+    """Without cross terms GPTQ is RTN; the descent then only fixes compressed-tensors' double rounding
+    (w / s is rounded to bf16 before the integer rounding), which can only lower the error."""
+    w, _ = problem(32, 128, seed=7)
+    h = torch.diag(torch.rand(128, generator=torch.Generator().manual_seed(0)) + 0.5)
+    spec = gptq_spec(group_size=32, cd_sweeps=2)
+    r, plain = quantize_gptq(w, h, spec), quantize_gptq(w, h, gptq_spec(group_size=32, cd_sweeps=0))
+    assert torch.equal(r.qweight.scale, plain.qweight.scale)
+    e, e0 = (damped_row_errors(w, x.qweight, h, spec, x.damp) for x in (r, plain))
+    assert bool((e <= e0).all())
+    moved = r.qweight.q != plain.qweight.q
+    assert int(moved.sum()) <= 0.01 * moved.numel()  # only the double-rounded boundary cases move
+
+
+# --- clip search: propagated objective ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_propagated_clip_is_the_best_factor_per_row_on_one_group(monkeypatch, symmetric):
+    """With one group (K = group size, no act_order) the group's GPTQ loss is the whole damped objective
+    (tr(D Hd D^T) = ||E||^2), so the propagated search must give every row the factor of CLIP_GRID whose
+    plain GPTQ run (that factor alone) has the lowest damped error: compared with each factor run alone."""
+    w, h = problem(64, 32, seed=8)
+    spec = gptq_spec(group_size=32, symmetric=symmetric, cd_sweeps=0, clip_objective="propagated")
+    grid = gptq.CLIP_GRID
+    per_factor = []
+    for p in grid:
+        monkeypatch.setattr(gptq, "CLIP_GRID", (p,))
+        r = quantize_gptq(w, h, spec, clip_search=True)
+        per_factor.append(damped_row_errors(w, r.qweight, h, spec, r.damp))
+    monkeypatch.setattr(gptq, "CLIP_GRID", grid)
+    r = quantize_gptq(w, h, spec, clip_search=True)
+    best = torch.stack(per_factor).min(0).values
+    got = damped_row_errors(w, r.qweight, h, spec, r.damp)
+    torch.testing.assert_close(got, best, rtol=1e-5, atol=0)
+    assert (torch.stack(per_factor).argmin(0) > 0).any()  # some row does clip
+
+
+@pytest.mark.parametrize("damp", [0.01, 0.1])
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_propagated_clip_beats_plain_and_block(group_size, symmetric, damp):
+    """Seeds 0-5, 32 x 256 problems. Against plain GPTQ (no clip search) the propagated search lowers the
+    Hessian error as reported (undamped H) on every seed, by a quarter at least (measured 0.51-0.69 at damp
+    0.01). Against the diagonal-block search the comparison is on the objective GPTQ minimizes, the damped
+    one: lower on every seed without act_order and descent (measured 0.986-0.999), and lower on average with
+    act_order or 2 sweeps of descent after it (per seed up to 0.6 % higher). On the undamped H it is lower
+    on average at damp 0.01 (0.990-0.995) and level at damp 0.1 (0.998-1.005): not asserted."""
+    ratio = {}
+    for seed in range(6):
+        w, h = problem(32, 256, seed=seed)
+        for act_order, cd in ((False, 0), (True, 0), (False, 2)):
+            kw = dict(group_size=group_size, symmetric=symmetric, act_order=act_order, cd_sweeps=cd, damp=damp)
+            plain = quantize_gptq(w, h, gptq_spec(**kw)).error_gptq
+            runs = {}
+            for objective in ("block", "propagated"):
+                spec = gptq_spec(clip_objective=objective, **kw)
+                r = quantize_gptq(w, h, spec, clip_search=True)
+                runs[objective] = r.error_gptq, float(damped_row_errors(w, r.qweight, h, spec, r.damp).sum())
+            assert runs["propagated"][0] < 0.75 * plain, (seed, act_order, cd, runs, plain)
+            ratio.setdefault((act_order, cd), []).append(runs["propagated"][1] / runs["block"][1])
+    assert max(ratio[False, 0]) < 1.0, ratio[False, 0]
+    for key, r in ratio.items():
+        assert sum(r) / len(r) < 1.0, (key, r)

@@ -1,0 +1,88 @@
+"""Time of the GPTQ solve alone (`quantize_gptq_batch`) for the solver options, on synthetic problems.
+
+    python -m glmq.scripts.bench_gptq_solver --shape 8 512 1024 --shape 1 2048 2048 --repeats 3
+
+For each shape (batch B, rows N, columns K) a fixed-seed weight and a correlated-activation Hessian
+(rank-64 signal plus noise, as tests/test_gptq.py) are built once; every variant (clip search off /
+"block" / "propagated", coordinate-descent sweeps) is timed as the minimum over `--repeats` calls of
+`quantize_gptq_batch(..., errors=False)` (what the engine calls) on the current torch threads, and its
+Hessian error reported relative to RTN. The end-to-end run time is `bench_gptq quality`'s; this isolates
+the part the options change. Writes benchmarks/bench_gptq_solver.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from glmq.quantize.gptq import hessian_error, quantize_gptq_batch
+from glmq.quantize.rtn import dequantize, quantize_rtn
+from glmq.quantize.spec import QuantSpec
+
+VARIANTS = {  # name: (clip_search, clip_objective, cd_sweeps)
+    "plain": (False, "block", 0),
+    "clip block": (True, "block", 0),
+    "clip propagated": (True, "propagated", 0),
+    "clip block + cd4": (True, "block", 4),
+    "clip propagated + cd2 (default)": (True, "propagated", 2),
+    "clip propagated + cd4": (True, "propagated", 4),
+}
+
+
+def problem(b: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    t = 4 * k
+    hs = []
+    for _ in range(b):
+        x = torch.randn(t, 64, generator=g) @ torch.randn(64, k, generator=g) / 8 + torch.randn(t, k, generator=g)
+        x[:, torch.randperm(k, generator=g)[:8]] *= 10
+        hs.append(2 / t * x.T @ x)
+    w = (torch.randn(b, n, k, generator=g) * 0.02).to(torch.bfloat16)
+    return w, torch.stack(hs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", nargs=3, type=int, action="append", metavar=("B", "N", "K"))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--out", default="benchmarks")
+    args = ap.parse_args()
+    rows = []
+    for b, n, k in args.shape or [(8, 512, 1024)]:
+        w, h = problem(b, n, k)
+        spec0 = QuantSpec(method="gptq", group_size=args.group_size)
+        rtn = sum(hessian_error(w[i], dequantize(quantize_rtn(w[i], spec0), args.group_size), h[i]) for i in range(b))
+        for name, (clip, objective, sweeps) in VARIANTS.items():
+            spec = QuantSpec(method="gptq", group_size=args.group_size, clip_objective=objective, cd_sweeps=sweeps)
+            times = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                res = quantize_gptq_batch(w, h, spec, clip_search=clip, errors=False)
+                times.append(time.perf_counter() - t0)
+            err = sum(hessian_error(w[i], dequantize(r.qweight, args.group_size), h[i]) for i, r in enumerate(res))
+            rows.append({"shape": [b, n, k], "variant": name, "seconds": round(min(times), 3),
+                         "error_vs_rtn": round(err / rtn, 4)})
+            print(rows[-1], flush=True)
+    base = {tuple(r["shape"]): r["seconds"] for r in rows if r["variant"] == "plain"}
+    for r in rows:
+        r["time_vs_plain"] = round(r["seconds"] / base[tuple(r["shape"])], 2)
+    result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores",
+              "threads": torch.get_num_threads(), "load_before": os.getloadavg(), "torch": torch.__version__,
+              "rows": rows}
+    Path(args.out).mkdir(exist_ok=True)
+    path = Path(args.out) / "bench_gptq_solver.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    for r in rows:
+        print(f"{str(r['shape']):18s} {r['variant']:32s} {r['seconds']:8.3f} s  x{r['time_vs_plain']:<5} "
+              f"error/RTN {r['error_vs_rtn']}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
