@@ -53,31 +53,31 @@ if numba is not None:
             bits[c] = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
 
     @njit(inline="always")
-    def _not_finite(vals):
-        big = np.float32(0.0)
-        for c in range(vals.shape[0]):
-            big = max(big, abs(vals[c]))
-        # max() drops NaN on some paths, so test NaN separately through the sum
-        total = np.float32(0.0)
-        for c in range(vals.shape[0]):
-            total += vals[c] * np.float32(0.0)
+    def _not_finite(big, total):
+        """NaN or Inf seen, from a row's running max(|v|) and sum(v * 0): max() drops NaN on some paths, the
+        sum does not (and Inf * 0 is NaN). Both are taken inside a pass the kernel makes anyway."""
         return not (big <= np.float32(3.4028234663852886e38)) or total != total
 
     @njit(inline="always")
     def _quant_row(vals, tmp, out_row, scale_row, group, qmax, half_range, eps, bits):
-        """Quantize one row of bf16-exact float32 values group by group and pack it (u8 view)."""
+        """Quantize one row of bf16-exact float32 values group by group and pack it (u8 view).
+
+        Returns whether the row holds a NaN or Inf (`_not_finite`, from the group max pass)."""
         k = vals.shape[0]
-        per_byte = 8 // bits
         offset = np.float32(qmax + 1)
         lo = np.float32(-(qmax + 1))
         hi = np.float32(qmax)
         tbits = tmp.view(np.uint32)
         ngroups = k // group
         sc = np.empty(ngroups, dtype=np.float32)
+        big = np.float32(0.0)
+        total = np.float32(0.0)
         for gi in range(ngroups):
             amax = np.float32(0.0)
             for i in range(gi * group, (gi + 1) * group):
                 amax = max(amax, abs(vals[i]))
+                total += vals[i] * np.float32(0.0)  # NaN (or Inf * 0) makes it NaN; max() may drop NaN
+            big = max(big, amax)
             sc[gi] = amax / np.float32(half_range)
         _round_bf16_inplace(sc.view(np.uint32))
         for gi in range(ngroups):
@@ -97,6 +97,16 @@ if numba is not None:
         else:
             for i in range(k):
                 out_row[i] = np.uint8(np.int32(tmp[i]))
+        return _not_finite(big, total)
+
+    @njit(inline="always")
+    def _fp8_row(w8row, srow, lut, bk, vals):
+        """vals = lut[w8row] * its block's scale, one scale block at a time (no division per element)."""
+        k = w8row.shape[0]
+        for b in range((k + bk - 1) // bk):
+            s = srow[b]
+            for c in range(b * bk, min(k, (b + 1) * bk)):
+                vals[c] = lut[w8row[c]] * s
 
     @njit(parallel=True, cache=True, nogil=True)
     def _fp8_block_kernel(w8, sinv, lut, bn, bk, out, scales, bad, group, qmax, half_range, eps, bits):
@@ -104,26 +114,25 @@ if numba is not None:
         for r in prange(n):
             vals = np.empty(k, dtype=np.float32)
             tmp = np.empty(k, dtype=np.float32)
-            srow = sinv[r // bn]
-            for c in range(k):
-                vals[c] = lut[w8[r, c]] * srow[c // bk]
+            _fp8_row(w8[r], sinv[r // bn], lut, bk, vals)
             _round_bf16_inplace(vals.view(np.uint32))
-            bad[r] = _not_finite(vals)
-            _quant_row(vals, tmp, out[r], scales[r], group, qmax, half_range, eps, bits)
+            bad[r] = _quant_row(vals, tmp, out[r], scales[r], group, qmax, half_range, eps, bits)
 
     @njit(parallel=True, cache=True, nogil=True)
     def _fp8_block_dequant_kernel(w8, sinv, lut, bn, bk, out_bits, bad):
         n, k = w8.shape
         for r in prange(n):
             vals = np.empty(k, dtype=np.float32)
-            srow = sinv[r // bn]
-            for c in range(k):
-                vals[c] = lut[w8[r, c]] * srow[c // bk]
+            _fp8_row(w8[r], sinv[r // bn], lut, bk, vals)
             vb = vals.view(np.uint32)
             _round_bf16_inplace(vb)
-            bad[r] = _not_finite(vals)
-            for c in range(k):
+            big = np.float32(0.0)
+            total = np.float32(0.0)
+            for c in range(k):  # the bf16 bits out, and `_not_finite`'s sums in the same pass
+                big = max(big, abs(vals[c]))
+                total += vals[c] * np.float32(0.0)
                 out_bits[r, c] = np.uint16(vb[c] >> np.uint32(16))
+            bad[r] = _not_finite(big, total)
 
     @njit(parallel=True, cache=True, nogil=True)
     def _bf16_kernel(w16, out, scales, bad, group, qmax, half_range, eps, bits):
@@ -134,8 +143,7 @@ if numba is not None:
             vb = vals.view(np.uint32)
             for c in range(k):
                 vb[c] = np.uint32(w16[r, c]) << np.uint32(16)
-            bad[r] = _not_finite(vals)
-            _quant_row(vals, tmp, out[r], scales[r], group, qmax, half_range, eps, bits)
+            bad[r] = _quant_row(vals, tmp, out[r], scales[r], group, qmax, half_range, eps, bits)
 
 
 class NonFiniteWeightError(ValueError):
