@@ -12,8 +12,8 @@ Models (small pure functions, below):
 - RTN, distributed: the work is split across ranks as the distributed engine splits it (stream.run with a
   dist.World): the output files, each inside one source shard, balanced by bytes read + written (`balance`,
   the same greedy as dist.share); each rank streams its files at the measured per-rank rate of input, so
-  wall = fixed cost + max rank bytes in / rate. Peak RSS per rank: the process + the largest input shard +
-  the row blocks in flight (stream.py).
+  wall = fixed cost + max rank bytes in / rate. Peak RSS per rank: the process + the row blocks and
+  mapped source pages in flight (`IN_FLIGHT`), independent of the shard size.
 - GPTQ (calibration/engine.py, layer by layer): every rank runs the calibration forward of each decoder layer
   over all S x T tokens; the layer's routed experts and other target Linears are split across ranks, so the
   Hessians, the all-token expert work and the GPTQ solves divide. Memory per rank: the largest decoder layer
@@ -34,13 +34,15 @@ from glmq.formats.families import TensorClass, family_for, layer_index
 from glmq.formats.safetensors_io import DTYPE_NAMES, TensorEntry
 from glmq.formats.source import Source, detect_format
 from glmq.quantize.plan import Action, make_plan
-from glmq.quantize.stream import CHUNK_BYTES
+from glmq.quantize.stream import CHUNK_BYTES, PENDING_BYTES, PREFETCH, Reader
 from glmq.recipes import load as load_recipe
 
 ASSUMED_SHARD_BYTES = int(5.3e9)
-# Row blocks in flight: two prefetched, one being converted, one being written; each at most CHUNK_BYTES
-# of source plus the converted copy (at most 2x for FP8 -> BF16) and float32 temporaries.
-IN_FLIGHT = 4 * 3 * CHUNK_BYTES
+# What an RTN run holds beside the process, whatever the shard size (quantize/stream.py): source pages still
+# mapped (a Reader handle is dropped every RELEASE_BYTES; the row blocks prefetched or being converted may
+# still view the one before), the converted rows waiting for the write lanes (PENDING_BYTES), and the block
+# being converted: its converted copy (at most 2x for FP8 -> BF16) and float32 temporaries.
+IN_FLIGHT = Reader.RELEASE_BYTES + (PREFETCH + 1) * CHUNK_BYTES + PENDING_BYTES + 3 * CHUNK_BYTES
 NOT_MEASURED = "not measured yet"
 
 
@@ -53,26 +55,26 @@ class Figure:
     basis: str
 
 
-_CPU_RUN = ("BENCHMARKS.md 'RTN conversion throughput', CPU (2 cores, 24 GiB, another job on ~1 core), 2026-11-29, "
-            "`python scripts/bench_rtn.py --work /tmp/glmq-bench --repeats 2 --peer-python ...`, 4.44 GB GLM-5-shape input")
-_GPU_RUN = ("BENCHMARKS.md 'RTN conversion throughput', GPU (lent NVIDIA H200, 16 host cores), 2026-11-29, "
-            "`PARTS=\"cudapath rtn\" bash scripts/gpu_run.sh` (bench_rtn.py --layers 3 --device cuda --repeats 3), 5.86 GB input")
+_CPU_RUN = ("BENCHMARKS.md 'RTN conversion throughput', CPU (2 cores, 24 GiB), 2026-12-01, "
+            "`python scripts/bench_rtn.py --work /tmp/glmq-bench-cpu --repeats 2 --peer-python ...`, 4.44 GB GLM-5-shape input")
+_GPU_RUN = ("BENCHMARKS.md 'RTN conversion throughput', GPU (lent NVIDIA H200, 16 host cores), 2026-12-01, "
+            "`PARTS=\"rtn-sizes\" bash scripts/gpu_run.sh` (bench_rtn.py --layers 8 --device cuda --repeats 3), 12.97 GB input")
 _GPTQ_TODO = (NOT_MEASURED + ": no GPTQ timing at GLM-5 shapes in BENCHMARKS.md; fill from one layer of a "
               "glmq_report.json with `rates_from_layer_report`, or pass --throughput")
 _GPTQ_GPU_RUN = ("BENCHMARKS.md 'GPTQ at GLM-5 shapes' (H200, 2026-11-29, `scripts/bench_gptq_gpu.py --layers 2 --experts 256`, "
                  "128 x 256 tokens, float32)")
 FIGURES: dict[str, Figure] = {
-    "rtn_cpu_GBps": Figure(0.0804, "GB/s of input per rank", _CPU_RUN + ": 4.44 GB in the 55.2 s pipeline"),
-    "rtn_cpu_fixed_s": Figure(6.1, "s per run", _CPU_RUN + ": row 'glmq quantize' 61.3 s - 55.2 s pipeline"),
-    "rtn_cuda_GBps": Figure(1.18, "GB/s of input per rank", _GPU_RUN + ": row 'glmq conversion pipeline only' 4.97 s"),
-    "rtn_cuda_fixed_s": Figure(16.1, "s per run", _GPU_RUN + ": row 'glmq --device cuda, whole process' 21.1 s - 4.97 s "
-                               "(compressed-tensors import)"),
-    "copy_cpu_GBps": Figure(0.195, "GB/s read+write+fsync", _CPU_RUN + ": row 'copy' 22.8 s"),
-    "copy_cuda_GBps": Figure(0.695, "GB/s read+write+fsync", _GPU_RUN + ": row 'copy' 8.43 s"),
-    "rss_process_cpu_GB": Figure(0.45, "GB", "resident set of a glmq process before it reads a tensor (estimate.py, issue 2)"),
-    "rss_process_cuda_GB": Figure(1.0, "GB", _GPU_RUN + ": 'a CUDA-initialised torch process starts at about 1 GB resident'"),
-    "rss_bench_cpu_GB": Figure(1.107, "GB peak RSS", _CPU_RUN + ": row 'glmq quantize', largest input shard 0.491 GB"),
-    "rss_bench_cuda_GB": Figure(1.801, "GB peak RSS", _GPU_RUN + ": row 'glmq --device cuda', largest input shard 0.491 GB"),
+    "rtn_cpu_GBps": Figure(0.2917, "GB/s of input per rank", _CPU_RUN + ": median conversion pipeline 15.22 s"),
+    "rtn_cpu_fixed_s": Figure(2.48, "s per run", _CPU_RUN + ": median whole process 17.70 s - 15.22 s pipeline"),
+    "rtn_cuda_GBps": Figure(1.635, "GB/s of input per rank", _GPU_RUN + ": median conversion pipeline 7.93 s"),
+    "rtn_cuda_fixed_s": Figure(5.57, "s per run", _GPU_RUN + ": median whole process 13.50 s - 7.93 s pipeline "
+                               "(torch import, planning, the compressed-tensors child's import not hidden)"),
+    "copy_cpu_GBps": Figure(0.3476, "GB/s read+write+fsync", _CPU_RUN + ": median copy 12.77 s"),
+    "copy_cuda_GBps": Figure(0.786, "GB/s read+write+fsync", _GPU_RUN + ": median copy 16.49 s"),
+    "rss_process_cpu_GB": Figure(0.236, "GB", _CPU_RUN + ": median rss_at_start_bytes (imports, before the first tensor)"),
+    "rss_process_cuda_GB": Figure(0.653, "GB", _GPU_RUN + ": median rss_at_start_bytes (imports and the CUDA context)"),
+    "rss_bench_cpu_GB": Figure(0.801, "GB peak RSS", _CPU_RUN + ": median glmq peak RSS, largest input shard 0.491 GB"),
+    "rss_bench_cuda_GB": Figure(1.465, "GB peak RSS", _GPU_RUN + ": median glmq peak RSS, largest input shard 0.499 GB"),
     "gptq_cpu_forward_TFLOPs": Figure(None, "TFLOP/s", _GPTQ_TODO),
     "gptq_cuda_forward_TFLOPs": Figure(20.9, "TFLOP/s", _GPTQ_GPU_RUN + ": layer 1 (110.8 s, of which 62.9 s solving), "
                                        "rates_from_layer_report's split with the layer loaded at rtn_cuda_GBps"),
@@ -82,7 +84,6 @@ FIGURES: dict[str, Figure] = {
                                      "search, no coordinate descent); the current ones doubled the solve on CPU, "
                                      "not measured on a GPU"),
 }
-BENCH_LARGEST_SHARD = 490_881_264  # the largest input shard of both RTN bench runs (benchmarks/bench_rtn_*.json)
 
 
 def with_overrides(overrides: dict[str, float], figures: dict[str, Figure] = FIGURES) -> dict[str, Figure]:
@@ -209,15 +210,15 @@ def rtn_estimate(jobs: dict[str, tuple[int, int]], largest_shard: int, scale: Sc
     wall = None if rate is None or fixed is None else fixed + max(per_rank) / (rate * 1e9)
     return {"jobs": len(jobs), "rank_bytes_max": max(per_rank), "rank_bytes_min": min(per_rank),
             "rank_jobs_max": max(len(r) for r in split), "largest_shard": largest_shard,
-            "peak_rss": rtn_peak_rss(largest_shard, process), "process_rss": process, "seconds": wall,
+            "peak_rss": rtn_peak_rss(process), "process_rss": process, "seconds": wall,
             "rate_GBps": rate, "fixed_s": fixed, "copy_GBps": figures[f"copy_{scale.device}_GBps"].value,
-            "model_check": {d: {"model": rtn_peak_rss(BENCH_LARGEST_SHARD, figures[f"rss_process_{d}_GB"].value * 1e9),
+            "model_check": {d: {"model": rtn_peak_rss(figures[f"rss_process_{d}_GB"].value * 1e9),
                                 "measured": figures[f"rss_bench_{d}_GB"].value * 1e9} for d in ("cpu", "cuda")}}
 
 
-def rtn_peak_rss(largest_shard: int, process_rss: float) -> float:
-    """One shard in flight: the process, the largest input shard (mapped, touched) and the row blocks."""
-    return process_rss + largest_shard + IN_FLIGHT
+def rtn_peak_rss(process_rss: float) -> float:
+    """The process and what is in flight (`IN_FLIGHT`): not the shard, whose pages are released as it is read."""
+    return process_rss + IN_FLIGHT
 
 
 # --------------------------------------------------------------------------------------------- GPTQ
@@ -456,9 +457,10 @@ def _rtn_lines(r: dict, sc: dict, figures: dict[str, Figure]) -> list[str]:
     lines = [f"== RTN on {sc['ranks']} rank(s), device {dev}",
              f"{r['jobs']} output files split by bytes read + written: bytes in per rank max "
              f"{_gb(r['rank_bytes_max']).strip()} ({r['rank_jobs_max']} files), min {_gb(r['rank_bytes_min']).strip()}",
-             f"peak RSS per rank: {_gb(r['peak_rss']).strip()} = largest input shard {_gb(r['largest_shard']).strip()}"
-             f" + row blocks in flight {_gb(IN_FLIGHT).strip()} + {proc} {_gb(r['process_rss']).strip()}",
-             "  model check on the measured bench input (largest shard 0.49 GB): "
+             f"peak RSS per rank: {_gb(r['peak_rss']).strip()} = row blocks and mapped source in flight "
+             f"{_gb(IN_FLIGHT).strip()} + {proc} {_gb(r['process_rss']).strip()} (not the largest input shard, "
+             f"{_gb(r['largest_shard']).strip()}: its pages are released as it is read)",
+             "  model check on the measured bench inputs: "
              + ", ".join(f"{d} model {chk[d]['model'] / 1e9:.2f} GB vs measured {chk[d]['measured'] / 1e9:.2f} GB "
                          f"({(chk[d]['model'] - chk[d]['measured']) / 1e9:+.2f} GB)" for d in chk)
              + ": an upper bound"]

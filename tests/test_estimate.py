@@ -121,25 +121,35 @@ def test_rtn_projection_reproduces_the_benchmarks_glm52_figure(real):
     cpu = real["glm-5.2"]["rtn"]  # the fixture plans with Scale(): one rank, CPU
     assert cpu["rank_bytes_max"] == real["glm-5.2"]["bytes_in"] and cpu["jobs"] == real["glm-5.2"]["output_files"]
     cuda = FIGURES["rtn_cuda_fixed_s"].value + cpu["rank_bytes_max"] / (FIGURES["rtn_cuda_GBps"].value * 1e9)
-    assert abs(cuda - (640 + 20)) < 10  # BENCHMARKS.md: "glmq ≈ 640 s + 20 s" for 756 GB on the H200
+    assert abs(cuda - (462 + 6)) < 10  # BENCHMARKS.md: "glmq ≈ 462 s + 6 s" for 756 GB on the H200
 
 
 # ---------------------------------------------------------------------------------- measured figures
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
 def test_every_figure_names_its_source_and_matches_the_raw_benchmark_data():
     for key, f in FIGURES.items():
         assert (f.value is None) == f.basis.startswith(NOT_MEASURED), key
-        if key.startswith(("rtn_", "copy_", "rss_bench")):
-            assert "BENCHMARKS.md" in f.basis and "2026-11-29" in f.basis and "bench_rtn.py" in f.basis, key
-    cuda = json.loads((BENCH / "bench_rtn_cuda.json").read_text())
-    pipeline = sorted(r["phase_seconds"]["pipeline"] for r in cuda["runs"]["glmq"])[1]
-    assert FIGURES["rtn_cuda_GBps"].value == pytest.approx(cuda["input_bytes"] / pipeline / 1e9, abs=0.005)
-    cpu = json.loads((BENCH / "bench_rtn_cpu.json").read_text())
+        if key.startswith(("rtn_", "copy_", "rss_")):
+            assert "BENCHMARKS.md" in f.basis and "2026-12-01" in f.basis and "bench_rtn.py" in f.basis, key
+    # RTN rates, fixed costs and memory: the medians of the raw runs (CPU: benchmarks/bench_rtn_cpu.json;
+    # GPU: the 13 GB run, benchmarks/bench_rtn_cuda_13GB.json, where the start-up no longer hides the rate)
+    for dev, name in (("cpu", "bench_rtn_cpu.json"), ("cuda", "bench_rtn_cuda_13GB.json")):
+        raw = json.loads((BENCH / name).read_text())
+        runs = raw["runs"]["glmq"]
+        pipeline = _median(r["phase_seconds"]["pipeline"] for r in runs)
+        assert FIGURES[f"rtn_{dev}_GBps"].value == pytest.approx(raw["input_bytes"] / pipeline / 1e9, abs=0.0005), dev
+        assert FIGURES[f"rtn_{dev}_fixed_s"].value == pytest.approx(raw["median"]["glmq"]["seconds"] - pipeline, abs=0.05)
+        assert FIGURES[f"copy_{dev}_GBps"].value == pytest.approx(
+            raw["input_bytes"] / raw["median"]["copy"]["seconds"] / 1e9, abs=0.0005), dev
+        assert FIGURES[f"rss_bench_{dev}_GB"].value == pytest.approx(raw["median"]["glmq"]["peak_rss"] / 1e9, abs=0.001)
+        assert FIGURES[f"rss_process_{dev}_GB"].value == pytest.approx(_median(r["rss_at_start"] for r in runs) / 1e9,
+                                                                       abs=0.001)  # fmt: skip
     gpu = json.loads((BENCH / "bench_gptq_gpu.json").read_text())["gptq"]
     assert FIGURES["gptq_cuda_s_per_column"].value * 3670016 == pytest.approx(gpu["gptq_solve_seconds"][1], rel=1e-3)
-    assert FIGURES["rtn_cpu_GBps"].value == pytest.approx(
-        cpu["input_bytes"] / cpu["glmq_phase_seconds_last"]["pipeline"] / 1e9, abs=0.0005)
-    assert FIGURES["rss_bench_cpu_GB"].value == pytest.approx(cpu["median"]["glmq"]["peak_rss"] / 1e9, abs=0.001)
-    assert estimate.BENCH_LARGEST_SHARD == cpu["largest_shard"] == cuda["largest_shard"]
 
 
 def test_overrides_replace_values_and_reject_unknown_keys():
@@ -179,12 +189,14 @@ def test_rtn_wall_is_the_largest_rank_at_the_measured_rate():
     r = estimate.rtn_estimate(jobs, 5_000_000_000, Scale(ranks=2), FIGURES)
     # balanced by bytes read + written: x (5 GB) | y (4 GB) + z (1.5 GB); the wall follows the bytes read
     assert r["rank_bytes_max"] == 4_000_000_000 and r["rank_bytes_min"] == 3_000_000_000
-    assert r["seconds"] == pytest.approx(6.1 + 4e9 / 0.0804e9)
-    assert r["peak_rss"] == 0.45e9 + 5_000_000_000 + estimate.IN_FLIGHT
+    rate, fixed = FIGURES["rtn_cpu_GBps"].value, FIGURES["rtn_cpu_fixed_s"].value
+    assert r["seconds"] == pytest.approx(fixed + 4e9 / (rate * 1e9))
+    # not the 5 GB shard: its pages are released as it is read (stream.Reader.RELEASE_BYTES)
+    assert r["peak_rss"] == FIGURES["rss_process_cpu_GB"].value * 1e9 + estimate.IN_FLIGHT
     one = estimate.rtn_estimate(jobs, 5_000_000_000, Scale(), FIGURES)
     assert one["rank_bytes_max"] == 7_000_000_000 and one["rank_jobs_max"] == 3
-    check = r["model_check"]["cpu"]
-    assert check["model"] >= check["measured"]  # the RSS model is an upper bound of the measured run
+    for check in r["model_check"].values():
+        assert check["model"] >= check["measured"]  # the RSS model is an upper bound of the measured runs
 
 
 def _moe_layer(experts: int = 4, h: int = 256, inter: int = 128, plain: tuple[int, int] | None = None) -> Layer:
@@ -266,7 +278,7 @@ def test_gptq_estimate_on_a_tiny_plan(make_ckpt):
     assert g4["memory"]["all/memory"]["device"] < g1["memory"]["all/memory"]["device"]  # fewer Hessians per rank
     figs = estimate.with_overrides({"gptq_cuda_forward_TFLOPs": 10.0, "gptq_cuda_s_per_column": 1e-4})
     g = estimate.gptq_estimate(plan, Scale(device="cuda"), figs)
-    assert g["load_seconds"] == pytest.approx(sum(la.bytes_in for la in layers.values()) / 1.18e9)
+    assert g["load_seconds"] == pytest.approx(sum(la.bytes_in for la in layers.values()) / (FIGURES["rtn_cuda_GBps"].value * 1e9))
     assert g["seconds"] == pytest.approx(g["load_seconds"] + g["flops"] / 10e12 + g["columns"] * 1e-4)
 
 
