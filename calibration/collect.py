@@ -108,6 +108,7 @@ class HessianCollector:
         self._handles.clear()
         if self.experts_module is not None and "forward" in vars(self.experts_module):
             del self.experts_module.forward  # back to the class's forward
+        self.layer = self.experts_module = None  # the Hessians outlive the pass; the layer need not
 
     def hessian(self, site: str) -> tuple[torch.Tensor | None, int]:
         """(H float32 [K, K] or None if the site saw nothing, tokens) for a site."""

@@ -64,6 +64,9 @@ log = logging.getLogger("glmq.gptq")
 UNDER_COVERED = ("all_tokens", "rtn")
 
 
+GPTQ_BATCH = {"cuda": 16, "cpu": 4}  # CalibrationSettings.gptq_batch when None, by device type
+
+
 @dataclass(frozen=True)
 class CalibrationSettings:
     """How GPTQ is calibrated. All but `experts_per_pass` and `offload_activations` (which change no bit of
@@ -95,7 +98,9 @@ class CalibrationSettings:
             less memory.
         gptq_batch: same-shape GPTQ problems (experts) solved in one column loop
             (`quantize_gptq_batch`); bounds the extra float32 memory to about gptq_batch x (W + 3 H), plus
-            one W and one H more with coordinate descent (QuantSpec.cd_sweeps).
+            one W and one H more with coordinate descent (QuantSpec.cd_sweeps). None: GPTQ_BATCH of the
+            device (the batch divides launch overhead on a GPU; on a CPU 4 is as fast as 16 and holds a
+            quarter of the memory, measured in BENCHMARKS.md). The output does not depend on it on a CPU.
         offload_activations: folder for the hidden states between layers (None: in memory).
     """
 
@@ -110,14 +115,14 @@ class CalibrationSettings:
     batch_size: int = 8
     dtype: str = "float32"
     experts_per_pass: int | None = None
-    gptq_batch: int = 16
+    gptq_batch: int | None = None
     offload_activations: str | None = None
 
     def __post_init__(self) -> None:
         if self.under_covered not in UNDER_COVERED:
             raise ValueError(f"under_covered must be one of {UNDER_COVERED}, got {self.under_covered!r}")
         if self.min_expert_tokens < 0 or self.expert_prior < 0 or self.batch_size <= 0 or (self.experts_per_pass or 1) <= 0 \
-                or self.gptq_batch <= 0:
+                or (self.gptq_batch or 1) <= 0:
             raise ValueError("min_expert_tokens and expert_prior must be >= 0; batch_size, experts_per_pass and "
                              "gptq_batch positive")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -207,6 +212,7 @@ class _Run:
         self.plan, self.cache, self.tokens, self.s, self.world = plan, cache, tokens, settings, world
         self.spec = plan.recipe.spec
         self.device = torch.device(device)
+        self.gptq_batch = settings.gptq_batch or GPTQ_BATCH.get(self.device.type, 16)
         self.dtype = cc.dtype_of(settings.dtype)
         self.builder = LayerBuilder(plan.source, self.device, self.dtype)
         self.n_layers = plan.source.config["num_hidden_layers"]
@@ -298,10 +304,9 @@ class _Run:
         state = self.builder.tensors.layer_state(i)
         qweights, meta = {}, {"layer": i, "targets": {}}
         if targets:
-            layer = self.builder.build(i, state)
             mine = targets if self.world is None else self.share(targets, state)
-            qweights, meta = quantize_layer(self, i, layer, state, mine, src, carry)
-            del layer
+            # built by quantize_layer, which drops it after its last calibration pass, before the solves
+            qweights, meta = quantize_layer(self, i, lambda: self.builder.build(i, state), state, mine, src, carry)
             if self.world is not None:
                 qweights, meta = self.merge(i, qweights, meta)
         qlayer = self.quantized_layer(i, state, qweights)
@@ -336,7 +341,7 @@ class _Run:
         units are single experts on a GPU too (identical bits then not guaranteed there).
         """
         if self.device.type != "cpu" and self.s.experts_per_pass is None:
-            units = [[t for g in batch for t in g] for batch in gptq_batches(targets, state, self.s.gptq_batch)]
+            units = [[t for g in batch for t in g] for batch in gptq_batches(targets, state, self.gptq_batch)]
         else:
             by: dict[object, list[Target]] = {}
             for t in targets:

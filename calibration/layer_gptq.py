@@ -1,6 +1,6 @@
 """GPTQ of one decoder layer's targets: Hessian passes, the Hessian each target gets, diagnostics.
 
-Called by engine.py for layer i with the layer built from the source (`layer`), its per-expert
+Called by engine.py for layer i with a builder of the layer from the source (`build`), its per-expert
 source weights (`state`) and the layer's input (`src`, `carry`); `run` is engine._Run (settings,
 spec, device, progress bar, and `forward`, one pass over the calibration samples).
 """
@@ -30,8 +30,11 @@ def _expert_chunks(run: _Run, targets: list[Target]) -> list[set[int]]:
     return [set(experts[j:j + k]) for j in range(0, len(experts), k)]
 
 
-def quantize_layer(run: _Run, i: int, layer, state: dict, targets: list[Target], src, carry):
+def quantize_layer(run: _Run, i: int, build, state: dict, targets: list[Target], src, carry):
     """Collect Hessians (one pass per chunk of experts) and GPTQ every target of layer i.
+
+    The layer (`build()`, the decoder layer in the compute dtype) is built once and dropped after the
+    last chunk's passes: the solves, which hold the largest transients, do not hold it too.
 
     Pass 0 also collects the plain Linear targets, counts the tokens routed to every expert and the
     all-token MoE-input Hessian. The all-token down-input Hessians are collected in the same pass for
@@ -48,7 +51,9 @@ def quantize_layer(run: _Run, i: int, layer, state: dict, targets: list[Target],
     under: set[int] = set()
     all_h = (None, 0)
     solve_s = 0.0
-    for p, chunk in enumerate(_expert_chunks(run, targets)):
+    chunks = _expert_chunks(run, targets)
+    layer = build()
+    for p, chunk in enumerate(chunks):
         todo = [t for t in targets if (t.expert is None and p == 0) or (t.expert is not None and t.expert in chunk)]
         sites = {t.site for t in todo} | ({ALL_TOKENS} if p == 0 and chunk else set())
         down_all = chunk if prior else (under & chunk if all_tok else set())
@@ -60,10 +65,12 @@ def quantize_layer(run: _Run, i: int, layer, state: dict, targets: list[Target],
             all_h = col.hessian(ALL_TOKENS)
             if all_tok and under & chunk and not prior:  # this chunk's all-token down Hessians: one more pass
                 col.acc.update(_collect(run, layer, set(), set(), under & chunk, src, carry, tps).acc)
+        if p == len(chunks) - 1:
+            del layer
         t_solve = time.perf_counter()
         # problems are built (weights on the device, blended Hessians) one batch at a time, and each
         # solved expert's Hessians are dropped: the layer's Hessians are the largest thing held
-        for chunk in gptq_batches(todo, state, run.s.gptq_batch):
+        for chunk in gptq_batches(todo, state, run.gptq_batch):
             batch = [_Problem.make(run, g, state, col, under, all_h) for g in chunk]
             _solve(batch, run)
             for p in batch:

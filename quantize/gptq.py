@@ -172,15 +172,13 @@ def quantize_gptq_batch(
     live = [b for b in range(w.shape[0]) if out[b] is None]
     if live:
         H = h[live].clone()
-        W = w[live].float()  # (B, N, K) float32, a copy
         torch.diagonal(H, dim1=-2, dim2=-1).masked_fill_(dead[live], 1)  # dead inputs: weight 0 (reference gptq.py)
-        W.masked_fill_(dead[live].unsqueeze(1), 0)
         # Static act-order (paper §4 note / reference `--act-order`): largest diag(H) first; stable sort
         # so ties keep their original order and the permutation is reproducible across devices. B == 1 here.
         perm = (torch.argsort(torch.diagonal(H[0]), descending=True, stable=True) if spec.act_order
-                else torch.arange(W.shape[-1], device=W.device))
-        W, H = W[:, :, perm], H[:, perm][:, :, perm]
-        W0 = W.clone() if spec.cd_sweeps else None  # the loop updates W in place; the descent needs W
+                else torch.arange(w.shape[-1], device=w.device))
+        if spec.act_order:
+            H = H[:, perm][:, :, perm]
         hinv, damps = _inverse_hessian_cholesky(H, spec.damp)
         ok = [j for j in range(len(live)) if hinv[j] is not None]
         for j, b in enumerate(live):
@@ -191,11 +189,21 @@ def quantize_gptq_batch(
                 qw, e = rtn(b)
                 out[b] = GPTQResult(qw, e, e, damps[j], damps[j] != spec.damp, Fallback.NOT_POSITIVE_DEFINITE, n_dead[b])
         if ok:
+            def weights() -> torch.Tensor:  # float32 [len(ok), N, K], dead columns zeroed, processing order
+                x = w[[live[j] for j in ok]].float()
+                x.masked_fill_(dead[[live[j] for j in ok]].unsqueeze(1), 0)
+                return x if not spec.act_order else x[:, :, perm]
+
             clip = spec.clip_objective if clip_search else None
             clip_h = H[ok] if clip == "block" else None
-            q, scale, zp = _gptq_loop(W[ok], torch.stack([hinv[j] for j in ok]), perm, spec, w.dtype, clip, clip_h)
+            # the loop updates its weights in place; the descent gets a fresh copy, built only once the
+            # loop's is freed (a float32 copy of the batch's weights is the solve's largest tensor)
+            Hinv = torch.stack([hinv[j] for j in ok])
+            del hinv  # the factors are held once, stacked
+            q, scale, zp = _gptq_loop(weights(), Hinv, perm, spec, w.dtype, clip, clip_h)
+            del Hinv
             if spec.cd_sweeps:
-                q = _coordinate_descent(W0[ok], q, scale, zp, _damped(H[ok], [damps[j] for j in ok]),
+                q = _coordinate_descent(weights(), q, scale, zp, _damped(H[ok], [damps[j] for j in ok]),
                                         (perm // spec.group_size), spec, w.dtype)
             q = q[:, :, torch.argsort(perm)]
             for i, j in enumerate(ok):
@@ -296,8 +304,10 @@ def _gptq_loop(
     first = _first_positions(group_of)
     scale = torch.empty(nb, n, k // gs, dtype=dtype, device=W.device)
     zp = None if spec.symmetric else torch.empty(nb, n, k // gs, dtype=torch.int8, device=W.device)
-    # Per-column scale / zero point, float32 copies of the dtype values, filled when a group starts.
-    col_scale, col_zp = torch.empty_like(W), torch.zeros_like(W)
+    # Per-group scale / zero point, float32 copies of the dtype values, filled when a group starts (per group,
+    # not per column: two [B, N, K] float32 tensors were the largest transient of a CPU solve).
+    g_scale = torch.empty(nb, n, k // gs, device=W.device)
+    g_zp = torch.zeros(nb, n, k // gs, device=W.device)
     Q = torch.empty(nb, n, k, dtype=torch.int8, device=W.device)
 
     for i1 in range(0, k, bs):
@@ -308,9 +318,10 @@ def _gptq_loop(
             if i1 + i in first:  # a group's first column: fix its scale from the current weights
                 g, pos = group_of[i1 + i], members[group_of[i1 + i]]
                 current = W[:, :, pos] - Err1 @ Hinv[:, i1:i2, pos]  # + the block's pending lazy updates
-                _set_group_qparams(current, g, pos, spec, scale, zp, col_scale, col_zp, clip, clip_h, Hinv)
+                _set_group_qparams(current, g, pos, spec, scale, zp, g_scale, g_zp, clip, clip_h, Hinv)
             w, d = W1[:, :, i], Hinv1[:, i, i].unsqueeze(1)  # (B, N), (B, 1)
-            q_int, q = _quantize_column(w, col_scale[:, :, i1 + i], col_zp[:, :, i1 + i], spec, dtype)
+            g = group_of[i1 + i]
+            q_int, q = _quantize_column(w, g_scale[:, :, g], g_zp[:, :, g], spec, dtype)
             Q[:, :, i1 + i] = q_int
             err1 = (w - q) / d  # Alg. 1: E_{:, j} = (W_{:, j} - Q_{:, j}) / [H^-1]_{jj}
             W1[:, :, i:] -= err1.unsqueeze(2) * Hinv1[:, i, i:].unsqueeze(1)  # W_{:, j:} -= E_{:, j} [H^-1]_{j, j:}
@@ -365,8 +376,8 @@ def _set_group_qparams(
     spec: QuantSpec,
     scale: torch.Tensor,
     zp: torch.Tensor | None,
-    col_scale: torch.Tensor,
-    col_zp: torch.Tensor,
+    g_scale: torch.Tensor,
+    g_zp: torch.Tensor,
     clip: str | None,
     clip_h: torch.Tensor | None,
     Hinv: torch.Tensor,
@@ -374,8 +385,8 @@ def _set_group_qparams(
     """Fix group g's scale (and zero point) from its columns' current values `current` float32 [B, N, gs].
 
     RTN's math (min/max in the weight dtype, `compute_qparams`), optionally with a clip search (`clip`:
-    "block" scores with `clip_h`, "propagated" with Hinv); writes `scale[:, g]`, `zp[:, g]` and expands
-    them to the group's processing positions `pos` in `col_scale`/`col_zp`.
+    "block" scores with `clip_h`, "propagated" with Hinv); writes `scale[:, g]`, `zp[:, g]` and their
+    float32 copies `g_scale[:, :, g]`, `g_zp[:, :, g]`.
     """
     cur = current.to(scale.dtype)
     lo, hi = group_minmax(cur, cur.shape[-1])  # (B, N, 1) each
@@ -387,10 +398,10 @@ def _set_group_qparams(
         p = pos[order]
         s, z = _propagated_clip_search(current[:, :, order], lo, hi, Hinv[:, p][:, :, p], spec, scale.dtype)
     scale[:, :, g] = s[:, :, 0]
-    col_scale[:, :, pos] = s.float()
+    g_scale[:, :, g] = s[:, :, 0].float()
     if zp is not None:
         zp[:, :, g] = z[:, :, 0]
-        col_zp[:, :, pos] = z.float()
+        g_zp[:, :, g] = z[:, :, 0].float()
 
 
 def _clip_search(

@@ -8,6 +8,12 @@ For each shape (batch B, rows N, columns K) a fixed-seed weight and a correlated
 `quantize_gptq_batch(..., errors=False)` (what the engine calls) on the current torch threads, and its
 Hessian error reported relative to RTN. The end-to-end run time is `bench_gptq quality`'s; this isolates
 the part the options change. Writes benchmarks/bench_gptq_solver.json.
+
+    python -m glmq.scripts.bench_gptq_solver --splits 16 8 4 2 1 --shape 16 2048 1024 --name splits
+
+`--splits`: instead, the default options only, the B problems solved in calls of that many at a time
+(what the engine's `gptq_batch` chooses); the results do not depend on it on a CPU, the time and the
+memory do. Writes benchmarks/bench_gptq_solver_<name>.json with `--name`.
 """
 
 from __future__ import annotations
@@ -51,8 +57,12 @@ def main() -> None:
     ap.add_argument("--shape", nargs=3, type=int, action="append", metavar=("B", "N", "K"))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--splits", nargs="+", type=int, help="time the default options in calls of this many problems")
+    ap.add_argument("--name", default="", help="suffix of the result file name")
     ap.add_argument("--out", default="benchmarks")
     args = ap.parse_args()
+    if args.splits:
+        return splits(args)
     rows = []
     for b, n, k in args.shape or [(8, 512, 1024)]:
         w, h = problem(b, n, k)
@@ -81,6 +91,31 @@ def main() -> None:
     for r in rows:
         print(f"{str(r['shape']):18s} {r['variant']:32s} {r['seconds']:8.3f} s  x{r['time_vs_plain']:<5} "
               f"error/RTN {r['error_vs_rtn']}")
+    print(f"wrote {path}")
+
+
+def splits(args) -> None:
+    rows = []
+    spec = QuantSpec(method="gptq", group_size=args.group_size)
+    for b, n, k in args.shape or [(16, 2048, 1024)]:
+        w, h = problem(b, n, k)
+        for _ in range(args.repeats):  # interleaved rounds: every split size sees the same load
+            for c in args.splits:
+                t0 = time.perf_counter()
+                for b0 in range(0, b, c):
+                    quantize_gptq_batch(w[b0:b0 + c], h[b0:b0 + c], spec, clip_search=True, errors=False)
+                rows.append({"shape": [b, n, k], "per_call": c, "seconds": round(time.perf_counter() - t0, 3)})
+                print(rows[-1], flush=True)
+    result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores",
+              "threads": torch.get_num_threads(), "load_before": os.getloadavg(), "torch": torch.__version__,
+              "rows": rows}
+    Path(args.out).mkdir(exist_ok=True)
+    path = Path(args.out) / f"bench_gptq_solver{'_' + args.name if args.name else ''}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    for shape in {tuple(r["shape"]) for r in rows}:
+        for c in args.splits:
+            ts = sorted(r["seconds"] for r in rows if tuple(r["shape"]) == shape and r["per_call"] == c)
+            print(f"{list(shape)} in calls of {c:3d}: median {ts[len(ts) // 2]:.2f} s over {len(ts)} rounds")
     print(f"wrote {path}")
 
 

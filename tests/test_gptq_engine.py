@@ -17,6 +17,7 @@ What is asserted:
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 import subprocess
@@ -29,7 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from glmq import recipes
 from glmq.calibration.cache import CACHE_DIR, CalibrationCacheError
-from glmq.calibration.engine import CalibrationSettings, run_gptq
+from glmq.calibration.engine import GPTQ_BATCH, CalibrationSettings, run_gptq
 from glmq.calibration.layers import LayerBuilder
 from glmq.formats import fixtures
 from glmq.formats.dense import iter_dense
@@ -264,9 +265,10 @@ def test_killed_mid_layer_resumes_byte_identical(cli_src, tmp_path, offload):
     src, text, ref = cli_src
     out = tmp_path / "out"
     extra = ("--offload-activations", str(tmp_path / "acts")) if offload else ()
-    # layer 0 is dense (no target); layers 1 and 2 have 8 experts each, solved in two batched GPTQ calls
-    # (gate+up, down): die in the middle of layer 2, at its second call
-    r = _cli("gptq", 2 + 1, src, out, text, *extra)
+    # layer 0 is dense (no target); layers 1 and 2 have 8 experts each, solved in batched GPTQ calls of
+    # GPTQ_BATCH["cpu"] problems (gate+up, down): die in the middle of layer 2
+    per_layer = 2 * math.ceil(8 / GPTQ_BATCH["cpu"])
+    r = _cli("gptq", per_layer + per_layer // 2, src, out, text, *extra)  # dies at the call after
     assert r.returncode == 137, r.stderr[-3000:]
     cache = out / CACHE_DIR
     assert sorted(p.name for p in cache.glob("layer-*")) == ["layer-00000.safetensors", "layer-00001.safetensors"]
