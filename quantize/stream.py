@@ -470,7 +470,16 @@ def _progress(total: int, enabled: bool):
 
 
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident set: VmHWM (Linux), else ru_maxrss.
+
+    ru_maxrss is carried across fork and exec (a process started by a large parent reports at least the
+    parent's resident set at the fork); VmHWM belongs to the process's own address space, new at exec.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def current_rss_bytes() -> int | None:

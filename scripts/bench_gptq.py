@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -41,16 +40,29 @@ PEER_VARIANTS = ("gptq", "gptq-routed", "gptq-noact", "autoround")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
+# The job runs under a small launcher process that reports its children's peak RSS. Linux carries a
+# process's ru_maxrss across fork and exec (the forked copy of the parent's memory counts as the child's
+# high-water mark), so a job forked straight from this script, which by then holds a generated and a
+# dequantized model, would report at least this script's own RSS: at 8 and 16 layers that is more than
+# the job's (found 2026-12-01: 2.65 and 4.79 GB reported where glmq itself peaked at 1.7-1.8 GB).
+_LAUNCH = r"""
+import json, os, resource, subprocess, sys, time
+t = time.perf_counter()
+with open(sys.argv[1], "w") as f:
+    rc = subprocess.run(sys.argv[2:], stdout=f, stderr=subprocess.STDOUT).returncode
+print(json.dumps({"rc": rc, "seconds": time.perf_counter() - t,
+                  "peak_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))
+"""
+
+
 def timed(cmd: list[str], log: Path, env: dict | None = None) -> dict:
-    """Run `cmd` to completion; wall seconds and the peak RSS of its largest process (wait4's rusage)."""
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-        _, status, ru = os.wait4(p.pid, 0)
-    seconds = time.perf_counter() - t0
-    if os.waitstatus_to_exitcode(status) != 0:
+    """Run `cmd` to completion; wall seconds and the peak RSS of its largest process (`_LAUNCH`)."""
+    out = subprocess.run([sys.executable, "-c", _LAUNCH, str(log), *cmd], capture_output=True, text=True, env=env,
+                         check=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    if r["rc"] != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed; see {log}:\n{log.read_text()[-3000:]}")
-    return {"seconds": round(seconds, 2), "peak_rss_bytes": ru.ru_maxrss * 1024}
+    return {"seconds": round(r["seconds"], 2), "peak_rss_bytes": r["peak_rss"]}
 
 
 def dense_copy(src: Path, dst: Path) -> Path:
