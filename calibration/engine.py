@@ -212,7 +212,7 @@ class _Run:
         self.plan, self.cache, self.tokens, self.s, self.world = plan, cache, tokens, settings, world
         self.spec = plan.recipe.spec
         self.device = torch.device(device)
-        self.gptq_batch = settings.gptq_batch or GPTQ_BATCH.get(self.device.type, 16)
+        self.gptq_batch = settings.gptq_batch or GPTQ_BATCH.get(self.device.type, GPTQ_BATCH["cuda"])
         self.dtype = cc.dtype_of(settings.dtype)
         self.builder = LayerBuilder(plan.source, self.device, self.dtype)
         self.n_layers = plan.source.config["num_hidden_layers"]

@@ -475,18 +475,20 @@ def peak_rss_bytes() -> int:
     ru_maxrss is carried across fork and exec (a process started by a large parent reports at least the
     parent's resident set at the fork); VmHWM belongs to the process's own address space, new at exec.
     """
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration, ValueError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _proc_status_bytes("VmHWM")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if peak is None else peak
 
 
 def current_rss_bytes() -> int | None:
     """This process's resident set now (Linux /proc), or None where that is not available."""
+    return _proc_status_bytes("VmRSS")
+
+
+def _proc_status_bytes(key: str) -> int | None:
+    """A kB field of /proc/self/status in bytes, or None where that is not available."""
     try:
         with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
     except (OSError, StopIteration, ValueError):
         return None
 

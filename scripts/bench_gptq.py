@@ -16,8 +16,8 @@ scaling: a generated random-weight GLM-4.x MoE (hidden 1024, 16 routed experts t
     tokenizer and vocabulary), 64 x 256 calibration tokens, at several layer counts: wall time and peak RSS
     of `glmq quantize --scheme gptq` against the peer's default GPTQ.
 
-Each tool runs as its own process under `/usr/bin/time -v` style accounting (the child's ru_maxrss), so the
-peak RSS is that of the process tree's largest process and the wall time includes imports and writing.
+Each tool runs as its own process under a small launcher (bench_rtn.measure: its children's ru_maxrss), so
+the peak RSS is that of the job's largest process and the wall time includes imports and writing.
 Results go to benchmarks/bench_gptq_<mode>[_<name>].json and are printed as a table.
 """
 
@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,33 +34,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from glmq.scripts.bench_rtn import measure
+
 RECIPES = {"experts": "int4-w4a16", "all-linear": "int4-w4a16-all-linear"}
 PEER_VARIANTS = ("gptq", "gptq-routed", "gptq-noact", "autoround")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
-# The job runs under a small launcher process that reports its children's peak RSS. Linux carries a
-# process's ru_maxrss across fork and exec (the forked copy of the parent's memory counts as the child's
-# high-water mark), so a job forked straight from this script, which by then holds a generated and a
-# dequantized model, would report at least this script's own RSS: at 8 and 16 layers that is more than
-# the job's (found 2026-12-01: 2.65 and 4.79 GB reported where glmq itself peaked at 1.7-1.8 GB).
-_LAUNCH = r"""
-import json, os, resource, subprocess, sys, time
-t = time.perf_counter()
-with open(sys.argv[1], "w") as f:
-    rc = subprocess.run(sys.argv[2:], stdout=f, stderr=subprocess.STDOUT).returncode
-print(json.dumps({"rc": rc, "seconds": time.perf_counter() - t,
-                  "peak_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))
-"""
-
-
 def timed(cmd: list[str], log: Path, env: dict | None = None) -> dict:
-    """Run `cmd` to completion; wall seconds and the peak RSS of its largest process (`_LAUNCH`)."""
-    out = subprocess.run([sys.executable, "-c", _LAUNCH, str(log), *cmd], capture_output=True, text=True, env=env,
-                         check=True)
-    r = json.loads(out.stdout.strip().splitlines()[-1])
-    if r["rc"] != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed; see {log}:\n{log.read_text()[-3000:]}")
+    """Run `cmd` to completion (bench_rtn.measure: a small launcher, so the peak RSS is the job's own)."""
+    r = measure(cmd, log, env)
     return {"seconds": round(r["seconds"], 2), "peak_rss_bytes": r["peak_rss"]}
 
 

@@ -7,13 +7,13 @@ For each shape (batch B, rows N, columns K) a fixed-seed weight and a correlated
 "block" / "propagated", coordinate-descent sweeps) is timed as the minimum over `--repeats` calls of
 `quantize_gptq_batch(..., errors=False)` (what the engine calls) on the current torch threads, and its
 Hessian error reported relative to RTN. The end-to-end run time is `bench_gptq quality`'s; this isolates
-the part the options change. Writes benchmarks/bench_gptq_solver.json.
+the part the options change. Writes benchmarks/bench_gptq_solver[_<name>].json (`--name`).
 
     python -m glmq.scripts.bench_gptq_solver --splits 16 8 4 2 1 --shape 16 2048 1024 --name splits
 
 `--splits`: instead, the default options only, the B problems solved in calls of that many at a time
 (what the engine's `gptq_batch` chooses); the results do not depend on it on a CPU, the time and the
-memory do. Writes benchmarks/bench_gptq_solver_<name>.json with `--name`.
+memory do.
 """
 
 from __future__ import annotations
@@ -82,12 +82,7 @@ def main() -> None:
     base = {tuple(r["shape"]): r["seconds"] for r in rows if r["variant"] == "plain"}
     for r in rows:
         r["time_vs_plain"] = round(r["seconds"] / base[tuple(r["shape"])], 2)
-    result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores",
-              "threads": torch.get_num_threads(), "load_before": os.getloadavg(), "torch": torch.__version__,
-              "rows": rows}
-    Path(args.out).mkdir(exist_ok=True)
-    path = Path(args.out) / "bench_gptq_solver.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    path = _write(rows, args)
     for r in rows:
         print(f"{str(r['shape']):18s} {r['variant']:32s} {r['seconds']:8.3f} s  x{r['time_vs_plain']:<5} "
               f"error/RTN {r['error_vs_rtn']}")
@@ -106,17 +101,23 @@ def splits(args) -> None:
                     quantize_gptq_batch(w[b0:b0 + c], h[b0:b0 + c], spec, clip_search=True, errors=False)
                 rows.append({"shape": [b, n, k], "per_call": c, "seconds": round(time.perf_counter() - t0, 3)})
                 print(rows[-1], flush=True)
+    path = _write(rows, args)
+    for shape in {tuple(r["shape"]) for r in rows}:
+        for c in args.splits:
+            ts = sorted(r["seconds"] for r in rows if tuple(r["shape"]) == shape and r["per_call"] == c)
+            print(f"{list(shape)} in calls of {c:3d}: median {ts[len(ts) // 2]:.2f} s over {len(ts)} rounds")
+    print(f"wrote {path}")
+
+
+def _write(rows: list[dict], args) -> Path:
+    """The rows with the machine's facts, to benchmarks/bench_gptq_solver[_<name>].json."""
     result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores",
               "threads": torch.get_num_threads(), "load_before": os.getloadavg(), "torch": torch.__version__,
               "rows": rows}
     Path(args.out).mkdir(exist_ok=True)
     path = Path(args.out) / f"bench_gptq_solver{'_' + args.name if args.name else ''}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
-    for shape in {tuple(r["shape"]) for r in rows}:
-        for c in args.splits:
-            ts = sorted(r["seconds"] for r in rows if tuple(r["shape"]) == shape and r["per_call"] == c)
-            print(f"{list(shape)} in calls of {c:3d}: median {ts[len(ts) // 2]:.2f} s over {len(ts)} rounds")
-    print(f"wrote {path}")
+    return path
 
 
 if __name__ == "__main__":

@@ -24,9 +24,17 @@ import sys
 import time
 from pathlib import Path
 
+# Each job runs under this small launcher, which reports its children's peak RSS. Linux carries a process's
+# ru_maxrss across fork and exec (the forked copy of the parent's memory counts as the child's high-water
+# mark), so a job forked straight from a benchmark script that holds a model would report at least the
+# script's own RSS (found 2026-12-01 in bench_gptq: 2.65 and 4.79 GB where glmq itself peaked at 1.7-1.8 GB).
+# argv: the job's log file ("" = the job's output goes to the launcher's), then the job's command.
 _MEASURE = r"""
-import resource, subprocess, sys, time, json
-t = time.perf_counter(); r = subprocess.run(sys.argv[1:]); dt = time.perf_counter() - t
+import contextlib, json, resource, subprocess, sys, time
+t = time.perf_counter()
+with (open(sys.argv[1], "w") if sys.argv[1] else contextlib.nullcontext()) as f:
+    r = subprocess.run(sys.argv[2:], stdout=f, stderr=subprocess.STDOUT if f else None)
+dt = time.perf_counter() - t
 print(json.dumps({"rc": r.returncode, "seconds": dt, "peak_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))
 """
 
@@ -55,12 +63,16 @@ model_free_ptq(sys.argv[1], sys.argv[2], scheme="W4A16", ignore=ignore,
 """
 
 
-def measure(cmd: list[str]) -> dict:
-    out = subprocess.run([sys.executable, "-c", _MEASURE, *cmd], capture_output=True, text=True)
+def measure(cmd: list[str], log: Path | None = None, env: dict | None = None) -> dict:
+    """Run `cmd` under `_MEASURE`: {"rc", "seconds", "peak_rss"} (bytes, its largest process); raises on rc != 0.
+    With `log`, the job's stdout and stderr go to that file."""
+    out = subprocess.run([sys.executable, "-c", _MEASURE, str(log or ""), *cmd], capture_output=True, text=True,
+                         env=env)
     line = out.stdout.strip().splitlines()[-1]
     res = json.loads(line)
     if res["rc"] != 0:
-        raise RuntimeError(f"{cmd[:4]} failed: {out.stderr[-2000:]}")
+        detail = log.read_text()[-3000:] if log else out.stderr[-2000:]
+        raise RuntimeError(f"{' '.join(cmd)} failed{f'; see {log}' if log else ''}:\n{detail}")
     return res
 
 
