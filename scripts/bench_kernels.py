@@ -93,12 +93,14 @@ class Record:
 class Bench:
     """Timing and bookkeeping for one run."""
 
-    def __init__(self, device: torch.device, budget_s: float, smoke: bool, compare_planes: bool = True):
+    def __init__(self, device: torch.device, budget_s: float, smoke: bool, compare_planes: bool = True,
+                 prev_table: dict | None = None):
         self.device = device
         self.cuda = device.type == "cuda"
         self.deadline = time.monotonic() + budget_s
         self.smoke = smoke
         self.compare_planes = compare_planes  # also time the session-3 kernel (PLANES weights) at M <= 64
+        self.prev_table = prev_table  # an earlier launch table (--prev-table): its PAIRS configs at M <= 64
         self.records: list[Record] = []
         props = torch.cuda.get_device_properties(device) if self.cuda else None
         self.l2_bytes = getattr(props, "L2_cache_size", 50 << 20) if props else 50 << 20
@@ -270,6 +272,17 @@ def dense_config_note(b: Bench, m: int, n: int, k: int, layout=None) -> str:
     return f"{layout.value} config {compact(cfg)}"
 
 
+def prev_config(b: Bench, m: int, n: int, k: int):
+    """The PAIRS config the --prev-table held for this shape and M (smallest tuned M >= m), or None."""
+    from glmq.kernels import w4a16_dense as D
+
+    rows = ((b.prev_table or {}).get("pairs", {}).get("dense", {}) if b.cuda else {}).get(f"{n},{k},{GROUP}")
+    if not rows:
+        return None
+    ms = sorted(int(v) for v in rows)
+    return D.DenseConfig(**rows[str(next((v for v in ms if v >= m), ms[-1]))])
+
+
 def compact(cfg) -> str:
     """A launch config as 'field=value' for the fields that differ from the defaults (tiles always)."""
     keep = ("kind", "block_m", "block_n", "block_n_up", "block_n_down", "split_k")
@@ -323,6 +336,15 @@ def bench_dense(b: Bench, shape: str, n: int, k: int, ms, seed: int) -> None:
             return [lambda p=p, s=s: w4a16_matmul(x, p, s, GROUP) for p, s in ours_w], w4a16_matmul(x, wp, ws, GROUP)
 
         b.run("dense", shape, m, "glmq", ours, ref, nbytes, flops, note=dense_config_note(b, m, n, k))
+        prev = prev_config(b, m, n, k)
+        if prev is not None and m <= 64:
+
+            def previous(prev=prev):
+                return ([lambda p=p, s=s: w4a16_matmul(x, p, s, GROUP, config=prev) for p, s in ours_w],
+                        w4a16_matmul(x, wp, ws, GROUP, config=prev))  # fmt: skip
+
+            b.run("dense", shape, m, "glmq-prev", previous, ref, nbytes, flops,
+                  note=f"pairs config {compact(prev)}; the previous launch table")  # fmt: skip
         if b.compare_planes and m <= 64:
 
             def planes():
@@ -542,12 +564,12 @@ def markdown(records: list[Record], env: dict) -> str:
               "bytes / device-to-device copy rate (read + write); read floor = the same bytes / streaming-read",
               "rate. eff = floor / glmq, eff(read) = read floor / glmq.", ""]  # fmt: skip
     for shape in dict.fromkeys(r.shape for r in records if r.op == "dense"):
-        lines += [f"## {shape}", "", "| M | glmq | session-3 kernel | cuBLAS fp16 | cuBLAS bf16 | int4pack | floor | read floor | eff | eff(read) | vs fp16 | vs int4pack |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"## {shape}", "", "| M | glmq | previous table | session-3 kernel | cuBLAS fp16 | cuBLAS bf16 | int4pack | floor | read floor | eff | eff(read) | vs fp16 | vs int4pack |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for m in sorted({r.m for r in records if r.shape == shape}):
             g = lambda impl: idx.get(("dense", shape, m, impl))  # noqa: E731
             lines.append(
-                f"| {m} | {cell(g('glmq'))} | {cell(g('glmq-planes'))} | {cell(g('cublas-fp16'))} | {cell(g('cublas-bf16'))} | "
+                f"| {m} | {cell(g('glmq'))} | {cell(g('glmq-prev'))} | {cell(g('glmq-planes'))} | {cell(g('cublas-fp16'))} | {cell(g('cublas-bf16'))} | "
                 f"{cell(g('int4pack'))} | {cell(g('floor'))} | {cell(g('read-floor'))} | "
                 f"{fmt_x(speedup(g('floor'), g('glmq')), True)} | {fmt_x(speedup(g('read-floor'), g('glmq')), True)} | "
                 f"{fmt_x(speedup(g('cublas-fp16'), g('glmq')))} | {fmt_x(speedup(g('int4pack'), g('glmq')))} |"
@@ -569,7 +591,7 @@ def markdown(records: list[Record], env: dict) -> str:
         lines.append("")
     lines += ["## Targets", "", "| target | met | detail |", "|---|---|---|"]
     lines += [f"| {t['target']} | {'yes' if t['met'] else 'NO'} | {t['detail']} |" for t in targets(records)]
-    cfgs = [r for r in records if r.impl in ("glmq", "glmq-fused", "glmq-planes") and " config " in f" {r.note}"]
+    cfgs = [r for r in records if r.impl in ("glmq", "glmq-prev", "glmq-fused", "glmq-planes") and " config " in f" {r.note}"]
     if cfgs:
         lines += ["", "## glmq launch configurations", "", "| shape | M | impl | layout and config |", "|---|---|---|---|"]
         lines += [f"| {r.shape} | {r.m} | {r.impl} | `{r.note}` |" for r in cfgs]
@@ -637,6 +659,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-dense", action="store_true")
     ap.add_argument("--no-planes", action="store_true", help="skip the PLANES-layout (session-3) kernel at M <= 64")
     ap.add_argument("--m", type=int, nargs="+", help=f"override the M list {M_LIST}")
+    ap.add_argument("--prev-table", type=Path, default=None,
+                    help="an earlier tuned_configs.json: also time its PAIRS dense configs at M <= 64 ('previous table')")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
 
@@ -649,7 +673,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 references stay fp32
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    b = Bench(device, args.budget_s, args.smoke, not args.no_planes)
+    prev = json.loads(args.prev_table.read_text()) if args.prev_table else None
+    b = Bench(device, args.budget_s, args.smoke, not args.no_planes, prev)
 
     square, dense, moe, ms = (SMOKE_SQUARE, SMOKE_DENSE, SMOKE_MOE, SMOKE_M) if args.smoke else (SQUARE, DENSE, MOE, M_LIST)
     ms = tuple(args.m) if args.m else ms

@@ -13,7 +13,8 @@
 #
 # PARTS (default "tune tests bench retest"; "validate" adds the `glmq validate --device cuda` timing; "ncu" profiles
 # the dense kernels at decode shapes with Nsight Compute, scripts/profile_kernels.py)
-# TUNE_M (default "1 4 16 64 256 2048"), TOTAL_S (default 570), TEST_TIMEOUT, COMPILE_TIMEOUT, TUNE_BUDGET,
+# TUNE_M (default "1 4 16 64 256 2048"), TUNE_ARGS (extra tune_kernels.py arguments, e.g. "--skip-moe"), BENCH_ARGS (extra
+# bench_kernels.py arguments, e.g. "--no-planes --prev-table benchmarks/tuned_configs_session4.json"), TOTAL_S (default 570), TEST_TIMEOUT, COMPILE_TIMEOUT, TUNE_BUDGET,
 # BENCH_BUDGET, RETEST_TIMEOUT, WORKERS (compile processes beside the tests' 8).
 # Needs the wheels in .whl/ only for "validate" (compressed-tensors and its pydantic deps).
 set -uo pipefail
@@ -36,7 +37,7 @@ TABLE=kernels/tuned_configs.json
 CPID=
 if [[ $PARTS == *tune* ]]; then
   echo "== tune: compiling the candidates in the background"
-  timeout "$(clip ${COMPILE_TIMEOUT:-200})" python3 scripts/tune_kernels.py --out "$OUT" --merge $TABLE --m $TUNE_M \
+  timeout "$(clip ${COMPILE_TIMEOUT:-200})" python3 scripts/tune_kernels.py --out "$OUT" --merge $TABLE --m $TUNE_M ${TUNE_ARGS:-} \
     --compile-only --workers "${WORKERS:-7}" > /tmp/tune_compile.log 2>&1 &
   CPID=$!
 fi
@@ -53,7 +54,7 @@ fi
 if [[ $PARTS == *tune* ]]; then
   echo "== tune: timing"
   B=$(clip ${TUNE_BUDGET:-110})
-  timeout "$(clip $((B + 30)))" python3 scripts/tune_kernels.py --out "$OUT" --merge $TABLE --write $TABLE --m $TUNE_M \
+  timeout "$(clip $((B + 30)))" python3 scripts/tune_kernels.py --out "$OUT" --merge $TABLE --write $TABLE --m $TUNE_M ${TUNE_ARGS:-} \
     --no-warm --budget-s "$B" 2>&1 | grep -v "^warm-up failed" | tail -80
   echo "tune done at $((SECONDS - T0)) s"
 fi
@@ -109,7 +110,7 @@ if [[ $PARTS == *bench* ]]; then
   echo "== benchmark (tuned table)"
   B=$(clip ${BENCH_BUDGET:-90})
   (( B > 25 )) && B=$((B - 20))  # the budget stops new measurements; the files are written after it
-  timeout "$(clip $((B + 40)))" python3 scripts/bench_kernels.py --out "$OUT" --budget-s "$B" 2>&1 | tail -90
+  timeout "$(clip $((B + 40)))" python3 scripts/bench_kernels.py --out "$OUT" --budget-s "$B" ${BENCH_ARGS:-} 2>&1 | tail -90
   echo "bench done at $((SECONDS - T0)) s"
 fi
 if [[ $PARTS == *retest* ]]; then

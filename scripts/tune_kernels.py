@@ -38,8 +38,9 @@ import torch
 
 GROUP = 128
 M_LIST = (1, 4, 16, 64, 256, 2048)
-DENSE = {"square": (8192, 8192), "d24576x6144": (24576, 6144), "d6144x12288": (6144, 12288),
-         "w13": (4096, 6144), "w2": (6144, 2048)}  # fmt: skip
+# tuned in this order (what the budget does not reach keeps its old entry): the expert-sized shapes first
+DENSE = {"w2": (6144, 2048), "w13": (4096, 6144), "d6144x12288": (6144, 12288), "square": (8192, 8192),
+         "d24576x6144": (24576, 6144)}  # fmt: skip
 MOE = dict(experts=256, hidden=6144, inter=2048, topk=8)
 
 
@@ -47,12 +48,28 @@ MOE = dict(experts=256, hidden=6144, inter=2048, topk=8)
 # split-K targets (programs per SM) tried for each. Register and shared-memory use of every tile was
 # checked offline with Triton 3.6's ptxas for sm_90a (no spills; 128 x 128 with 4 warps spills).
 SWAP_TILES = {
-    4: ([(16, 64, 4, 4), (16, 128, 4, 4), (16, 64, 4, 6), (16, 128, 4, 6), (16, 128, 8, 4)], (2, 4)),
+    4: ([(16, 64, 4, 4), (16, 128, 4, 4), (16, 64, 4, 6), (16, 128, 4, 6), (16, 128, 8, 4), (16, 64, 4, 3)], (2, 4)),
     16: ([(16, 64, 4, 4), (16, 128, 4, 4), (16, 256, 4, 3), (16, 64, 4, 6), (16, 128, 8, 4)], (1, 2, 4)),
-    64: ([(32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3), (64, 256, 8, 3)], (1, 2)),
+    64: ([(32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3), (64, 256, 8, 3), (64, 64, 4, 3),
+          (64, 64, 4, 2), (32, 64, 4, 4), (64, 128, 8, 4), (32, 64, 4, 3), (32, 64, 4, 6), (64, 64, 4, 5)], (1, 2)),
     256: ([(64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3), (64, 256, 8, 3), (128, 256, 8, 3)], (1, 2)),
     2048: ([(128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3), (256, 128, 8, 2)], (1,)),
 }
+
+
+# Besides the split-K factors above: splits that put about this many programs per SM (M <= 64), so
+# that small shapes (the expert-sized 2048->6144 has 16 chunks) see every wave fill, not only 2x / 4x
+SPLIT_RATIOS = (0.75, 1, 1.5, 2, 2.5, 3, 3.5, 4)
+
+
+def explicit_splits(tiles: int, chunks: int, sms: int) -> list[int]:
+    """Split-K values that give about SPLIT_RATIOS programs per SM, each split keeping >= 2 chunks."""
+    out = set()
+    for r in SPLIT_RATIOS:
+        s = max(1, round(r * sms / tiles))
+        if s == 1 or chunks // s >= 2:
+            out.add(min(s, 32))
+    return sorted(out)
 
 
 def swap_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
@@ -72,7 +89,18 @@ def swap_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
     # the plain-Triton dequantization on the heuristic's tile: a fallback should the inline PTX lose
     heur = {4: 0, 16: 1, 64: 2, 256: 2, 2048: 0}[bucket]
     out.append(dict(out[heur * len(factors)], asm=False))
-    return out
+    if bucket <= 64:
+        chunks = k // 128
+        for bm, bn, warps, stages in tiles_list:
+            tiles = -(-m // bm) * -(-n // bn)
+            for split in explicit_splits(tiles, chunks, sms):
+                out.append(dict(kind="mma", block_m=bm, block_n=bn, split_k=split, swap=True, num_warps=warps,
+                                num_stages=stages))  # fmt: skip
+    uniq = []
+    for c in out:
+        if c not in uniq:
+            uniq.append(c)
+    return uniq
 
 
 def legacy_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
@@ -403,12 +431,16 @@ def main(argv=None) -> int:
     ap.add_argument("--m", type=int, nargs="+", default=list(M_LIST))
     ap.add_argument("--skip-moe", action="store_true")
     ap.add_argument("--skip-dense", action="store_true")
+    ap.add_argument("--shapes", nargs="+", choices=sorted(DENSE), help="dense shapes to tune (default: all)")
     ap.add_argument("--compile-only", action="store_true", help="fill Triton's cache and stop")
     ap.add_argument("--no-warm", action="store_true", help="skip the parallel compilation (cache already warm)")
     ap.add_argument("--layout", choices=["pairs", "planes"], default="pairs",
                     help="weight layout to tune (pairs: the table's 'pairs' section; planes: its top level)")
     args = ap.parse_args(argv)
     LAYOUT[0] = args.layout
+    if args.shapes:
+        for name in set(DENSE) - set(args.shapes):
+            del DENSE[name]
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
     t0 = time.monotonic()

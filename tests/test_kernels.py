@@ -351,6 +351,9 @@ def test_prepack_pairs_chunk_major(chunk_major):
         (70, D.DenseConfig("mma", 64, 128, split_k=1, swap=True, num_warps=8, num_stages=3), True),
         (118, D.DenseConfig("mma", 128, 64, split_k=2, swap=True, group_m=2, num_warps=8, num_stages=3), True),
         (5, D.DenseConfig("mma", 16, 64, split_k=1, swap=True, asm=False), False),
+        # one full token tile (M == block_m): no row wrapping, column rows clamped past N = 136
+        (16, D.DenseConfig("mma", 16, 64, split_k=2, swap=True), True),
+        (32, D.DenseConfig("mma", 32, 128, split_k=1, swap=True, asm=False), True),
     ],
     ids=lambda v: str(v) if isinstance(v, (int, bool)) else f"{v.block_m}x{v.block_n}-s{v.split_k}-w{v.num_warps}"
     f"{'' if v.asm else '-noasm'}",
