@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from glmq.quantize import gptq_cpu
 from glmq.quantize.rtn import QWeight, compute_qparams, dequantize, group_minmax, quantize_rtn
 from glmq.quantize.spec import QuantSpec
 
@@ -200,11 +201,18 @@ def quantize_gptq_batch(
             # loop's is freed (a float32 copy of the batch's weights is the solve's largest tensor)
             Hinv = torch.stack([hinv[j] for j in ok])
             del hinv  # the factors are held once, stacked
-            q, scale, zp = _gptq_loop(weights(), Hinv, perm, spec, w.dtype, clip, clip_h)
+            fast = gptq_cpu.applies(w, spec, clip)  # the CPU kernels (gptq_cpu.py) where they cover the case
+            if fast:
+                q, scale = gptq_cpu.gptq_loop(weights(), Hinv, spec, w.dtype, clip)
+                zp = None
+            else:
+                q, scale, zp = _gptq_loop(weights(), Hinv, perm, spec, w.dtype, clip, clip_h)
             del Hinv
             if spec.cd_sweeps:
-                q = _coordinate_descent(weights(), q, scale, zp, _damped(H[ok], [damps[j] for j in ok]),
-                                        (perm // spec.group_size), spec, w.dtype)
+                Hd = _damped(H[ok], [damps[j] for j in ok])
+                q = (gptq_cpu.coordinate_descent(weights(), q, scale, Hd, spec, w.dtype) if fast else
+                     _coordinate_descent(weights(), q, scale, zp, Hd, (perm // spec.group_size), spec, w.dtype))
+                del Hd
             q = q[:, :, torch.argsort(perm)]
             for i, j in enumerate(ok):
                 b = live[j]

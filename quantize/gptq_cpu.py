@@ -1,0 +1,318 @@
+"""GPTQ's column loop, propagated clip search and coordinate descent as numba kernels, for the CPU.
+
+Why hand-written: `glmq.quantize.gptq` runs Alg. 1 as a loop of whole-tensor torch operations per column.
+On a GPU that is the right shape (every op covers all rows of a batch of problems); on a CPU each op
+streams `[B, N, <=128]` float32 temporaries through memory for a few flops per element, and the
+propagated clip search repeats that for 7 candidate scales: a GLM-4.x expert layer spent ~18 s of its
+~30 s there. No library has GPTQ's loop as a kernel. Here every row is independent given H (GPTQ's
+rows do not interact), so the kernels run over tiles of TILE rows in parallel, with a tile's columns
+held in a small local array, the row index innermost (LLVM vectorizes it), and the cross-block
+updates left to torch's GEMMs:
+
+- `gptq_loop`: per block of BLOCK columns (transposed layout `[B, K, N]`: one column of a tile is
+  TILE contiguous floats), the kernel takes the block's current columns, fixes each group's scale at
+  its first column (plain min/max, or the propagated clip search of `gptq._propagated_clip_search`),
+  quantizes the group column by column with GPTQ's immediate error feedback, and returns the block's
+  errors; torch applies them to the later columns (§4 "Lazy Batch-Updates"). The clip search already
+  runs GPTQ over the group for every candidate scale, so the winning candidate's integers and errors
+  *are* the loop's: the group is not quantized a second time.
+- `coordinate_descent`: `gptq._coordinate_descent`'s sweeps, with the gradient of each block of columns
+  from one torch GEMM and the moves inside the block (rank-1 updates of the block's gradient) in the kernel.
+
+The arithmetic is the torch path's, operation for operation (the dtype rounding of compressed-tensors'
+fake quantization, round half to even, the same expression order, no fused multiply-add), so the
+decisions are the same up to float summation order: torch's lazy updates group the sums differently.
+tests/test_gptq.py checks the integers against the float64 transcription of the paper, and
+tests/test_gptq_cpu.py against the torch path.
+
+Covered: symmetric specs, no act_order, weight dtype bfloat16 or float32, clip search off or
+"propagated". Everything else (and every CUDA solve) takes the torch path (`applies`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+try:  # numba is a core dependency; the guard only keeps `import glmq` light elsewhere.
+    import numba
+    from numba import njit, prange
+except ImportError:  # pragma: no cover
+    numba = None
+
+from glmq.quantize.spec import QuantSpec
+
+# Rows per kernel tile, the vectorized axis (a kernel argument, not a constant: LLVM vectorizes a loop of
+# runtime length, with alias checks, but unrolls a constant 16 into scalar code). 32 measured as fast per row
+# as 64 and 2x 16 (the per-loop alias check is amortized over 4 AVX2 vectors).
+TILE = 32
+# Columns per kernel call of the loop and of a descent block (the lazy-update block; any multiple of the
+# group size gives the same decisions up to float summation order).
+BLOCK = 128
+CD_BLOCK = 64
+
+
+def applies(w: torch.Tensor, spec: QuantSpec, clip: str | None) -> bool:
+    """Whether this module solves a `quantize_gptq_batch` call (else the torch path does)."""
+    return (numba is not None and w.device.type == "cpu" and spec.symmetric and not spec.act_order
+            and w.dtype in (torch.bfloat16, torch.float32) and clip in (None, "propagated"))
+
+
+if numba is not None:
+
+    @njit(inline="always")
+    def _round_dtype(x, t, bf16):
+        """x (float32 [TILE]) rounded in place to bfloat16 (round to nearest even, finite values), or left
+        as it is for float32."""
+        if bf16:
+            b = x.view(np.uint32)
+            for r in range(t):
+                v = b[r]
+                b[r] = (v + np.uint32(0x7FFF) + ((v >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+
+    @njit(inline="always")
+    def _fake_quantize(w, s, q, deq, lo, hi, t, bf16):
+        """compressed-tensors' symmetric fake quantization of TILE values (`gptq._fake_quantize`):
+        q = rint(clamp(dtype(dtype(w) / s))), deq = dtype(q * s)."""
+        for r in range(t):
+            q[r] = w[r]
+        _round_dtype(q, t, bf16)
+        for r in range(t):
+            q[r] = q[r] / s[r]
+        _round_dtype(q, t, bf16)
+        for r in range(t):
+            q[r] = np.rint(min(max(q[r], lo), hi))
+            deq[r] = q[r] * s[r]
+        _round_dtype(deq, t, bf16)
+
+    @njit(parallel=True, cache=True, nogil=True)
+    def _loop_kernel(wt, u, qt, et, st, gs, qmin, qmax, half, eps, bf16, grid, t):
+        """One block of the GPTQ loop for B problems.
+
+        wt: float32 [B, C, N], the block's current columns (transposed); u: float32 [B, C, C], the block's
+        part of the upper inverse-Hessian factor; out: qt int8 [B, C, N], et float32 [B, C, N] (the
+        errors (w - q) / u_jj), st float32 [B, C // gs, N] (the group scales, dtype-exact).
+        grid: float32 clip factors, grid[0] == 1 (one entry: no search).
+        """
+        nb, nc, n = wt.shape
+        ntile = (n + t - 1) // t
+        lo, hi = np.float32(qmin), np.float32(qmax)
+        half32, eps32 = np.float32(half), np.float32(eps)
+        for job in prange(nb * ntile):
+            b = job // ntile
+            r0 = (job % ntile) * t
+            nr = min(t, n - r0)
+            w = np.zeros((nc, t), dtype=np.float32)
+            for c in range(nc):
+                for r in range(nr):
+                    w[c, r] = wt[b, c, r0 + r]
+            wg = np.empty((gs, t), dtype=np.float32)
+            eg = np.empty((gs, t), dtype=np.float32)
+            qg = np.empty((gs, t), dtype=np.float32)
+            best_q = np.empty((gs, t), dtype=np.float32)
+            best_e = np.empty((gs, t), dtype=np.float32)
+            best_loss = np.empty(t, dtype=np.float32)
+            best_s = np.empty(t, dtype=np.float32)
+            loss = np.empty(t, dtype=np.float32)
+            amax = np.empty(t, dtype=np.float32)
+            s = np.empty(t, dtype=np.float32)
+            x = np.empty(t, dtype=np.float32)
+            deq = np.empty(t, dtype=np.float32)
+            for g in range(nc // gs):
+                c0 = g * gs
+                # absmax of the group's current values in the weight dtype (= max(|min|, max), both clamped at 0)
+                for r in range(t):
+                    amax[r] = 0.0
+                for c in range(c0, c0 + gs):
+                    for r in range(t):
+                        x[r] = w[c, r]
+                    _round_dtype(x, t, bf16)
+                    for r in range(t):
+                        amax[r] = max(amax[r], abs(x[r]))
+                for p in range(grid.shape[0]):
+                    # compute_qparams of the shrunk range: dtype(dtype(absmax * p) / half), zero -> eps
+                    for r in range(t):
+                        s[r] = amax[r] * grid[p]
+                    _round_dtype(s, t, bf16)
+                    for r in range(t):
+                        s[r] = s[r] / half32
+                    _round_dtype(s, t, bf16)
+                    for r in range(t):
+                        if s[r] == 0:
+                            s[r] = eps32
+                        loss[r] = 0.0
+                    for c in range(gs):
+                        for r in range(t):
+                            wg[c, r] = w[c0 + c, r]
+                    # GPTQ over the group with this scale: quantize column j, feed its error forward
+                    lost = False
+                    for j in range(gs):
+                        d = u[b, c0 + j, c0 + j]
+                        _fake_quantize(wg[j], s, x, deq, lo, hi, t, bf16)
+                        for r in range(t):
+                            e = (wg[j, r] - deq[r]) / d
+                            eg[j, r] = e
+                            qg[j, r] = x[r]
+                            loss[r] += e * e
+                        if p > 0 and j % 8 == 7:
+                            # the loss only grows (a float sum of squares), so a candidate whose partial loss
+                            # already reaches the best full loss on every row cannot be chosen: stop it
+                            lost = True
+                            for r in range(nr):
+                                lost = lost and loss[r] >= best_loss[r]
+                            if lost:
+                                break
+                        for c in range(j + 1, gs):
+                            h = u[b, c0 + j, c0 + c]
+                            for r in range(t):
+                                wg[c, r] -= eg[j, r] * h
+                    if lost:
+                        continue
+                    if p == 0:
+                        best_q[:, :] = qg
+                        best_e[:, :] = eg
+                        for r in range(t):
+                            best_loss[r] = loss[r]
+                            best_s[r] = s[r]
+                    else:
+                        for r in range(t):
+                            if loss[r] < best_loss[r]:  # ties keep the earlier factor (1.0 first)
+                                best_loss[r] = loss[r]
+                                best_s[r] = s[r]
+                                for c in range(gs):
+                                    best_q[c, r] = qg[c, r]
+                                    best_e[c, r] = eg[c, r]
+                # the group's errors into the block's later columns, in column order (Alg. 1's order)
+                for j in range(gs):
+                    for c in range(c0 + gs, nc):
+                        h = u[b, c0 + j, c]
+                        for r in range(t):
+                            w[c, r] -= best_e[j, r] * h
+                for r in range(nr):
+                    st[b, g, r0 + r] = best_s[r]
+                for c in range(gs):
+                    for r in range(nr):
+                        qt[b, c0 + c, r0 + r] = np.int8(best_q[c, r])
+                        et[b, c0 + c, r0 + r] = best_e[c, r]
+
+    @njit(parallel=True, cache=True, nogil=True)
+    def _cd_kernel(dt, qt, st, hd, rt, i1, gs, qmin, qmax, bf16, min_gain, moved, t):
+        """Coordinate-descent moves over columns i1 .. i1 + C of B problems (`gptq._coordinate_descent`).
+
+        dt: float32 [B, K, N] residual w - wq (transposed), updated; qt: int8 [B, K, N], updated;
+        st: float32 [B, G, N] scales; hd: float32 [B, K, K] damped Hessian; rt: float32 [B, C, N] the
+        block's gradient D Hd[:, block] (transposed), updated by each move; moved: int64 [B * tiles].
+        """
+        nb, nc, n = rt.shape
+        ntile = (n + t - 1) // t
+        lo, hi = np.float32(qmin), np.float32(qmax)
+        two, gain = np.float32(2.0), np.float32(min_gain)  # float32 arithmetic, as the torch path's
+        for job in prange(nb * ntile):
+            b = job // ntile
+            r0 = (job % ntile) * t
+            nr = min(t, n - r0)
+            q = np.zeros(t, dtype=np.float32)
+            s = np.ones(t, dtype=np.float32)
+            g = np.zeros(t, dtype=np.float32)
+            qn = np.empty(t, dtype=np.float32)
+            dq = np.empty(t, dtype=np.float32)
+            dqn = np.empty(t, dtype=np.float32)
+            delta = np.empty(t, dtype=np.float32)
+            for c in range(nc):
+                j = i1 + c
+                gi = j // gs
+                hjj = hd[b, j, j]
+                for r in range(nr):
+                    q[r] = qt[b, j, r0 + r]
+                    s[r] = st[b, gi, r0 + r]
+                    g[r] = rt[b, c, r0 + r]
+                for r in range(t):
+                    qn[r] = min(max(np.rint(q[r] + g[r] / (s[r] * hjj)), lo), hi)
+                    dq[r] = q[r] * s[r]
+                    dqn[r] = qn[r] * s[r]
+                _round_dtype(dq, t, bf16)
+                _round_dtype(dqn, t, bf16)
+                any_move = False
+                for r in range(t):
+                    dl = dqn[r] - dq[r]
+                    dd_h = dl * dl * hjj
+                    take = two * dl * g[r] - dd_h > gain * dd_h  # false for a zero move
+                    delta[r] = dl if take and r < nr else np.float32(0.0)
+                    any_move = any_move or delta[r] != 0
+                if not any_move:
+                    continue
+                for r in range(nr):
+                    if delta[r] != 0:
+                        qt[b, j, r0 + r] = np.int8(qn[r])
+                        dt[b, j, r0 + r] -= delta[r]
+                        moved[job] += 1
+                for c2 in range(c + 1, nc):  # the block's columns already passed are not read again this sweep
+                    h = hd[b, j, i1 + c2]
+                    for r in range(nr):
+                        rt[b, c2, r0 + r] -= h * delta[r]
+
+
+def _grid(clip: str | None) -> np.ndarray:
+    from glmq.quantize.gptq import CLIP_GRID
+
+    return np.asarray(CLIP_GRID if clip else (1.0,), dtype=np.float32)
+
+
+def _args(spec: QuantSpec, dtype: torch.dtype) -> tuple:
+    return spec.q_min, spec.q_max, (spec.q_max - spec.q_min) / 2.0, dtype == torch.bfloat16
+
+
+def gptq_loop(W: torch.Tensor, Hinv: torch.Tensor, spec: QuantSpec, dtype: torch.dtype, clip: str | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gptq._gptq_loop` for the covered case (`applies`): identity permutation, symmetric.
+
+    Args:
+        W: float32 `[B, N, K]` weights (dead columns zeroed); Hinv: float32 `[B, K, K]` upper factors.
+    Returns:
+        (q int8 `[B, N, K]`, scale `[B, N, G]` dtype).
+    """
+    nb, n, k = W.shape
+    gs = spec.group_size
+    Wt = W.transpose(1, 2).contiguous()  # [B, K, N]: one column of a row tile is contiguous
+    del W
+    Qt = torch.empty(nb, k, n, dtype=torch.int8)
+    St = torch.empty(nb, k // gs, n)
+    qmin, qmax, half, bf16 = _args(spec, dtype)
+    eps = float(torch.finfo(dtype).eps)
+    grid = _grid(clip)
+    for i1 in range(0, k, BLOCK):
+        i2 = min(i1 + BLOCK, k)  # k and BLOCK are multiples of gs
+        Et = torch.empty(nb, i2 - i1, n)
+        _loop_kernel(Wt[:, i1:i2].numpy(), Hinv[:, i1:i2, i1:i2].contiguous().numpy(), Qt[:, i1:i2].numpy(),
+                     Et.numpy(), St[:, i1 // gs:i2 // gs].numpy(), gs, qmin, qmax, half, eps, bf16, grid, TILE)
+        if i2 < k:  # Wt[:, i2:] -= (E Hinv[i1:i2, i2:])^T
+            Wt[:, i2:].baddbmm_(Hinv[:, i1:i2, i2:].transpose(1, 2), Et, alpha=-1)
+    return Qt.transpose(1, 2), St.transpose(1, 2).to(dtype)
+
+
+def coordinate_descent(W: torch.Tensor, Q: torch.Tensor, scale: torch.Tensor, Hd: torch.Tensor, spec: QuantSpec,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """`gptq._coordinate_descent` for the covered case; same arguments (no zero point, identity order).
+
+    Returns the refined integers, int8 `[B, N, K]` (Q is not modified).
+    """
+    nb, n, k = W.shape
+    gs = spec.group_size
+    Qt = Q.transpose(1, 2).contiguous()
+    St = scale.float().transpose(1, 2).contiguous()  # [B, G, N]
+    deq = (Qt.float().unflatten(1, (k // gs, gs)) * St.unsqueeze(2)).to(dtype).float().flatten(1, 2)
+    Dt = W.transpose(1, 2) - deq  # [B, K, N]: the residual w - wq
+    del W, deq
+    qmin, qmax, _, bf16 = _args(spec, dtype)
+    from glmq.quantize.gptq import CD_MIN_GAIN
+
+    for _ in range(spec.cd_sweeps):
+        moved = np.zeros(nb * ((n + TILE - 1) // TILE), dtype=np.int64)
+        for i1 in range(0, k, CD_BLOCK):
+            i2 = min(i1 + CD_BLOCK, k)
+            Rt = torch.bmm(Hd[:, i1:i2], Dt)  # [B, C, N] = (D Hd[:, block])^T, Hd symmetric
+            _cd_kernel(Dt.numpy(), Qt.numpy(), St.numpy(), Hd.numpy(), Rt.numpy(), i1, gs, qmin, qmax, bf16,
+                       CD_MIN_GAIN, moved, TILE)
+        if not moved.any():
+            break
+    return Qt.transpose(1, 2)
