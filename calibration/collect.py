@@ -14,11 +14,14 @@ Each expert also counts its routed tokens. *All-token* Hessians, the prior blend
 expert's Hessian and the whole Hessian of an expert too few tokens reach (engine.py), come from every
 token of the layer, as llm-compressor's `moe_calibrate_all_experts` sends them: for gate_up the MoE
 input (`mlp.experts.all_tokens`, shared by all experts), for down act(gate(x)) * up(x) over every
-token (`mlp.experts.{e}.down_all`, per expert).
+token (`mlp.experts.{e}.down_all`, per expert), or over the first `all_token_limit` x I of them: each
+expert's forward over all tokens is the largest cost of a calibration pass (E / top_k times the routed
+compute), and the Hessian of an I-dimensional input is well estimated from a few times I tokens.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -71,10 +74,17 @@ class HessianCollector:
         all_token_experts: experts whose down-input Hessian is collected over *every* token
             (site `mlp.experts.{e}.down_all`).
         device: where the sums live.
+        all_token_limit: the `down_all` Hessians take only the first `all_token_limit * I` tokens of the
+            pass (I: the experts' intermediate size, the Hessian's side), None: every token. The tokens
+            used are counted in `all_token_tokens`.
+        routed_output: False for a pass whose layer output is thrown away: the routed experts' down
+            projections are then not run (every Hessian is collected before them, and in a decoder layer
+            nothing after the MoE reads its output) and the experts return zeros.
     """
 
     def __init__(self, layer: torch.nn.Module, sites: set[str], experts: set[int] | None = None,
-                 all_token_experts: set[int] = frozenset(), device: torch.device | None = None):
+                 all_token_experts: set[int] = frozenset(), device: torch.device | None = None,
+                 all_token_limit: float | None = None, routed_output: bool = True):
         self.layer, self.device = layer, device
         self.experts_module = getattr(getattr(layer, "mlp", None), "experts", None)
         n_exp = getattr(self.experts_module, "num_experts", 0)
@@ -84,6 +94,8 @@ class HessianCollector:
         self.expert_sites = {s for s in sites if s.startswith("mlp.experts.")}
         self.acc: dict[str, HessianAccumulator] = {}
         self.tokens = torch.zeros(n_exp, dtype=torch.int64)  # routed tokens per expert
+        self.all_token_limit, self.routed_output = all_token_limit, routed_output
+        self.all_token_tokens = 0  # tokens the `down_all` Hessians have taken so far
         self._handles: list = []
 
     def _add(self, site: str, x: torch.Tensor) -> None:
@@ -109,6 +121,16 @@ class HessianCollector:
         if self.experts_module is not None and "forward" in vars(self.experts_module):
             del self.experts_module.forward  # back to the class's forward
         self.layer = self.experts_module = None  # the Hessians outlive the pass; the layer need not
+
+    def _all_token_rows(self, x: torch.Tensor, side: int) -> torch.Tensor:
+        """The rows of this batch's tokens `x` [T, H] that the `down_all` Hessians still take (see
+        `all_token_limit`; `side` is their size I), counted."""
+        if not self.all_token_experts:
+            return x[:0]
+        if self.all_token_limit is not None:
+            x = x[:max(0, math.ceil(self.all_token_limit * side) - self.all_token_tokens)]
+        self.all_token_tokens += x.shape[0]
+        return x
 
     def hessian(self, site: str) -> tuple[torch.Tensor | None, int]:
         """(H float32 [K, K] or None if the site saw nothing, tokens) for a site."""
@@ -143,9 +165,11 @@ class _ExpertTap:
                     col._add(f"mlp.experts.{e}.gate_up", x)
                 if f"mlp.experts.{e}.down" in col.expert_sites:
                     col._add(f"mlp.experts.{e}.down", h)
-            y = torch.nn.functional.linear(h, ex.down_proj[e]) * top_k_weights[tok, pos, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        for e in sorted(col.all_token_experts):
-            gate, up = torch.nn.functional.linear(hidden_states, ex.gate_up_proj[e]).chunk(2, dim=-1)
+            if col.routed_output:
+                y = torch.nn.functional.linear(h, ex.down_proj[e]) * top_k_weights[tok, pos, None]
+                out.index_add_(0, tok, y.to(out.dtype))
+        x = col._all_token_rows(hidden_states, ex.gate_up_proj.shape[1] // 2)
+        for e in sorted(col.all_token_experts) if x.shape[0] else ():
+            gate, up = torch.nn.functional.linear(x, ex.gate_up_proj[e]).chunk(2, dim=-1)
             col._add(f"mlp.experts.{e}.down_all", ex.act_fn(gate) * up)
         return out

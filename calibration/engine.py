@@ -87,7 +87,12 @@ class CalibrationSettings:
             estimate that GPTQ overfits (measured on the shared model with 4 samples: KL 0.0193, worse
             than RTN's 0.0134); the prior fades out as n grows past K. 0: routed Hessians only.
             Costs the all-token down-input Hessians of every expert (E / top_k times the routed
-            expert compute in the calibration pass).
+            expert compute in the calibration pass over the tokens they take, see all_token_limit).
+        all_token_limit: the all-token down-input Hessians (the prior's, and those of under-covered
+            experts) take the first `all_token_limit * I` calibration tokens (I: the experts'
+            intermediate size, the side of those Hessians); None: every token. Default 4: on the
+            shared model the same KL as every token (BENCHMARKS.md), and at the 280 M-parameter
+            scaling model's 16384 tokens it takes a quarter of them, which halves the calibration pass.
         under_covered: "all_tokens" (Hessians from every token of the layer, as llm-compressor's
             moe_calibrate_all_experts) or "rtn" (round-to-nearest).
         clip_search: `quantize_gptq(clip_search=True)`: search each group's clipped scale, scored as the
@@ -112,6 +117,7 @@ class CalibrationSettings:
     under_covered: str = "all_tokens"
     clip_search: bool = True
     expert_prior: float = 1.0
+    all_token_limit: float | None = 4.0
     batch_size: int = 8
     dtype: str = "float32"
     experts_per_pass: int | None = None
@@ -125,6 +131,8 @@ class CalibrationSettings:
                 or (self.gptq_batch or 1) <= 0:
             raise ValueError("min_expert_tokens and expert_prior must be >= 0; batch_size, experts_per_pass and "
                              "gptq_batch positive")
+        if self.all_token_limit is not None and not self.all_token_limit > 0:
+            raise ValueError(f"all_token_limit must be positive or None, got {self.all_token_limit!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -404,6 +412,7 @@ def merge_metas(metas: list[dict]) -> dict:
     for m in metas:
         if "tokens_per_expert" in m:
             out["tokens_per_expert"], out["under_covered"] = m["tokens_per_expert"], m["under_covered"]
+            out["all_token_hessian_tokens"] = m.get("all_token_hessian_tokens")
             break
     out["gptq_seconds"] = max(m.get("gptq_seconds", 0.0) for m in metas)
     out["ranks"] = len(metas)

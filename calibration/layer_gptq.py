@@ -62,6 +62,7 @@ def quantize_layer(run: _Run, i: int, build, state: dict, targets: list[Target],
             counts = col.tokens.tolist()
             under = {e for e, n in enumerate(counts) if n < run.s.min_expert_tokens}
             meta["tokens_per_expert"], meta["under_covered"] = counts, sorted(under)
+            meta["all_token_hessian_tokens"] = col.all_token_tokens or None  # None: no down_all Hessian taken
             all_h = col.hessian(ALL_TOKENS)
             if all_tok and under & chunk and not prior:  # this chunk's all-token down Hessians: one more pass
                 col.acc.update(_collect(run, layer, set(), set(), under & chunk, src, carry, tps).acc)
@@ -90,8 +91,10 @@ def quantize_layer(run: _Run, i: int, build, state: dict, targets: list[Target],
 
 def _collect(run: _Run, layer, sites: set[str], experts: set[int], all_token_experts: set[int], src, carry,
              tps: list[float]) -> HessianCollector:
-    """One calibration pass of layer i over every sample, collecting `sites`."""
-    col = HessianCollector(layer, sites, experts=experts, all_token_experts=all_token_experts, device=run.device)
+    """One calibration pass of layer i over every sample, collecting `sites` (the layer's output is not
+    kept, so the routed experts' down projections are skipped)."""
+    col = HessianCollector(layer, sites, experts=experts, all_token_experts=all_token_experts, device=run.device,
+                           all_token_limit=run.s.all_token_limit, routed_output=False)
     with col:
         tps.append(run.forward(layer, src, carry, None))
     return col

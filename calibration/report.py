@@ -68,6 +68,7 @@ def summarize(plan: Plan, metas: list[dict], settings, tokens: torch.Tensor, res
                        "forward_tokens_per_s": meta["forward_tokens_per_s"],
                        "expert_tokens": _spread(counts), "tokens_per_expert": counts,
                        "under_covered_experts": meta.get("under_covered", []),
+                       "all_token_hessian_tokens": meta.get("all_token_hessian_tokens"),
                        "peak_rss_bytes": meta["peak_rss_bytes"]})
     by_class = {cls: {"tensors": t[0], "rel_err_gptq": _rel(t[1], t[3]), "rel_err_rtn": _rel(t[2], t[3]),
                       "gptq_better": t[4]} for cls, t in sorted(totals.items())}

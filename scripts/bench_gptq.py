@@ -65,11 +65,12 @@ def dense_copy(src: Path, dst: Path) -> Path:
 
 
 def glmq_run(src: Path, out: Path, recipe: str, scheme: str, calib: Path, samples: int, work: Path,
-             seed: int = 0) -> dict:
+             seed: int = 0, extra: list[str] = ()) -> dict:
     cmd = [sys.executable, "-m", "glmq", "quantize", "--model", str(src), "--output", str(out), "--recipe", recipe,
            "--scheme", scheme, "--no-progress", "--json", str(work / f"{out.name}.report.json")]
     if scheme == "gptq":
-        cmd += ["--calibration", str(calib), "--samples", str(samples), "--seq-len", "256", "--seed", str(seed)]
+        cmd += ["--calibration", str(calib), "--samples", str(samples), "--seq-len", "256", "--seed", str(seed),
+                *extra]
     return timed(cmd, work / f"{out.name}.log")
 
 
@@ -123,8 +124,8 @@ def quality(args) -> dict:
         gptq_recipe = recipe_variant(recipe, args.set, args.tag, work)
         runs = [] if args.no_rtn else [("glmq rtn", lambda o: glmq_run(src, o, recipe, "rtn", calib, 128, work))]
         runs += [(f"glmq gptq{' ' + args.tag if args.tag else ''}{f' seed{s}' if s else ''}",
-                  lambda o, s=s: glmq_run(src, o, gptq_recipe, "gptq", calib, 128, work, s) | {
-                      "seed": s, "set": args.set}) for s in args.seeds]
+                  lambda o, s=s: glmq_run(src, o, gptq_recipe, "gptq", calib, 128, work, s, args.cli_arg) | {
+                      "seed": s, "set": args.set, "cli_args": args.cli_arg}) for s in args.seeds]
         runs += [(f"llm-compressor {v}", lambda o, v=v: peer_run(args.peer_python, dense, tokens, v, targets, o, work))
                  for v in args.peers]
         for label, fn in runs:
@@ -190,6 +191,8 @@ def main() -> None:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0], help="quality: glmq GPTQ calibration draws")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="quality: QuantSpec override for glmq GPTQ (repeatable)")
+    ap.add_argument("--cli-arg", action="append", default=[], metavar="ARG",
+                    help="quality: an extra `glmq quantize` argument for the GPTQ runs (e.g. --cli-arg=--all-token-limit=8)")
     ap.add_argument("--tag", default="", help="quality: name of the --set variant in labels and folders")
     ap.add_argument("--no-rtn", action="store_true", help="quality: skip glmq RTN")
     ap.add_argument("--name", default="", help="suffix of the result file name")

@@ -103,8 +103,12 @@ def common(f):
               help="GPTQ: routed experts that receive fewer calibration tokens get the all-token Hessian only, and "
                    "are listed in the report [default: 1, i.e. experts no token reaches; rarer experts' Hessians are "
                    "blended with the all-token one anyway].")
+@click.option("--all-token-limit", default=None, type=click.FloatRange(min=0, min_open=True),
+              help="GPTQ: the experts' all-token down-projection Hessians (the prior blended into every expert's, "
+                   "and an under-covered expert's own) take the first N x I calibration tokens, I the experts' "
+                   "intermediate size [default: 4; a large N takes every token].")
 def quantize(model, recipe, max_shard_size, output, scheme, device, no_progress, json_out, calibration, samples,
-             seq_len, seed, offload_activations, min_expert_tokens):
+             seq_len, seed, offload_activations, min_expert_tokens, all_token_limit):
     """Convert a checkpoint, streaming one shard at a time (GPTQ: calibrated one decoder layer at a time)."""
     import os
 
@@ -125,6 +129,8 @@ def quantize(model, recipe, max_shard_size, output, scheme, device, no_progress,
             if not calibration:
                 raise click.UsageError("--scheme gptq needs --calibration FILE_OR_DATASET (text to calibrate on)")
             extra = {} if min_expert_tokens is None else {"min_expert_tokens": min_expert_tokens}
+            if all_token_limit is not None:
+                extra["all_token_limit"] = all_token_limit
             settings = CalibrationSettings(calibration=calibration, samples=samples, seq_len=seq_len, seed=seed,
                                            offload_activations=offload_activations, **extra)
             world = dist.init(device) if dist.launched() else None  # torchrun: this process is one rank

@@ -216,6 +216,42 @@ def test_expert_chunks_and_all_token_down_hessians(moe_layer):
     assert int(col.tokens.sum()) == x.shape[0] * x.shape[1] * b.config.num_experts_per_tok  # counts all experts
 
 
+def test_all_token_limit_takes_the_first_tokens_and_no_output_pass_collects_the_same(moe_layer):
+    """`all_token_limit * I` tokens for the down_all Hessians, in forward order and across batches; a pass
+    without the routed output (`routed_output=False`) collects exactly the Hessians of a full pass."""
+    b, layer, x = moe_layer
+    n_exp = b.config.n_routed_experts
+    inter = layer.mlp.experts.gate_up_proj.shape[1] // 2
+    sites = {f"mlp.experts.{e}.{s}" for e in range(n_exp) for s in ("gate_up", "down")} | {collect.ALL_TOKENS}
+    limit = 50 / inter  # 50 tokens: the first batch's 40 and 10 of the second
+    captured = []  # the MoE input of each batch
+    hook = layer.post_attention_layernorm.register_forward_hook(lambda m, a, o: captured.append(o))
+    cols = {}
+    with torch.no_grad():
+        for name, kw in (("full", {}), ("limited", {"all_token_limit": limit}),
+                         ("no_output", {"all_token_limit": limit, "routed_output": False})):
+            with collect.HessianCollector(layer, sites, all_token_experts={1, 4}, **kw) as col:
+                for s in range(x.shape[0]):  # three batches of one sample
+                    y = layer(x[s:s + 1], **b.layer_kwargs(x[s:s + 1]))[0]
+            cols[name] = col, y
+    hook.remove()
+    full, limited, no_output = (cols[k][0] for k in ("full", "limited", "no_output"))
+    assert full.all_token_tokens == x.shape[0] * x.shape[1] and limited.all_token_tokens == 50
+    moe_in = torch.cat([c.reshape(-1, c.shape[-1]) for c in captured[:3]])[:50]  # the first pass's batches
+    ex = layer.mlp.experts
+    for e in (1, 4):
+        g, u = (moe_in @ ex.gate_up_proj[e].T).chunk(2, dim=-1)
+        he = torch.nn.functional.silu(g) * u
+        h, n = limited.hessian(f"mlp.experts.{e}.down_all")
+        assert n == 50
+        torch.testing.assert_close(h, 2 / 50 * he.T @ he, rtol=1e-4, atol=1e-6)
+    for site in limited.acc:  # the same sums, bit for bit, without the routed output
+        assert torch.equal(limited.acc[site].xxt_sum, no_output.acc[site].xxt_sum), site
+        assert limited.acc[site].num_tokens == no_output.acc[site].num_tokens
+    assert set(limited.acc) == set(no_output.acc) and torch.equal(limited.tokens, no_output.tokens)
+    assert not torch.equal(cols["no_output"][1], cols["limited"][1])  # that pass's output is not the layer's
+
+
 # ----------------------------------------------------------------------------------------- activations
 
 
