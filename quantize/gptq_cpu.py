@@ -71,6 +71,15 @@ if numba is not None:
                 b[r] = (v + np.uint32(0x7FFF) + ((v >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
 
     @njit(inline="always")
+    def _rb(v, bf16):
+        """A float32 scalar rounded to bfloat16 (as `_round_dtype`), or itself for float32."""
+        if not bf16:
+            return v
+        b = np.float32(v).view(np.uint32)
+        b = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+        return np.uint32(b).view(np.float32)
+
+    @njit(inline="always")
     def _fake_quantize(w, s, q, deq, lo, hi, t, bf16):
         """compressed-tensors' symmetric fake quantization of TILE values (`gptq._fake_quantize`):
         q = rint(clamp(dtype(dtype(w) / s))), deq = dtype(q * s)."""
@@ -84,6 +93,30 @@ if numba is not None:
             q[r] = np.rint(min(max(q[r], lo), hi))
             deq[r] = q[r] * s[r]
         _round_dtype(deq, t, bf16)
+
+    @njit(inline="always")
+    def _update8(dst, c_lo, c_hi, e, k0, u, b, urow, ucol, t):
+        """dst[c] -= e[k0 + k] * u[b, urow + k, ucol + c] for k = 0 .. 7 in that order, c in [c_lo, c_hi).
+
+        Eight of Alg. 1's rank-1 updates in one pass over dst: each element receives the same subtractions
+        in the same order as eight immediate updates (so the same float32 result), but one load and store
+        serve eight of them and the loop overhead of a short row-tile loop is paid once."""
+        e0, e1, e2, e3, e4, e5, e6, e7 = e[k0], e[k0 + 1], e[k0 + 2], e[k0 + 3], e[k0 + 4], e[k0 + 5], e[k0 + 6], e[k0 + 7]
+        for c in range(c_lo, c_hi):
+            h0, h1, h2, h3 = u[b, urow, ucol + c], u[b, urow + 1, ucol + c], u[b, urow + 2, ucol + c], u[b, urow + 3, ucol + c]
+            h4, h5, h6, h7 = u[b, urow + 4, ucol + c], u[b, urow + 5, ucol + c], u[b, urow + 6, ucol + c], u[b, urow + 7, ucol + c]
+            d = dst[c]
+            for r in range(t):
+                v = d[r]
+                v -= e0[r] * h0
+                v -= e1[r] * h1
+                v -= e2[r] * h2
+                v -= e3[r] * h3
+                v -= e4[r] * h4
+                v -= e5[r] * h5
+                v -= e6[r] * h6
+                v -= e7[r] * h7
+                d[r] = v
 
     @njit(parallel=True, cache=True, nogil=True)
     def _loop_kernel(wt, u, qt, et, st, gs, qmin, qmax, half, eps, bf16, grid, t):
@@ -145,16 +178,23 @@ if numba is not None:
                         for r in range(t):
                             wg[c, r] = w[c0 + c, r]
                     # GPTQ over the group with this scale: quantize column j, feed its error forward
+                    # (immediately inside each run of 8 columns, then to the rest of the group at once)
                     lost = False
-                    for j in range(gs):
-                        d = u[b, c0 + j, c0 + j]
-                        _fake_quantize(wg[j], s, x, deq, lo, hi, t, bf16)
-                        for r in range(t):
-                            e = (wg[j, r] - deq[r]) / d
-                            eg[j, r] = e
-                            qg[j, r] = x[r]
-                            loss[r] += e * e
-                        if p > 0 and j % 8 == 7:
+                    for j0 in range(0, gs, 8):
+                        for j in range(j0, j0 + 8):
+                            d = u[b, c0 + j, c0 + j]
+                            for r in range(t):  # `_fake_quantize`, then Alg. 1's error, in one pass
+                                v = wg[j, r]
+                                qv = np.rint(min(max(_rb(_rb(v, bf16) / s[r], bf16), lo), hi))
+                                e = (v - _rb(qv * s[r], bf16)) / d
+                                eg[j, r] = e
+                                qg[j, r] = qv
+                                loss[r] += e * e
+                            for c in range(j + 1, j0 + 8):
+                                h = u[b, c0 + j, c0 + c]
+                                for r in range(t):
+                                    wg[c, r] -= eg[j, r] * h
+                        if p > 0:
                             # the loss only grows (a float sum of squares), so a candidate whose partial loss
                             # already reaches the best full loss on every row cannot be chosen: stop it
                             lost = True
@@ -162,10 +202,7 @@ if numba is not None:
                                 lost = lost and loss[r] >= best_loss[r]
                             if lost:
                                 break
-                        for c in range(j + 1, gs):
-                            h = u[b, c0 + j, c0 + c]
-                            for r in range(t):
-                                wg[c, r] -= eg[j, r] * h
+                        _update8(wg, j0 + 8, gs, eg, j0, u, b, c0 + j0, c0, t)
                     if lost:
                         continue
                     if p == 0:
@@ -183,11 +220,8 @@ if numba is not None:
                                     best_q[c, r] = qg[c, r]
                                     best_e[c, r] = eg[c, r]
                 # the group's errors into the block's later columns, in column order (Alg. 1's order)
-                for j in range(gs):
-                    for c in range(c0 + gs, nc):
-                        h = u[b, c0 + j, c]
-                        for r in range(t):
-                            w[c, r] -= best_e[j, r] * h
+                for j0 in range(0, gs, 8):
+                    _update8(w, c0 + gs, nc, best_e, j0, u, b, c0 + j0, 0, t)
                 for r in range(nr):
                     st[b, g, r0 + r] = best_s[r]
                 for c in range(gs):
@@ -211,45 +245,50 @@ if numba is not None:
             b = job // ntile
             r0 = (job % ntile) * t
             nr = min(t, n - r0)
-            q = np.zeros(t, dtype=np.float32)
-            s = np.ones(t, dtype=np.float32)
-            g = np.zeros(t, dtype=np.float32)
-            qn = np.empty(t, dtype=np.float32)
-            dq = np.empty(t, dtype=np.float32)
-            dqn = np.empty(t, dtype=np.float32)
-            delta = np.empty(t, dtype=np.float32)
+            q = np.zeros((nc, t), dtype=np.float32)
+            s = np.ones((nc, t), dtype=np.float32)
+            g = np.zeros((nc, t), dtype=np.float32)  # the block's gradient, kept current by the moves
+            delta = np.zeros((nc, t), dtype=np.float32)
             for c in range(nc):
-                j = i1 + c
-                gi = j // gs
-                hjj = hd[b, j, j]
+                gi = (i1 + c) // gs
                 for r in range(nr):
-                    q[r] = qt[b, j, r0 + r]
-                    s[r] = st[b, gi, r0 + r]
-                    g[r] = rt[b, c, r0 + r]
-                for r in range(t):
-                    qn[r] = min(max(np.rint(q[r] + g[r] / (s[r] * hjj)), lo), hi)
-                    dq[r] = q[r] * s[r]
-                    dqn[r] = qn[r] * s[r]
-                _round_dtype(dq, t, bf16)
-                _round_dtype(dqn, t, bf16)
-                any_move = False
-                for r in range(t):
-                    dl = dqn[r] - dq[r]
-                    dd_h = dl * dl * hjj
-                    take = two * dl * g[r] - dd_h > gain * dd_h  # false for a zero move
-                    delta[r] = dl if take and r < nr else np.float32(0.0)
-                    any_move = any_move or delta[r] != 0
-                if not any_move:
-                    continue
+                    q[c, r] = qt[b, i1 + c, r0 + r]
+                    s[c, r] = st[b, gi, r0 + r]
+                    g[c, r] = rt[b, c, r0 + r]
+            any_move = False
+            for c0 in range(0, nc, 8):  # moves feed the gradient immediately inside 8 columns, then at once
+                moved8 = False
+                for c in range(c0, c0 + 8):
+                    j = i1 + c
+                    hjj = hd[b, j, j]
+                    m = False
+                    for r in range(t):
+                        qv, sv, gv = q[c, r], s[c, r], g[c, r]
+                        qn = min(max(np.rint(qv + gv / (sv * hjj)), lo), hi)
+                        dl = _rb(qn * sv, bf16) - _rb(qv * sv, bf16)
+                        dd_h = dl * dl * hjj
+                        take = two * dl * gv - dd_h > gain * dd_h  # false for a zero move
+                        dl = dl if take and r < nr else np.float32(0.0)
+                        q[c, r] = qn if dl != 0 else qv
+                        delta[c, r] = dl
+                        m = m or dl != 0
+                    if m:
+                        moved8 = True
+                        for c2 in range(c + 1, c0 + 8):
+                            h = hd[b, j, i1 + c2]
+                            for r in range(t):
+                                g[c2, r] -= h * delta[c, r]
+                if moved8:
+                    any_move = True
+                    _update8(g, c0 + 8, nc, delta, c0, hd, b, i1 + c0, i1, t)  # passed columns: not read again
+            if not any_move:
+                continue
+            for c in range(nc):
                 for r in range(nr):
-                    if delta[r] != 0:
-                        qt[b, j, r0 + r] = np.int8(qn[r])
-                        dt[b, j, r0 + r] -= delta[r]
+                    if delta[c, r] != 0:
+                        qt[b, i1 + c, r0 + r] = np.int8(q[c, r])
+                        dt[b, i1 + c, r0 + r] -= delta[c, r]
                         moved[job] += 1
-                for c2 in range(c + 1, nc):  # the block's columns already passed are not read again this sweep
-                    h = hd[b, j, i1 + c2]
-                    for r in range(nr):
-                        rt[b, c2, r0 + r] -= h * delta[r]
 
 
 def _grid(clip: str | None) -> np.ndarray:
@@ -262,19 +301,18 @@ def _args(spec: QuantSpec, dtype: torch.dtype) -> tuple:
     return spec.q_min, spec.q_max, (spec.q_max - spec.q_min) / 2.0, dtype == torch.bfloat16
 
 
-def gptq_loop(W: torch.Tensor, Hinv: torch.Tensor, spec: QuantSpec, dtype: torch.dtype, clip: str | None
+def gptq_loop(Wt: torch.Tensor, Hinv: torch.Tensor, spec: QuantSpec, dtype: torch.dtype, clip: str | None
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """`gptq._gptq_loop` for the covered case (`applies`): identity permutation, symmetric.
 
     Args:
-        W: float32 `[B, N, K]` weights (dead columns zeroed); Hinv: float32 `[B, K, K]` upper factors.
+        Wt: float32 `[B, K, N]` contiguous, the weights transposed (one column of a row tile is contiguous),
+            dead columns zeroed; overwritten. Hinv: float32 `[B, K, K]` upper factors.
     Returns:
-        (q int8 `[B, N, K]`, scale `[B, N, G]` dtype).
+        (q int8 `[B, N, K]` (a transposed view), scale `[B, N, G]` dtype).
     """
-    nb, n, k = W.shape
+    nb, k, n = Wt.shape
     gs = spec.group_size
-    Wt = W.transpose(1, 2).contiguous()  # [B, K, N]: one column of a row tile is contiguous
-    del W
     Qt = torch.empty(nb, k, n, dtype=torch.int8)
     St = torch.empty(nb, k // gs, n)
     qmin, qmax, half, bf16 = _args(spec, dtype)
@@ -290,19 +328,22 @@ def gptq_loop(W: torch.Tensor, Hinv: torch.Tensor, spec: QuantSpec, dtype: torch
     return Qt.transpose(1, 2), St.transpose(1, 2).to(dtype)
 
 
-def coordinate_descent(W: torch.Tensor, Q: torch.Tensor, scale: torch.Tensor, Hd: torch.Tensor, spec: QuantSpec,
+def coordinate_descent(Wt: torch.Tensor, Q: torch.Tensor, scale: torch.Tensor, Hd: torch.Tensor, spec: QuantSpec,
                        dtype: torch.dtype) -> torch.Tensor:
-    """`gptq._coordinate_descent` for the covered case; same arguments (no zero point, identity order).
+    """`gptq._coordinate_descent` for the covered case (no zero point, identity order).
 
-    Returns the refined integers, int8 `[B, N, K]` (Q is not modified).
+    Args:
+        Wt: float32 `[B, K, N]` the weights transposed, dead columns zeroed; overwritten (it becomes the
+            residual). Q: int8 `[B, N, K]`; scale `[B, N, G]` dtype; Hd: float32 `[B, K, K]` damped Hessian.
+    Returns the refined integers, int8 `[B, N, K]` (a transposed view; Q is not modified).
     """
-    nb, n, k = W.shape
+    nb, k, n = Wt.shape
     gs = spec.group_size
     Qt = Q.transpose(1, 2).contiguous()
     St = scale.float().transpose(1, 2).contiguous()  # [B, G, N]
     deq = (Qt.float().unflatten(1, (k // gs, gs)) * St.unsqueeze(2)).to(dtype).float().flatten(1, 2)
-    Dt = W.transpose(1, 2) - deq  # [B, K, N]: the residual w - wq
-    del W, deq
+    Dt = Wt.sub_(deq)  # [B, K, N]: the residual w - wq
+    del deq
     qmin, qmax, _, bf16 = _args(spec, dtype)
     from glmq.quantize.gptq import CD_MIN_GAIN
 

@@ -114,8 +114,8 @@ def quantize(model, recipe, max_shard_size, output, scheme, device, no_progress,
 
     from glmq.quantize import config_child
 
-    if scheme != "gptq" and os.environ.get("RANK", "0") == "0":  # RTN (GPTQ recipes waste nothing but a process)
-        config_child.prestart(own_session=int(os.environ.get("WORLD_SIZE", "1")) > 1)  # its import overlaps ours
+    if os.environ.get("RANK", "0") == "0":  # its import overlaps ours (GPTQ: it then waits, idle, for the writer)
+        config_child.prestart(own_session=int(os.environ.get("WORLD_SIZE", "1")) > 1)
     from glmq.formats.safetensors_io import CheckpointError
     from glmq.quantize import dist, stream
     from glmq.recipes import RecipeError
