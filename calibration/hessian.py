@@ -12,11 +12,24 @@ from __future__ import annotations
 import torch
 
 
+def symmetric_panels(k: int) -> list[tuple[int, int]]:
+    """Row panels of the block upper triangle `add` computes: at most 8 of at least 256 rows."""
+    step = max(256, -(-k // 8))
+    return [(i, min(i + step, k)) for i in range(0, k, step)]
+
+
 class HessianAccumulator:
     """Running sum of x x^T over the tokens fed to one Linear layer.
 
+    Only the block upper triangle of the sum is accumulated (row panel [i0, i1) from column i0 on): the
+    sum is symmetric, and the panels' products take 56-63 % of a full x^T x's flops (measured 18 vs 28 ms
+    for 4096 tokens at K = 1024 on this project's CPU; the calibration pass is bound by these products
+    and the experts' forwards). `finalize` and `state_dict` mirror it; torch has no symmetric rank-k
+    update to call instead.
+
     Attributes:
-        xxt_sum: float32 `[K, K]`, sum over tokens of x x^T.
+        xxt_sum: float32 `[K, K]`; its block upper triangle holds the sum over tokens of x x^T (the rest
+            is not kept current: read the sum through `finalize` or `state_dict`).
         num_tokens: tokens accumulated so far.
     """
 
@@ -40,8 +53,16 @@ class HessianAccumulator:
         if x.shape[-1] != k:
             raise ValueError(f"activations have {x.shape[-1]} features, the accumulator expects {k}")
         x = x.reshape(-1, k).to(device=self.xxt_sum.device, dtype=torch.float32)  # (T, K)
-        self.xxt_sum.addmm_(x.t(), x)
+        for i0, i1 in symmetric_panels(k):
+            self.xxt_sum[i0:i1, i0:].addmm_(x[:, i0:i1].t(), x[:, i0:])
         self.num_tokens += x.shape[0]
+
+    def _full_sum(self) -> torch.Tensor:
+        """The whole symmetric sum, the panels' lower parts mirrored from their transposes."""
+        full = self.xxt_sum.clone()
+        for i0, i1 in symmetric_panels(self.num_columns):
+            full[i0:i1, :i0] = self.xxt_sum[:i0, i0:i1].t()
+        return full
 
     def merge(self, other: HessianAccumulator) -> HessianAccumulator:
         """Add `other`'s tokens to this accumulator (in place) and return self.
@@ -51,13 +72,14 @@ class HessianAccumulator:
         """
         if other.num_columns != self.num_columns:
             raise ValueError(f"cannot merge Hessians of size {other.num_columns} and {self.num_columns}")
-        self.xxt_sum += other.xxt_sum.to(self.xxt_sum.device)
+        self.xxt_sum += other.xxt_sum.to(self.xxt_sum.device)  # the block upper triangles add up
         self.num_tokens += other.num_tokens
         return self
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """{"xxt_sum": float32 [K, K], "num_tokens": int64 scalar}: plain tensors (torch.save, safetensors)."""
-        return {"xxt_sum": self.xxt_sum, "num_tokens": torch.tensor(self.num_tokens, dtype=torch.int64)}
+        """{"xxt_sum": float32 [K, K] (the whole symmetric sum), "num_tokens": int64 scalar}: plain tensors
+        (torch.save, safetensors, all_reduce)."""
+        return {"xxt_sum": self._full_sum(), "num_tokens": torch.tensor(self.num_tokens, dtype=torch.int64)}
 
     @classmethod
     def from_state_dict(
@@ -81,11 +103,12 @@ class HessianAccumulator:
         Raises:
             ValueError: if the sum holds NaN/Inf (overflowing activations).
         """
-        if not torch.isfinite(self.xxt_sum).all():
+        full = self._full_sum()
+        if not torch.isfinite(full).all():
             raise ValueError(
                 f"Hessian sum over {self.num_tokens} tokens has NaN/Inf entries: the calibration "
                 "activations overflowed; check the calibration forward's dtype and inputs"
             )
         if self.num_tokens == 0:
-            return torch.zeros_like(self.xxt_sum)
-        return self.xxt_sum * (2.0 / self.num_tokens)
+            return full.zero_()
+        return full.mul_(2.0 / self.num_tokens)

@@ -252,6 +252,20 @@ def test_all_token_limit_takes_the_first_tokens_and_no_output_pass_collects_the_
     assert not torch.equal(cols["no_output"][1], cols["limited"][1])  # that pass's output is not the layer's
 
 
+@pytest.mark.parametrize("k", [64, 600])
+def test_quadratic_rows_from_the_panels_equal_the_full_product(k):
+    """The diagnostics' d H d^T per row, from H's diagonal blocks and the panels below them only."""
+    from glmq.calibration.layer_gptq import quadratic_rows
+
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(3 * k, k, generator=g)
+    h = x.T @ x / x.shape[0]
+    h = (h + h.T) / 2  # exactly symmetric, as HessianAccumulator.finalize returns it
+    d = torch.randn(50, k, generator=g)
+    ref = ((d.double() @ h.double()) * d.double()).sum(1)
+    torch.testing.assert_close(quadratic_rows(d, h), ref, rtol=1e-5, atol=0)
+
+
 # ----------------------------------------------------------------------------------------- activations
 
 

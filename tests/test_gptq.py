@@ -336,9 +336,36 @@ def test_accumulator_state_dict_round_trip(tmp_path):
     torch.save(acc.state_dict(), path)
     back = HessianAccumulator.from_state_dict(torch.load(path))
     assert back.num_tokens == 50
-    assert torch.equal(back.xxt_sum, acc.xxt_sum) and torch.equal(back.finalize(), acc.finalize())
+    assert torch.equal(back.state_dict()["xxt_sum"], acc.state_dict()["xxt_sum"]) and torch.equal(back.finalize(), acc.finalize())
     back.add(activations(10, 16, seed=14))  # keeps accumulating after a reload
     assert back.num_tokens == 60 and acc.num_tokens == 50
+
+
+def test_accumulator_panels_hold_the_whole_symmetric_sum(tmp_path):
+    """K = 600: three row panels (256, 256, 88) of the block upper triangle. finalize and state_dict give
+    the whole sum, exactly symmetric, equal to the float64 product; a reloaded or merged accumulator keeps
+    accumulating correctly."""
+    x = activations(700, 600, seed=16)
+    acc = HessianAccumulator(600)
+    for chunk in x.split(300):
+        acc.add(chunk)
+    ref = 2 / 700 * (x.double().T @ x.double())
+    h = acc.finalize()
+    assert torch.equal(h, h.T)
+    torch.testing.assert_close(h.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    torch.testing.assert_close(acc.state_dict()["xxt_sum"].double(), ref * 350, rtol=1e-5, atol=1e-3 * ref.abs().max().item())
+    torch.save(acc.state_dict(), tmp_path / "h.pt")
+    back = HessianAccumulator.from_state_dict(torch.load(tmp_path / "h.pt"))
+    more = activations(200, 600, seed=17)
+    back.add(more)
+    other = HessianAccumulator(600)
+    other.add(more)
+    merged = acc.merge(other)
+    both = torch.cat([x, more]).double()
+    ref2 = 2 / 900 * (both.T @ both)
+    for a in (back, merged):
+        assert a.num_tokens == 900
+        torch.testing.assert_close(a.finalize().double(), ref2, rtol=1e-5, atol=1e-5 * ref2.abs().max().item())
 
 
 def test_accumulator_empty_and_errors():
