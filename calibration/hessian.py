@@ -53,8 +53,11 @@ class HessianAccumulator:
         if x.shape[-1] != k:
             raise ValueError(f"activations have {x.shape[-1]} features, the accumulator expects {k}")
         x = x.reshape(-1, k).to(device=self.xxt_sum.device, dtype=torch.float32)  # (T, K)
-        for i0, i1 in symmetric_panels(k):
-            self.xxt_sum[i0:i1, i0:].addmm_(x[:, i0:i1].t(), x[:, i0:])
+        if self.xxt_sum.device.type != "cpu":  # a GPU has flops to spare: one launch, the whole matrix
+            self.xxt_sum.addmm_(x.t(), x)
+        else:
+            for i0, i1 in symmetric_panels(k):
+                self.xxt_sum[i0:i1, i0:].addmm_(x[:, i0:i1].t(), x[:, i0:])
         self.num_tokens += x.shape[0]
 
     def _full_sum(self) -> torch.Tensor:

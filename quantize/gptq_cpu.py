@@ -45,7 +45,7 @@ from glmq.quantize.spec import QuantSpec
 # Rows per kernel tile, the vectorized axis (a kernel argument, not a constant: LLVM vectorizes a loop of
 # runtime length, with alias checks, but unrolls a constant 16 into scalar code). 32 measured as fast per row
 # as 64 and 2x 16 (the per-loop alias check is amortized over 4 AVX2 vectors).
-TILE = 32
+TILE = 64
 # Columns per kernel call of the loop and of a descent block (the lazy-update block; any multiple of the
 # group size gives the same decisions up to float summation order).
 BLOCK = 128
