@@ -16,6 +16,7 @@ import torch
 
 from glmq.calibration.collect import ALL_TOKENS, HessianCollector, Target
 from glmq.calibration.hessian import symmetric_panels
+from glmq.quantize import stream
 from glmq.quantize.gptq import hessian_error, quantize_gptq_batch
 from glmq.quantize.rtn import QWeight, dequantize, quantize_rtn
 
@@ -69,6 +70,7 @@ def quantize_layer(run: _Run, i: int, build, state: dict, targets: list[Target],
                 col.acc.update(_collect(run, layer, set(), set(), under & chunk, src, carry, tps).acc)
         if p == len(chunks) - 1:
             del layer
+            stream.release_free_memory()  # the passes' activations, before the solves
         t_solve = time.perf_counter()
         # problems are built (weights on the device, blended Hessians) one batch at a time, and each
         # solved expert's Hessians are dropped: the layer's Hessians are the largest thing held
@@ -83,6 +85,7 @@ def quantize_layer(run: _Run, i: int, build, state: dict, targets: list[Target],
             run.bar.update(sum(len(p.group) for p in batch))
             run.bar.set_postfix_str(_postfix(qweights, targets, tps))
             del batch
+            stream.release_free_memory()  # the batch's transients and solved Hessians
         del col
         solve_s += time.perf_counter() - t_solve
     meta["calibration_tokens_per_s"] = round(statistics.fmean(tps), 1)

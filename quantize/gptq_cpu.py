@@ -80,21 +80,6 @@ if numba is not None:
         return np.uint32(b).view(np.float32)
 
     @njit(inline="always")
-    def _fake_quantize(w, s, q, deq, lo, hi, t, bf16):
-        """compressed-tensors' symmetric fake quantization of TILE values (`gptq._fake_quantize`):
-        q = rint(clamp(dtype(dtype(w) / s))), deq = dtype(q * s)."""
-        for r in range(t):
-            q[r] = w[r]
-        _round_dtype(q, t, bf16)
-        for r in range(t):
-            q[r] = q[r] / s[r]
-        _round_dtype(q, t, bf16)
-        for r in range(t):
-            q[r] = np.rint(min(max(q[r], lo), hi))
-            deq[r] = q[r] * s[r]
-        _round_dtype(deq, t, bf16)
-
-    @njit(inline="always")
     def _update8(dst, c_lo, c_hi, e, k0, u, b, urow, ucol, t):
         """dst[c] -= e[k0 + k] * u[b, urow + k, ucol + c] for k = 0 .. 7 in that order, c in [c_lo, c_hi).
 
@@ -150,7 +135,6 @@ if numba is not None:
             amax = np.empty(t, dtype=np.float32)
             s = np.empty(t, dtype=np.float32)
             x = np.empty(t, dtype=np.float32)
-            deq = np.empty(t, dtype=np.float32)
             for g in range(nc // gs):
                 c0 = g * gs
                 # absmax of the group's current values in the weight dtype (= max(|min|, max), both clamped at 0)

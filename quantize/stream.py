@@ -484,6 +484,33 @@ def current_rss_bytes() -> int | None:
     return _proc_status_bytes("VmRSS")
 
 
+def release_free_memory() -> None:
+    """Hand the allocator's free heap pages back to the OS (glibc `malloc_trim`; a no-op elsewhere).
+
+    Why: glibc's dynamic mmap threshold rises to the size of the largest block freed (up to 32 MB), after
+    which a layer's many 4-32 MB tensors (Hessians, weights, activations of a batch) come from the heap,
+    whose free pages stay resident; over a GPTQ run that held ~0.5 GB of freed memory (peak RSS 2.2-2.5 GB
+    against 1.5 GB with a fixed 1 MB threshold, which made the run 25 % slower through page faults).
+    Trimming between a layer's phases keeps the fast heap and drops what a phase left behind (4-layer
+    scaling model: 2.2 -> 1.7-1.8 GB, no slower; trimming after every calibration batch too: 1.73 GB, ~10 %
+    slower).
+    """
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes
+
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018 - not glibc: AttributeError
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None
+
+
 def _proc_status_bytes(key: str) -> int | None:
     """A kB field of /proc/self/status in bytes, or None where that is not available."""
     try:

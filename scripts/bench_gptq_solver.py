@@ -14,6 +14,11 @@ the part the options change. Writes benchmarks/bench_gptq_solver[_<name>].json (
 `--splits`: instead, the default options only, the B problems solved in calls of that many at a time
 (what the engine's `gptq_batch` chooses); the results do not depend on it on a CPU, the time and the
 memory do.
+
+    python -m glmq.scripts.bench_gptq_solver --backends --shape 4 2048 1024 --shape 4 1024 1024 --name backends
+
+`--backends`: the default options solved by the CPU kernels (glmq.quantize.gptq_cpu) and by the torch path
+they replace, in interleaved rounds (median), and whether the two give the same integers and scales.
 """
 
 from __future__ import annotations
@@ -60,9 +65,12 @@ def main() -> None:
     ap.add_argument("--splits", nargs="+", type=int, help="time the default options in calls of this many problems")
     ap.add_argument("--name", default="", help="suffix of the result file name")
     ap.add_argument("--out", default="benchmarks")
+    ap.add_argument("--backends", action="store_true", help="the default options: CPU kernels against the torch path")
     args = ap.parse_args()
     if args.splits:
         return splits(args)
+    if args.backends:
+        return backends(args)
     rows = []
     for b, n, k in args.shape or [(8, 512, 1024)]:
         w, h = problem(b, n, k)
@@ -106,6 +114,39 @@ def splits(args) -> None:
         for c in args.splits:
             ts = sorted(r["seconds"] for r in rows if tuple(r["shape"]) == shape and r["per_call"] == c)
             print(f"{list(shape)} in calls of {c:3d}: median {ts[len(ts) // 2]:.2f} s over {len(ts)} rounds")
+    print(f"wrote {path}")
+
+
+def backends(args) -> None:
+    from glmq.quantize import gptq_cpu
+
+    rows, kernels = [], gptq_cpu.applies
+    spec = QuantSpec(method="gptq", group_size=args.group_size)
+    for b, n, k in args.shape or [(4, 2048, 1024)]:
+        w, h = problem(b, n, k)
+        out = {}
+        for _ in range(args.repeats):  # interleaved rounds: both paths see the same load
+            for name, applies in (("torch", lambda *a: False), ("kernels", kernels)):
+                gptq_cpu.applies = applies
+                try:
+                    t0 = time.perf_counter()
+                    out[name] = quantize_gptq_batch(w, h, spec, clip_search=True, errors=False)
+                    rows.append({"shape": [b, n, k], "backend": name, "seconds": round(time.perf_counter() - t0, 3)})
+                finally:
+                    gptq_cpu.applies = kernels
+                print(rows[-1], flush=True)
+        same = all(torch.equal(x.qweight.q, y.qweight.q) and torch.equal(x.qweight.scale, y.qweight.scale)
+                   for x, y in zip(out["torch"], out["kernels"]))
+        rows.append({"shape": [b, n, k], "same_integers_and_scales": same})
+    path = _write(rows, args)
+    for shape in sorted({tuple(r["shape"]) for r in rows}):
+        med = {}
+        for name in ("torch", "kernels"):
+            ts = sorted(r["seconds"] for r in rows if tuple(r["shape"]) == shape and r.get("backend") == name)
+            med[name] = ts[len(ts) // 2]
+        same = next(r["same_integers_and_scales"] for r in rows if tuple(r["shape"]) == shape and "same_integers_and_scales" in r)
+        print(f"{list(shape)}: torch {med['torch']:.2f} s, kernels {med['kernels']:.2f} s (median of {args.repeats}), "
+              f"{med['torch'] / med['kernels']:.2f}x; same integers and scales: {same}")
     print(f"wrote {path}")
 
 

@@ -245,3 +245,30 @@ def test_precomputed_integers_hook_writes_the_same_bytes(make_ckpt, tmp_path):
     assert sorted(asked) == sorted(plan.quantized_modules())
     for f in plan.files:
         assert (tmp_path / "a" / f.name).read_bytes() == (tmp_path / "b" / f.name).read_bytes()
+
+
+def test_release_free_memory_hands_freed_heap_pages_back():
+    """glibc keeps freed mid-size blocks' pages resident once its mmap threshold has grown (what a GPTQ
+    layer's 4-32 MB tensors hit); the trim the engine calls between a layer's phases returns them."""
+    import ctypes
+    import platform
+
+    if stream.current_rss_bytes() is None or platform.libc_ver()[0] != "glibc":
+        stream.release_free_memory()  # elsewhere it must at least be harmless
+        pytest.skip("needs Linux /proc and glibc")
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    mb = 1 << 20
+    libc.free(libc.malloc(16 * mb))  # an mmapped block freed: the threshold rises to its size
+    blocks = [libc.malloc(4 * mb) for _ in range(48)]  # now from the heap
+    fence = libc.malloc(4 * mb)  # above them: the automatic trim of the heap's top cannot reach them
+    for p in blocks:
+        ctypes.memset(p, 1, 4 * mb)  # resident
+    for p in blocks:
+        libc.free(p)
+    before = stream.current_rss_bytes()
+    stream.release_free_memory()
+    after = stream.current_rss_bytes()
+    libc.free(fence)
+    assert before - after > 100e6, (before, after)
