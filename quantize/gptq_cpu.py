@@ -31,6 +31,8 @@ Covered: symmetric specs, no act_order, weight dtype bfloat16 or float32, clip s
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -275,6 +277,23 @@ if numba is not None:
                         moved[job] += 1
 
 
+@contextlib.contextmanager
+def _torch_threads():
+    """Run the kernels on as many threads as torch has, and give torch its count back afterwards.
+
+    numba's OpenMP layer sets the process's OpenMP thread count to its own when a parallel kernel runs,
+    which changed torch's too (1 -> 2 on this machine): a rank given half the cores then ran its GEMMs on
+    more threads than it owns, and float sums whose grouping depends on the thread count stopped matching
+    a one-process run (tests/test_distributed.py).
+    """
+    n = torch.get_num_threads()
+    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def _grid(clip: str | None) -> np.ndarray:
     from glmq.quantize.gptq import CLIP_GRID
 
@@ -305,8 +324,9 @@ def gptq_loop(Wt: torch.Tensor, Hinv: torch.Tensor, spec: QuantSpec, dtype: torc
     for i1 in range(0, k, BLOCK):
         i2 = min(i1 + BLOCK, k)  # k and BLOCK are multiples of gs
         Et = torch.empty(nb, i2 - i1, n)
-        _loop_kernel(Wt[:, i1:i2].numpy(), Hinv[:, i1:i2, i1:i2].contiguous().numpy(), Qt[:, i1:i2].numpy(),
-                     Et.numpy(), St[:, i1 // gs:i2 // gs].numpy(), gs, qmin, qmax, half, eps, bf16, grid, TILE)
+        with _torch_threads():
+            _loop_kernel(Wt[:, i1:i2].numpy(), Hinv[:, i1:i2, i1:i2].contiguous().numpy(), Qt[:, i1:i2].numpy(),
+                         Et.numpy(), St[:, i1 // gs:i2 // gs].numpy(), gs, qmin, qmax, half, eps, bf16, grid, TILE)
         if i2 < k:  # Wt[:, i2:] -= (E Hinv[i1:i2, i2:])^T
             Wt[:, i2:].baddbmm_(Hinv[:, i1:i2, i2:].transpose(1, 2), Et, alpha=-1)
     return Qt.transpose(1, 2), St.transpose(1, 2).to(dtype)
@@ -336,8 +356,9 @@ def coordinate_descent(Wt: torch.Tensor, Q: torch.Tensor, scale: torch.Tensor, H
         for i1 in range(0, k, CD_BLOCK):
             i2 = min(i1 + CD_BLOCK, k)
             Rt = torch.bmm(Hd[:, i1:i2], Dt)  # [B, C, N] = (D Hd[:, block])^T, Hd symmetric
-            _cd_kernel(Dt.numpy(), Qt.numpy(), St.numpy(), Hd.numpy(), Rt.numpy(), i1, gs, qmin, qmax, bf16,
-                       CD_MIN_GAIN, moved, TILE)
+            with _torch_threads():
+                _cd_kernel(Dt.numpy(), Qt.numpy(), St.numpy(), Hd.numpy(), Rt.numpy(), i1, gs, qmin, qmax, bf16,
+                           CD_MIN_GAIN, moved, TILE)
         if not moved.any():
             break
     return Qt.transpose(1, 2)
