@@ -156,6 +156,7 @@ class LayerBuilder:
     def __init__(self, source: Source, device: torch.device, dtype: torch.dtype,
                  attn_implementation: str = "sdpa"):
         self.source = source
+        self._kwargs: dict = {}  # layer_kwargs per batch shape
         self.spec, self.mod = _hf(source.family.name)
         self.config = hf_config(source, attn_implementation)
         self.device, self.dtype = device, dtype
@@ -194,7 +195,7 @@ class LayerBuilder:
         from transformers.masking_utils import create_causal_mask
 
         key = (tuple(x.shape), x.dtype, x.device)
-        cache = self.__dict__.setdefault("_kwargs", {})
+        cache = self._kwargs
         if key not in cache:
             pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
             mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None, past_key_values=None,

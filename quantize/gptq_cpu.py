@@ -44,6 +44,9 @@ except ImportError:  # pragma: no cover
 
 from glmq.quantize.spec import QuantSpec
 
+if numba is not None:
+    from glmq.quantize.fused_cpu import _round_bf16_inplace
+
 # Rows per kernel tile, the vectorized axis (a kernel argument, not a constant: LLVM vectorizes a loop of
 # runtime length, with alias checks, but unrolls a constant 16 into scalar code). 32 measured as fast per row
 # as 64 and 2x 16 (the per-loop alias check is amortized over 4 AVX2 vectors).
@@ -63,14 +66,11 @@ def applies(w: torch.Tensor, spec: QuantSpec, clip: str | None) -> bool:
 if numba is not None:
 
     @njit(inline="always")
-    def _round_dtype(x, t, bf16):
-        """x (float32 [TILE]) rounded in place to bfloat16 (round to nearest even, finite values), or left
+    def _round_dtype(x, bf16):
+        """x (float32 [TILE]) rounded in place to bfloat16 (the RTN kernels' round to nearest even), or left
         as it is for float32."""
         if bf16:
-            b = x.view(np.uint32)
-            for r in range(t):
-                v = b[r]
-                b[r] = (v + np.uint32(0x7FFF) + ((v >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+            _round_bf16_inplace(x.view(np.uint32))
 
     @njit(inline="always")
     def _rb(v, bf16):
@@ -145,17 +145,17 @@ if numba is not None:
                 for c in range(c0, c0 + gs):
                     for r in range(t):
                         x[r] = w[c, r]
-                    _round_dtype(x, t, bf16)
+                    _round_dtype(x, bf16)
                     for r in range(t):
                         amax[r] = max(amax[r], abs(x[r]))
                 for p in range(grid.shape[0]):
                     # compute_qparams of the shrunk range: dtype(dtype(absmax * p) / half), zero -> eps
                     for r in range(t):
                         s[r] = amax[r] * grid[p]
-                    _round_dtype(s, t, bf16)
+                    _round_dtype(s, bf16)
                     for r in range(t):
                         s[r] = s[r] / half32
-                    _round_dtype(s, t, bf16)
+                    _round_dtype(s, bf16)
                     for r in range(t):
                         if s[r] == 0:
                             s[r] = eps32
