@@ -197,7 +197,7 @@ def quantize_gptq_batch(
 
             def weights_t() -> torch.Tensor:  # the same, transposed ([len(ok), K, N] contiguous): the kernels' layout
                 sel = [live[j] for j in ok]
-                x = torch.empty(len(ok), w.shape[2], w.shape[1])
+                x = torch.empty(len(ok), w.shape[2], w.shape[1], device=w.device)
                 x.copy_(w[sel].transpose(1, 2))
                 return x.masked_fill_(dead[sel].unsqueeze(2), 0)
 
@@ -207,16 +207,17 @@ def quantize_gptq_batch(
             # loop's is freed (a float32 copy of the batch's weights is the solve's largest tensor)
             Hinv = torch.stack([hinv[j] for j in ok])
             del hinv  # the factors are held once, stacked
-            fast = gptq_cpu.applies(w, spec, clip)  # the CPU kernels (gptq_cpu.py) where they cover the case
-            if fast:
-                q, scale = gptq_cpu.gptq_loop(weights_t(), Hinv, spec, w.dtype, clip)
+            # the kernels where they cover the case: numba on a CPU (gptq_cpu.py), Triton on CUDA (gptq_triton.py)
+            fast = _kernels(w, spec, clip)
+            if fast is not None:
+                q, scale = fast.gptq_loop(weights_t(), Hinv, spec, w.dtype, clip)
                 zp = None
             else:
                 q, scale, zp = _gptq_loop(weights(), Hinv, perm, spec, w.dtype, clip, clip_h)
             del Hinv
             if spec.cd_sweeps:
                 Hd = _damped(H[ok], [damps[j] for j in ok])
-                q = (gptq_cpu.coordinate_descent(weights_t(), q, scale, Hd, spec, w.dtype) if fast else
+                q = (fast.coordinate_descent(weights_t(), q, scale, Hd, spec, w.dtype) if fast is not None else
                      _coordinate_descent(weights(), q, scale, zp, Hd, (perm // spec.group_size), spec, w.dtype))
                 del Hd
             if spec.act_order:
@@ -228,6 +229,16 @@ def quantize_gptq_batch(
                 out[b] = GPTQResult(qw, err, rtn(b)[1] if errors else None, damps[j], damps[j] != spec.damp, None,
                                     n_dead[b])
     return out
+
+
+def _kernels(w: torch.Tensor, spec: QuantSpec, clip: str | None):
+    """The kernel module that solves this case, or None for the torch path: numba on a CPU (gptq_cpu.py),
+    Triton on CUDA (gptq_triton.py, imported only then: a CPU run never imports triton)."""
+    if w.device.type == "cpu":
+        return gptq_cpu if gptq_cpu.applies(w, spec, clip) else None
+    from glmq.quantize import gptq_triton
+
+    return gptq_triton if gptq_triton.applies(w, spec, clip) else None
 
 
 def _check_inputs(w: torch.Tensor, h: torch.Tensor, spec: QuantSpec) -> None:

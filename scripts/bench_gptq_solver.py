@@ -17,8 +17,9 @@ memory do.
 
     python -m glmq.scripts.bench_gptq_solver --backends --shape 4 2048 1024 --shape 4 1024 1024 --name backends
 
-`--backends`: the default options solved by the CPU kernels (glmq.quantize.gptq_cpu) and by the torch path
-they replace, in interleaved rounds (median), and whether the two give the same integers and scales.
+`--backends`: the default options solved by the kernels (glmq.quantize.gptq_cpu on a CPU; with `--device
+cuda`, glmq.quantize.gptq_triton) and by the torch path they replace, in interleaved rounds (median), and
+whether the two give the same integers and scales.
 """
 
 from __future__ import annotations
@@ -45,16 +46,19 @@ VARIANTS = {  # name: (clip_search, clip_objective, cd_sweeps)
 }
 
 
-def problem(b: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def problem(b: int, n: int, k: int, seed: int = 0, device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """B weights and Hessians on `device` (drawn on the CPU, so the same for every device; the Gram products
+    are taken on `device`)."""
     g = torch.Generator().manual_seed(seed)
     t = 4 * k
     hs = []
     for _ in range(b):
         x = torch.randn(t, 64, generator=g) @ torch.randn(64, k, generator=g) / 8 + torch.randn(t, k, generator=g)
         x[:, torch.randperm(k, generator=g)[:8]] *= 10
+        x = x.to(device)
         hs.append(2 / t * x.T @ x)
     w = (torch.randn(b, n, k, generator=g) * 0.02).to(torch.bfloat16)
-    return w, torch.stack(hs)
+    return w.to(device), torch.stack(hs)
 
 
 def main() -> None:
@@ -65,7 +69,8 @@ def main() -> None:
     ap.add_argument("--splits", nargs="+", type=int, help="time the default options in calls of this many problems")
     ap.add_argument("--name", default="", help="suffix of the result file name")
     ap.add_argument("--out", default="benchmarks")
-    ap.add_argument("--backends", action="store_true", help="the default options: CPU kernels against the torch path")
+    ap.add_argument("--backends", action="store_true", help="the default options: the kernels against the torch path")
+    ap.add_argument("--device", default="cpu", help="--backends: cpu (numba kernels) or cuda (Triton kernels)")
     args = ap.parse_args()
     if args.splits:
         return splits(args)
@@ -118,41 +123,60 @@ def splits(args) -> None:
 
 
 def backends(args) -> None:
-    from glmq.quantize import gptq_cpu
+    """The default options solved by the kernels (numba on a CPU, Triton on CUDA: `gptq._kernels`) and by
+    the torch path, in interleaved rounds; whether they agree (integers and scales; on CUDA the fraction of
+    integers that differ, and each one's Hessian error relative to RTN)."""
+    from glmq.quantize import gptq
 
-    rows, kernels = [], gptq_cpu.applies
+    dev = torch.device(args.device)
+    rows, kernels = [], gptq._kernels
     spec = QuantSpec(method="gptq", group_size=args.group_size)
     for b, n, k in args.shape or [(4, 2048, 1024)]:
-        w, h = problem(b, n, k)
+        w, h = problem(b, n, k, device=dev)
         out = {}
         for _ in range(args.repeats):  # interleaved rounds: both paths see the same load
-            for name, applies in (("torch", lambda *a: False), ("kernels", kernels)):
-                gptq_cpu.applies = applies
+            for name, pick in (("torch", lambda *a: None), ("kernels", kernels)):
+                gptq._kernels = pick
                 try:
+                    _sync(dev)
                     t0 = time.perf_counter()
                     out[name] = quantize_gptq_batch(w, h, spec, clip_search=True, errors=False)
+                    _sync(dev)
                     rows.append({"shape": [b, n, k], "backend": name, "seconds": round(time.perf_counter() - t0, 3)})
                 finally:
-                    gptq_cpu.applies = kernels
+                    gptq._kernels = kernels
                 print(rows[-1], flush=True)
-        same = all(torch.equal(x.qweight.q, y.qweight.q) and torch.equal(x.qweight.scale, y.qweight.scale)
-                   for x, y in zip(out["torch"], out["kernels"]))
-        rows.append({"shape": [b, n, k], "same_integers_and_scales": same})
+        pairs = list(zip(out["torch"], out["kernels"]))
+        same = all(torch.equal(x.qweight.q, y.qweight.q) and torch.equal(x.qweight.scale, y.qweight.scale) for x, y in pairs)
+        differ = sum(int((x.qweight.q != y.qweight.q).sum()) for x, y in pairs) / w.numel()
+        rtn = sum(hessian_error(w[i], dequantize(quantize_rtn(w[i], spec), args.group_size), h[i]) for i in range(b))
+        err = {name: round(sum(hessian_error(w[i], dequantize(r.qweight, args.group_size), h[i])
+                               for i, r in enumerate(out[name])) / rtn, 5) for name in out}
+        rows.append({"shape": [b, n, k], "same_integers_and_scales": same, "integers_differing": differ,
+                     "error_vs_rtn": err})
+        print(rows[-1], flush=True)
     path = _write(rows, args)
     for shape in sorted({tuple(r["shape"]) for r in rows}):
         med = {}
         for name in ("torch", "kernels"):
             ts = sorted(r["seconds"] for r in rows if tuple(r["shape"]) == shape and r.get("backend") == name)
             med[name] = ts[len(ts) // 2]
-        same = next(r["same_integers_and_scales"] for r in rows if tuple(r["shape"]) == shape and "same_integers_and_scales" in r)
+        cmp = next(r for r in rows if tuple(r["shape"]) == shape and "same_integers_and_scales" in r)
         print(f"{list(shape)}: torch {med['torch']:.2f} s, kernels {med['kernels']:.2f} s (median of {args.repeats}), "
-              f"{med['torch'] / med['kernels']:.2f}x; same integers and scales: {same}")
+              f"{med['torch'] / med['kernels']:.2f}x; same integers and scales: {cmp['same_integers_and_scales']} "
+              f"({cmp['integers_differing']:.2e} of the integers differ); error/RTN {cmp['error_vs_rtn']}")
     print(f"wrote {path}")
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
 
 def _write(rows: list[dict], args) -> Path:
     """The rows with the machine's facts, to benchmarks/bench_gptq_solver[_<name>].json."""
-    result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores",
+    gpu = torch.cuda.get_device_name() if getattr(args, "device", "cpu") == "cuda" else None
+    result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores" + (f", {gpu}" if gpu else ""),
               "threads": torch.get_num_threads(), "load_before": os.getloadavg(), "torch": torch.__version__,
               "rows": rows}
     Path(args.out).mkdir(exist_ok=True)
