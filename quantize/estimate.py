@@ -61,8 +61,8 @@ _GPU_RUN = ("BENCHMARKS.md 'RTN conversion throughput', GPU (lent NVIDIA H200, 1
             "`PARTS=\"rtn-sizes\" bash scripts/gpu_run.sh` (bench_rtn.py --layers 8 --device cuda --repeats 3), 12.97 GB input")
 _GPTQ_TODO = (NOT_MEASURED + ": no GPTQ timing at GLM-5 shapes in BENCHMARKS.md; fill from one layer of a "
               "glmq_report.json with `rates_from_layer_report`, or pass --throughput")
-_GPTQ_GPU_RUN = ("BENCHMARKS.md 'GPTQ at GLM-5 shapes' (H200, 2026-11-29, `scripts/bench_gptq_gpu.py --layers 2 --experts 256`, "
-                 "128 x 256 tokens, float32)")
+_GPTQ_GPU_RUN = ("BENCHMARKS.md 'GPTQ at GLM-5 shapes', session 6 (H200, 2026-12-01, `scripts/bench_gptq_gpu.py --layers 2 "
+                 "--experts 256 --skip-rtn`, 128 x 256 tokens, float32, the Triton GPTQ kernels)")
 FIGURES: dict[str, Figure] = {
     "rtn_cpu_GBps": Figure(0.2917, "GB/s of input per rank", _CPU_RUN + ": median conversion pipeline 15.22 s"),
     "rtn_cpu_fixed_s": Figure(2.48, "s per run", _CPU_RUN + ": median whole process 17.70 s - 15.22 s pipeline"),
@@ -76,13 +76,12 @@ FIGURES: dict[str, Figure] = {
     "rss_bench_cpu_GB": Figure(0.801, "GB peak RSS", _CPU_RUN + ": median glmq peak RSS, largest input shard 0.491 GB"),
     "rss_bench_cuda_GB": Figure(1.465, "GB peak RSS", _GPU_RUN + ": median glmq peak RSS, largest input shard 0.499 GB"),
     "gptq_cpu_forward_TFLOPs": Figure(None, "TFLOP/s", _GPTQ_TODO),
-    "gptq_cuda_forward_TFLOPs": Figure(20.9, "TFLOP/s", _GPTQ_GPU_RUN + ": layer 1 (110.8 s, of which 62.9 s solving), "
-                                       "rates_from_layer_report's split with the layer loaded at rtn_cuda_GBps"),
+    "gptq_cuda_forward_TFLOPs": Figure(31.2, "TFLOP/s", _GPTQ_GPU_RUN + ": layer 1, 48.77 s, of which 35.79 s solving "
+                                       "and 6.04 s loading at rtn_cuda_GBps: 216 TFLOP of layer_work in the other 6.93 s"),
     "gptq_cpu_s_per_column": Figure(None, "s per input column of a target", _GPTQ_TODO),
-    "gptq_cuda_s_per_column": Figure(1.715e-5, "s per input column of a target", _GPTQ_GPU_RUN + ": layer 1, 62.9 s "
-                                     "solving 3.67 M input columns, with the solver defaults of then (block clip "
-                                     "search, no coordinate descent); the current ones doubled the solve on CPU, "
-                                     "not measured on a GPU"),
+    "gptq_cuda_s_per_column": Figure(9.75e-6, "s per input column of a target", _GPTQ_GPU_RUN + ": layer 1, 35.79 s "
+                                     "solving 3.67 M input columns with the recipe defaults (propagated clip search, "
+                                     "2 sweeps of descent)"),
 }
 
 
@@ -121,6 +120,7 @@ class Scale:
     dtype: str = "float32"
     experts_per_pass: int | None = 32
     expert_prior: float = 1.0
+    all_token_limit: float | None = 4.0  # the prior's all-token down Hessians take the first limit x I tokens
 
     def __post_init__(self) -> None:
         if self.ranks < 1 or self.samples < 1 or self.seq_len < 1 or self.batch_size < 1:
@@ -359,7 +359,8 @@ def layer_work(layer: Layer, targets: list[Target], cfg: dict, scale: Scale) -> 
     Passes: one per chunk of this rank's experts (at least one) plus the output forward of the quantized
     layer, each a full forward over S x T tokens. Hessian sums cost 2 K^2 per token and site (routed sites
     see top_k / E of the tokens on average); with `expert_prior` every expert of the rank also runs gate/up
-    over every token (2 * 2 H I) and sums its all-token down Hessian (2 I^2).
+    over every token (2 * 2 H I) and sums its all-token down Hessian (2 I^2), over the first
+    `all_token_limit` x I tokens only (CalibrationSettings.all_token_limit).
     """
     tokens = scale.samples * scale.seq_len
     experts = sorted({t.expert for t in targets if t.expert is not None})
@@ -371,7 +372,8 @@ def layer_work(layer: Layer, targets: list[Target], cfg: dict, scale: Scale) -> 
     down_k = max((t.k for t in layer.targets if t.site.endswith("down")), default=0)
     hess += (gate_k**2 if experts else 0) + len(experts) * share * (gate_k**2 + down_k**2)
     prior = len(experts) * (2 * gate_k * down_k + down_k**2) if scale.expert_prior > 0 else 0
-    return {"passes": passes + 1, "flops": (passes + 1) * forward + 2 * tokens * (hess + prior),
+    prior_tokens = tokens if not scale.all_token_limit else min(tokens, int(scale.all_token_limit * down_k))
+    return {"passes": passes + 1, "flops": (passes + 1) * forward + 2 * (tokens * hess + prior_tokens * prior),
             "columns": sum(t.k for t in targets)}
 
 

@@ -148,7 +148,7 @@ def test_every_figure_names_its_source_and_matches_the_raw_benchmark_data():
         assert FIGURES[f"rss_bench_{dev}_GB"].value == pytest.approx(raw["median"]["glmq"]["peak_rss"] / 1e9, abs=0.001)
         assert FIGURES[f"rss_process_{dev}_GB"].value == pytest.approx(_median(r["rss_at_start"] for r in runs) / 1e9,
                                                                        abs=0.001)  # fmt: skip
-    gpu = json.loads((BENCH / "bench_gptq_gpu.json").read_text())["gptq"]
+    gpu = json.loads((BENCH / "bench_gptq_gpu_triton.json").read_text())["gptq"]  # session 6, the Triton kernels
     assert FIGURES["gptq_cuda_s_per_column"].value * 3670016 == pytest.approx(gpu["gptq_solve_seconds"][1], rel=1e-3)
 
 
@@ -165,8 +165,8 @@ def test_overrides_replace_values_and_reject_unknown_keys():
 def test_scale_defaults_are_the_engines():
     engine = pytest.importorskip("glmq.calibration.engine")
     s, c = Scale(), engine.CalibrationSettings()
-    assert (s.samples, s.seq_len, s.batch_size, s.dtype, s.expert_prior) == (
-        c.samples, c.seq_len, c.batch_size, c.dtype, c.expert_prior)
+    assert (s.samples, s.seq_len, s.batch_size, s.dtype, s.expert_prior, s.all_token_limit) == (
+        c.samples, c.seq_len, c.batch_size, c.dtype, c.expert_prior, c.all_token_limit)
 
 
 # ------------------------------------------------------------------------------------- distribution
