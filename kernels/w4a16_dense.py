@@ -55,7 +55,10 @@ Three kernels:
 All split K over programs when the output has few tiles (decode shapes on 132 SMs); the split-K
 reduction is deterministic and needs no memset: every split stores its fp32 partial and takes a
 ticket from a per-tile counter; the last one to arrive sums the partials in split order, writes the
-output and re-arms the counter (CUDA's threadFenceReduction pattern).
+output and re-arms the counter (CUDA's threadFenceReduction pattern). At M = 1 the transposed kernel takes
+its ticket when it starts and reduces through a mailbox instead (`_mailbox_tile`): the last program to
+start sums, the others publish their partials with a plain store and exit, with no fence or atomic on
+the way out (one L2 round trip at the end instead of three; kernels/NOTES.md, session 6).
 
 Launch parameters: `choose_config` reads a table tuned on the target GPU (`tuned_configs.json`
 beside this file, written by scripts/tune_kernels.py, keyed by GPU name, weight layout, (N, K, g)
@@ -122,6 +125,10 @@ class DenseConfig:
             in natural k order, pipelined by Triton (num_stages).
         asm: swap only: dequantize two weights per instruction with inline PTX (`_plane_asm`);
             False: plain Triton ops (the interpreter always takes that path).
+        mailbox: swap only, one token (M = 1) with split-K: reduce the splits through the mailbox
+            (`_mailbox_tile`: the reducing program is fixed when the programs start, the others publish
+            their partials with a plain store, no fence or atomic at the end) instead of the
+            last-arriver ticket (`_write_tile`). Same sums in the same order, so the same bits.
         group_m: MMA only: output-tile rows per L2 "super-row" in the launch order.
         num_warps, num_stages: Triton launch options.
     """
@@ -135,6 +142,7 @@ class DenseConfig:
     big_dot: bool = False
     swap: bool = False
     asm: bool = True
+    mailbox: bool = True
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 2
@@ -678,6 +686,126 @@ def _write_tile(acc, out_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_om, tile_id,
             tl.store(cnt_ptr + tile_id, 0)  # re-arm for the next launch
 
 
+MAILBOX_EMPTY = -1  # int32 0xFFFFFFFF: a NaN that no arithmetic produces (NVIDIA's canonical NaN is 0x7FFFFFFF)
+MAILBOX_GROUP = 8  # splits whose words one reducing program has in flight at once
+
+
+@triton.jit
+def _start_ticket(cnt_ptr, tile_id, BLOCK_N: tl.constexpr):
+    """This program's split-K ticket (0 .. split_k - 1, in start order), taken by one lane with a relaxed
+    atomic; the result is only read at the end (`_ticket_value`), so its round trip overlaps the main loop."""
+    rt = tl.arange(0, BLOCK_N)
+    return tl.atomic_add(cnt_ptr + tile_id + rt * 0, tl.where(rt == 0, 1, 0), mask=rt == 0, sem="relaxed")
+
+
+@triton.jit
+def _ticket_value(tk):
+    rt = tl.arange(0, tk.shape[0])
+    return tl.max(tl.where(rt == 0, tk, -1), axis=0)
+
+
+def _spin_asm(g: int) -> str:
+    """PTX for `_mailbox_group`: words $g..$2g-1 as loaded, their addresses $2g..$3g-1, live flags $3g..$4g-1 ->
+    $0..$g-1. A live word that still holds MAILBOX_EMPTY is re-read (ld.relaxed.gpu, from L2) until its
+    split has published it; every thread polls only its own elements, so no program-wide barrier is needed."""
+    s = "{ .reg .pred p; .reg .b32 w; "
+    for j in range(g):
+        s += (f"mov.b32 w, ${g + j}; setp.eq.s32 p, ${3 * g + j}, 0; @p bra D{j}; "
+              f"L{j}: setp.ne.s32 p, w, -1; @p bra D{j}; ld.relaxed.gpu.global.b32 w, [${2 * g + j}]; bra L{j}; "
+              f"D{j}: mov.b32 ${j}, w; ")
+    return s + "}"
+
+
+_SPIN8 = tl.constexpr(_spin_asm(MAILBOX_GROUP))
+
+
+@triton.jit
+def _mailbox_live(mask, s, pid_k, split_k):
+    sv = mask.to(tl.int32) * 0 + s  # tensor comparisons: the interpreter's mask must stay boolean
+    return mask & (sv != pid_k) & (sv < split_k)
+
+
+@triton.jit
+def _mailbox_add(total, part, bits, s, pid_k, split_k):
+    """total + partial of split s: this program's own (part) at s == pid_k, nothing past split_k."""
+    return total + tl.where(s == pid_k, part, tl.where(s < split_k, bits.to(tl.float32, bitcast=True), 0.0))
+
+
+@triton.jit
+def _mailbox_group(total, part, mb_ptr, off, mask, n, s0, pid_k, split_k, ASM: tl.constexpr):
+    """Add the partials of splits s0 .. s0 + 7 to total, in split order; all eight words are loaded before any
+    is checked, so a group costs one round trip when its splits have published (the common case)."""
+    p0 = mb_ptr + s0 * n + off
+    p1 = p0 + n
+    p2 = p1 + n
+    p3 = p2 + n
+    p4 = p3 + n
+    p5 = p4 + n
+    p6 = p5 + n
+    p7 = p6 + n
+    l0 = _mailbox_live(mask, s0, pid_k, split_k)
+    l1 = _mailbox_live(mask, s0 + 1, pid_k, split_k)
+    l2 = _mailbox_live(mask, s0 + 2, pid_k, split_k)
+    l3 = _mailbox_live(mask, s0 + 3, pid_k, split_k)
+    l4 = _mailbox_live(mask, s0 + 4, pid_k, split_k)
+    l5 = _mailbox_live(mask, s0 + 5, pid_k, split_k)
+    l6 = _mailbox_live(mask, s0 + 6, pid_k, split_k)
+    l7 = _mailbox_live(mask, s0 + 7, pid_k, split_k)
+    b0 = tl.load(p0, mask=l0, other=0, volatile=True)
+    b1 = tl.load(p1, mask=l1, other=0, volatile=True)
+    b2 = tl.load(p2, mask=l2, other=0, volatile=True)
+    b3 = tl.load(p3, mask=l3, other=0, volatile=True)
+    b4 = tl.load(p4, mask=l4, other=0, volatile=True)
+    b5 = tl.load(p5, mask=l5, other=0, volatile=True)
+    b6 = tl.load(p6, mask=l6, other=0, volatile=True)
+    b7 = tl.load(p7, mask=l7, other=0, volatile=True)
+    if ASM:  # poll the words still empty (the interpreter runs the programs in order: its peers are done)
+        b0, b1, b2, b3, b4, b5, b6, b7 = tl.inline_asm_elementwise(
+            _SPIN8, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,l,l,l,l,l,l,l,l,r,r,r,r,r,r,r,r",
+            [b0, b1, b2, b3, b4, b5, b6, b7, p0, p1, p2, p3, p4, p5, p6, p7, l0.to(tl.int32), l1.to(tl.int32),
+             l2.to(tl.int32), l3.to(tl.int32), l4.to(tl.int32), l5.to(tl.int32), l6.to(tl.int32), l7.to(tl.int32)],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
+            pack=1)  # fmt: skip
+    total = _mailbox_add(total, part, b0, s0, pid_k, split_k)
+    total = _mailbox_add(total, part, b1, s0 + 1, pid_k, split_k)
+    total = _mailbox_add(total, part, b2, s0 + 2, pid_k, split_k)
+    total = _mailbox_add(total, part, b3, s0 + 3, pid_k, split_k)
+    total = _mailbox_add(total, part, b4, s0 + 4, pid_k, split_k)
+    total = _mailbox_add(total, part, b5, s0 + 5, pid_k, split_k)
+    total = _mailbox_add(total, part, b6, s0 + 6, pid_k, split_k)
+    total = _mailbox_add(total, part, b7, s0 + 7, pid_k, split_k)
+    return total
+
+
+@triton.jit
+def _mailbox_tile(acc, out_ptr, mb_ptr, cnt_ptr, rn, N, stride_om, tile_id, pid_k, split_k, ticket, ASM: tl.constexpr):
+    """Split-K reduction of a one-token tile (M = 1) through the mailbox, deterministic, no fence or atomic.
+
+    acc `[BN, BM]` fp32, whose token columns past 0 are exact zeros (zero-filled x, X_MASK); mb_ptr int32
+    `[split_k, N]` words, MAILBOX_EMPTY between launches; ticket from `_start_ticket`. The program that took
+    the last ticket is the reducer: every other split of the tile started before it, so it only ever waits
+    for programs that are running or done (no deadlock, whatever the residency). The others store their
+    partial's fp32 bits (never MAILBOX_EMPTY) and exit; the reducer loads the words eight splits at a time,
+    polls any still empty, sums all partials in split order (its own from registers: the bits do not depend
+    on which program reduces), stores the output and empties the words and the ticket for the next launch.
+    Like the tickets, not safe for two launches running concurrently on one device.
+    """
+    part = tl.sum(acc, axis=1)  # [BN]: token 0 (the other columns add exact zeros)
+    mask = rn < N
+    if ticket != split_k - 1:
+        bits = part.to(tl.int32, bitcast=True)
+        bits = tl.where(bits == -1, 0x7FFFFFFF, bits)  # never the empty word (a NaN either way)
+        tl.store(mb_ptr + pid_k.to(tl.int64) * N + rn, bits, mask=mask)
+    else:
+        total = tl.zeros_like(part)
+        for s0 in range(0, split_k, 8):
+            total = _mailbox_group(total, part, mb_ptr, rn, mask, N, s0, pid_k, split_k, ASM)
+        tl.store(out_ptr + rn, total.to(out_ptr.dtype.element_ty), mask=mask)
+        for s in range(0, split_k):
+            tl.store(mb_ptr + s * N + rn, tl.full(part.shape, -1, tl.int32), mask=_mailbox_live(mask, s, pid_k, split_k))
+        tl.store(cnt_ptr + tile_id, 0)
+
+
 # --------------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------------
@@ -813,7 +941,7 @@ def _mma_swap_kernel(
     M, N, stride_xm, stride_wn, stride_sn, stride_om, chunks_per_split, num_chunks, split_k, stride_wc,
     GPC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, EMULATE_DOT: tl.constexpr, PAIRS: tl.constexpr, X_MASK: tl.constexpr,
-    SINGLE_M: tl.constexpr,
+    SINGLE_M: tl.constexpr, MAILBOX: tl.constexpr,
 ):  # fmt: skip
     """grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k). Tensor-core y.T = dequant(W) @ x.T, chunk 128.
 
@@ -837,6 +965,10 @@ def _mma_swap_kernel(
     (%): ~100 fewer instructions before the first load is issued, which decode latency pays in full.
     PAIRS only: on PLANES weights (whose chunks chain one accumulator) ptxas then serialised the wgmma
     (twice the warpgroup syncs, 425 instead of 409 instructions per chunk; 10-30 % slower on H200).
+
+    MAILBOX (SPLIT, SINGLE_M, X_MASK and M == 1; ws_ptr is then the int32 mailbox): each program takes
+    its split-K ticket when it starts (the atomic's round trip hides behind the main loop) and the
+    reduction goes through `_mailbox_tile` instead of `_write_tile`.
     """
     tile = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -869,6 +1001,8 @@ def _mma_swap_kernel(
     c_hi = tl.minimum(c_lo + chunks_per_split, num_chunks)
     s0, s1, s2, s3 = _load_scales(s_ptrs, c_lo, rn * 0 + c_lo < c_hi, GPC)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if MAILBOX:
+        tk = _start_ticket(cnt_ptr, tile, BLOCK_N)
     for c in range(c_lo, c_hi):
         words = tl.load(w_ptrs + c * stride_wc)
         if X_MASK:
@@ -881,7 +1015,10 @@ def _mma_swap_kernel(
         else:
             acc = _dot(_dequant_nat(words, s0, s1, s2, s3, xt.dtype, GPC, ASM), xt, acc, EMULATE_DOT)
         s0, s1, s2, s3 = n0, n1, n2, n3
-    _write_tile(tl.trans(acc), out_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_om, tile, pid_k, split_k, SPLIT)
+    if MAILBOX:
+        _mailbox_tile(acc, out_ptr, ws_ptr, cnt_ptr, rn, N, stride_om, tile, pid_k, split_k, _ticket_value(tk), ASM)
+    else:
+        _write_tile(tl.trans(acc), out_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_om, tile, pid_k, split_k, SPLIT)
 
 
 _INTERPRETED = type(_mma_kernel).__name__ == "InterpretedFunction"
@@ -1024,6 +1161,19 @@ def _tickets(device: torch.device, count: int) -> torch.Tensor:
     if buf is None or buf.numel() < count:
         buf = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
         _TICKETS[device] = buf
+    return buf
+
+
+_MAILBOXES: dict[torch.device, torch.Tensor] = {}
+
+
+def _mailbox_words(device: torch.device, count: int) -> torch.Tensor:
+    """An int32 buffer of >= `count` split-K mailbox words for `device`, all MAILBOX_EMPTY, reused across launches
+    (`_mailbox_tile` leaves every word it uses empty again). Same caveat as `_tickets`."""
+    buf = _MAILBOXES.get(device)
+    if buf is None or buf.numel() < count:
+        buf = torch.full((max(count, 1 << 16),), MAILBOX_EMPTY, dtype=torch.int32, device=device)
+        _MAILBOXES[device] = buf
     return buf
 
 
@@ -1176,7 +1326,12 @@ def _launch(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DenseConfig) -
     per = -(-steps // cfg.split_k)
     split = -(-steps // per)  # no empty splits
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-    if split > 1:
+    single_m = m <= cfg.block_m and w.layout is Layout.PAIRS
+    mailbox = cfg.swap and cfg.mailbox and split > 1 and m == 1 and single_m
+    if mailbox:
+        scratch = _mailbox_words(x.device, split * n)
+        tickets = _tickets(x.device, tiles)
+    elif split > 1:
         scratch = torch.empty(split, m, n, dtype=torch.float32, device=x.device)  # fp32 partials
         tickets = _tickets(x.device, tiles)
     else:
@@ -1194,7 +1349,7 @@ def _launch(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DenseConfig) -
         _mma_swap_kernel[grid](
             *args, stride_wc, GPC=gpc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
             SPLIT=split > 1, ASM=cfg.asm and not _INTERPRETED, EMULATE_DOT=_INTERPRETED and x.dtype == torch.bfloat16,
-            PAIRS=w.layout is Layout.PAIRS, X_MASK=m < cfg.block_m, SINGLE_M=m <= cfg.block_m and w.layout is Layout.PAIRS,
+            PAIRS=w.layout is Layout.PAIRS, X_MASK=m < cfg.block_m, SINGLE_M=single_m, MAILBOX=mailbox,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     else:

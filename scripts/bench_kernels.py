@@ -11,6 +11,8 @@ What is timed (symmetric int4, group 128, bf16 activations and scales):
           cuBLAS ~45-49 us, _weight_int4pack_mm ~25 us):
             glmq        glmq.kernels.w4a16_dense.w4a16_matmul on the compressed-tensors tensors (prepacked on
                         the first, untimed call and cached, as a serving engine repacks at load)
+            glmq-ticket the same launch at M = 1 with the split-K partials reduced by the last-arriver ticket
+                        (DenseConfig.mailbox=False, the session-5 epilogue) instead of the mailbox
             cublas-fp16 / cublas-bf16   torch.nn.functional.linear with the dequantized weight
             int4pack    torch._weight_int4pack_mm (tinygemm) with its own packing
                         (torch._convert_weight_to_int4pack(uint8 [N, K/2], inner_k_tiles=8), scales and zeros
@@ -336,6 +338,17 @@ def bench_dense(b: Bench, shape: str, n: int, k: int, ms, seed: int) -> None:
             return [lambda p=p, s=s: w4a16_matmul(x, p, s, GROUP) for p, s in ours_w], w4a16_matmul(x, wp, ws, GROUP)
 
         b.run("dense", shape, m, "glmq", ours, ref, nbytes, flops, note=dense_config_note(b, m, n, k))
+        cfg = D.choose_config(m, n, k, GROUP, D.sm_count(b.device), D.device_name(b.device),
+                              D.default_layout(D.chunk_for(k), GROUP))  # fmt: skip
+        if m == 1 and cfg.swap and cfg.split_k > 1:  # the same launch with the ticket fix-up (the session-5 kernel)
+            ticket = D.DenseConfig(**{**cfg.to_dict(), "mailbox": False})
+
+            def ticket_fixup(ticket=ticket):
+                return ([lambda p=p, s=s: w4a16_matmul(x, p, s, GROUP, config=ticket) for p, s in ours_w],
+                        w4a16_matmul(x, wp, ws, GROUP, config=ticket))  # fmt: skip
+
+            b.run("dense", shape, m, "glmq-ticket", ticket_fixup, ref, nbytes, flops,
+                  note=f"pairs config {compact(ticket)}; split-K through the last-arriver ticket")  # fmt: skip
         prev = prev_config(b, m, n, k)
         if prev is not None and m <= 64:
 
@@ -564,12 +577,12 @@ def markdown(records: list[Record], env: dict) -> str:
               "bytes / device-to-device copy rate (read + write); read floor = the same bytes / streaming-read",
               "rate. eff = floor / glmq, eff(read) = read floor / glmq.", ""]  # fmt: skip
     for shape in dict.fromkeys(r.shape for r in records if r.op == "dense"):
-        lines += [f"## {shape}", "", "| M | glmq | previous table | session-3 kernel | cuBLAS fp16 | cuBLAS bf16 | int4pack | floor | read floor | eff | eff(read) | vs fp16 | vs int4pack |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"## {shape}", "", "| M | glmq | ticket fix-up | previous table | session-3 kernel | cuBLAS fp16 | cuBLAS bf16 | int4pack | floor | read floor | eff | eff(read) | vs fp16 | vs int4pack |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for m in sorted({r.m for r in records if r.shape == shape}):
             g = lambda impl: idx.get(("dense", shape, m, impl))  # noqa: E731
             lines.append(
-                f"| {m} | {cell(g('glmq'))} | {cell(g('glmq-prev'))} | {cell(g('glmq-planes'))} | {cell(g('cublas-fp16'))} | {cell(g('cublas-bf16'))} | "
+                f"| {m} | {cell(g('glmq'))} | {cell(g('glmq-ticket'))} | {cell(g('glmq-prev'))} | {cell(g('glmq-planes'))} | {cell(g('cublas-fp16'))} | {cell(g('cublas-bf16'))} | "
                 f"{cell(g('int4pack'))} | {cell(g('floor'))} | {cell(g('read-floor'))} | "
                 f"{fmt_x(speedup(g('floor'), g('glmq')), True)} | {fmt_x(speedup(g('read-floor'), g('glmq')), True)} | "
                 f"{fmt_x(speedup(g('cublas-fp16'), g('glmq')))} | {fmt_x(speedup(g('int4pack'), g('glmq')))} |"
@@ -591,7 +604,8 @@ def markdown(records: list[Record], env: dict) -> str:
         lines.append("")
     lines += ["## Targets", "", "| target | met | detail |", "|---|---|---|"]
     lines += [f"| {t['target']} | {'yes' if t['met'] else 'NO'} | {t['detail']} |" for t in targets(records)]
-    cfgs = [r for r in records if r.impl in ("glmq", "glmq-prev", "glmq-fused", "glmq-planes") and " config " in f" {r.note}"]
+    cfgs = [r for r in records if r.impl in ("glmq", "glmq-ticket", "glmq-prev", "glmq-fused", "glmq-planes")
+            and " config " in f" {r.note}"]
     if cfgs:
         lines += ["", "## glmq launch configurations", "", "| shape | M | impl | layout and config |", "|---|---|---|---|"]
         lines += [f"| {r.shape} | {r.m} | {r.impl} | `{r.note}` |" for r in cfgs]

@@ -2,7 +2,7 @@
 # One device-machine call for the W4A16 kernels (issue 4): kernel tests on the GPU, re-tune the launch
 # table, benchmark with it, then the GLM-shape GPU tests again on the new table. Run from the repository
 # root; results go to $OUT (<= 8 files: run.log, tune_results.json, tuned_configs.json, validate.json,
-# bench_kernels.{json,md,png}).
+# bench_kernels.{json,md,png}, decompose.json).
 #
 # Flow ("tune" and "tests" both in PARTS): the tuner's candidates are compiled in the background
 # (CPU-bound, Triton's cache) while the tests run, so the timing pass that follows finds every kernel
@@ -12,7 +12,8 @@
 # written before the call ends.
 #
 # PARTS (default "tune tests bench retest"; "validate" adds the `glmq validate --device cuda` timing; "ncu" profiles
-# the dense kernels at decode shapes with Nsight Compute, scripts/profile_kernels.py)
+# the dense kernels at decode shapes with Nsight Compute, scripts/profile_kernels.py; "decompose" times the decode
+# GEMM's stage-dropping variants, scripts/profile_kernels.py --decompose, into decompose.json)
 # TUNE_M (default "1 4 16 64 256 2048"), TUNE_ARGS (extra tune_kernels.py arguments, e.g. "--skip-moe"), BENCH_ARGS (extra
 # bench_kernels.py arguments, e.g. "--no-planes --prev-table benchmarks/tuned_configs_session4.json"), TOTAL_S (default 570), TEST_TIMEOUT, COMPILE_TIMEOUT, TUNE_BUDGET,
 # BENCH_BUDGET, RETEST_TIMEOUT, WORKERS (compile processes beside the tests' 8).
@@ -105,6 +106,11 @@ for dev in ("cuda", "cuda"):  # the first run also compiles kernels for new shap
 Path(os.environ["OUT"], "validate.json").write_text(json.dumps(out, indent=1, default=str))
 EOF
   echo "validate done at $((SECONDS - T0)) s"
+fi
+if [[ $PARTS == *decompose* ]]; then
+  echo "== decompose: decode GEMM variants that leave one stage out (scripts/profile_kernels.py --decompose)"
+  timeout "$(clip ${DECOMPOSE_TIMEOUT:-90})" python3 scripts/profile_kernels.py --decompose --out "$OUT" 2>&1 | grep -v "^WARNING"
+  echo "decompose done at $((SECONDS - T0)) s"
 fi
 if [[ $PARTS == *bench* ]]; then
   echo "== benchmark (tuned table)"

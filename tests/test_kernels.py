@@ -367,6 +367,33 @@ def test_dense_pairs_layout(m, cfg, chunk_major, dtype):
     assert_close(y, R.w4a16_matmul_ref(x, wp, ws, 128), dtype)
 
 
+def _mailbox_clean() -> bool:
+    box = D._MAILBOXES.get(DEV)
+    return (box is None or bool((box == D.MAILBOX_EMPTY).all())) and not D._tickets(DEV, 1).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("k, block_n, split", [(384, 64, 3), (1280, 64, 10), (512, 128, 2)],
+                         ids=["3-splits", "10-splits-two-groups", "2-splits-bn128"])
+def test_dense_m1_mailbox_split_k(k, block_n, split, dtype):
+    # M = 1 with split-K reduces through the mailbox (ticket taken at the start, last starter sums): right
+    # values with a poisoned output and N = 136 (a masked column tail), deterministic, the mailbox words and
+    # tickets left empty, and the same values as the ticket fix-up (same sums in the same order; an exact
+    # zero may differ in sign only).
+    wp, ws = quantized(136, k, group_size=128)
+    x = acts(1, k, dtype)
+    packed = D.prepack(wp, ws, 128)
+    cfg = D.DenseConfig("mma", 16, block_n, split_k=split, swap=True)
+    y1 = D.w4a16_matmul_packed(x, packed, out=poisoned(1, 136, dtype), config=cfg)
+    assert_close(y1, R.w4a16_matmul_ref(x, wp, ws, 128), dtype)
+    assert _mailbox_clean(), "the mailbox words and tickets must be left empty for the next launch"
+    y2 = D.w4a16_matmul_packed(x, packed, out=poisoned(1, 136, dtype), config=cfg)
+    assert torch.equal(y1, y2)
+    ticket = D.w4a16_matmul_packed(x, packed, config=D.DenseConfig(**{**cfg.to_dict(), "mailbox": False}))
+    assert torch.equal(y1 + 0, ticket + 0)
+    assert _mailbox_clean()
+
+
 def test_pairs_layout_rejects_the_per_plane_kernels():
     wp, ws = quantized(64, 256, group_size=128)
     packed = D.prepack(wp, ws, 128)
@@ -624,6 +651,25 @@ def test_moe_config_validation():
 @pytest.mark.parametrize("m", [1, 4, 16, 64, 256, 1024])
 def test_dense_glm_shapes_gpu(m, n, k):
     run_dense(m, n, k, 128, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n, k, split", [(8192, 8192, 6), (6144, 12288, 8), (24576, 6144, 2), (6144, 2048, 16)])
+def test_dense_m1_mailbox_glm_shapes_gpu(n, k, split):
+    # the mailbox at decode on the H200 launch grids (384 programs; 16 splits: two groups of eight), many
+    # launches in a row: the same values as the ticket fix-up every time, and the words left empty
+    wp, ws = quantized(n, k, group_size=128)
+    x = acts(1, k, torch.bfloat16)
+    packed = D.prepack(wp, ws, 128)
+    cfg = D.DenseConfig("mma", 16, 128, split_k=split, swap=True, num_stages=4)
+    ticket = D.w4a16_matmul_packed(x, packed, config=D.DenseConfig(**{**cfg.to_dict(), "mailbox": False}))
+    assert_close(ticket, R.w4a16_matmul_ref(x, wp, ws, 128), torch.bfloat16)
+    outs = [D.w4a16_matmul_packed(x, packed, out=poisoned(1, n, torch.bfloat16), config=cfg) for _ in range(50)]
+    torch.cuda.synchronize()
+    for y in outs:
+        assert torch.equal(y + 0, ticket + 0)
+    assert _mailbox_clean()
 
 
 @pytest.mark.gpu
