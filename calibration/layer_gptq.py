@@ -7,6 +7,7 @@ spec, device, progress bar, and `forward`, one pass over the calibration samples
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ def quantize_layer(run: _Run, i: int, build, state: dict, targets: list[Target],
     under: set[int] = set()
     all_h = (None, 0)
     solve_s = 0.0
+    phases = _PhaseTimer(run.device)
     chunks = _expert_chunks(run, targets)
     layer = build()
     for p, chunk in enumerate(chunks):
@@ -75,13 +77,16 @@ def quantize_layer(run: _Run, i: int, build, state: dict, targets: list[Target],
         # problems are built (weights on the device, blended Hessians) one batch at a time, and each
         # solved expert's Hessians are dropped: the layer's Hessians are the largest thing held
         for chunk in gptq_batches(todo, state, run.gptq_batch):
-            batch = [_Problem.make(run, g, state, col, under, all_h) for g in chunk]
-            _solve(batch, run)
-            for p in batch:
-                for t, qw, d in p.solve(run):
-                    qweights[t.module], meta["targets"][t.module] = qw, d
-                    col.acc.pop(t.site, None)
-                    col.acc.pop(t.site + "_all", None)
+            with phases.timed("problems"):
+                batch = [_Problem.make(run, g, state, col, under, all_h) for g in chunk]
+            with phases.timed("solves"):
+                _solve(batch, run)
+            with phases.timed("diagnostics"):
+                for p in batch:
+                    for t, qw, d in p.solve(run):
+                        qweights[t.module], meta["targets"][t.module] = qw, d
+                        col.acc.pop(t.site, None)
+                        col.acc.pop(t.site + "_all", None)
             run.bar.update(sum(len(p.group) for p in batch))
             run.bar.set_postfix_str(_postfix(qweights, targets, tps))
             del batch
@@ -90,7 +95,30 @@ def quantize_layer(run: _Run, i: int, build, state: dict, targets: list[Target],
         solve_s += time.perf_counter() - t_solve
     meta["calibration_tokens_per_s"] = round(statistics.fmean(tps), 1)
     meta["gptq_seconds"] = round(solve_s, 3)
+    meta["gptq_phase_seconds"] = phases.rounded()
     return qweights, meta
+
+
+class _PhaseTimer:
+    """Seconds per phase of the solve loop ("problems": weights and blended Hessians; "solves": GPTQ; "diagnostics":
+    the per-tensor errors and results), for the layer's report. On a GPU each phase ends with a synchronize, so
+    its queued kernels are counted in it (a few per batch: nothing next to a batch's solve)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.seconds = device, {}
+
+    @contextlib.contextmanager
+    def timed(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def rounded(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in self.seconds.items()}
 
 
 def _collect(run: _Run, layer, sites: set[str], experts: set[int], all_token_experts: set[int], src, carry,

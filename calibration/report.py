@@ -64,7 +64,7 @@ def summarize(plan: Plan, metas: list[dict], settings, tokens: torch.Tensor, res
                   for e in meta.get("under_covered", [])]
         layers.append({"layer": meta["layer"], "seconds": meta["seconds"], "classes": rows,
                        "calibration_tokens_per_s": meta.get("calibration_tokens_per_s"),
-                       "gptq_seconds": meta.get("gptq_seconds"),
+                       "gptq_seconds": meta.get("gptq_seconds"), "gptq_phase_seconds": meta.get("gptq_phase_seconds"),
                        "forward_tokens_per_s": meta["forward_tokens_per_s"],
                        "expert_tokens": _spread(counts), "tokens_per_expert": counts,
                        "under_covered_experts": meta.get("under_covered", []),

@@ -96,7 +96,9 @@ def main() -> None:
     per_layer = [lay["seconds"] for lay in g["layers"]]
     result["gptq"] = {
         "seconds": round(time.perf_counter() - t, 2), "calibration_seconds": g["seconds"],
-        "layer_seconds": per_layer, "gptq_solve_seconds": [lay["gptq_seconds"] for lay in g["layers"]], "calibration_tokens_per_s": [lay["calibration_tokens_per_s"] for lay in g["layers"]],
+        "layer_seconds": per_layer, "gptq_solve_seconds": [lay["gptq_seconds"] for lay in g["layers"]],
+        "gptq_phase_seconds": [lay.get("gptq_phase_seconds") for lay in g["layers"]],
+        "calibration_tokens_per_s": [lay["calibration_tokens_per_s"] for lay in g["layers"]],
         "write_seconds": rep["seconds"], "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "peak_rss_bytes": stream.peak_rss_bytes(), "fallbacks": len(g["fallbacks"]),
         "by_class": g["by_class"],

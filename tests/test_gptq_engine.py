@@ -100,6 +100,12 @@ def test_report_and_manifest(glm4):
     assert g["settings"]["samples"] == SAMPLES and g["calibration_tokens"] == SAMPLES * SEQ
     assert g["mtp"]["method"] == "rtn" and g["mtp"]["tensors"] == 3 * 8
     assert [lay["layer"] for lay in g["layers"]] == [0, 1, 2]
+    solved = [lay for lay in g["layers"] if lay["gptq_seconds"] is not None]  # the dense layer 0 has no target
+    assert [lay["layer"] for lay in solved] == [1, 2]
+    for lay in solved:  # where each layer's solve time went: the three phases, inside the solve loop's time
+        ph = lay["gptq_phase_seconds"]
+        assert set(ph) == {"problems", "solves", "diagnostics"} and min(ph.values()) >= 0
+        assert sum(ph.values()) <= lay["gptq_seconds"] + 0.01
     assert sorted(p.name for p in (gptq / CACHE_DIR).iterdir()) == ["calibration.json", "report.json"]
 
 
