@@ -82,7 +82,7 @@ if triton is not None:
         Passes 0..P-1 score the candidates; pass P reruns the winner and stores.
         """
         pid = tl.program_id(0)
-        b = pid // ntile
+        b = (pid // ntile).to(tl.int64)  # problem offsets pass 2^31 elements in large batches
         cols = (pid % ntile) * TN + tl.arange(0, TN)
         cm = cols < N
         rows = tl.arange(0, GS)
@@ -127,7 +127,7 @@ if triton is not None:
         (transposed); moved: int32 [1], the count of moves.
         """
         pid = tl.program_id(0)
-        b = pid // ntile
+        b = (pid // ntile).to(tl.int64)  # problem offsets pass 2^31 elements in large batches
         cols = (pid % ntile) * TN + tl.arange(0, TN)
         cm = cols < N
         rows = tl.arange(0, CB)
