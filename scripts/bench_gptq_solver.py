@@ -70,10 +70,13 @@ def main() -> None:
     ap.add_argument("--name", default="", help="suffix of the result file name")
     ap.add_argument("--out", default="benchmarks")
     ap.add_argument("--backends", action="store_true", help="the default options: the kernels against the torch path")
-    ap.add_argument("--device", default="cpu", help="--backends: cpu (numba kernels) or cuda (Triton kernels)")
+    ap.add_argument("--device", default="cpu", help="--backends/--profile: cpu (numba kernels) or cuda (Triton kernels)")
+    ap.add_argument("--profile", action="store_true", help="the default options once under torch.profiler: top ops by time")
     args = ap.parse_args()
     if args.splits:
         return splits(args)
+    if args.profile:
+        return profile(args)
     if args.backends:
         return backends(args)
     rows = []
@@ -166,6 +169,24 @@ def backends(args) -> None:
               f"{med['torch'] / med['kernels']:.2f}x; same integers and scales: {cmp['same_integers_and_scales']} "
               f"({cmp['integers_differing']:.2e} of the integers differ); error/RTN {cmp['error_vs_rtn']}")
     print(f"wrote {path}")
+
+
+def profile(args) -> None:
+    """Where a default solve's time goes: one warm-up call, then one under torch.profiler, ops by device time."""
+    dev = torch.device(args.device)
+    spec = QuantSpec(method="gptq", group_size=args.group_size)
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    for b, n, k in args.shape or [(4, 2048, 1024)]:
+        w, h = problem(b, n, k, device=dev)
+        quantize_gptq_batch(w, h, spec, clip_search=True, errors=False)  # compiles the kernels
+        _sync(dev)
+        t0 = time.perf_counter()
+        with torch.profiler.profile(activities=acts) as prof:
+            quantize_gptq_batch(w, h, spec, clip_search=True, errors=False)
+            _sync(dev)
+        key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        print(f"{[b, n, k]} on {dev}: {time.perf_counter() - t0:.3f} s under the profiler")
+        print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
 
 
 def _sync(dev: torch.device) -> None:

@@ -3,7 +3,8 @@
 # I/O floor. Run from the repository root on a machine with CUDA; results go to $OUT (or ./gpu-out).
 # PARTS (default "tests kernels rtn"; also "rtn-sizes" (RTN --device cuda against the copy at RTN_LAYERS decoder
 # layers, default "3 8": 5.9 and 13 GB), "probe" (import/start-up times), "gptq-gpu" (every GPU-marked GPTQ and CUDA
-# conversion test), "gptq-triton" (the Triton GPTQ kernels' tests, and `bench_gptq_solver --backends --device cuda`), "cudapath", "gpq-unit" (GPTQ + cuda-path tests), "gptq" (GLM-5-shape GPTQ bench),
+# conversion test), "gptq-triton" (the Triton GPTQ kernels' tests, and `bench_gptq_solver --backends --device cuda`), "gptq-profile" (one
+# GLM-5 gate+up batch solve under torch.profiler), "cudapath", "gpq-unit" (GPTQ + cuda-path tests), "gptq" (GLM-5-shape GPTQ bench),
 # "dist-rtn" / "dist-gptq" (torchrun on the machine's GPUs against one GPU, scripts/bench_dist.py; DIST_JOBS picks the
 # GPTQ rank counts, e.g. "2" in one call and "1" in the next: the JSON digests compare them)) picks what runs. Needs the wheels in .whl/ for what the GPU image lacks (compressed-tensors and its pydantic deps).
 set -uo pipefail
@@ -36,6 +37,8 @@ if has gptq-triton; then  # the Triton GPTQ kernels on CUDA against the CPU kern
   timeout ${SOLVER_TIMEOUT:-150} python3 -m glmq.scripts.bench_gptq_solver --backends --device cuda --shape 8 4096 6144 --shape 8 6144 2048 \
     --repeats ${SOLVER_REPEATS:-2} --out "$OUT" --name cuda-backends 2>&1 | tail -8 | tee "$OUT/bench_gptq_solver_cuda.log"
 fi
+has gptq-profile && timeout ${PROFILE_TIMEOUT:-150} python3 -m glmq.scripts.bench_gptq_solver --profile --device cuda \
+  --shape ${PROFILE_SHAPE:-8 4096 6144} 2>&1 | tail -30 | tee "$OUT/gptq_profile.txt"
 has gptq-gpu && python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gptq.py tests/test_gptq_engine.py tests/test_cuda_path.py 2>&1 | tail -8 | tee "$OUT/gptq_gpu_tests.txt"
 has cudapath && python3 -m pytest -q -p no:cacheprovider tests/test_cuda_path.py 2>&1 | tail -8 | tee "$OUT/cuda_path_tests.txt"
 has kernels && timeout 330 python3 scripts/bench_kernels.py --out "$OUT" 2>&1 | tail -60 | tee "$OUT/bench_kernels.log"
