@@ -688,6 +688,11 @@ def _write_tile(acc, out_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_om, tile_id,
 
 MAILBOX_EMPTY = -1  # int32 0xFFFFFFFF: a NaN that no arithmetic produces (NVIDIA's canonical NaN is 0x7FFFFFFF)
 MAILBOX_GROUP = 8  # splits whose words one reducing program has in flight at once
+# Heuristic: the mailbox at M = 1 only when each split runs at least this many chunks. On H200 (2026-12-01,
+# same run) it won with 11-24 chunks per program (8192^2, 12288->6144, 6144->24576: 3.7-6.4 % faster) and lost
+# with 3-8 (the expert shapes 2048->6144 and 6144->2x2048: 4-6 % slower), where the main loop is too short to
+# hide the start ticket and the reducer more often waits on a late split.
+MAILBOX_MIN_CHUNKS = 10
 
 
 @triton.jit
@@ -1103,7 +1108,8 @@ def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT
     M <= GEMV_MAX_M (or K not a multiple of 128): GEMV, 8 KB of words per step, split-K up to ~4
         programs per SM: decode is bandwidth-bound and needs loads in flight.
     M <= 64: transposed tensor-core tiles (`swap`) of 16..64 tokens x 128 weight rows, split-K up to
-        ~2 programs per SM (still bandwidth-bound, few tiles).
+        ~2 programs per SM (still bandwidth-bound, few tiles); at M = 1 the mailbox reduction when each
+        split runs >= MAILBOX_MIN_CHUNKS chunks.
     M > 64: transposed tiles, PLANES: two warpgroups, 64/128 tokens x 128 weight rows (M >= 1024:
         128 x 256, which won every GLM-5 shape at M = 2048 on H200 by 1.3-1.7x); PAIRS: 64 x 128 on one
         warpgroup below M = 1024, else 128 x 128 on two; split-K only when there are fewer tiles than SMs.
@@ -1123,7 +1129,9 @@ def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT
         block_m = max(16, _next_pow2(m))
         tiles = -(-m // block_m) * -(-n // 128)
         split = split_for(tiles, chunks, 2 * sms)
-        return DenseConfig(KernelKind.MMA, block_m, 128, split, swap=True, num_warps=4, num_stages=4 if block_m <= 32 else 3)
+        per = -(-chunks // split)
+        return DenseConfig(KernelKind.MMA, block_m, 128, split, swap=True, num_warps=4, num_stages=4 if block_m <= 32 else 3,
+                           mailbox=per >= MAILBOX_MIN_CHUNKS)  # fmt: skip
     if layout is Layout.PAIRS:  # the tuned H200 winners at M = 256 / 2048; 128 x 256 spills (second accumulator)
         block_m, block_n, warps = (64, 128, 4) if m < 1024 else (128, 128, 8)
     else:

@@ -96,6 +96,8 @@ def swap_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
             for split in explicit_splits(tiles, chunks, sms):
                 out.append(dict(kind="mma", block_m=bm, block_n=bn, split_k=split, swap=True, num_warps=warps,
                                 num_stages=stages))  # fmt: skip
+    if m == 1:  # the split-K reduction either way (DenseConfig.mailbox): it won on long loops only (kernels/NOTES.md)
+        out += [dict(c, mailbox=False) for c in out if c["split_k"] > 1]
     uniq = []
     for c in out:
         if c not in uniq:

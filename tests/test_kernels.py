@@ -394,6 +394,16 @@ def test_dense_m1_mailbox_split_k(k, block_n, split, dtype):
     assert _mailbox_clean()
 
 
+def test_mailbox_choice():
+    # the mailbox where it measured faster on H200 (long loops per split), the ticket elsewhere
+    pairs = D.Layout.PAIRS
+    assert D.heuristic_config(1, 8192, 8192, 128, layout=pairs).mailbox
+    assert not D.heuristic_config(1, 6144, 2048, 128, layout=pairs).mailbox
+    assert D.choose_config(1, 8192, 8192, 128, device="NVIDIA H200", layout=pairs).mailbox
+    assert not D.choose_config(1, 6144, 2048, 128, device="NVIDIA H200", layout=pairs).mailbox
+    assert not D.choose_config(1, 4096, 6144, 128, device="NVIDIA H200", layout=pairs).mailbox
+
+
 def test_pairs_layout_rejects_the_per_plane_kernels():
     wp, ws = quantized(64, 256, group_size=128)
     packed = D.prepack(wp, ws, 128)
