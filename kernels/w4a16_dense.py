@@ -689,7 +689,7 @@ def _write_tile(acc, out_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_om, tile_id,
 MAILBOX_EMPTY = -1  # int32 0xFFFFFFFF: a NaN that no arithmetic produces (NVIDIA's canonical NaN is 0x7FFFFFFF)
 MAILBOX_GROUP = 8  # splits whose words one reducing program has in flight at once
 # Heuristic: the mailbox at M = 1 only when each split runs at least this many chunks. On H200 (2026-12-01,
-# same run) it won with 11-24 chunks per program (8192^2, 12288->6144, 6144->24576: 3.7-6.4 % faster) and lost
+# same run) it won with 11-24 chunks per program (8192^2, 12288->6144, 6144->24576: 3.7-5.8 % faster) and lost
 # with 3-8 (the expert shapes 2048->6144 and 6144->2x2048: 4-6 % slower), where the main loop is too short to
 # hide the start ticket and the reducer more often waits on a late split.
 MAILBOX_MIN_CHUNKS = 10
