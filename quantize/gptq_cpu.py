@@ -332,6 +332,17 @@ def gptq_loop(Wt: torch.Tensor, Hinv: torch.Tensor, spec: QuantSpec, dtype: torc
     return Qt.transpose(1, 2), St.transpose(1, 2).to(dtype)
 
 
+def descent_start(Wt: torch.Tensor, Q: torch.Tensor, scale: torch.Tensor, spec: QuantSpec, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The descent kernels' inputs (here and in gptq_triton): integers Qt int8 `[B, K, N]`, scales St float32
+    `[B, G, N]` and the residual Dt = w - wq float32 `[B, K, N]`, computed in Wt's memory."""
+    k, gs = Wt.shape[1], spec.group_size
+    Qt = Q.transpose(1, 2).contiguous()
+    St = scale.float().transpose(1, 2).contiguous()
+    deq = (Qt.float().unflatten(1, (k // gs, gs)) * St.unsqueeze(2)).to(dtype).float().flatten(1, 2)
+    return Qt, St, Wt.contiguous().sub_(deq)
+
+
 def coordinate_descent(Wt: torch.Tensor, Q: torch.Tensor, scale: torch.Tensor, Hd: torch.Tensor, spec: QuantSpec,
                        dtype: torch.dtype) -> torch.Tensor:
     """`gptq._coordinate_descent` for the covered case (no zero point, identity order).
@@ -343,11 +354,7 @@ def coordinate_descent(Wt: torch.Tensor, Q: torch.Tensor, scale: torch.Tensor, H
     """
     nb, k, n = Wt.shape
     gs = spec.group_size
-    Qt = Q.transpose(1, 2).contiguous()
-    St = scale.float().transpose(1, 2).contiguous()  # [B, G, N]
-    deq = (Qt.float().unflatten(1, (k // gs, gs)) * St.unsqueeze(2)).to(dtype).float().flatten(1, 2)
-    Dt = Wt.sub_(deq)  # [B, K, N]: the residual w - wq
-    del deq
+    Qt, St, Dt = descent_start(Wt, Q, scale, spec, dtype)
     qmin, qmax, _, bf16 = _args(spec, dtype)
     from glmq.quantize.gptq import CD_MIN_GAIN
 

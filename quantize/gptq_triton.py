@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from glmq.quantize.gptq_cpu import descent_start
 from glmq.quantize.spec import QuantSpec
 
 try:  # triton is an optional extra (glmq[triton]); without it CUDA solves take the torch path
@@ -213,11 +214,7 @@ def coordinate_descent(Wt: torch.Tensor, Q: torch.Tensor, scale: torch.Tensor, H
     nb, k, n = Wt.shape
     gs = spec.group_size
     Hd = Hd.contiguous()
-    Qt = Q.transpose(1, 2).contiguous()
-    St = scale.float().transpose(1, 2).contiguous()  # [B, G, N]
-    deq = (Qt.float().unflatten(1, (k // gs, gs)) * St.unsqueeze(2)).to(dtype).float().flatten(1, 2)
-    Dt = Wt.contiguous().sub_(deq)  # [B, K, N]: the residual w - wq
-    del deq
+    Qt, St, Dt = descent_start(Wt, Q, scale, spec, dtype)
     qmin, qmax, _, bf16 = _args(spec, dtype)
     ntile = triton.cdiv(n, T)
     for _ in range(spec.cd_sweeps):

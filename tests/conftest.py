@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,3 +36,12 @@ def shared_model() -> Path:
     if not (SHARED_MODEL / "config.json").exists():
         pytest.skip(f"shared model not found at {SHARED_MODEL} (set GLMQ_SHARED)")
     return SHARED_MODEL
+
+
+def run_in_fresh_interpreter(test_file: str) -> None:
+    """Run a Triton test module again in a subprocess with TRITON_INTERPRET=1, for a process in which triton was
+    imported (compiled mode, no GPU) before the module could set the flag; fails with the subprocess's output."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", test_file]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]

@@ -13,18 +13,17 @@ bits and a few integers may flip through the error feedback (bound asserted, and
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_in_fresh_interpreter  # tests/ is on sys.path
 
 TRITON_TOO_EARLY = (
     not torch.cuda.is_available() and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 )
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton's @triton.jit decorators run
+if not torch.cuda.is_available() and not TRITON_TOO_EARLY:  # (too early: leave it unset, so that every
+    os.environ["TRITON_INTERPRET"] = "1"  # Triton test module sees the same and reruns itself in a subprocess)
 pytest.importorskip("triton")
 
 from glmq.quantize import gptq, gptq_cpu, gptq_triton  # noqa: E402
@@ -44,10 +43,7 @@ def _kernels_runnable(request):
 
 @pytest.mark.skipif(not TRITON_TOO_EARLY, reason="the kernel tests run in this process")
 def test_suite_in_fresh_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", __file__]
-    proc = subprocess.run(cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    run_in_fresh_interpreter(__file__)
 
 
 def objective(w, q, scale, h, gs):

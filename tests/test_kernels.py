@@ -25,19 +25,18 @@ import functools
 import json
 import math
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_in_fresh_interpreter  # tests/ is on sys.path
 
 # True when triton is already imported in compiled mode on a machine without a GPU.
 TRITON_TOO_EARLY = (
     not torch.cuda.is_available() and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 )
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton and glmq.kernels' @triton.jit decorators
+if not torch.cuda.is_available() and not TRITON_TOO_EARLY:  # (too early: leave it unset, so that every
+    os.environ["TRITON_INTERPRET"] = "1"  # Triton test module sees the same and reruns itself in a subprocess)
 pytest.importorskip("triton")
 
 from glmq.kernels import reference as R  # noqa: E402
@@ -63,10 +62,7 @@ def _kernels_runnable(request):
 
 @pytest.mark.skipif(not TRITON_TOO_EARLY, reason="the kernel tests run in this process")
 def test_kernel_suite_in_fresh_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", __file__]
-    proc = subprocess.run(cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    run_in_fresh_interpreter(__file__)
 
 
 # ------------------------------------------------------------------------------------------------
