@@ -5,7 +5,7 @@ Why hand-written: `glmq.quantize.gptq` runs Alg. 1 as a loop of whole-tensor tor
 each call is a few microseconds of host dispatch for a few microseconds of device work, so the solve is
 bound by the host: ~10 s per batch of 16 GLM-5 gate/up problems (K = 6144), ~190 s of a GLM-5 layer's
 ~200 s on an H200. No library has GPTQ's loop as a kernel. These kernels run a whole group of columns
-(the loop) or a block of 64 columns (the descent) per launch, each program holding a tile of T rows of one
+(the loop) or a block of 64 columns (the descent) per launch, each program (one warp) holding a tile of T = 8 rows of one
 problem in registers; the updates across groups and blocks stay torch GEMMs. The algorithm is
 `glmq.quantize.gptq_cpu`'s, transcribed to Triton (same transposed layout `[B, K, N]`, same rounding):
 
@@ -45,9 +45,13 @@ try:  # triton is an optional extra (glmq[triton]); without it CUDA solves take 
 except ImportError:  # pragma: no cover
     triton = None
 
-# Rows of a problem per program (the register tile is [columns, T] float32). 32 keeps the loop's two
-# [128, 32] tiles and the descent's four [64, 32] tiles at 64 registers a thread with 4 warps.
-T = 32
+# Rows of a problem per program (the register tile is [columns, T] float32) and warps per program. One warp of
+# 8 rows measured fastest (H200, `bench_gptq_solver --triton-tiles`, 8 GLM-5 problems, same integers in every
+# case): gate+up 0.486 s against 0.567 s for 32 rows on 4 warps (16x2 0.548, 16x4 0.625, 8x2 0.608, 32x8 0.698),
+# down 0.129 s against 0.166 s. Reading a column out of the tile is then a reduction inside one warp, with no
+# barrier, and the programs are 4x as many (a column step is latency-bound, so more in flight is what pays).
+T = 8
+WARPS = 1  # T and WARPS: module constants read at each call, so a benchmark can sweep them
 CD_BLOCK = 64  # columns per descent block (as gptq_cpu.CD_BLOCK)
 
 
@@ -194,7 +198,7 @@ def gptq_loop(Wt: torch.Tensor, Hinv: torch.Tensor, spec: QuantSpec, dtype: torc
         _group_kernel[(nb * ntile,)](
             Wt[:, c0:c1], Hinv[:, c0:c1, c0:c1], grid, Qt[:, c0:c1], Et, St[:, g],
             n, ntile, grid.numel(), k * n, k * k, k, k * n, gs * n, (k // gs) * n,
-            qmin, qmax, half, eps, GS=gs, TN=T, BF16=bf16, num_warps=4, enable_fp_fusion=False)
+            qmin, qmax, half, eps, GS=gs, TN=T, BF16=bf16, num_warps=WARPS, enable_fp_fusion=False)
         if c1 < k:  # Wt[:, c1:] -= (E Hinv[c0:c1, c1:])^T
             Wt[:, c1:].baddbmm_(Hinv[:, c0:c1, c1:].transpose(1, 2), Et, alpha=-1)
     return Qt.transpose(1, 2), St.transpose(1, 2).to(dtype)
@@ -223,7 +227,7 @@ def coordinate_descent(Wt: torch.Tensor, Q: torch.Tensor, scale: torch.Tensor, H
             i2 = min(i1 + CD_BLOCK, k)
             Rt = torch.bmm(Hd[:, i1:i2], Dt)  # [B, C, N] = (D Hd[:, block])^T, Hd symmetric
             _cd_kernel[(nb * ntile,)](Dt, Qt, St, Hd, Rt, moved, n, k, k // gs, ntile, i1, i2 - i1,
-                                      qmin, qmax, CD_MIN_GAIN, CB=CD_BLOCK, GS=gs, TN=T, BF16=bf16, num_warps=4,
+                                      qmin, qmax, CD_MIN_GAIN, CB=CD_BLOCK, GS=gs, TN=T, BF16=bf16, num_warps=WARPS,
                                       enable_fp_fusion=False)
         if not int(moved.item()):
             break

@@ -72,11 +72,15 @@ def main() -> None:
     ap.add_argument("--backends", action="store_true", help="the default options: the kernels against the torch path")
     ap.add_argument("--device", default="cpu", help="--backends/--profile: cpu (numba kernels) or cuda (Triton kernels)")
     ap.add_argument("--profile", action="store_true", help="the default options once under torch.profiler: top ops by time")
+    ap.add_argument("--triton-tiles", nargs="+", metavar="ROWSxWARPS",
+                    help="--device cuda: time the Triton kernels at these tile rows x warps per program (e.g. 32x4 8x1)")
     args = ap.parse_args()
     if args.splits:
         return splits(args)
     if args.profile:
         return profile(args)
+    if args.triton_tiles:
+        return triton_tiles(args)
     if args.backends:
         return backends(args)
     rows = []
@@ -187,6 +191,37 @@ def profile(args) -> None:
         key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
         print(f"{[b, n, k]} on {dev}: {time.perf_counter() - t0:.3f} s under the profiler")
         print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
+
+
+def triton_tiles(args) -> None:
+    """The Triton kernels' launch shape (rows per program x warps), each timed as the best of `--repeats`
+    after a compiling call, with whether its integers equal the first tile's."""
+    from glmq.quantize import gptq_triton as G
+
+    dev = torch.device(args.device)
+    spec = QuantSpec(method="gptq", group_size=args.group_size)
+    rows, default = [], (G.T, G.WARPS)
+    for b, n, k in args.shape or [(8, 4096, 6144)]:
+        w, h = problem(b, n, k, device=dev)
+        first = None
+        for tile in args.triton_tiles:
+            G.T, G.WARPS = (int(x) for x in tile.split("x"))
+            try:
+                res = quantize_gptq_batch(w, h, spec, clip_search=True, errors=False)  # compiles
+                times = []
+                for _ in range(args.repeats):
+                    _sync(dev)
+                    t0 = time.perf_counter()
+                    res = quantize_gptq_batch(w, h, spec, clip_search=True, errors=False)
+                    _sync(dev)
+                    times.append(time.perf_counter() - t0)
+            finally:
+                G.T, G.WARPS = default
+            first = first or res
+            same = all(torch.equal(x.qweight.q, y.qweight.q) for x, y in zip(first, res))
+            rows.append({"shape": [b, n, k], "tile": tile, "seconds": round(min(times), 4), "same_integers": same})
+            print(rows[-1], flush=True)
+    print(f"wrote {_write(rows, args)}")
 
 
 def _sync(dev: torch.device) -> None:

@@ -4,7 +4,7 @@
 # PARTS (default "tests kernels rtn"; also "rtn-sizes" (RTN --device cuda against the copy at RTN_LAYERS decoder
 # layers, default "3 8": 5.9 and 13 GB), "probe" (import/start-up times), "gptq-gpu" (every GPU-marked GPTQ and CUDA
 # conversion test), "gptq-triton" (the Triton GPTQ kernels' tests, and `bench_gptq_solver --backends --device cuda`), "gptq-profile" (one
-# GLM-5 gate+up batch solve under torch.profiler), "cudapath", "gpq-unit" (GPTQ + cuda-path tests), "gptq" (GLM-5-shape GPTQ bench),
+# GLM-5 gate+up batch solve under torch.profiler), "gptq-tiles" (the Triton GPTQ kernels' rows x warps per program, TILES), "cudapath", "gpq-unit" (GPTQ + cuda-path tests), "gptq" (GLM-5-shape GPTQ bench),
 # "dist-rtn" / "dist-gptq" (torchrun on the machine's GPUs against one GPU, scripts/bench_dist.py; DIST_JOBS picks the
 # GPTQ rank counts, e.g. "2" in one call and "1" in the next: the JSON digests compare them)) picks what runs. Needs the wheels in .whl/ for what the GPU image lacks (compressed-tensors and its pydantic deps).
 set -uo pipefail
@@ -39,6 +39,8 @@ if has gptq-triton; then  # the Triton GPTQ kernels on CUDA against the CPU kern
 fi
 has gptq-profile && timeout ${PROFILE_TIMEOUT:-150} python3 -m glmq.scripts.bench_gptq_solver --profile --device cuda \
   --shape ${PROFILE_SHAPE:-8 4096 6144} 2>&1 | tail -30 | tee "$OUT/gptq_profile.txt"
+has gptq-tiles && timeout ${TILES_TIMEOUT:-150} python3 -m glmq.scripts.bench_gptq_solver --device cuda --repeats 2 \
+  --triton-tiles ${TILES:-32x4 16x2 16x4 8x1 8x2} --shape 8 4096 6144 --shape 8 6144 2048 --out "$OUT" --name cuda-tiles 2>&1 | tail -14
 has gptq-gpu && python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gptq.py tests/test_gptq_engine.py tests/test_cuda_path.py 2>&1 | tail -8 | tee "$OUT/gptq_gpu_tests.txt"
 has cudapath && python3 -m pytest -q -p no:cacheprovider tests/test_cuda_path.py 2>&1 | tail -8 | tee "$OUT/cuda_path_tests.txt"
 has kernels && timeout 330 python3 scripts/bench_kernels.py --out "$OUT" 2>&1 | tail -60 | tee "$OUT/bench_kernels.log"

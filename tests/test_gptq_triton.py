@@ -69,10 +69,10 @@ def solve_triton(monkeypatch, w, h, spec, clip):
 GPU_CASES = [(dt, gs, clip, cd, 2, 40, 256) for dt in (torch.bfloat16, torch.float32) for gs in (32, 64, 128)
              for clip, cd in ((True, 2), (False, 0), (True, 0), (False, 3))]
 CPU_CASES = [  # dtype, group, clip search, descent sweeps, problems, rows, K
-    (torch.bfloat16, 128, True, 1, 1, 20, 128),
-    (torch.bfloat16, 32, True, 2, 2, 20, 64),  # two problems: the batch strides
-    (torch.float32, 64, False, 0, 1, 40, 128),  # two row tiles, the second partial
-    (torch.bfloat16, 64, False, 3, 1, 20, 128),
+    (torch.bfloat16, 128, True, 1, 1, 12, 128),  # 12 rows: a full tile of 8 and a partial one
+    (torch.bfloat16, 32, True, 2, 2, 12, 64),  # two problems: the batch strides
+    (torch.float32, 64, False, 0, 1, 12, 128),
+    (torch.bfloat16, 64, False, 3, 1, 12, 128),
 ]
 
 
@@ -105,7 +105,7 @@ def test_triton_kernels_make_the_cpu_kernels_decisions(monkeypatch, dtype, group
 def test_triton_descent_never_raises_the_objective(monkeypatch):
     """The descent's accepted moves each lower their row's objective: with sweeps it is at most without."""
     monkeypatch.setattr(gptq, "CLIP_GRID", (1.0,))
-    w, h = problems(2, 20, 64, torch.bfloat16, seed=5)
+    w, h = problems(2, 12, 64, torch.bfloat16, seed=5)
     plain = solve_triton(monkeypatch, w, h, QuantSpec(group_size=32, cd_sweeps=0), True)
     swept = solve_triton(monkeypatch, w, h, QuantSpec(group_size=32, cd_sweeps=2), True)
     hd = gptq._damped(h, [QuantSpec().damp] * 2)
