@@ -90,8 +90,7 @@ def _skip_triton() -> None:
 
     Why: transformers' modeling code imports torch._dynamo, which imports triton when it is installed (for
     GPU kernels; torch on a CPU never uses it); its shared library alone kept ~65 MB resident in every CPU
-    run (a quarter of a 4-layer GPTQ run's margin to its memory target). torch and transformers treat
-    the ImportError as "no triton".
+    run. torch and transformers treat the ImportError as "no triton"; glmq's own triton kernels run on CUDA only.
     """
     import sys
 
