@@ -97,13 +97,34 @@ class HessianCollector:
         self.all_token_limit, self.routed_output = all_token_limit, routed_output
         self.all_token_tokens = 0  # tokens the `down_all` Hessians have taken so far
         self._handles: list = []
+        self._reserved: dict[str, HessianAccumulator] = {}
 
     def _add(self, site: str, x: torch.Tensor) -> None:
         if site not in self.acc:
-            self.acc[site] = HessianAccumulator(x.shape[-1], self.device)
+            acc = self._reserved.pop(site, None)
+            self.acc[site] = acc if acc is not None else HessianAccumulator(x.shape[-1], self.device)
         self.acc[site].add(x)
 
+    def _reserve(self) -> None:
+        """Allocate every Hessian sum this pass can fill before its first batch (`acc` still gets a site only
+        once a token reaches it; those no token reaches are dropped at exit).
+
+        Why: made on first use, the 4 MB sums were interleaved on the heap with the first batch's
+        activations; the later batches' activations, of other sizes (the experts' token counts vary),
+        no longer fit the holes, and the heap grew by ~300 MB of free pages over the pass (scaling model).
+        """
+        sizes = {s: self.layer.get_submodule(s).in_features for s in self.linear_sites
+                 if isinstance(self.layer.get_submodule(s), torch.nn.Linear)}
+        ex = self.experts_module
+        if ex is not None and (self.expert_sites or self.all_token_experts):
+            h, i = ex.gate_up_proj.shape[2], ex.gate_up_proj.shape[1] // 2
+            sizes |= {s: h if s == ALL_TOKENS or s.endswith(".gate_up") else i for s in self.expert_sites
+                      if s == ALL_TOKENS or int(s.split(".")[2]) in self.active}
+            sizes |= {f"mlp.experts.{e}.down_all": i for e in sorted(self.all_token_experts)}
+        self._reserved = {s: HessianAccumulator(k, self.device) for s, k in sizes.items()}
+
     def __enter__(self) -> HessianCollector:
+        self._reserve()
         for site in self.linear_sites:
             module = self.layer.get_submodule(site)
             self._handles.append(module.register_forward_pre_hook(
@@ -121,6 +142,7 @@ class HessianCollector:
         if self.experts_module is not None and "forward" in vars(self.experts_module):
             del self.experts_module.forward  # back to the class's forward
         self.layer = self.experts_module = None  # the Hessians outlive the pass; the layer need not
+        self._reserved.clear()
 
     def _all_token_rows(self, x: torch.Tensor, side: int) -> torch.Tensor:
         """The rows of this batch's tokens `x` [T, H] that the `down_all` Hessians still take (see

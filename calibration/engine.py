@@ -323,6 +323,7 @@ class _Run:
         stream.release_free_memory()  # what the solves left behind, before the forward's activations
         qlayer = self.quantized_layer(i, state, qweights)
         del state
+        stream.release_free_memory()  # the dequantized integers and fusing copies, before the forward's activations
         dst, carry_dst = self.output_store(src, i), []
         meta["forward_tokens_per_s"] = round(self.forward(qlayer, src, carry, dst, carry_dst, i), 1)
         del qlayer

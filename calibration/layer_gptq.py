@@ -17,6 +17,7 @@ import torch
 
 from glmq.calibration.collect import ALL_TOKENS, HessianCollector, Target
 from glmq.calibration.hessian import symmetric_panels
+from glmq.calibration.layers import pop_experts, restore_experts
 from glmq.quantize import stream
 from glmq.quantize.gptq import hessian_error, quantize_gptq_batch
 from glmq.quantize.rtn import QWeight, dequantize, quantize_rtn
@@ -57,6 +58,9 @@ def quantize_layer(run: _Run, i: int, build, state: dict, targets: list[Target],
     phases = _PhaseTimer(run.device)
     chunks = _expert_chunks(run, targets)
     layer = build()
+    # one pass: while the layer lives, its experts' weights are the only copy (put back before the solves)
+    popped = pop_experts(state) if len(chunks) == 1 else {}
+    stream.release_free_memory()  # reading, dequantizing and fusing the weights left ~0.3 GB of free heap pages
     for p, chunk in enumerate(chunks):
         todo = [t for t in targets if (t.expert is None and p == 0) or (t.expert is not None and t.expert in chunk)]
         sites = {t.site for t in todo} | ({ALL_TOKENS} if p == 0 and chunk else set())
@@ -71,6 +75,8 @@ def quantize_layer(run: _Run, i: int, build, state: dict, targets: list[Target],
             if all_tok and under & chunk and not prior:  # this chunk's all-token down Hessians: one more pass
                 col.acc.update(_collect(run, layer, set(), set(), under & chunk, src, carry, tps).acc)
         if p == len(chunks) - 1:
+            if popped:
+                restore_experts(layer, state, popped)
             del layer
             stream.release_free_memory()  # the passes' activations, before the solves
         t_solve = time.perf_counter()

@@ -97,7 +97,10 @@ class SourceTensors:
         dev = self.device if device is None else torch.device(device)
         t = self.raw(name).to(dev)
         if t.dtype != torch.float8_e4m3fn:
-            return t
+            # safetensors hands out small tensors as views of the shard's memory map: one such view (a norm,
+            # the router bias) kept the whole map, and every page of the layer's FP8 bytes read through it
+            # (~55 MB resident per layer of the scaling model), alive after `close()`. A copy owns its bytes.
+            return t.clone() if t.device.type == "cpu" else t
         module = name.rpartition(".")[0]
         if self.source.fmt is SourceFormat.FP8_BLOCK:
             return fp8.dequantize_block(t, self.raw(f"{module}.weight_scale_inv").to(dev), self.source.block)
@@ -148,6 +151,39 @@ def fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     rest["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([experts[e]["gate"], experts[e]["up"]]) for e in range(n)])
     rest["mlp.experts.down_proj"] = torch.stack([experts[e]["down"] for e in range(n)])
     return rest
+
+
+def pop_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.dtype]:
+    """Remove the per-expert weights from `state` (in place); returns their dtypes, for `restore_experts`."""
+    names = [k for k in state if _EXPERT.match(k)]
+    return {k: state.pop(k).dtype for k in names}
+
+
+def restore_experts(layer: torch.nn.Module, state: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]) -> None:
+    """Put back into `state` the per-expert weights `pop_experts` took, from `layer`'s fused experts, which
+    are removed from the layer as they are copied (the layer is unusable afterwards).
+
+    Why: a layer built in float32 holds the experts' weights as exact float32 images of the source's
+    bf16 (or other) values, so while the layer lives the source copy is a duplicate (106 MB of a
+    scaling-model layer's 300). Casting back gives the same bits; one fused tensor at a time keeps the
+    copy's extra memory to one of them.
+    """
+    ex = layer.get_submodule("mlp.experts")
+    by_expert: dict[int, dict[str, str]] = {}
+    for k in dtypes:
+        m = _EXPERT.match(k)
+        by_expert.setdefault(int(m.group(1)), {})[m.group(2)] = k
+    n_inter = ex.gate_up_proj.shape[1] // 2
+    gate_up = ex.gate_up_proj.detach()  # parameters: their casts would require grad
+    del ex.gate_up_proj
+    for e, names in by_expert.items():
+        state[names["gate"]] = gate_up[e, :n_inter].to(dtypes[names["gate"]])
+        state[names["up"]] = gate_up[e, n_inter:].to(dtypes[names["up"]])
+    del gate_up
+    down = ex.down_proj.detach()
+    del ex.down_proj
+    for e, names in by_expert.items():
+        state[names["down"]] = down[e].to(dtypes[names["down"]])
 
 
 class LayerBuilder:

@@ -85,6 +85,18 @@ def common(f):
     return f
 
 
+def _skip_triton() -> None:
+    """Make `import triton` fail in this process (a CPU run), unless something imported it already.
+
+    Why: transformers' modeling code imports torch._dynamo, which imports triton when it is installed (for
+    GPU kernels; torch on a CPU never uses it); its shared library alone kept ~65 MB resident in every CPU
+    run. torch and transformers treat the ImportError as "no triton"; glmq's own triton kernels run on CUDA only.
+    """
+    import sys
+
+    sys.modules.setdefault("triton", None)
+
+
 @main.command()
 @common
 @click.option("--output", "-o", default=None, help="Output folder (default: <model name>-<recipe>). Resumes an interrupted run of the same job.")
@@ -113,6 +125,9 @@ def quantize(model, recipe, max_shard_size, output, scheme, device, no_progress,
     import os
 
     from glmq.quantize import config_child
+
+    if device == "cpu":
+        _skip_triton()
 
     if os.environ.get("RANK", "0") == "0":  # its import overlaps ours (GPTQ: it then waits, idle, for the writer)
         config_child.prestart(own_session=int(os.environ.get("WORLD_SIZE", "1")) > 1)

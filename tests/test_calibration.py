@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,6 +151,35 @@ def test_layers_built_alone_match_the_whole_model(make_ckpt, family):
             out = b.build(i)(x, **kw)
             x, carry = out if isinstance(out, tuple) else (out, None)
             assert torch.equal(x, ref[i + 1]), f"layer {i}"
+
+
+def test_restore_experts_gives_back_the_source_weights_bit_for_bit(make_ckpt):
+    """pop_experts + restore_experts (the calibration layer's experts as the only copy while it lives)
+    returns exactly the per-expert source tensors, dtypes included, and empties the layer's experts."""
+    from glmq.calibration.layers import pop_experts, restore_experts
+
+    b = LayerBuilder(open_source(make_ckpt("glm4_moe", "fp8-block")), torch.device("cpu"), torch.float32)
+    i = b.config.first_k_dense_replace  # a MoE layer
+    ref = b.tensors.layer_state(i)
+    state = dict(ref)
+    layer = b.build(i, state)
+    popped = pop_experts(state)
+    assert popped and not any(k in state for k in popped)
+    restore_experts(layer, state, popped)
+    assert set(state) == set(ref)
+    for k, v in ref.items():
+        assert state[k].dtype == v.dtype and torch.equal(state[k], v) and not state[k].requires_grad, k
+    assert not hasattr(layer.mlp.experts, "gate_up_proj") and not hasattr(layer.mlp.experts, "down_proj")
+
+
+def test_layer_state_keeps_no_view_of_the_shards(make_ckpt):
+    """After layer_state (which closes the shards), no tensor it returned keeps a shard's memory map alive
+    (a map's pages read count in the process's RSS while it is mapped)."""
+    src = make_ckpt("glm4_moe", "fp8-block")
+    b = LayerBuilder(open_source(src), torch.device("cpu"), torch.float32)
+    state = b.tensors.layer_state(1)
+    maps = open("/proc/self/maps").read() if Path("/proc/self/maps").exists() else ""
+    assert state and str(Path(src).resolve()) not in maps
 
 
 # ----------------------------------------------------------------------------------------- Hessians
