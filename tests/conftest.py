@@ -45,3 +45,29 @@ def run_in_fresh_interpreter(test_file: str) -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", test_file]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def triton_interpreter_guard() -> bool:
+    """Call at the top of a Triton test module, before it imports triton. Without a GPU it sets TRITON_INTERPRET=1
+    (Triton reads it when a `@triton.jit` decorator runs). Returns True when that is too late: triton is already
+    imported in compiled mode without a GPU (compressed_tensors imports it, so a module collected earlier can). The
+    flag is then left unset, so that every Triton module sees the same and reruns itself in a subprocess
+    (`run_in_fresh_interpreter`); setting it now would make a later module take it for working."""
+    import torch
+
+    too_early = not torch.cuda.is_available() and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+    if not torch.cuda.is_available() and not too_early:
+        os.environ["TRITON_INTERPRET"] = "1"
+    return too_early
+
+
+def skip_if_triton_too_early(too_early: bool, rerun_test: str):
+    """An autouse fixture for a Triton test module: when `too_early`, skip its tests except `rerun_test`, the one
+    that reruns the module in a fresh interpreter."""
+
+    @pytest.fixture(autouse=True)
+    def _runnable(request):
+        if too_early and request.node.originalname != rerun_test:
+            pytest.skip(f"triton was imported before TRITON_INTERPRET=1 could be set; see {rerun_test}")
+
+    return _runnable

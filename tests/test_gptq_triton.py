@@ -12,18 +12,12 @@ bits and a few integers may flip through the error feedback (bound asserted, and
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
-from conftest import run_in_fresh_interpreter  # tests/ is on sys.path
+from conftest import run_in_fresh_interpreter, skip_if_triton_too_early, triton_interpreter_guard  # tests/ is on sys.path
 
-TRITON_TOO_EARLY = (
-    not torch.cuda.is_available() and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-)
-if not torch.cuda.is_available() and not TRITON_TOO_EARLY:  # (too early: leave it unset, so that every
-    os.environ["TRITON_INTERPRET"] = "1"  # Triton test module sees the same and reruns itself in a subprocess)
+TRITON_TOO_EARLY = triton_interpreter_guard()  # before anything here imports triton
 pytest.importorskip("triton")
 
 from glmq.quantize import gptq, gptq_cpu, gptq_triton  # noqa: E402
@@ -35,10 +29,7 @@ from test_gptq_cpu import problems  # noqa: E402  (tests/ is on sys.path: pytest
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@pytest.fixture(autouse=True)
-def _kernels_runnable(request):
-    if TRITON_TOO_EARLY and request.node.originalname != "test_suite_in_fresh_interpreter":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; see test_suite_in_fresh_interpreter")
+_kernels_runnable = skip_if_triton_too_early(TRITON_TOO_EARLY, "test_suite_in_fresh_interpreter")
 
 
 @pytest.mark.skipif(not TRITON_TOO_EARLY, reason="the kernel tests run in this process")

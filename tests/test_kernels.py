@@ -24,19 +24,12 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
-import sys
 
 import pytest
 import torch
-from conftest import run_in_fresh_interpreter  # tests/ is on sys.path
+from conftest import run_in_fresh_interpreter, skip_if_triton_too_early, triton_interpreter_guard  # tests/ is on sys.path
 
-# True when triton is already imported in compiled mode on a machine without a GPU.
-TRITON_TOO_EARLY = (
-    not torch.cuda.is_available() and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-)
-if not torch.cuda.is_available() and not TRITON_TOO_EARLY:  # (too early: leave it unset, so that every
-    os.environ["TRITON_INTERPRET"] = "1"  # Triton test module sees the same and reruns itself in a subprocess)
+TRITON_TOO_EARLY = triton_interpreter_guard()  # before anything here imports triton
 pytest.importorskip("triton")
 
 from glmq.kernels import reference as R  # noqa: E402
@@ -54,10 +47,7 @@ SQNR_DB = {torch.float16: 55.0, torch.bfloat16: 35.0}
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture(autouse=True)
-def _kernels_runnable(request):
-    if TRITON_TOO_EARLY and request.node.originalname != "test_kernel_suite_in_fresh_interpreter":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; see test_kernel_suite_in_fresh_interpreter")
+_kernels_runnable = skip_if_triton_too_early(TRITON_TOO_EARLY, "test_kernel_suite_in_fresh_interpreter")
 
 
 @pytest.mark.skipif(not TRITON_TOO_EARLY, reason="the kernel tests run in this process")
