@@ -301,7 +301,8 @@ def _grid(clip: str | None) -> np.ndarray:
 
 
 def _args(spec: QuantSpec, dtype: torch.dtype) -> tuple:
-    return spec.q_min, spec.q_max, (spec.q_max - spec.q_min) / 2.0, dtype == torch.bfloat16
+    """(q_min, q_max, half range, bf16?) as the kernels take them (floats: Triton's as fp32 arguments)."""
+    return float(spec.q_min), float(spec.q_max), (spec.q_max - spec.q_min) / 2.0, dtype == torch.bfloat16
 
 
 def gptq_loop(Wt: torch.Tensor, Hinv: torch.Tensor, spec: QuantSpec, dtype: torch.dtype, clip: str | None

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from glmq.quantize.gptq_cpu import descent_start
+from glmq.quantize.gptq_cpu import _args, _grid, descent_start
 from glmq.quantize.spec import QuantSpec
 
 try:  # triton is an optional extra (glmq[triton]); without it CUDA solves take the torch path
@@ -167,10 +167,6 @@ if triton is not None:
         tl.atomic_add(moved_ptr, tl.sum(tl.sum(m.to(tl.int32), axis=1), axis=0))
 
 
-def _args(spec: QuantSpec, dtype: torch.dtype) -> tuple:
-    return float(spec.q_min), float(spec.q_max), (spec.q_max - spec.q_min) / 2.0, dtype == torch.bfloat16
-
-
 def gptq_loop(Wt: torch.Tensor, Hinv: torch.Tensor, spec: QuantSpec, dtype: torch.dtype, clip: str | None
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """`gptq._gptq_loop` for the covered case (`applies`): identity permutation, symmetric.
@@ -181,15 +177,13 @@ def gptq_loop(Wt: torch.Tensor, Hinv: torch.Tensor, spec: QuantSpec, dtype: torc
     Returns:
         (q int8 `[B, N, K]` (a transposed view), scale `[B, N, G]` dtype).
     """
-    from glmq.quantize.gptq import CLIP_GRID
-
     nb, k, n = Wt.shape
     gs = spec.group_size
     Wt, Hinv = Wt.contiguous(), Hinv.contiguous()
     Qt = torch.empty(nb, k, n, dtype=torch.int8, device=Wt.device)
     St = torch.empty(nb, k // gs, n, device=Wt.device)
     Et = torch.empty(nb, gs, n, device=Wt.device)
-    grid = torch.tensor(CLIP_GRID if clip else (1.0,), dtype=torch.float32, device=Wt.device)
+    grid = torch.from_numpy(_grid(clip)).to(Wt.device)
     qmin, qmax, half, bf16 = _args(spec, dtype)
     eps = float(torch.finfo(dtype).eps)
     ntile = triton.cdiv(n, T)
