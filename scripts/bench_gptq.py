@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 from glmq.scripts.bench_rtn import measure
 
 RECIPES = {"experts": "int4-w4a16", "all-linear": "int4-w4a16-all-linear"}
-PEER_VARIANTS = ("gptq", "gptq-routed", "gptq-noact", "autoround")
+PEER_VARIANTS = ("gptq", "gptq-routed", "gptq-noact", "autoround", "autoround-asis")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
@@ -92,13 +92,17 @@ def recipe_variant(recipe: str, overrides: list[str], tag: str, work: Path) -> s
     return str(path)
 
 
-def peer_run(peer_python: str, dense: Path, tokens: Path, variant: str, targets: str, out: Path, work: Path) -> dict:
+def peer_run(peer_python: str, dense: Path, tokens: Path, variant: str, targets: str, out: Path, work: Path,
+             peer_path: str = "") -> dict:
+    """The peer in its own interpreter; PYTHONPATH is `peer_path` (default empty: glmq's path is not inherited)."""
     here = Path(__file__).with_name("peer_gptq.py")
     js = work / f"{out.name}.peer.json"
     cmd = [peer_python, str(here), "--model", str(dense), "--tokens", str(tokens), "--variant", variant,
            "--targets", targets, "--out", str(out), "--json", str(js)]
-    r = timed(cmd, work / f"{out.name}.log", env={**os.environ, "PYTHONPATH": ""})
-    return r | {"seconds_in_process": json.loads(js.read_text())["seconds"]}
+    r = timed(cmd, work / f"{out.name}.log", env={**os.environ, "PYTHONPATH": peer_path})
+    pj = json.loads(js.read_text())
+    return r | {"seconds_in_process": pj["seconds"], "peer_cuda": pj.get("cuda", False),
+                "peer_peak_gpu_bytes": pj.get("peak_gpu_bytes", 0)}
 
 
 def calibration_tokens_file(src: Path, calib: Path, samples: int, work: Path) -> Path:
@@ -126,7 +130,8 @@ def quality(args) -> dict:
         runs += [(f"glmq gptq{' ' + args.tag if args.tag else ''}{f' seed{s}' if s else ''}",
                   lambda o, s=s: glmq_run(src, o, gptq_recipe, "gptq", calib, 128, work, s, args.cli_arg) | {
                       "seed": s, "set": args.set, "cli_args": args.cli_arg}) for s in args.seeds]
-        runs += [(f"llm-compressor {v}", lambda o, v=v: peer_run(args.peer_python, dense, tokens, v, targets, o, work))
+        runs += [(f"llm-compressor {v}", lambda o, v=v: peer_run(args.peer_python, dense, tokens, v, targets, o, work,
+                                                                    args.peer_path))
                  for v in args.peers]
         for label, fn in runs:
             out = work / f"{targets}-{label.replace(' ', '-')}"
@@ -174,7 +179,7 @@ def scaling(args) -> dict:
             if label.startswith("glmq"):
                 r = glmq_run(src, out, "int4-w4a16", "gptq", calib, 64, work)
             else:
-                r = peer_run(args.peer_python, dense, tokens, "gptq", "experts", out, work)
+                r = peer_run(args.peer_python, dense, tokens, "gptq", "experts", out, work, args.peer_path)
             rows.append({"layers": n, "tool": label, "parameters": params} | r)
     return {"rows": rows}
 
@@ -184,9 +189,12 @@ def main() -> None:
     ap.add_argument("mode", choices=["quality", "scaling"])
     ap.add_argument("--shared", default=os.environ.get("GLMQ_SHARED", "../shared") + "/models")
     ap.add_argument("--peer-python", default="/tmp/peer-venv/bin/python")
+    ap.add_argument("--peer-path", default="", metavar="PYTHONPATH",
+                    help="PYTHONPATH of the peer's interpreter (e.g. a folder of carried wheels on a machine without a venv)")
     ap.add_argument("--work", default="/tmp/glmq-bench-gptq")
     ap.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
-    ap.add_argument("--peers", nargs="*", default=list(PEER_VARIANTS), choices=list(PEER_VARIANTS))
+    ap.add_argument("--peers", nargs="*", default=list(PEER_VARIANTS[:4]), choices=list(PEER_VARIANTS),
+                    help="peer variants to run (default: all but autoround-asis); none: glmq only")
     ap.add_argument("--layers", nargs="+", type=int, default=[4, 8, 16])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0], help="quality: glmq GPTQ calibration draws")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -199,7 +207,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks")
     args = ap.parse_args()
     result = (quality if args.mode == "quality" else scaling)(args)
-    result |= {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores",
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    result |= {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores{gpu}",
                "load_before": os.getloadavg(), "torch": torch.__version__}
     Path(args.out).mkdir(exist_ok=True)
     path = Path(args.out) / f"bench_gptq_{args.mode}{'_' + args.name if args.name else ''}.json"

@@ -4,7 +4,7 @@
 # PARTS (default "tests kernels rtn"; also "rtn-sizes" (RTN --device cuda against the copy at RTN_LAYERS decoder
 # layers, default "3 8": 5.9 and 13 GB), "probe" (import/start-up times), "gptq-gpu" (every GPU-marked GPTQ and CUDA
 # conversion test), "gptq-triton" (the Triton GPTQ kernels' tests, and `bench_gptq_solver --backends --device cuda`), "gptq-profile" (one
-# GLM-5 gate+up batch solve under torch.profiler), "gptq-tiles" (the Triton GPTQ kernels' rows x warps per program, TILES), "cudapath", "gpq-unit" (GPTQ + cuda-path tests), "gptq" (GLM-5-shape GPTQ bench),
+# GLM-5 gate+up batch solve under torch.profiler), "gptq-tiles" (the Triton GPTQ kernels' rows x warps per program, TILES), "cudapath", "gpq-unit" (GPTQ + cuda-path tests), "gptq" (GLM-5-shape GPTQ bench), "peer-quality" (llm-compressor GPTQ and AutoRound on the GPU against glmq, bench_gptq quality),
 # "dist-rtn" / "dist-gptq" (torchrun on the machine's GPUs against one GPU, scripts/bench_dist.py; DIST_JOBS picks the
 # GPTQ rank counts, e.g. "2" in one call and "1" in the next: the JSON digests compare them)) picks what runs. Needs the wheels in .whl/ for what the GPU image lacks (compressed-tensors and its pydantic deps).
 set -uo pipefail
@@ -43,6 +43,18 @@ has gptq-tiles && timeout ${TILES_TIMEOUT:-150} python3 -m glmq.scripts.bench_gp
   --triton-tiles ${TILES:-32x4 16x2 16x4 8x1 8x2} --shape 8 4096 6144 --shape 8 6144 2048 --out "$OUT" --name cuda-tiles 2>&1 | tail -14
 has gptq-gpu && python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gptq.py tests/test_gptq_engine.py tests/test_cuda_path.py 2>&1 | tail -8 | tee "$OUT/gptq_gpu_tests.txt"
 has cudapath && python3 -m pytest -q -p no:cacheprovider tests/test_cuda_path.py 2>&1 | tail -8 | tee "$OUT/cuda_path_tests.txt"
+if has peer-quality; then  # llm-compressor (GPTQ variants, AutoRound) on the GPU against glmq: scripts/bench_gptq.py quality.
+  # Needs the peer's wheels in .whl-peer/ (llmcompressor, auto-round, datasets, dill, multiprocess) and the shared
+  # models folder copied to .shared-models/, both carried; PEERQ_ARGS adds bench_gptq options (recipes, peers, seeds).
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peersite .whl-peer/*.whl .whl/*.whl
+  for R in ${PEERQ_RUNS:-base}; do  # a run's arguments: PEERQ_ARGS_<run> if set, else PEERQ_ARGS; "cuda" adds: glmq's GPTQ only, --device cuda
+    V=PEERQ_ARGS_$R; X=${!V:-${PEERQ_ARGS:-}}; [[ $R == cuda ]] && X="$X --no-rtn --peers --tag cuda --cli-arg=--device=cuda"
+    timeout ${PEERQ_TIMEOUT:-500} python3 -m glmq.scripts.bench_gptq quality --shared ${SHARED_MODELS:-.shared-models} \
+      --peer-python python3 --peer-path /tmp/peersite --work /tmp/bq-peer --out "$OUT" --name ${PEERQ_NAME:-gpu-peers}-$R \
+      $X 2>&1 | tail -25 | tee "$OUT/bench_gptq_quality_gpu_$R.log"
+  done
+  tar czf "$OUT/bq-peer.tgz" -C /tmp/bq-peer $(cd /tmp/bq-peer && ls *.json *.log *.yaml 2>/dev/null)  # logs and reports, one file
+fi
 has kernels && timeout 330 python3 scripts/bench_kernels.py --out "$OUT" 2>&1 | tail -60 | tee "$OUT/bench_kernels.log"
 has gptq && timeout ${GPTQ_TIMEOUT:-500} python3 scripts/bench_gptq_gpu.py --work /tmp/glmq-g5 ${GPTQ_ARGS:-} --json "$OUT/bench_gptq_gpu.json" 2>&1 | tail -40 | tee "$OUT/bench_gptq_gpu.log"
 has rtn && timeout 400 python3 scripts/bench_rtn.py --work /tmp/glmq-bench --layers 3 --device cuda --repeats 3 --out "$OUT/bench_rtn_cuda.json" 2>&1 | tail -40 | tee "$OUT/bench_rtn_cuda.log"
