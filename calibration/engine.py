@@ -44,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -52,7 +53,7 @@ import torch
 
 from glmq.calibration import cache as cc
 from glmq.calibration.collect import Target, make_target
-from glmq.calibration.layer_gptq import gptq_batches, quantize_layer
+from glmq.calibration.layer_gptq import gptq_batches, quantize_layer, sequential_stages
 from glmq.calibration.layers import LayerBuilder
 from glmq.calibration.report import summarize
 from glmq.formats.families import layer_index
@@ -110,6 +111,12 @@ class CalibrationSettings:
             device (the batch divides launch overhead on a GPU; on a CPU 4 is as fast as 16 and holds a
             quarter of the memory, measured in BENCHMARKS.md). The output does not depend on it on a CPU.
         offload_activations: folder for the hidden states between layers (None: in memory).
+        sequential: quantize a layer's targets in stages in the order the forward reaches them
+            (`layer_gptq.sequential_stages`: attention inputs, MLA's second projections, the attention
+            output, the MLPs' gate/up, their down projections), each stage's Hessians collected from a
+            pass through the layer with every earlier stage already quantized, as the GPTQ reference's
+            `--true-sequential`. One calibration pass per stage instead of one per layer. False: every
+            Hessian of the layer from one pass through its unquantized weights.
     """
 
     calibration: str = ""
@@ -126,6 +133,7 @@ class CalibrationSettings:
     experts_per_pass: int | None = None
     gptq_batch: int | None = None
     offload_activations: str | None = None
+    sequential: bool = False
 
     def __post_init__(self) -> None:
         if self.under_covered not in UNDER_COVERED:
@@ -140,7 +148,9 @@ class CalibrationSettings:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
     def identity(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k not in ("experts_per_pass", "offload_activations")}
+        # `sequential` is left out while off, so caches written before it existed stay valid
+        return {k: v for k, v in asdict(self).items() if k not in ("experts_per_pass", "offload_activations")
+                and not (k == "sequential" and not v)}
 
 
 def run_gptq(plan: Plan, out: str | Path, tokens: torch.Tensor, settings: CalibrationSettings,
@@ -298,15 +308,19 @@ class _Run:
     # -- one layer
     def quantized_layer(self, i: int, state: dict, qweights: dict[str, QWeight]):
         """Layer i with every target replaced by its dequantized integers (what the checkpoint holds)."""
-        prefix = f"model.layers.{i}."
         state = dict(state)
+        self.put_quantized(i, state, qweights)
+        return self.builder.build(i, state)
+
+    def put_quantized(self, i: int, state: dict, qweights: dict[str, QWeight]) -> None:
+        """Replace in `state` (in place) the weights of `qweights`' modules by their dequantized integers."""
+        prefix = f"model.layers.{i}."
         for module, qw in qweights.items():
             name = module[len(prefix):] + ".weight"
             w = state[name]  # dequantized where the layer lives: on a GPU the host holds only the integers
             qw = QWeight(qw.q.to(w.device), qw.scale.to(w.device),
                          None if qw.zero_point is None else qw.zero_point.to(w.device))
             state[name] = dequantize(qw, self.spec.group_size).to(w.dtype)
-        return self.builder.build(i, state)
 
     def layer(self, i: int, src: cc.Activations, carry: cc.Activations | None):
         """Calibrate, quantize and forward layer i; returns its output stores (hidden, carry)."""
@@ -314,12 +328,21 @@ class _Run:
         targets = self.targets[i]
         state = self.builder.tensors.layer_state(i)
         qweights, meta = {}, {"layer": i, "targets": {}}
-        if targets:
-            mine = targets if self.world is None else self.share(targets, state)
-            # built by quantize_layer, which drops it after its last calibration pass, before the solves
-            qweights, meta = quantize_layer(self, i, lambda: self.builder.build(i, state), state, mine, src, carry)
+        stages = sequential_stages(targets) if self.s.sequential else [targets] if targets else []
+        metas = []
+        for stage in stages:
+            mine = stage if self.world is None else self.share(stage, state)
+            # built by quantize_layer, which drops it after its last calibration pass, before the solves;
+            # in a later stage, `state` holds the earlier stages' targets dequantized (put_quantized)
+            qw, m = quantize_layer(self, i, lambda: self.builder.build(i, state), state, mine, src, carry)
             if self.world is not None:
-                qweights, meta = self.merge(i, qweights, meta)
+                qw, m = self.merge(i, qw, m)
+            qweights |= qw
+            metas.append(m)
+            if len(stages) > 1:
+                self.put_quantized(i, state, qw)
+        if metas:
+            meta = merge_stage_metas(metas)
         stream.release_free_memory()  # what the solves left behind, before the forward's activations
         qlayer = self.quantized_layer(i, state, qweights)
         del state
@@ -422,6 +445,32 @@ def merge_metas(metas: list[dict]) -> dict:
             break
     out["gptq_seconds"] = max(m.get("gptq_seconds", 0.0) for m in metas)
     out["ranks"] = len(metas)
+    return out
+
+
+def merge_stage_metas(metas: list[dict]) -> dict:
+    """One layer's diagnostics from its sequential stages (one stage: that stage's): targets united, expert
+    counts from the first stage that routed tokens to experts, times summed, tokens/s averaged."""
+    if len(metas) == 1:
+        return metas[0]
+    out = dict(metas[0])
+    out["targets"] = {k: v for m in metas for k, v in m["targets"].items()}
+    for key in ("tokens_per_expert", "under_covered", "all_token_hessian_tokens"):
+        out.pop(key, None)
+    for m in metas:
+        if m.get("tokens_per_expert"):
+            out["tokens_per_expert"], out["under_covered"] = m["tokens_per_expert"], m["under_covered"]
+            out["all_token_hessian_tokens"] = m.get("all_token_hessian_tokens")
+            break
+    tps = [m["calibration_tokens_per_s"] for m in metas if m.get("calibration_tokens_per_s")]
+    out["calibration_tokens_per_s"] = round(statistics.fmean(tps), 1) if tps else None
+    out["gptq_seconds"] = round(sum(m.get("gptq_seconds") or 0.0 for m in metas), 3)
+    phases: dict[str, float] = {}
+    for m in metas:
+        for k, v in (m.get("gptq_phase_seconds") or {}).items():
+            phases[k] = round(phases.get(k, 0.0) + v, 3)
+    out["gptq_phase_seconds"] = phases
+    out["sequential_stages"] = [sorted({t.rsplit(".", 1)[-1] for t in m["targets"]}) for m in metas]
     return out
 
 

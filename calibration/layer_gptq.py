@@ -8,6 +8,7 @@ spec, device, progress bar, and `forward`, one pass over the calibration samples
 from __future__ import annotations
 
 import contextlib
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -34,6 +35,27 @@ def _expert_chunks(run: _Run, targets: list[Target]) -> list[set[int]]:
     return [set(experts[j:j + k]) for j in range(0, len(experts), k)]
 
 
+# `sequential_stages`: the order in which a decoder layer's forward reaches its Linears' inputs (local names)
+_STAGES = (
+    re.compile(r"self_attn\.(q_b_proj|kv_b_proj)$"),  # MLA: inputs are the normed q_a / kv_a outputs
+    re.compile(r"self_attn\.o_proj$"),
+    re.compile(r"mlp\.(.*\.)?(gate|up)_proj$"),  # dense MLP, shared experts, routed experts
+    re.compile(r"mlp\.(.*\.)?down_proj$"),
+)
+
+
+def sequential_stages(targets: list[Target]) -> list[list[Target]]:
+    """`targets` in the stages of a true-sequential pass (CalibrationSettings.sequential), non-empty ones
+    only, each in its given order: the attention's input projections (and anything not named below)
+    first, then MLA's q_b/kv_b, the attention output, the MLPs' gate/up, their down projections. A stage's
+    inputs depend only on the stages before it."""
+    stages: list[list[Target]] = [[] for _ in range(len(_STAGES) + 1)]
+    for t in targets:
+        k = next((j + 1 for j, rx in enumerate(_STAGES) if rx.search(t.local)), 0)
+        stages[k].append(t)
+    return [st for st in stages if st]
+
+
 def quantize_layer(run: _Run, i: int, build, state: dict, targets: list[Target], src, carry):
     """Collect Hessians (one pass per chunk of experts) and GPTQ every target of layer i.
 
@@ -57,6 +79,7 @@ def quantize_layer(run: _Run, i: int, build, state: dict, targets: list[Target],
     solve_s = 0.0
     phases = _PhaseTimer(run.device)
     chunks = _expert_chunks(run, targets)
+    down_experts = {t.expert for t in targets if t.site.endswith(".down")}  # (a sequential stage may have none)
     layer = build()
     # one pass: while the layer lives, its experts' weights are the only copy (put back before the solves)
     popped = pop_experts(state) if len(chunks) == 1 else {}
@@ -64,7 +87,7 @@ def quantize_layer(run: _Run, i: int, build, state: dict, targets: list[Target],
     for p, chunk in enumerate(chunks):
         todo = [t for t in targets if (t.expert is None and p == 0) or (t.expert is not None and t.expert in chunk)]
         sites = {t.site for t in todo} | ({ALL_TOKENS} if p == 0 and chunk else set())
-        down_all = chunk if prior else (under & chunk if all_tok else set())
+        down_all = (chunk if prior else (under & chunk if all_tok else set())) & down_experts
         col = _collect(run, layer, sites, chunk, down_all, src, carry, tps)
         if p == 0 and chunk:
             counts = col.tokens.tolist()
@@ -72,8 +95,8 @@ def quantize_layer(run: _Run, i: int, build, state: dict, targets: list[Target],
             meta["tokens_per_expert"], meta["under_covered"] = counts, sorted(under)
             meta["all_token_hessian_tokens"] = col.all_token_tokens or None  # None: no down_all Hessian taken
             all_h = col.hessian(ALL_TOKENS)
-            if all_tok and under & chunk and not prior:  # this chunk's all-token down Hessians: one more pass
-                col.acc.update(_collect(run, layer, set(), set(), under & chunk, src, carry, tps).acc)
+            if all_tok and under & chunk & down_experts and not prior:  # this chunk's all-token down Hessians: one more pass
+                col.acc.update(_collect(run, layer, set(), set(), under & chunk & down_experts, src, carry, tps).acc)
         if p == len(chunks) - 1:
             if popped:
                 restore_experts(layer, state, popped)

@@ -69,12 +69,14 @@ def summarize(plan: Plan, metas: list[dict], settings, tokens: torch.Tensor, res
                        "expert_tokens": _spread(counts), "tokens_per_expert": counts,
                        "under_covered_experts": meta.get("under_covered", []),
                        "all_token_hessian_tokens": meta.get("all_token_hessian_tokens"),
-                       "peak_rss_bytes": meta["peak_rss_bytes"]})
+                       "peak_rss_bytes": meta["peak_rss_bytes"]}
+                      | ({"sequential_stages": meta["sequential_stages"]} if "sequential_stages" in meta else {}))
     by_class = {cls: {"tensors": t[0], "rel_err_gptq": _rel(t[1], t[3]), "rel_err_rtn": _rel(t[2], t[3]),
                       "gptq_better": t[4]} for cls, t in sorted(totals.items())}
     return {
         "method": "gptq",
-        "settings": settings.identity() | {"offload_activations": settings.offload_activations},
+        "settings": settings.identity() | {"offload_activations": settings.offload_activations,
+                                           "sequential": settings.sequential},
         "calibration_tokens": int(tokens.numel()),
         "resumed_from_layer": resumed_from,
         "seconds": round(seconds, 3),

@@ -119,8 +119,12 @@ def _skip_triton() -> None:
               help="GPTQ: the experts' all-token down-projection Hessians (the prior blended into every expert's, "
                    "and an under-covered expert's own) take the first N x I calibration tokens, I the experts' "
                    "intermediate size [default: 4; a large N takes every token].")
+@click.option("--true-sequential", is_flag=True,
+              help="GPTQ: quantize each layer's Linears in the order its forward reaches them (attention inputs, "
+                   "attention output, MLP gate/up, down), each stage calibrated on the layer with the earlier "
+                   "stages already quantized; one calibration pass per stage.")
 def quantize(model, recipe, max_shard_size, output, scheme, device, no_progress, json_out, calibration, samples,
-             seq_len, seed, offload_activations, min_expert_tokens, all_token_limit):
+             seq_len, seed, offload_activations, min_expert_tokens, all_token_limit, true_sequential):
     """Convert a checkpoint, streaming one shard at a time (GPTQ: calibrated one decoder layer at a time)."""
     import os
 
@@ -146,6 +150,8 @@ def quantize(model, recipe, max_shard_size, output, scheme, device, no_progress,
             extra = {} if min_expert_tokens is None else {"min_expert_tokens": min_expert_tokens}
             if all_token_limit is not None:
                 extra["all_token_limit"] = all_token_limit
+            if true_sequential:
+                extra["sequential"] = True
             settings = CalibrationSettings(calibration=calibration, samples=samples, seq_len=seq_len, seed=seed,
                                            offload_activations=offload_activations, **extra)
             world = dist.init(device) if dist.launched() else None  # torchrun: this process is one rank

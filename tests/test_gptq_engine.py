@@ -159,6 +159,48 @@ def test_glm5_all_linear_recipe(make_ckpt, tmp_path):
     assert torch.equal(tg["model.layers.1.self_attn.indexer.wk.weight"], tr["model.layers.1.self_attn.indexer.wk.weight"])
 
 
+def test_sequential_stages_follow_the_forward():
+    from glmq.calibration.collect import make_target
+    from glmq.calibration.layer_gptq import sequential_stages
+
+    names = ["mlp.experts.3.down_proj", "self_attn.o_proj", "mlp.experts.3.gate_proj", "self_attn.kv_b_proj",
+             "mlp.shared_experts.down_proj", "self_attn.q_a_proj", "mlp.shared_experts.up_proj",
+             "self_attn.kv_a_proj_with_mqa", "self_attn.q_b_proj", "mlp.experts.3.up_proj", "mlp.gate_proj"]
+    stages = sequential_stages([make_target(f"model.layers.2.{n}", 2) for n in names])
+    assert [[t.local for t in st] for st in stages] == [
+        ["self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"], ["self_attn.kv_b_proj", "self_attn.q_b_proj"],
+        ["self_attn.o_proj"], ["mlp.experts.3.gate_proj", "mlp.shared_experts.up_proj", "mlp.experts.3.up_proj",
+                               "mlp.gate_proj"], ["mlp.experts.3.down_proj", "mlp.shared_experts.down_proj"]]
+    experts_only = [make_target(f"model.layers.2.mlp.experts.{e}.{p}_proj", 2) for e in (0, 1) for p in ("gate", "up", "down")]
+    assert [len(st) for st in sequential_stages(experts_only)] == [4, 2]
+
+
+def test_true_sequential_quantizes_later_stages_on_quantized_inputs(make_ckpt, tmp_path):
+    """GLM-5 layout, every linear: the first stage of the first layer gets its Hessians from the same pass as
+    without `sequential` (identical integers); every later stage sees the earlier stages quantized (its
+    integers change), and the output keeps the RTN format."""
+    src = make_ckpt("glm_moe_dsa", "fp8-block")
+    runs = {}
+    for seq in (False, True):
+        out = tmp_path / f"seq{int(seq)}"
+        runs[seq] = run_gptq(gptq_plan(src, "int4-w4a16-all-linear"), out, calib_ids(),
+                             settings(clip_search=False, sequential=seq), progress=False), tensors(out)
+    (rep0, t0), (rep1, t1) = runs[False], runs[True]
+    assert {k: (v.dtype, v.shape) for k, v in t0.items()} == {k: (v.dtype, v.shape) for k, v in t1.items()}
+    lay = rep1["gptq"]["layers"][1]
+    assert lay["sequential_stages"] == [["kv_a_proj_with_mqa", "q_a_proj"], ["kv_b_proj", "q_b_proj"], ["o_proj"],
+                                        ["gate_proj", "up_proj"], ["down_proj"]], lay["sequential_stages"]
+    assert lay["tokens_per_expert"] and sum(lay["tokens_per_expert"]) > 0
+    for name in ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"):  # layer 0's first stage: the same inputs
+        assert torch.equal(t0[f"model.layers.0.{name}.weight_packed"], t1[f"model.layers.0.{name}.weight_packed"]), name
+    p = "model.layers.1."
+    for name in ("self_attn.kv_b_proj", "self_attn.o_proj", "mlp.shared_experts.down_proj", "mlp.experts.0.down_proj"):
+        assert not torch.equal(t0[p + name + ".weight_packed"], t1[p + name + ".weight_packed"]), name
+    for cls, row in rep1["gptq"]["by_class"].items():
+        assert row["rel_err_gptq"] < row["rel_err_rtn"], (cls, row)
+    assert "sequential" not in settings().identity() and settings(sequential=True).identity()["sequential"]
+
+
 # ----------------------------------------------------------------------------------------- coverage
 
 
