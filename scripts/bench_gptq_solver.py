@@ -72,6 +72,8 @@ def main() -> None:
     ap.add_argument("--backends", action="store_true", help="the default options: the kernels against the torch path")
     ap.add_argument("--device", default="cpu", help="--backends/--profile: cpu (numba kernels) or cuda (Triton kernels)")
     ap.add_argument("--profile", action="store_true", help="the default options once under torch.profiler: top ops by time")
+    ap.add_argument("--diagnostics", action="store_true",
+                    help="the engine's per-problem diagnostics after a solve, timed and profiled (--device)")
     ap.add_argument("--triton-tiles", nargs="+", metavar="ROWSxWARPS",
                     help="--device cuda: time the Triton kernels at these tile rows x warps per program (e.g. 32x4 8x1)")
     args = ap.parse_args()
@@ -79,6 +81,8 @@ def main() -> None:
         return splits(args)
     if args.profile:
         return profile(args)
+    if args.diagnostics:
+        return diagnostics(args)
     if args.triton_tiles:
         return triton_tiles(args)
     if args.backends:
@@ -191,6 +195,39 @@ def profile(args) -> None:
         key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
         print(f"{[b, n, k]} on {dev}: {time.perf_counter() - t0:.3f} s under the profiler")
         print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
+
+
+def diagnostics(args) -> None:
+    """The engine's per-problem diagnostics after a solve (calibration/layer_gptq.py `_Problem.solve`: RTN,
+    three quadratic forms, the results moved to the host), timed for a batch and once under torch.profiler."""
+    from types import SimpleNamespace
+
+    from glmq.calibration.collect import Target
+    from glmq.calibration.layer_gptq import _Problem, _solve
+
+    dev = torch.device(args.device)
+    run = SimpleNamespace(spec=QuantSpec(method="gptq", group_size=args.group_size), device=dev,
+                          s=SimpleNamespace(clip_search=True))
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    for b, n, k in args.shape or [(4, 2048, 1024)]:
+        w, h = problem(b, n, k, device=dev)
+        batch = [_Problem([Target(f"m{j}", f"m{j}", None, f"m{j}")], [n], w[j], h[j], "input", h[j], 1000)
+                 for j in range(b)]
+        _solve(batch, run)
+        _sync(dev)
+        for rep in range(2):
+            t0 = time.perf_counter()
+            for p in batch:
+                p.solve(run)
+            _sync(dev)
+            print(f"{[b, n, k]} on {dev}: diagnostics of the batch {time.perf_counter() - t0:.3f} s (round {rep})")
+        with torch.profiler.profile(activities=acts) as prof:
+            for p in batch:
+                p.solve(run)
+            _sync(dev)
+        key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=50))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=50))
 
 
 def triton_tiles(args) -> None:
