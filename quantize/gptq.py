@@ -9,7 +9,7 @@ Choices (each also noted where it is made):
   first column, as the reference implementation does with `static_groups=False`, and with the same
   compressed-tensors math as RTN (`compute_qparams` on group min/max in the weight dtype). Columns are
   quantized with compressed-tensors' own rounding too, so a Hessian without cross terms (diagonal H)
-  reproduces `quantize_rtn` bit for bit, and `rtn.dequantize` of the result is exactly the weight GPTQ
+  reproduces `quantize_rtn` bit for bit (without the descent and the scale refit below), and `rtn.dequantize` of the result is exactly the weight GPTQ
   compensated for.
 - act_order ("static", no g_idx): columns are processed by decreasing diag(H), but groups stay the
   contiguous *original* columns, because the written format has no g_idx. A group's scale is fixed when

@@ -41,9 +41,9 @@ VARIANTS = {  # name: (clip_search, clip_objective, cd_sweeps, scale_refit)
     "clip block": (True, "block", 0, 0),
     "clip propagated": (True, "propagated", 0, 0),
     "clip block + cd4": (True, "block", 4, 0),
-    "clip propagated + cd2 (default)": (True, "propagated", 2, 0),
+    "clip propagated + cd2": (True, "propagated", 2, 0),
     "clip propagated + cd4": (True, "propagated", 4, 0),
-    "clip propagated + cd2 + refit1": (True, "propagated", 2, 1),
+    "clip propagated + cd2 + refit1 (default)": (True, "propagated", 2, 1),
     "clip propagated + cd2 + refit2": (True, "propagated", 2, 2),
 }
 
