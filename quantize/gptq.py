@@ -9,7 +9,7 @@ Choices (each also noted where it is made):
   first column, as the reference implementation does with `static_groups=False`, and with the same
   compressed-tensors math as RTN (`compute_qparams` on group min/max in the weight dtype). Columns are
   quantized with compressed-tensors' own rounding too, so a Hessian without cross terms (diagonal H)
-  reproduces `quantize_rtn` bit for bit, and `rtn.dequantize` of the result is exactly the weight GPTQ
+  reproduces `quantize_rtn` bit for bit (without the descent and the scale refit below), and `rtn.dequantize` of the result is exactly the weight GPTQ
   compensated for.
 - act_order ("static", no g_idx): columns are processed by decreasing diag(H), but groups stay the
   contiguous *original* columns, because the written format has no g_idx. A group's scale is fixed when
@@ -35,6 +35,13 @@ Choices (each also noted where it is made):
   (`_coordinate_descent`). GPTQ decides each column once, from columns it has not quantized yet; the
   sweeps revisit those decisions with the whole rounding known. Each accepted move lowers its row's
   objective, so the result is never worse on it than GPTQ's (tests/test_gptq.py asserts it).
+- Scale refit (`spec.scale_refit` rounds, symmetric specs): a group's scale is fixed before GPTQ knows
+  the group's integers, and the descent then moves them with the scale fixed. With the integers fixed
+  the damped objective is quadratic in a row's group scales, so after the descent each row's scales are
+  refitted by least squares (G x G normal equations; `glmq.quantize.scale_refit`, torch GEMMs after
+  whichever backend solved), kept per row only where they lower the objective with their dtype-rounded
+  values, and followed by one more descent sweep for the new scales (when cd_sweeps > 0). Asymmetric
+  specs keep GPTQ's scales.
 - Dead columns (diag(H) == 0: the input channel never fired) get H[i, i] = 1 and W[:, i] = 0, as in the
   reference code. An all-zero Hessian (no tokens) and one that stays non-positive-definite after the
   dampening retries fall back to RTN; both are recorded in `GPTQResult.fallback`, never silent.
@@ -42,6 +49,7 @@ Choices (each also noted where it is made):
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 from dataclasses import dataclass
@@ -50,6 +58,7 @@ import torch
 
 from glmq.quantize import gptq_cpu
 from glmq.quantize.rtn import QWeight, compute_qparams, dequantize, group_minmax, quantize_rtn
+from glmq.quantize.scale_refit import refit_scales
 from glmq.quantize.spec import QuantSpec
 
 logger = logging.getLogger(__name__)
@@ -113,7 +122,8 @@ def quantize_gptq(
         w: `[N, K]` float weight (bf16 for GLM); its dtype becomes the scale dtype, its device is where
             the work runs (CPU or CUDA; float32 internally).
         h: `[K, K]` float Hessian `2/n sum x x^T` of the layer input; moved to w's device.
-        spec: bits, group size, symmetry, act_order, damp, block_size, clip_objective, cd_sweeps.
+        spec: bits, group size, symmetry, act_order, damp, block_size, clip_objective, cd_sweeps,
+            scale_refit.
         clip_search: per group and row, pick the min/max shrink factor from `CLIP_GRID` that minimizes
             the error `spec.clip_objective` defines. Off by default.
     Returns:
@@ -215,10 +225,21 @@ def quantize_gptq_batch(
             else:
                 q, scale, zp = _gptq_loop(weights(), Hinv, perm, spec, w.dtype, clip, clip_h)
             del Hinv
-            if spec.cd_sweeps:
+            refit = spec.scale_refit if zp is None else 0  # symmetric only (module docstring)
+            if spec.cd_sweeps or refit:
                 Hd = _damped(H[ok], [damps[j] for j in ok])
-                q = (fast.coordinate_descent(weights_t(), q, scale, Hd, spec, w.dtype) if fast is not None else
-                     _coordinate_descent(weights(), q, scale, zp, Hd, (perm // spec.group_size), spec, w.dtype))
+
+                def descent(sweeps: int) -> torch.Tensor:
+                    sp = dataclasses.replace(spec, cd_sweeps=sweeps)
+                    return (fast.coordinate_descent(weights_t(), q, scale, Hd, sp, w.dtype) if fast is not None else
+                            _coordinate_descent(weights(), q, scale, zp, Hd, (perm // spec.group_size), sp, w.dtype))
+
+                if spec.cd_sweeps:
+                    q = descent(spec.cd_sweeps)
+                for _ in range(refit):  # scales refitted to the integers, then one more sweep for the new scales
+                    scale = _refit(weights(), q, scale, Hd, perm, spec, w.dtype)
+                    if spec.cd_sweeps:
+                        q = descent(1)
                 del Hd
             if spec.act_order:
                 q = q[:, :, torch.argsort(perm)]
@@ -229,6 +250,16 @@ def quantize_gptq_batch(
                 out[b] = GPTQResult(qw, err, rtn(b)[1] if errors else None, damps[j], damps[j] != spec.damp, None,
                                     n_dead[b])
     return out
+
+
+def _refit(W: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, Hd: torch.Tensor, perm: torch.Tensor,
+           spec: QuantSpec, dtype: torch.dtype) -> torch.Tensor:
+    """`scale_refit.refit_scales` on tensors in processing order (`perm`): it needs each group's columns
+    contiguous, i.e. the original order, so act_order's permutation is undone for it."""
+    if spec.act_order:
+        inv = torch.argsort(perm)
+        W, q, Hd = W[:, :, inv], q[:, :, inv], Hd[:, inv][:, :, inv]
+    return refit_scales(W, q, scale, Hd, spec, dtype)
 
 
 def _kernels(w: torch.Tensor, spec: QuantSpec, clip: str | None):

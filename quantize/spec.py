@@ -46,6 +46,10 @@ class QuantSpec:
         cd_sweeps: GPTQ only: sweeps of integer coordinate descent after GPTQ, scales fixed, on the
             damped objective tr((W - Wq) (H + damp) (W - Wq)^T); 0 = plain GPTQ. 2 measured as good as 4
             at half the cost.
+        scale_refit: GPTQ only, symmetric specs: rounds of refitting each row's group scales to the final
+            integers (least squares on the same damped objective, `glmq.quantize.scale_refit`), each followed
+            by one more descent sweep when cd_sweeps > 0; 0 = the scales GPTQ chose. 1 measured better than
+            0 and 2 on the shared model (BENCHMARKS.md, "GPTQ scale refit").
     """
 
     num_bits: int = 4
@@ -57,6 +61,7 @@ class QuantSpec:
     block_size: int = 128
     clip_objective: str = "propagated"
     cd_sweeps: int = 2
+    scale_refit: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method(self.method))
@@ -73,6 +78,8 @@ class QuantSpec:
             raise ValueError(f"clip_objective must be one of {CLIP_OBJECTIVES}, got {self.clip_objective!r}")
         if not isinstance(self.cd_sweeps, int) or isinstance(self.cd_sweeps, bool) or self.cd_sweeps < 0:
             raise ValueError(f"cd_sweeps must be an integer >= 0, got {self.cd_sweeps!r}")
+        if not isinstance(self.scale_refit, int) or isinstance(self.scale_refit, bool) or self.scale_refit < 0:
+            raise ValueError(f"scale_refit must be an integer >= 0, got {self.scale_refit!r}")
         if self.block_size <= 0 or self.block_size % self.group_size and self.group_size % self.block_size:
             raise ValueError(
                 f"block_size {self.block_size} and group_size {self.group_size} must divide one another"

@@ -36,13 +36,15 @@ from glmq.quantize.gptq import hessian_error, quantize_gptq_batch
 from glmq.quantize.rtn import dequantize, quantize_rtn
 from glmq.quantize.spec import QuantSpec
 
-VARIANTS = {  # name: (clip_search, clip_objective, cd_sweeps)
-    "plain": (False, "block", 0),
-    "clip block": (True, "block", 0),
-    "clip propagated": (True, "propagated", 0),
-    "clip block + cd4": (True, "block", 4),
-    "clip propagated + cd2 (default)": (True, "propagated", 2),
-    "clip propagated + cd4": (True, "propagated", 4),
+VARIANTS = {  # name: (clip_search, clip_objective, cd_sweeps, scale_refit)
+    "plain": (False, "block", 0, 0),
+    "clip block": (True, "block", 0, 0),
+    "clip propagated": (True, "propagated", 0, 0),
+    "clip block + cd4": (True, "block", 4, 0),
+    "clip propagated + cd2": (True, "propagated", 2, 0),
+    "clip propagated + cd4": (True, "propagated", 4, 0),
+    "clip propagated + cd2 + refit1 (default)": (True, "propagated", 2, 1),
+    "clip propagated + cd2 + refit2": (True, "propagated", 2, 2),
 }
 
 
@@ -65,12 +67,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", nargs=3, type=int, action="append", metavar=("B", "N", "K"))
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), metavar="NAME",
+                    help=f"time only these variants (\"plain\" is always timed: the ratios' base); among {list(VARIANTS)}")
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--splits", nargs="+", type=int, help="time the default options in calls of this many problems")
     ap.add_argument("--name", default="", help="suffix of the result file name")
     ap.add_argument("--out", default="benchmarks")
     ap.add_argument("--backends", action="store_true", help="the default options: the kernels against the torch path")
-    ap.add_argument("--device", default="cpu", help="--backends/--profile: cpu (numba kernels) or cuda (Triton kernels)")
+    ap.add_argument("--device", default="cpu", help="cpu (numba kernels) or cuda (Triton kernels)")
     ap.add_argument("--profile", action="store_true", help="the default options once under torch.profiler: top ops by time")
     ap.add_argument("--diagnostics", action="store_true",
                     help="the engine's per-problem diagnostics after a solve, timed and profiled (--device)")
@@ -89,15 +93,20 @@ def main() -> None:
         return backends(args)
     rows = []
     for b, n, k in args.shape or [(8, 512, 1024)]:
-        w, h = problem(b, n, k)
+        w, h = problem(b, n, k, device=args.device)
         spec0 = QuantSpec(method="gptq", group_size=args.group_size)
         rtn = sum(hessian_error(w[i], dequantize(quantize_rtn(w[i], spec0), args.group_size), h[i]) for i in range(b))
-        for name, (clip, objective, sweeps) in VARIANTS.items():
-            spec = QuantSpec(method="gptq", group_size=args.group_size, clip_objective=objective, cd_sweeps=sweeps)
+        for name, (clip, objective, sweeps, refit) in VARIANTS.items():
+            if args.variants and name != "plain" and name not in args.variants:
+                continue
+            spec = QuantSpec(method="gptq", group_size=args.group_size, clip_objective=objective, cd_sweeps=sweeps,
+                             scale_refit=refit)
             times = []
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
                 res = quantize_gptq_batch(w, h, spec, clip_search=clip, errors=False)
+                if w.is_cuda:
+                    torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             err = sum(hessian_error(w[i], dequantize(r.qweight, args.group_size), h[i]) for i, r in enumerate(res))
             rows.append({"shape": [b, n, k], "variant": name, "seconds": round(min(times), 3),

@@ -51,6 +51,9 @@ def problem(n: int, k: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16):
 
 
 def gptq_spec(**kw) -> QuantSpec:
+    """A GPTQ spec; `scale_refit` 0 unless given: these tests are about the stages before the refit (GPTQ,
+    the clip search, the descent), whose decisions it would change; tests/test_scale_refit.py tests it."""
+    kw.setdefault("scale_refit", 0)
     return QuantSpec(method="gptq", **kw)
 
 

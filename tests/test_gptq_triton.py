@@ -97,8 +97,8 @@ def test_triton_descent_never_raises_the_objective(monkeypatch):
     """The descent's accepted moves each lower their row's objective: with sweeps it is at most without."""
     monkeypatch.setattr(gptq, "CLIP_GRID", (1.0,))
     w, h = problems(2, 12, 64, torch.bfloat16, seed=5)
-    plain = solve_triton(monkeypatch, w, h, QuantSpec(group_size=32, cd_sweeps=0), True)
-    swept = solve_triton(monkeypatch, w, h, QuantSpec(group_size=32, cd_sweeps=2), True)
+    plain = solve_triton(monkeypatch, w, h, QuantSpec(group_size=32, cd_sweeps=0, scale_refit=0), True)
+    swept = solve_triton(monkeypatch, w, h, QuantSpec(group_size=32, cd_sweeps=2, scale_refit=0), True)
     hd = gptq._damped(h, [QuantSpec().damp] * 2)
     for b in range(2):
         o0 = objective(w[b:b + 1], plain[b].qweight.q.cpu()[None], plain[b].qweight.scale.cpu()[None], hd[b:b + 1], 32)
