@@ -306,7 +306,7 @@ class _Run:
             qw = QWeight(qw.q.to(w.device), qw.scale.to(w.device),
                          None if qw.zero_point is None else qw.zero_point.to(w.device))
             state[name] = dequantize(qw, self.spec.group_size).to(w.dtype)
-        return self.builder.build(i, state)
+        return self.builder.build(i, state, chunked_experts=True)
 
     def layer(self, i: int, src: cc.Activations, carry: cc.Activations | None):
         """Calibrate, quantize and forward layer i; returns its output stores (hidden, carry)."""
@@ -317,7 +317,8 @@ class _Run:
         if targets:
             mine = targets if self.world is None else self.share(targets, state)
             # built by quantize_layer, which drops it after its last calibration pass, before the solves
-            qweights, meta = quantize_layer(self, i, lambda: self.builder.build(i, state), state, mine, src, carry)
+            build = lambda as_stored: self.builder.build(i, state, as_stored)  # noqa: E731
+            qweights, meta = quantize_layer(self, i, build, state, mine, src, carry)
             if self.world is not None:
                 qweights, meta = self.merge(i, qweights, meta)
         stream.release_free_memory()  # what the solves left behind, before the forward's activations
