@@ -8,7 +8,9 @@ Inside the output folder, `.glmq-gptq/`:
   target's diagnostics. Written under a temporary name and renamed, so it exists only when complete.
 - `hidden-00012.bin` (+ `carry-00012.bin`): the hidden states after quantized layer 12, the input of
   layer 13, raw row-major bytes (shape and dtype in the layer file). Only the newest is kept. With
-  `--offload-activations DIR` they live in DIR instead, and the run reads and writes them batch by batch.
+  `--activations disk` (the default) the run reads and writes them batch by batch (the layer being
+  written goes to `hidden-00013.tmp` first), with `--offload-activations DIR` in DIR instead; with
+  `--activations memory` they are held in memory and saved here after each layer.
 - `report.json`: the calibration report, for a rerun of a finished job.
 
 Resume rule: the first decoder layer without a layer file is redone from scratch. Its input is the

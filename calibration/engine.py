@@ -33,10 +33,14 @@ at damp 0.1 0.01068. The all-token down Hessians from the first 4 x I tokens (`a
 every token: 0.01058 against 0.01058 (5 seeds), and with 4 samples, where the prior matters most, 0.01307
 against 0.01304 (3 seeds).
 
-Memory: one decoder layer (compute dtype) plus its Hessians (float32 K x K per target site; bound them
-with `experts_per_pass`), plus the hidden states `[S, T, H]` in the compute dtype (S*T*H*4 bytes in
-float32: 0.8 GB for 128 x 256 tokens of GLM-5) and, for GLM-5's DSA, the carried top-k indices
-`[S, T, index_topk]` int32; with `offload_activations` both live on disk and only one batch is in memory.
+Memory: one decoder layer (compute dtype; the routed experts in the source's dtype during the Hessian
+passes) plus its Hessians (float32 K x K per target site; bound them with `experts_per_pass`), plus one
+batch of the hidden states `[S, T, H]`: by default (`activations="disk"`) they live in a file in the
+output's cache folder and are read and written batch by batch (batch_size * T * H * 4 bytes in float32
+in memory, the file in the page cache, which the kernel reclaims and which is not the process's RSS);
+with `activations="memory"` all of them are held (S*T*H*4 bytes in float32: 64 MB for the scaling
+model's 64 x 256 tokens, 0.8 GB for 128 x 256 tokens of GLM-5). The same holds for GLM-5's DSA carried
+top-k indices `[S, T, index_topk]` int32.
 """
 
 from __future__ import annotations
@@ -66,13 +70,15 @@ log = logging.getLogger("glmq.gptq")
 UNDER_COVERED = ("all_tokens", "rtn")
 
 
+ACTIVATIONS = ("disk", "memory")
+NOT_IDENTITY = ("experts_per_pass", "activations", "offload_activations")  # settings that change no bit
 GPTQ_BATCH = {"cuda": 16, "cpu": 4}  # CalibrationSettings.gptq_batch when None, by device type
 
 
 @dataclass(frozen=True)
 class CalibrationSettings:
-    """How GPTQ is calibrated. All but `experts_per_pass` and `offload_activations` (which change no bit of
-    the result) make up the run's identity.
+    """How GPTQ is calibrated. All but `experts_per_pass`, `activations` and `offload_activations` (which
+    change no bit of the result) make up the run's identity.
 
     Attributes:
         calibration: the calibration file or dataset name (provenance only; the tokens are digested).
@@ -109,7 +115,13 @@ class CalibrationSettings:
             one W and one H more with coordinate descent (QuantSpec.cd_sweeps). None: GPTQ_BATCH of the
             device (the batch divides launch overhead on a GPU; on a CPU 4 is as fast as 16 and holds a
             quarter of the memory, measured in BENCHMARKS.md). The output does not depend on it on a CPU.
-        offload_activations: folder for the hidden states between layers (None: in memory).
+        activations: where the hidden states between layers live: "disk" (default; a file, one batch in
+            memory) or "memory" (all of them; no disk traffic beyond the per-layer save for resuming).
+            "disk" writes and reads each layer's states once more than "memory" (2 x S*T*H*4 bytes a layer:
+            128 MB for the scaling model, 1.6 GB for 128 x 256 tokens of GLM-5) and holds up to two copies
+            on disk while a layer runs (the previous layer's until the new one is complete).
+        offload_activations: folder for the "disk" files (None: the output's cache folder `.glmq-gptq/`,
+            where "memory" saves each layer's states for resuming too). Only with "disk".
     """
 
     calibration: str = ""
@@ -125,6 +137,7 @@ class CalibrationSettings:
     dtype: str = "float32"
     experts_per_pass: int | None = None
     gptq_batch: int | None = None
+    activations: str = "disk"
     offload_activations: str | None = None
 
     def __post_init__(self) -> None:
@@ -136,11 +149,15 @@ class CalibrationSettings:
                              "gptq_batch positive")
         if self.all_token_limit is not None and not self.all_token_limit > 0:
             raise ValueError(f"all_token_limit must be positive or None, got {self.all_token_limit!r}")
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {self.activations!r}")
+        if self.offload_activations and self.activations != "disk":
+            raise ValueError("offload_activations (a folder for the hidden states) needs activations='disk'")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
     def identity(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k not in ("experts_per_pass", "offload_activations")}
+        return {k: v for k, v in asdict(self).items() if k not in NOT_IDENTITY}
 
 
 def run_gptq(plan: Plan, out: str | Path, tokens: torch.Tensor, settings: CalibrationSettings,
@@ -228,6 +245,7 @@ class _Run:
         self.builder = LayerBuilder(plan.source, self.device, self.dtype)
         self.n_layers = plan.source.config["num_hidden_layers"]
         self.targets = targets_by_layer(plan)
+        self.on_disk = settings.activations == "disk"
         self.offload = Path(settings.offload_activations) / f"glmq-{cache.parent.resolve().name}" \
             if settings.offload_activations else None
         self.act_dir = self.offload or cache
@@ -244,7 +262,7 @@ class _Run:
     def embeddings(self) -> cc.Activations:
         s, t = self.tokens.shape
         shape = (s, t, self.builder.config.hidden_size)
-        if self.offload is None:
+        if not self.on_disk:
             return cc.Activations.in_memory(self.builder.embed(self.tokens))
         store = cc.Activations.new_file(self.act_dir / "embeddings.tmp", shape, self.dtype)
         for b0 in range(0, s, self.s.batch_size):
@@ -280,7 +298,7 @@ class _Run:
 
     def _carry_store(self, extra: torch.Tensor, s: int, i: int) -> cc.Activations:
         shape = (s, *extra.shape[1:])
-        if self.offload is None:
+        if not self.on_disk:
             return cc.Activations.in_memory(torch.empty(shape, dtype=extra.dtype))
         return cc.Activations.new_file(self.hidden_path(i, "carry").with_suffix(".tmp"), shape, extra.dtype)
 
@@ -290,8 +308,15 @@ class _Run:
             if p.name.startswith(("hidden-", "carry-", "embeddings")) and p.name not in keep:
                 p.unlink()
 
+    def drop_partial_states(self) -> None:
+        """Delete the hidden states being written (`*.tmp`: of no use to a resumed run, which starts from the
+        newest complete `hidden-*.bin`, kept, or regenerates its input from the layer files)."""
+        for p in self.act_dir.glob("*.tmp"):
+            if p.name.startswith(("hidden-", "carry-", "embeddings")):
+                p.unlink(missing_ok=True)
+
     def output_store(self, src: cc.Activations, i: int) -> cc.Activations:
-        if self.offload is None:
+        if not self.on_disk:
             return src  # in place, batch by batch: one copy in memory
         return cc.Activations.new_file(self.hidden_path(i).with_suffix(".tmp"), src.shape, src.dtype)
 
@@ -390,11 +415,11 @@ class _Run:
         if start > 0:
             meta = cc.layer_meta(self.cache, start - 1)
             h = cc.Activations.load(self.hidden_path(start - 1), tuple(meta["hidden"]["shape"]),
-                                    cc.dtype_of(meta["hidden"]["dtype"]), self.offload is None)
+                                    cc.dtype_of(meta["hidden"]["dtype"]), not self.on_disk)
             c = None
             if "carry" in meta:
                 c = cc.Activations.load(self.hidden_path(start - 1, "carry"), tuple(meta["carry"]["shape"]),
-                                        cc.dtype_of(meta["carry"]["dtype"]), self.offload is None)
+                                        cc.dtype_of(meta["carry"]["dtype"]), not self.on_disk)
             if h is not None and (c is not None or "carry" not in meta):
                 log.info("resuming at layer %d from saved hidden states", start)
                 return h, c
@@ -405,7 +430,7 @@ class _Run:
                                           cc.load_qweights(self.cache, j, self.spec))
             dst, carry_dst = self.output_store(src, j), []
             self.forward(qlayer, src, carry, dst, carry_dst, j)
-            if self.offload is not None:
+            if self.on_disk:
                 dst.save(self.hidden_path(j))
             src, carry = dst, (carry_dst[0] if carry_dst else None)
         return src, carry
@@ -440,10 +465,14 @@ def calibrate(plan: Plan, cache: Path, tokens: torch.Tensor, settings: Calibrati
     if start < run.n_layers:
         run.bar = tqdm(total=sum(len(run.targets[i]) for i in range(start, run.n_layers)), unit="tensor",
                        desc="glmq gptq", disable=not progress, dynamic_ncols=True)
-        src, carry = run.resume_input(start)
-        for i in range(start, run.n_layers):
-            run.bar.set_description(f"GPTQ layer {i + 1}/{run.n_layers}")
-            src, carry = run.layer(i, src, carry)
+        try:
+            src, carry = run.resume_input(start)
+            for i in range(start, run.n_layers):
+                run.bar.set_description(f"GPTQ layer {i + 1}/{run.n_layers}")
+                src, carry = run.layer(i, src, carry)
+        except BaseException:
+            run.drop_partial_states()
+            raise
         run.bar.close()
         del src, carry
     run.drop_states()  # every decoder layer is done: no hidden states are needed any more

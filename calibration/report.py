@@ -74,7 +74,8 @@ def summarize(plan: Plan, metas: list[dict], settings, tokens: torch.Tensor, res
                       "gptq_better": t[4]} for cls, t in sorted(totals.items())}
     return {
         "method": "gptq",
-        "settings": settings.identity() | {"offload_activations": settings.offload_activations},
+        "settings": settings.identity() | {"activations": settings.activations,
+                                            "offload_activations": settings.offload_activations},
         "calibration_tokens": int(tokens.numel()),
         "resumed_from_layer": resumed_from,
         "seconds": round(seconds, 3),
