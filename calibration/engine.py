@@ -346,8 +346,10 @@ class _Run:
             qweights, meta = quantize_layer(self, i, build, state, mine, src, carry)
             if self.world is not None:
                 qweights, meta = self.merge(i, qweights, meta)
+        packed = cc.packed(qweights, self.spec)  # what the layer file holds: the integers 8 to an int32
+        del qweights
         stream.release_free_memory()  # what the solves left behind, before the forward's activations
-        qlayer = self.quantized_layer(i, state, qweights)
+        qlayer = self.quantized_layer(i, state, cc.PackedQWeights(packed, self.spec))
         del state
         stream.release_free_memory()  # the dequantized integers and fusing copies, before the forward's activations
         dst, carry_dst = self.output_store(src, i), []
@@ -362,7 +364,7 @@ class _Run:
         meta["seconds"] = round(time.perf_counter() - t0, 3)
         meta["peak_rss_bytes"] = stream.peak_rss_bytes()
         if self.world is None or self.world.is_lead:
-            cc.save_layer(self.cache, i, qweights, self.spec, meta)
+            cc.save_layer(self.cache, i, packed, meta)
         self.drop_states(keep=(self.hidden_path(i).name, self.hidden_path(i, "carry").name))  # only the newest
         return dst, (carry_dst[0] if carry_dst else None)
 
@@ -399,7 +401,7 @@ class _Run:
         file is written, the parts go (a resume redoes a layer whose file is missing).
         """
         w = self.world
-        cc.save_layer(self.cache, i, qweights, self.spec, meta, part=w.rank)
+        cc.save_layer(self.cache, i, cc.packed(qweights, self.spec), meta, part=w.rank)
         metas = w.gather(meta, f"layer {i}: gathering the ranks' diagnostics")
         w.barrier(f"layer {i}: waiting for every rank's part")
         whole: dict[str, QWeight] = {}

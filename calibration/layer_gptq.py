@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from glmq.calibration import cache as cc
 from glmq.calibration.collect import ALL_TOKENS, HessianCollector, Target
 from glmq.calibration.hessian import symmetric_panels
 from glmq.calibration.layers import share_experts
@@ -52,7 +53,7 @@ def quantize_layer(run: _Run, i: int, build, state: dict, targets: list[Target],
         return {}, {"layer": i, "targets": {}}
     all_tok = run.s.under_covered == "all_tokens"
     prior = run.s.expert_prior > 0
-    qweights: dict[str, QWeight] = {}
+    qweights = cc.PackedQWeights({}, run.spec)  # module -> QWeight, packed as each batch is solved
     meta: dict = {"layer": i, "targets": {}}
     tps: list[float] = []
     under: set[int] = set()
@@ -92,7 +93,8 @@ def quantize_layer(run: _Run, i: int, build, state: dict, targets: list[Target],
             with phases.timed("diagnostics"):
                 for p in batch:
                     for t, qw, d in p.solve(run):
-                        qweights[t.module], meta["targets"][t.module] = qw, d
+                        qweights.add(t.module, qw)
+                        meta["targets"][t.module] = d
                         col.acc.pop(t.site, None)
                         col.acc.pop(t.site + "_all", None)
             run.bar.update(sum(len(p.group) for p in batch))
