@@ -301,7 +301,7 @@ def test_all_token_limit_takes_the_first_tokens_and_no_output_pass_collects_the_
         assert n == 50
         torch.testing.assert_close(h, 2 / 50 * he.T @ he, rtol=1e-4, atol=1e-6)
     for site in limited.acc:  # the same sums, bit for bit, without the routed output
-        assert torch.equal(limited.acc[site].xxt_sum, no_output.acc[site].xxt_sum), site
+        assert torch.equal(limited.acc[site].state_dict()["xxt_sum"], no_output.acc[site].state_dict()["xxt_sum"]), site
         assert limited.acc[site].num_tokens == no_output.acc[site].num_tokens
     assert set(limited.acc) == set(no_output.acc) and torch.equal(limited.tokens, no_output.tokens)
     assert not torch.equal(cols["no_output"][1], cols["limited"][1])  # that pass's output is not the layer's
@@ -373,3 +373,23 @@ def test_chunked_experts_give_transformers_grouped_mm_output_bit_for_bit(make_ck
     gone = weakref.ref(layer.mlp.experts)
     del layer, ex
     assert gone() is None, "the installed forward keeps the layer alive (a reference cycle)"
+
+
+def test_hessian_panels_hold_the_block_upper_triangle_bit_for_bit():
+    """The CPU accumulator's own panel tensors (62.5 % of K x K at K = 1024) sum exactly (bit for bit) what the
+    same GEMMs into views of one K x K matrix summed, over uneven batches; the whole sum is its mirror."""
+    from glmq.calibration.hessian import HessianAccumulator, symmetric_panels
+
+    k = 1024
+    acc, ref = HessianAccumulator(k), torch.zeros(k, k)
+    g = torch.Generator().manual_seed(4)
+    for t in (700, 1, 2048, 33):
+        x = torch.randn(t, k, generator=g)
+        acc.add(x)
+        for i0, i1 in symmetric_panels(k):
+            ref[i0:i1, i0:].addmm_(x[:, i0:i1].t(), x[:, i0:])
+    assert len(acc.panels) == 4 and sum(p.numel() for p in acc.panels) == k * k * 5 // 8
+    full = acc.state_dict()["xxt_sum"]
+    for i0, i1 in symmetric_panels(k):
+        assert torch.equal(full[i0:i1, i0:], ref[i0:i1, i0:])
+    assert torch.equal(full, full.T)
