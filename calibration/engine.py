@@ -72,7 +72,7 @@ UNDER_COVERED = ("all_tokens", "rtn")
 
 ACTIVATIONS = ("disk", "memory")
 NOT_IDENTITY = ("experts_per_pass", "activations", "offload_activations")  # settings that change no bit
-GPTQ_BATCH = {"cuda": 16, "cpu": 4}  # CalibrationSettings.gptq_batch when None, by device type
+GPTQ_BATCH = {"cuda": 16, "cpu": 2}  # CalibrationSettings.gptq_batch when None, by device type
 
 
 @dataclass(frozen=True)
@@ -113,8 +113,9 @@ class CalibrationSettings:
         gptq_batch: same-shape GPTQ problems (experts) solved in one column loop
             (`quantize_gptq_batch`); bounds the extra float32 memory to about gptq_batch x (W + 3 H), plus
             one W and one H more with coordinate descent (QuantSpec.cd_sweeps). None: GPTQ_BATCH of the
-            device (the batch divides launch overhead on a GPU; on a CPU 4 is as fast as 16 and holds a
-            quarter of the memory, measured in BENCHMARKS.md). The output does not depend on it on a CPU.
+            device (the batch divides launch overhead on a GPU; on a CPU the kernels loop over the batch:
+            calls of 2 took 7.6 % longer than calls of 4 and the 4-layer scaling model's peak RSS during
+            the solves fell by ~160 MB, BENCHMARKS.md). The output does not depend on it on a CPU.
         activations: where the hidden states between layers live: "disk" (default; a file, one batch in
             memory) or "memory" (all of them; no disk traffic beyond the per-layer save for resuming).
             "disk" writes and reads each layer's states once more than "memory" (2 x S*T*H*4 bytes a layer:
@@ -270,11 +271,12 @@ class _Run:
         return store
 
     def forward(self, layer, src: cc.Activations, carry: cc.Activations | None, dst: cc.Activations | None,
-                carry_dst: list | None = None, index: int = 0) -> float:
+                carry_dst: list | None = None, index: int = 0, trim: bool = False) -> float:
         """Run every batch of `src` through `layer`; write outputs to `dst` (None: discard). Returns tokens/s.
 
         A layer's second output (GLM-5's top-k selection) is fed to it as `HFLayer.carry` and, when
-        `carry_dst` is a list, stored in a new store appended to it.
+        `carry_dst` is a list, stored in a new store appended to it. `trim`: hand the heap's free pages
+        back after every batch (`stream.release_free_memory`).
         """
         t0, s = time.perf_counter(), src.shape[0]
         name = self.builder.spec.carry
@@ -294,6 +296,9 @@ class _Run:
                         carry_dst[0].write(b0, extra)
                 if dst is not None:
                     dst.write(b0, y)
+                del x, y, kw
+                if trim:
+                    stream.release_free_memory()
         return src.shape[0] * src.shape[1] / max(time.perf_counter() - t0, 1e-9)
 
     def _carry_store(self, extra: torch.Tensor, s: int, i: int) -> cc.Activations:
@@ -353,7 +358,9 @@ class _Run:
         del state
         stream.release_free_memory()  # the dequantized integers and fusing copies, before the forward's activations
         dst, carry_dst = self.output_store(src, i), []
-        meta["forward_tokens_per_s"] = round(self.forward(qlayer, src, carry, dst, carry_dst, i), 1)
+        # trimmed after every batch: the experts' per-batch temporaries (their sizes vary with the routing)
+        # left ~0.25 GB of free heap pages resident over the 8 batches of the scaling model's forward
+        meta["forward_tokens_per_s"] = round(self.forward(qlayer, src, carry, dst, carry_dst, i, trim=True), 1)
         del qlayer
         stream.release_free_memory()
         dst.save(self.hidden_path(i))
