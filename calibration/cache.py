@@ -8,7 +8,9 @@ Inside the output folder, `.glmq-gptq/`:
   target's diagnostics. Written under a temporary name and renamed, so it exists only when complete.
 - `hidden-00012.bin` (+ `carry-00012.bin`): the hidden states after quantized layer 12, the input of
   layer 13, raw row-major bytes (shape and dtype in the layer file). Only the newest is kept. With
-  `--offload-activations DIR` they live in DIR instead, and the run reads and writes them batch by batch.
+  `--activations disk` (the default) the run reads and writes them batch by batch (the layer being
+  written goes to `hidden-00013.tmp` first), with `--offload-activations DIR` in DIR instead; with
+  `--activations memory` they are held in memory and saved here after each layer.
 - `report.json`: the calibration report, for a rerun of a finished job.
 
 Resume rule: the first decoder layer without a layer file is redone from scratch. Its input is the
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -74,14 +77,57 @@ def check_identity(cache: Path, identity: dict) -> None:
 
 
 # ----------------------------------------------------------------------------------------- layer files
-def save_layer(cache: Path, index: int, qweights: dict[str, QWeight], spec: QuantSpec, meta: dict,
-               part: int | None = None) -> None:
-    """Write layer `index`'s quantized targets and diagnostics atomically (`part`: a rank's share)."""
+def pack_layer(qweights: dict[str, QWeight], spec: QuantSpec) -> dict[str, torch.Tensor]:
+    """A layer's quantized targets as its layer file's tensors: per module the written format
+    (`weight_packed` int32, eight 4-bit integers each, `weight_scale`[, `weight_zero_point`]) and
+    `weight_shape` int64 [2]. An eighth of the int8 integers' memory; `PackedQWeights` reads them back."""
     tensors = {}
     for module, qw in qweights.items():
         for k, v in ops.pack_rows(qw, 0, qw.q.shape[0], spec).items():
             tensors[f"{module}.{k}"] = v.contiguous()
         tensors[f"{module}.weight_shape"] = torch.tensor(list(qw.q.shape), dtype=torch.int64)
+    return tensors
+
+
+class PackedQWeights(Mapping):
+    """module -> QWeight of `pack_layer`'s tensors, unpacked on each access (the integers, bit for bit).
+
+    `add` packs one more module's result: a layer's solves keep their results packed as they come (the
+    int8 integers of a scaling-model MoE layer are 48 MB; packed, 6 MB).
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], spec: QuantSpec):
+        self.tensors, self.spec = tensors, spec
+        self.modules = sorted({k.rpartition(".")[0] for k in tensors})
+
+    def add(self, module: str, qw: QWeight) -> None:
+        self.tensors.update(pack_layer({module: qw}, self.spec))
+        self.modules = sorted({*self.modules, module})
+
+    def __contains__(self, module: object) -> bool:  # without unpacking
+        return f"{module}.weight_shape" in self.tensors
+
+    def __getitem__(self, module: str) -> QWeight:
+        if f"{module}.weight_shape" not in self.tensors:
+            raise KeyError(module)
+        return _read_qweight(self.tensors.__getitem__, self.tensors.keys(), module, self.spec)
+
+    def __iter__(self):
+        return iter(self.modules)
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+
+def packed(qweights: Mapping[str, QWeight], spec: QuantSpec) -> dict[str, torch.Tensor]:
+    """`pack_layer`'s tensors of `qweights` (those a PackedQWeights already holds)."""
+    return qweights.tensors if isinstance(qweights, PackedQWeights) else pack_layer(dict(qweights), spec)
+
+
+def save_layer(cache: Path, index: int, tensors: dict[str, torch.Tensor], meta: dict,
+               part: int | None = None) -> None:
+    """Write layer `index`'s quantized targets (`pack_layer`'s tensors) and diagnostics atomically
+    (`part`: a rank's share)."""
     path = layer_file(cache, index, part)
     tmp = Path(str(path) + TMP_SUFFIX)
     save_file(tensors, str(tmp), metadata={"glmq_gptq": json.dumps(meta, sort_keys=True)})
@@ -102,16 +148,18 @@ def layer_meta(cache: Path, index: int) -> dict | None:
 def load_qweights(cache: Path, index: int, spec: QuantSpec, part: int | None = None) -> dict[str, QWeight]:
     with safe_open(str(layer_file(cache, index, part)), "pt") as f:
         modules = sorted({k.rpartition(".")[0] for k in f.keys()})
-        return {m: _read_qweight(f, m, spec) for m in modules}
+        names = set(f.keys())
+        return {m: _read_qweight(f.get_tensor, names, m, spec) for m in modules}
 
 
-def _read_qweight(f, module: str, spec: QuantSpec) -> QWeight:
-    n, k = f.get_tensor(f"{module}.weight_shape").tolist()
-    q = unpack_int32(f.get_tensor(f"{module}.weight_packed"), k, spec.num_bits)
+def _read_qweight(get, names, module: str, spec: QuantSpec) -> QWeight:
+    """`module`'s QWeight from a layer file's tensors (`get(name)`; `names`: the tensor names there are)."""
+    n, k = get(f"{module}.weight_shape").tolist()
+    q = unpack_int32(get(f"{module}.weight_packed"), k, spec.num_bits)
     zp = None
-    if f"{module}.weight_zero_point" in f.keys():
-        zp = unpack_zero_point(f.get_tensor(f"{module}.weight_zero_point"), n, spec.num_bits)
-    return QWeight(q, f.get_tensor(f"{module}.weight_scale"), zp)
+    if f"{module}.weight_zero_point" in names:
+        zp = unpack_zero_point(get(f"{module}.weight_zero_point"), n, spec.num_bits)
+    return QWeight(q, get(f"{module}.weight_scale"), zp)
 
 
 class CachedQWeights:
@@ -137,7 +185,7 @@ class CachedQWeights:
         if f"{module}.weight_packed" not in f.keys():
             raise CalibrationCacheError(f"{layer_file(self.cache, i)}: no GPTQ result for {module}; "
                                         f"remove {self.cache} and run again")
-        return _read_qweight(f, module, self.spec)
+        return _read_qweight(f.get_tensor, f.keys(), module, self.spec)
 
 
 # ----------------------------------------------------------------------------------------- activations

@@ -161,7 +161,12 @@ class HessianCollector:
 
 
 class _ExpertTap:
-    """transformers' eager expert loop (Glm4MoeExperts.forward et al.), adding to the collector."""
+    """transformers' eager expert loop (Glm4MoeExperts.forward et al.), adding to the collector.
+
+    The fused expert weights may be stored in another dtype than the hidden states (LayerBuilder.build's
+    `experts_as_stored`: bf16 source weights in a float32 layer); each expert's weights are cast to the
+    hidden states' dtype once per batch, used by its routed and its all-token products, and dropped.
+    """
 
     def __init__(self, col: HessianCollector):
         self.col = col
@@ -172,26 +177,29 @@ class _ExpertTap:
         if ALL_TOKENS in col.expert_sites:
             col._add(ALL_TOKENS, hidden_states)
         out = torch.zeros_like(hidden_states)
-        n_exp = ex.num_experts
+        n_exp, dt = ex.num_experts, hidden_states.dtype
         mask = torch.nn.functional.one_hot(top_k_index, num_classes=n_exp).permute(2, 1, 0)  # (E, k, T)
         col.tokens += mask.sum(dim=(1, 2)).cpu()
+        x_all = col._all_token_rows(hidden_states, ex.gate_up_proj.shape[1] // 2)
         for e in range(n_exp):
             pos, tok = torch.where(mask[e])
-            if tok.numel() == 0:
+            down_all = x_all.shape[0] > 0 and e in col.all_token_experts
+            if tok.numel() == 0 and not down_all:
                 continue
-            x = hidden_states[tok]  # (t_e, H)
-            gate, up = torch.nn.functional.linear(x, ex.gate_up_proj[e]).chunk(2, dim=-1)
-            h = ex.act_fn(gate) * up  # (t_e, I)
-            if e in col.active:
-                if f"mlp.experts.{e}.gate_up" in col.expert_sites:
-                    col._add(f"mlp.experts.{e}.gate_up", x)
-                if f"mlp.experts.{e}.down" in col.expert_sites:
-                    col._add(f"mlp.experts.{e}.down", h)
-            if col.routed_output:
-                y = torch.nn.functional.linear(h, ex.down_proj[e]) * top_k_weights[tok, pos, None]
-                out.index_add_(0, tok, y.to(out.dtype))
-        x = col._all_token_rows(hidden_states, ex.gate_up_proj.shape[1] // 2)
-        for e in sorted(col.all_token_experts) if x.shape[0] else ():
-            gate, up = torch.nn.functional.linear(x, ex.gate_up_proj[e]).chunk(2, dim=-1)
-            col._add(f"mlp.experts.{e}.down_all", ex.act_fn(gate) * up)
+            w_gate_up = ex.gate_up_proj[e].to(dt)  # (2I, H); no copy when already in dt
+            if tok.numel():
+                x = hidden_states[tok]  # (t_e, H)
+                gate, up = torch.nn.functional.linear(x, w_gate_up).chunk(2, dim=-1)
+                h = ex.act_fn(gate) * up  # (t_e, I)
+                if e in col.active:
+                    if f"mlp.experts.{e}.gate_up" in col.expert_sites:
+                        col._add(f"mlp.experts.{e}.gate_up", x)
+                    if f"mlp.experts.{e}.down" in col.expert_sites:
+                        col._add(f"mlp.experts.{e}.down", h)
+                if col.routed_output:
+                    y = torch.nn.functional.linear(h, ex.down_proj[e].to(dt)) * top_k_weights[tok, pos, None]
+                    out.index_add_(0, tok, y.to(out.dtype))
+            if down_all:
+                gate, up = torch.nn.functional.linear(x_all, w_gate_up).chunk(2, dim=-1)
+                col._add(f"mlp.experts.{e}.down_all", ex.act_fn(gate) * up)
         return out

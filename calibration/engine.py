@@ -33,10 +33,14 @@ at damp 0.1 0.01068. The all-token down Hessians from the first 4 x I tokens (`a
 every token: 0.01058 against 0.01058 (5 seeds), and with 4 samples, where the prior matters most, 0.01307
 against 0.01304 (3 seeds).
 
-Memory: one decoder layer (compute dtype) plus its Hessians (float32 K x K per target site; bound them
-with `experts_per_pass`), plus the hidden states `[S, T, H]` in the compute dtype (S*T*H*4 bytes in
-float32: 0.8 GB for 128 x 256 tokens of GLM-5) and, for GLM-5's DSA, the carried top-k indices
-`[S, T, index_topk]` int32; with `offload_activations` both live on disk and only one batch is in memory.
+Memory: one decoder layer (compute dtype; the routed experts in the source's dtype during the Hessian
+passes) plus its Hessians (float32 K x K per target site; bound them with `experts_per_pass`), plus one
+batch of the hidden states `[S, T, H]`: by default (`activations="disk"`) they live in a file in the
+output's cache folder and are read and written batch by batch (batch_size * T * H * 4 bytes in float32
+in memory, the file in the page cache, which the kernel reclaims and which is not the process's RSS);
+with `activations="memory"` all of them are held (S*T*H*4 bytes in float32: 64 MB for the scaling
+model's 64 x 256 tokens, 0.8 GB for 128 x 256 tokens of GLM-5). The same holds for GLM-5's DSA carried
+top-k indices `[S, T, index_topk]` int32.
 """
 
 from __future__ import annotations
@@ -67,13 +71,15 @@ log = logging.getLogger("glmq.gptq")
 UNDER_COVERED = ("all_tokens", "rtn")
 
 
-GPTQ_BATCH = {"cuda": 16, "cpu": 4}  # CalibrationSettings.gptq_batch when None, by device type
+ACTIVATIONS = ("disk", "memory")
+NOT_IDENTITY = ("experts_per_pass", "activations", "offload_activations")  # settings that change no bit
+GPTQ_BATCH = {"cuda": 16, "cpu": 2}  # CalibrationSettings.gptq_batch when None, by device type
 
 
 @dataclass(frozen=True)
 class CalibrationSettings:
-    """How GPTQ is calibrated. All but `experts_per_pass` and `offload_activations` (which change no bit of
-    the result) make up the run's identity.
+    """How GPTQ is calibrated. All but `experts_per_pass`, `activations` and `offload_activations` (which
+    change no bit of the result) make up the run's identity.
 
     Attributes:
         calibration: the calibration file or dataset name (provenance only; the tokens are digested).
@@ -108,9 +114,16 @@ class CalibrationSettings:
         gptq_batch: same-shape GPTQ problems (experts) solved in one column loop
             (`quantize_gptq_batch`); bounds the extra float32 memory to about gptq_batch x (W + 3 H), plus
             one W and one H more with coordinate descent (QuantSpec.cd_sweeps). None: GPTQ_BATCH of the
-            device (the batch divides launch overhead on a GPU; on a CPU 4 is as fast as 16 and holds a
-            quarter of the memory, measured in BENCHMARKS.md). The output does not depend on it on a CPU.
-        offload_activations: folder for the hidden states between layers (None: in memory).
+            device (the batch divides launch overhead on a GPU; on a CPU the kernels loop over the batch:
+            calls of 2 took 7.6 % longer than calls of 4 and the 4-layer scaling model's peak RSS during
+            the solves fell by ~160 MB, BENCHMARKS.md). The output does not depend on it on a CPU.
+        activations: where the hidden states between layers live: "disk" (default; a file, one batch in
+            memory) or "memory" (all of them; no disk traffic beyond the per-layer save for resuming).
+            "disk" writes and reads each layer's states once more than "memory" (2 x S*T*H*4 bytes a layer:
+            128 MB for the scaling model, 1.6 GB for 128 x 256 tokens of GLM-5) and holds up to two copies
+            on disk while a layer runs (the previous layer's until the new one is complete).
+        offload_activations: folder for the "disk" files (None: the output's cache folder `.glmq-gptq/`,
+            where "memory" saves each layer's states for resuming too). Only with "disk".
         sequential: quantize a layer's targets in stages in the order the forward reaches them
             (`layer_gptq.sequential_stages`: attention inputs, MLA's second projections, the attention
             output, the MLPs' gate/up, their down projections), each stage's Hessians collected from a
@@ -132,6 +145,7 @@ class CalibrationSettings:
     dtype: str = "float32"
     experts_per_pass: int | None = None
     gptq_batch: int | None = None
+    activations: str = "disk"
     offload_activations: str | None = None
     sequential: bool = False
 
@@ -144,13 +158,16 @@ class CalibrationSettings:
                              "gptq_batch positive")
         if self.all_token_limit is not None and not self.all_token_limit > 0:
             raise ValueError(f"all_token_limit must be positive or None, got {self.all_token_limit!r}")
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {self.activations!r}")
+        if self.offload_activations and self.activations != "disk":
+            raise ValueError("offload_activations (a folder for the hidden states) needs activations='disk'")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
     def identity(self) -> dict:
         # `sequential` is left out while off, so caches written before it existed stay valid
-        return {k: v for k, v in asdict(self).items() if k not in ("experts_per_pass", "offload_activations")
-                and not (k == "sequential" and not v)}
+        return {k: v for k, v in asdict(self).items() if k not in NOT_IDENTITY and not (k == "sequential" and not v)}
 
 
 def run_gptq(plan: Plan, out: str | Path, tokens: torch.Tensor, settings: CalibrationSettings,
@@ -238,6 +255,7 @@ class _Run:
         self.builder = LayerBuilder(plan.source, self.device, self.dtype)
         self.n_layers = plan.source.config["num_hidden_layers"]
         self.targets = targets_by_layer(plan)
+        self.on_disk = settings.activations == "disk"
         self.offload = Path(settings.offload_activations) / f"glmq-{cache.parent.resolve().name}" \
             if settings.offload_activations else None
         self.act_dir = self.offload or cache
@@ -254,7 +272,7 @@ class _Run:
     def embeddings(self) -> cc.Activations:
         s, t = self.tokens.shape
         shape = (s, t, self.builder.config.hidden_size)
-        if self.offload is None:
+        if not self.on_disk:
             return cc.Activations.in_memory(self.builder.embed(self.tokens))
         store = cc.Activations.new_file(self.act_dir / "embeddings.tmp", shape, self.dtype)
         for b0 in range(0, s, self.s.batch_size):
@@ -262,11 +280,12 @@ class _Run:
         return store
 
     def forward(self, layer, src: cc.Activations, carry: cc.Activations | None, dst: cc.Activations | None,
-                carry_dst: list | None = None, index: int = 0) -> float:
+                carry_dst: list | None = None, index: int = 0, trim: bool = False) -> float:
         """Run every batch of `src` through `layer`; write outputs to `dst` (None: discard). Returns tokens/s.
 
         A layer's second output (GLM-5's top-k selection) is fed to it as `HFLayer.carry` and, when
-        `carry_dst` is a list, stored in a new store appended to it.
+        `carry_dst` is a list, stored in a new store appended to it. `trim`: hand the heap's free pages
+        back after every batch (`stream.release_free_memory`).
         """
         t0, s = time.perf_counter(), src.shape[0]
         name = self.builder.spec.carry
@@ -286,11 +305,14 @@ class _Run:
                         carry_dst[0].write(b0, extra)
                 if dst is not None:
                     dst.write(b0, y)
+                del x, y, kw
+                if trim:
+                    stream.release_free_memory()
         return src.shape[0] * src.shape[1] / max(time.perf_counter() - t0, 1e-9)
 
     def _carry_store(self, extra: torch.Tensor, s: int, i: int) -> cc.Activations:
         shape = (s, *extra.shape[1:])
-        if self.offload is None:
+        if not self.on_disk:
             return cc.Activations.in_memory(torch.empty(shape, dtype=extra.dtype))
         return cc.Activations.new_file(self.hidden_path(i, "carry").with_suffix(".tmp"), shape, extra.dtype)
 
@@ -300,8 +322,15 @@ class _Run:
             if p.name.startswith(("hidden-", "carry-", "embeddings")) and p.name not in keep:
                 p.unlink()
 
+    def drop_partial_states(self) -> None:
+        """Delete the hidden states being written (`*.tmp`: of no use to a resumed run, which starts from the
+        newest complete `hidden-*.bin`, kept, or regenerates its input from the layer files)."""
+        for p in self.act_dir.glob("*.tmp"):
+            if p.name.startswith(("hidden-", "carry-", "embeddings")):
+                p.unlink(missing_ok=True)
+
     def output_store(self, src: cc.Activations, i: int) -> cc.Activations:
-        if self.offload is None:
+        if not self.on_disk:
             return src  # in place, batch by batch: one copy in memory
         return cc.Activations.new_file(self.hidden_path(i).with_suffix(".tmp"), src.shape, src.dtype)
 
@@ -310,7 +339,7 @@ class _Run:
         """Layer i with every target replaced by its dequantized integers (what the checkpoint holds)."""
         state = dict(state)
         self.put_quantized(i, state, qweights)
-        return self.builder.build(i, state)
+        return self.builder.build(i, state, chunked_experts=True)
 
     def put_quantized(self, i: int, state: dict, qweights: dict[str, QWeight]) -> None:
         """Replace in `state` (in place) the weights of `qweights`' modules by their dequantized integers."""
@@ -327,28 +356,32 @@ class _Run:
         t0 = time.perf_counter()
         targets = self.targets[i]
         state = self.builder.tensors.layer_state(i)
-        qweights, meta = {}, {"layer": i, "targets": {}}
+        meta = {"layer": i, "targets": {}}
         stages = sequential_stages(targets) if self.s.sequential else [targets] if targets else []
-        metas = []
+        metas, packed = [], {}
         for stage in stages:
             mine = stage if self.world is None else self.share(stage, state)
             # built by quantize_layer, which drops it after its last calibration pass, before the solves;
             # in a later stage, `state` holds the earlier stages' targets dequantized (put_quantized)
-            qw, m = quantize_layer(self, i, lambda: self.builder.build(i, state), state, mine, src, carry)
+            build = lambda as_stored: self.builder.build(i, state, as_stored)  # noqa: E731
+            qw, m = quantize_layer(self, i, build, state, mine, src, carry)
             if self.world is not None:
                 qw, m = self.merge(i, qw, m)
-            qweights |= qw
-            metas.append(m)
             if len(stages) > 1:
                 self.put_quantized(i, state, qw)
+            packed.update(cc.packed(qw, self.spec))  # what the layer file holds: the integers 8 to an int32
+            metas.append(m)
+            del qw
         if metas:
             meta = merge_stage_metas(metas)
         stream.release_free_memory()  # what the solves left behind, before the forward's activations
-        qlayer = self.quantized_layer(i, state, qweights)
+        qlayer = self.quantized_layer(i, state, cc.PackedQWeights(packed, self.spec))
         del state
         stream.release_free_memory()  # the dequantized integers and fusing copies, before the forward's activations
         dst, carry_dst = self.output_store(src, i), []
-        meta["forward_tokens_per_s"] = round(self.forward(qlayer, src, carry, dst, carry_dst, i), 1)
+        # trimmed after every batch: the experts' per-batch temporaries (their sizes vary with the routing)
+        # left ~0.25 GB of free heap pages resident over the 8 batches of the scaling model's forward
+        meta["forward_tokens_per_s"] = round(self.forward(qlayer, src, carry, dst, carry_dst, i, trim=True), 1)
         del qlayer
         stream.release_free_memory()
         dst.save(self.hidden_path(i))
@@ -359,7 +392,7 @@ class _Run:
         meta["seconds"] = round(time.perf_counter() - t0, 3)
         meta["peak_rss_bytes"] = stream.peak_rss_bytes()
         if self.world is None or self.world.is_lead:
-            cc.save_layer(self.cache, i, qweights, self.spec, meta)
+            cc.save_layer(self.cache, i, packed, meta)
         self.drop_states(keep=(self.hidden_path(i).name, self.hidden_path(i, "carry").name))  # only the newest
         return dst, (carry_dst[0] if carry_dst else None)
 
@@ -396,7 +429,7 @@ class _Run:
         file is written, the parts go (a resume redoes a layer whose file is missing).
         """
         w = self.world
-        cc.save_layer(self.cache, i, qweights, self.spec, meta, part=w.rank)
+        cc.save_layer(self.cache, i, cc.packed(qweights, self.spec), meta, part=w.rank)
         metas = w.gather(meta, f"layer {i}: gathering the ranks' diagnostics")
         w.barrier(f"layer {i}: waiting for every rank's part")
         whole: dict[str, QWeight] = {}
@@ -412,11 +445,11 @@ class _Run:
         if start > 0:
             meta = cc.layer_meta(self.cache, start - 1)
             h = cc.Activations.load(self.hidden_path(start - 1), tuple(meta["hidden"]["shape"]),
-                                    cc.dtype_of(meta["hidden"]["dtype"]), self.offload is None)
+                                    cc.dtype_of(meta["hidden"]["dtype"]), not self.on_disk)
             c = None
             if "carry" in meta:
                 c = cc.Activations.load(self.hidden_path(start - 1, "carry"), tuple(meta["carry"]["shape"]),
-                                        cc.dtype_of(meta["carry"]["dtype"]), self.offload is None)
+                                        cc.dtype_of(meta["carry"]["dtype"]), not self.on_disk)
             if h is not None and (c is not None or "carry" not in meta):
                 log.info("resuming at layer %d from saved hidden states", start)
                 return h, c
@@ -427,7 +460,7 @@ class _Run:
                                           cc.load_qweights(self.cache, j, self.spec))
             dst, carry_dst = self.output_store(src, j), []
             self.forward(qlayer, src, carry, dst, carry_dst, j)
-            if self.offload is not None:
+            if self.on_disk:
                 dst.save(self.hidden_path(j))
             src, carry = dst, (carry_dst[0] if carry_dst else None)
         return src, carry
@@ -488,10 +521,14 @@ def calibrate(plan: Plan, cache: Path, tokens: torch.Tensor, settings: Calibrati
     if start < run.n_layers:
         run.bar = tqdm(total=sum(len(run.targets[i]) for i in range(start, run.n_layers)), unit="tensor",
                        desc="glmq gptq", disable=not progress, dynamic_ncols=True)
-        src, carry = run.resume_input(start)
-        for i in range(start, run.n_layers):
-            run.bar.set_description(f"GPTQ layer {i + 1}/{run.n_layers}")
-            src, carry = run.layer(i, src, carry)
+        try:
+            src, carry = run.resume_input(start)
+            for i in range(start, run.n_layers):
+                run.bar.set_description(f"GPTQ layer {i + 1}/{run.n_layers}")
+                src, carry = run.layer(i, src, carry)
+        except BaseException:
+            run.drop_partial_states()
+            raise
         run.bar.close()
         del src, carry
     run.drop_states()  # every decoder layer is done: no hidden states are needed any more

@@ -21,15 +21,18 @@ def symmetric_panels(k: int) -> list[tuple[int, int]]:
 class HessianAccumulator:
     """Running sum of x x^T over the tokens fed to one Linear layer.
 
-    Only the block upper triangle of the sum is accumulated (row panel [i0, i1) from column i0 on): the
-    sum is symmetric, and the panels' products take 56-63 % of a full x^T x's flops (measured 18 vs 28 ms
-    for 4096 tokens at K = 1024 on this project's CPU; the calibration pass is bound by these products
-    and the experts' forwards). `finalize` and `state_dict` mirror it; torch has no symmetric rank-k
-    update to call instead.
+    On a CPU only the block upper triangle of the sum is accumulated and kept: row panel [i0, i1) from
+    column i0 on (`symmetric_panels`), each panel its own tensor. The sum is symmetric, and the panels'
+    products take 56-63 % of a full x^T x's flops (measured 18 vs 28 ms for 4096 tokens at K = 1024 on
+    this project's CPU; the calibration pass is bound by these products and the experts' forwards), and
+    62.5 % of its memory at K = 1024 (a MoE layer of the scaling model holds 49 of them: 123 MB instead of
+    196). The products are the same float32 GEMMs into the same shapes as when the panels were views of
+    one K x K matrix (the same bits). On a GPU the one panel is the whole matrix (one launch: a GPU has
+    flops to spare). `finalize` and `state_dict` mirror the panels into the whole sum; torch has no
+    symmetric rank-k update to call instead.
 
     Attributes:
-        xxt_sum: float32 `[K, K]`; its block upper triangle holds the sum over tokens of x x^T (the rest
-            is not kept current: read the sum through `finalize` or `state_dict`).
+        panels: float32 `[i1 - i0, K - i0]` per row panel (`bounds`), the sum over tokens of x x^T there.
         num_tokens: tokens accumulated so far.
     """
 
@@ -37,12 +40,20 @@ class HessianAccumulator:
         """Args: num_columns: K, the layer's input size; device: where the sum lives (CPU or CUDA)."""
         if num_columns <= 0:
             raise ValueError(f"num_columns must be positive, got {num_columns}")
-        self.xxt_sum = torch.zeros(num_columns, num_columns, dtype=torch.float32, device=device)
+        device = torch.device(device if device is not None else "cpu")
+        self.k = num_columns
+        self.bounds = symmetric_panels(num_columns) if device.type == "cpu" else [(0, num_columns)]
+        self.panels = [torch.zeros(i1 - i0, num_columns - i0, dtype=torch.float32, device=device)
+                       for i0, i1 in self.bounds]
         self.num_tokens = 0
 
     @property
     def num_columns(self) -> int:
-        return self.xxt_sum.shape[0]
+        return self.k
+
+    @property
+    def device(self) -> torch.device:
+        return self.panels[0].device
 
     def add(self, x: torch.Tensor) -> None:
         """Accumulate activations `x` `[..., K]` (any leading dims, any float dtype, any device).
@@ -52,19 +63,17 @@ class HessianAccumulator:
         k = self.num_columns
         if x.shape[-1] != k:
             raise ValueError(f"activations have {x.shape[-1]} features, the accumulator expects {k}")
-        x = x.reshape(-1, k).to(device=self.xxt_sum.device, dtype=torch.float32)  # (T, K)
-        if self.xxt_sum.device.type != "cpu":  # a GPU has flops to spare: one launch, the whole matrix
-            self.xxt_sum.addmm_(x.t(), x)
-        else:
-            for i0, i1 in symmetric_panels(k):
-                self.xxt_sum[i0:i1, i0:].addmm_(x[:, i0:i1].t(), x[:, i0:])
+        x = x.reshape(-1, k).to(device=self.device, dtype=torch.float32)  # (T, K)
+        for (i0, i1), p in zip(self.bounds, self.panels):
+            p.addmm_(x[:, i0:i1].t(), x[:, i0:])
         self.num_tokens += x.shape[0]
 
     def _full_sum(self) -> torch.Tensor:
-        """The whole symmetric sum, the panels' lower parts mirrored from their transposes."""
-        full = self.xxt_sum.clone()
-        for i0, i1 in symmetric_panels(self.num_columns):
-            full[i0:i1, :i0] = self.xxt_sum[:i0, i0:i1].t()
+        """The whole symmetric sum `[K, K]` (a new tensor), the panels' lower parts mirrored from above."""
+        full = torch.empty(self.k, self.k, dtype=torch.float32, device=self.device)
+        for (i0, i1), p in zip(self.bounds, self.panels):
+            full[i0:i1, i0:] = p
+            full[i0:i1, :i0] = full[:i0, i0:i1].t()
         return full
 
     def merge(self, other: HessianAccumulator) -> HessianAccumulator:
@@ -75,7 +84,13 @@ class HessianAccumulator:
         """
         if other.num_columns != self.num_columns:
             raise ValueError(f"cannot merge Hessians of size {other.num_columns} and {self.num_columns}")
-        self.xxt_sum += other.xxt_sum.to(self.xxt_sum.device)  # the block upper triangles add up
+        if other.bounds == self.bounds:  # the block upper triangles add up
+            for p, q in zip(self.panels, other.panels):
+                p += q.to(p.device)
+        else:  # a CPU and a GPU accumulator
+            full = other._full_sum().to(self.device)
+            for (i0, i1), p in zip(self.bounds, self.panels):
+                p += full[i0:i1, i0:]
         self.num_tokens += other.num_tokens
         return self
 
@@ -93,7 +108,8 @@ class HessianAccumulator:
         if xxt.ndim != 2 or xxt.shape[0] != xxt.shape[1]:
             raise ValueError(f"xxt_sum must be a square matrix, got {list(xxt.shape)}")
         acc = cls(xxt.shape[0], device=device if device is not None else xxt.device)
-        acc.xxt_sum.copy_(xxt)
+        for (i0, i1), p in zip(acc.bounds, acc.panels):
+            p.copy_(xxt[i0:i1, i0:])
         acc.num_tokens = int(state["num_tokens"])
         return acc
 

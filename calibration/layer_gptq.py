@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from glmq.calibration import cache as cc
 from glmq.calibration.collect import ALL_TOKENS, HessianCollector, Target
 from glmq.calibration.hessian import symmetric_panels
-from glmq.calibration.layers import pop_experts, restore_experts
+from glmq.calibration.layers import share_experts
 from glmq.quantize import stream
 from glmq.quantize.gptq import hessian_error, quantize_gptq_batch
 from glmq.quantize.rtn import QWeight, dequantize, quantize_rtn
@@ -59,8 +60,11 @@ def sequential_stages(targets: list[Target]) -> list[list[Target]]:
 def quantize_layer(run: _Run, i: int, build, state: dict, targets: list[Target], src, carry):
     """Collect Hessians (one pass per chunk of experts) and GPTQ every target of layer i.
 
-    The layer (`build()`, the decoder layer in the compute dtype) is built once and dropped after the
-    last chunk's passes: the solves, which hold the largest transients, do not hold it too.
+    The layer (`build(experts_as_stored)`, the decoder layer in the compute dtype) is built once and
+    dropped after the last chunk's passes: the solves, which hold the largest transients, do not hold it
+    too. When the passes collect routed experts (collect.py's tap runs their forward), its fused experts
+    stay in the source's dtype and are the state's only copy (`share_experts`): the tap casts one expert
+    at a time to the compute dtype, the same values (a bf16 -> float32 cast is exact), so the same Hessians.
 
     Pass 0 also collects the plain Linear targets, counts the tokens routed to every expert and the
     all-token MoE-input Hessian. The all-token down-input Hessians are collected in the same pass for
@@ -71,7 +75,7 @@ def quantize_layer(run: _Run, i: int, build, state: dict, targets: list[Target],
         return {}, {"layer": i, "targets": {}}
     all_tok = run.s.under_covered == "all_tokens"
     prior = run.s.expert_prior > 0
-    qweights: dict[str, QWeight] = {}
+    qweights = cc.PackedQWeights({}, run.spec)  # module -> QWeight, packed as each batch is solved
     meta: dict = {"layer": i, "targets": {}}
     tps: list[float] = []
     under: set[int] = set()
@@ -80,9 +84,10 @@ def quantize_layer(run: _Run, i: int, build, state: dict, targets: list[Target],
     phases = _PhaseTimer(run.device)
     chunks = _expert_chunks(run, targets)
     down_experts = {t.expert for t in targets if t.site.endswith(".down")}  # (a sequential stage may have none)
-    layer = build()
-    # one pass: while the layer lives, its experts' weights are the only copy (put back before the solves)
-    popped = pop_experts(state) if len(chunks) == 1 else {}
+    tapped = bool(chunks[0])
+    layer = build(tapped)
+    if tapped:
+        share_experts(layer, state)
     stream.release_free_memory()  # reading, dequantizing and fusing the weights left ~0.3 GB of free heap pages
     for p, chunk in enumerate(chunks):
         todo = [t for t in targets if (t.expert is None and p == 0) or (t.expert is not None and t.expert in chunk)]
@@ -98,8 +103,6 @@ def quantize_layer(run: _Run, i: int, build, state: dict, targets: list[Target],
             if all_tok and under & chunk & down_experts and not prior:  # this chunk's all-token down Hessians: one more pass
                 col.acc.update(_collect(run, layer, set(), set(), under & chunk & down_experts, src, carry, tps).acc)
         if p == len(chunks) - 1:
-            if popped:
-                restore_experts(layer, state, popped)
             del layer
             stream.release_free_memory()  # the passes' activations, before the solves
         t_solve = time.perf_counter()
@@ -113,7 +116,8 @@ def quantize_layer(run: _Run, i: int, build, state: dict, targets: list[Target],
             with phases.timed("diagnostics"):
                 for p in batch:
                     for t, qw, d in p.solve(run):
-                        qweights[t.module], meta["targets"][t.module] = qw, d
+                        qweights.add(t.module, qw)
+                        meta["targets"][t.module] = d
                         col.acc.pop(t.site, None)
                         col.acc.pop(t.site + "_all", None)
             run.bar.update(sum(len(p.group) for p in batch))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -153,37 +154,79 @@ def fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return rest
 
 
-def pop_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.dtype]:
-    """Remove the per-expert weights from `state` (in place); returns their dtypes, for `restore_experts`."""
-    names = [k for k in state if _EXPERT.match(k)]
-    return {k: state.pop(k).dtype for k in names}
+def share_experts(layer: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Make `state`'s per-expert weights views of `layer`'s fused experts (in place), dropping their own copies.
 
-
-def restore_experts(layer: torch.nn.Module, state: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]) -> None:
-    """Put back into `state` the per-expert weights `pop_experts` took, from `layer`'s fused experts, which
-    are removed from the layer as they are copied (the layer is unusable afterwards).
-
-    Why: a layer built in float32 holds the experts' weights as exact float32 images of the source's
-    bf16 (or other) values, so while the layer lives the source copy is a duplicate (106 MB of a
-    scaling-model layer's 300). Casting back gives the same bits; one fused tensor at a time keeps the
-    copy's extra memory to one of them.
+    For a layer built with `build(..., experts_as_stored=True)`, whose fused experts hold exactly the
+    state's values in the state's dtype: afterwards the two share one copy, which outlives the layer
+    (106 MB of a scaling-model layer's 300 in float32 were this duplicate, then the float32 experts 192 MB).
     """
     ex = layer.get_submodule("mlp.experts")
-    by_expert: dict[int, dict[str, str]] = {}
-    for k in dtypes:
-        m = _EXPERT.match(k)
-        by_expert.setdefault(int(m.group(1)), {})[m.group(2)] = k
     n_inter = ex.gate_up_proj.shape[1] // 2
-    gate_up = ex.gate_up_proj.detach()  # parameters: their casts would require grad
-    del ex.gate_up_proj
-    for e, names in by_expert.items():
-        state[names["gate"]] = gate_up[e, :n_inter].to(dtypes[names["gate"]])
-        state[names["up"]] = gate_up[e, n_inter:].to(dtypes[names["up"]])
-    del gate_up
-    down = ex.down_proj.detach()
-    del ex.down_proj
-    for e, names in by_expert.items():
-        state[names["down"]] = down[e].to(dtypes[names["down"]])
+    gate_up, down = ex.gate_up_proj.detach(), ex.down_proj.detach()  # parameters: views of them require grad
+    for k in [k for k in state if _EXPERT.match(k)]:
+        m = _EXPERT.match(k)
+        e, proj = int(m.group(1)), m.group(2)
+        v = gate_up[e, :n_inter] if proj == "gate" else gate_up[e, n_inter:] if proj == "up" else down[e]
+        if v.dtype != state[k].dtype or v.shape != state[k].shape:  # a bug, not user input
+            raise RuntimeError(f"{k}: the layer's fused experts are not the state's weights ({v.dtype} {list(v.shape)})")
+        state[k] = v
+
+
+class ChunkedExperts:
+    """transformers' grouped_mm experts forward (`integrations.moe.grouped_mm_experts_forward`), the same
+    arithmetic a few experts at a time: installed as the `forward` of a CPU layer's fused experts.
+
+    Why: transformers' version holds every (token, expert) pair's activations of a batch at once, ~0.2 GB of
+    temporaries at 8 x 256 tokens x top-4 of the scaling model (a third of a quantized layer's forward peak).
+    Here the pairs are sorted by expert exactly as there, and each run of experts of at most `rows` pairs
+    goes through the same two grouped matmuls (on a CPU, one matmul per expert of exactly its rows:
+    the same bits whichever experts share a call) and the same gate; the weighted results are put straight
+    into the token-major buffer transformers gathers, and summed over top-k by the same reduction. The
+    experts' weights may be stored in another dtype (bf16 in a float32 layer, LayerBuilder.build's
+    `experts_as_stored`): each run's weights are cast to the hidden states' dtype, exactly, as they are used.
+    tests/test_calibration.py checks the output against transformers' function bit for bit.
+    """
+
+    ROWS = 1024  # (token, expert) pairs per call: a few experts; ~12 MB of activations and cast weights each
+
+    def __init__(self, experts: torch.nn.Module, rows: int = ROWS):
+        # a weak reference: as the module's own `forward`, a strong one would make a reference cycle, and the
+        # layer's weights would outlive `del layer` until the garbage collector's next run
+        self._experts, self.rows = weakref.ref(experts), rows
+
+    @staticmethod
+    def applies(experts: torch.nn.Module) -> bool:
+        """The case this reproduces: a gated, bias-free, untransposed experts module under grouped_mm."""
+        return (getattr(experts, "config", None) is not None
+                and getattr(experts.config, "_experts_implementation", None) == "grouped_mm"
+                and getattr(experts, "has_gate", False) and not getattr(experts, "has_bias", True)
+                and not getattr(experts, "is_transposed", True) and getattr(experts, "is_concatenated", False)
+                and hasattr(experts, "_apply_gate"))
+
+    @torch.no_grad()
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        ex, dt = self._experts(), hidden_states.dtype
+        (n_tok, hidden), top_k = hidden_states.shape, top_k_index.size(-1)
+        expert_ids_g, perm = torch.sort(top_k_index.reshape(-1))  # as transformers sorts: the same order
+        weights_g = top_k_weights.reshape(-1)[perm]
+        ends = torch.bincount(expert_ids_g, minlength=ex.num_experts).cumsum(0).tolist()
+        out = torch.empty(n_tok * top_k, hidden, dtype=dt, device=hidden_states.device)  # (T * k, H) token-major
+        e0 = r0 = 0
+        while e0 < ex.num_experts:
+            e1 = e0 + 1  # a run of experts: at least one, at most `rows` pairs beyond the first
+            while e1 < ex.num_experts and ends[e1] - r0 <= self.rows:
+                e1 += 1
+            r1 = ends[e1 - 1]
+            if r1 > r0:
+                offs = torch.tensor(ends[e0:e1], dtype=torch.int32, device=out.device) - r0
+                x = hidden_states[perm[r0:r1] // top_k]
+                y = torch.nn.functional.grouped_mm(x, ex.gate_up_proj[e0:e1].to(dt).transpose(-2, -1), offs=offs)
+                y = ex._apply_gate(y)
+                y = torch.nn.functional.grouped_mm(y, ex.down_proj[e0:e1].to(dt).transpose(-2, -1), offs=offs)
+                out[perm[r0:r1]] = y * weights_g[r0:r1].unsqueeze(-1)
+            e0, r0 = e1, r1
+        return out.view(n_tok, top_k, hidden).sum(dim=1)
 
 
 class LayerBuilder:
@@ -199,8 +242,16 @@ class LayerBuilder:
         self.tensors = SourceTensors(source, device)
         self.rotary = getattr(self.mod, self.spec.rotary)(self.config).to(device)
 
-    def build(self, index: int, state: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
-        """Layer `index` in eval mode; `state` (layer-local names, per-expert layout) defaults to the source's."""
+    def build(self, index: int, state: dict[str, torch.Tensor] | None = None, experts_as_stored: bool = False,
+              chunked_experts: bool = False) -> torch.nn.Module:
+        """Layer `index` in eval mode; `state` (layer-local names, per-expert layout) defaults to the source's.
+
+        `experts_as_stored`: the fused routed experts keep the state's dtype (e.g. bf16) instead of the
+        compute dtype. Only for a layer whose experts' forward is collect.py's tap, which casts one
+        expert at a time (transformers' grouped_mm would compute in the weights' dtype).
+        `chunked_experts`: on a CPU, where `ChunkedExperts.applies`, the experts' forward is ChunkedExperts
+        (transformers' grouped_mm result, bit for bit, with less memory) and they keep the state's dtype.
+        """
         from accelerate import init_empty_weights
 
         state = fuse_experts(self.tensors.layer_state(index) if state is None else state)
@@ -212,9 +263,20 @@ class LayerBuilder:
             raise ValueError(f"{self.source.root}: layer {index} does not match transformers' "
                              f"{self.spec.layer}: missing {missing[:5]}, unexpected {unexpected[:5]}")
         # the router's correction bias stays float32, as transformers keeps it (_keep_in_fp32_modules_strict)
-        state = {k: v.to(self.device, torch.float32 if k.endswith("e_score_correction_bias") else self.dtype)
-                 for k, v in state.items()}
+        experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        chunked = chunked_experts and self.device.type == "cpu" and experts is not None \
+            and ChunkedExperts.applies(experts)
+        as_stored = experts_as_stored or chunked
+
+        def dtype(k: str, v: torch.Tensor) -> torch.dtype:
+            if k.endswith("e_score_correction_bias"):
+                return torch.float32
+            return v.dtype if as_stored and k.startswith("mlp.experts.") else self.dtype
+
+        state = {k: v.to(self.device, dtype(k, v)) for k, v in state.items()}
         layer.load_state_dict(state, assign=True, strict=True)
+        if chunked:
+            experts.forward = ChunkedExperts(experts)
         return layer.eval()
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -75,8 +75,9 @@ def summarize(plan: Plan, metas: list[dict], settings, tokens: torch.Tensor, res
                       "gptq_better": t[4]} for cls, t in sorted(totals.items())}
     return {
         "method": "gptq",
-        "settings": settings.identity() | {"offload_activations": settings.offload_activations,
-                                           "sequential": settings.sequential},
+        "settings": settings.identity() | {"activations": settings.activations,
+                                            "offload_activations": settings.offload_activations,
+                                            "sequential": settings.sequential},
         "calibration_tokens": int(tokens.numel()),
         "resumed_from_layer": resumed_from,
         "seconds": round(seconds, 3),

@@ -109,8 +109,14 @@ def _skip_triton() -> None:
 @click.option("--samples", default=128, show_default=True, type=click.IntRange(min=1), help="GPTQ: calibration sequences.")
 @click.option("--seq-len", default=256, show_default=True, type=click.IntRange(min=2), help="GPTQ: tokens per calibration sequence.")
 @click.option("--seed", default=0, show_default=True, type=int, help="GPTQ: seed of the calibration sample draw.")
+@click.option("--activations", type=click.Choice(["disk", "memory"]), default="disk", show_default=True,
+              help="GPTQ: where the hidden states between layers live. disk: a file in the output's .glmq-gptq/ "
+                   "folder (or --offload-activations DIR), read and written one batch at a time, so memory holds "
+                   "one batch (batch x seq-len x hidden x 4 bytes) instead of samples x seq-len x hidden x 4 "
+                   "(0.8 GB for 128 x 256 tokens of GLM-5); removed when the run ends, except the newest "
+                   "complete layer's after a failure (a rerun resumes from it). memory: all of them in RAM.")
 @click.option("--offload-activations", default=None, type=click.Path(file_okay=False), metavar="DIR",
-              help="GPTQ: keep the hidden states between layers in DIR instead of memory (one batch in memory).")
+              help="GPTQ: with --activations disk, keep the hidden-state files in DIR instead of the output folder.")
 @click.option("--min-expert-tokens", default=None, type=click.IntRange(min=0),
               help="GPTQ: routed experts that receive fewer calibration tokens get the all-token Hessian only, and "
                    "are listed in the report [default: 1, i.e. experts no token reaches; rarer experts' Hessians are "
@@ -124,7 +130,7 @@ def _skip_triton() -> None:
                    "attention output, MLP gate/up, down), each stage calibrated on the layer with the earlier "
                    "stages already quantized; one calibration pass per stage.")
 def quantize(model, recipe, max_shard_size, output, scheme, device, no_progress, json_out, calibration, samples,
-             seq_len, seed, offload_activations, min_expert_tokens, all_token_limit, true_sequential):
+             seq_len, seed, activations, offload_activations, min_expert_tokens, all_token_limit, true_sequential):
     """Convert a checkpoint, streaming one shard at a time (GPTQ: calibrated one decoder layer at a time)."""
     import os
 
@@ -150,10 +156,13 @@ def quantize(model, recipe, max_shard_size, output, scheme, device, no_progress,
             extra = {} if min_expert_tokens is None else {"min_expert_tokens": min_expert_tokens}
             if all_token_limit is not None:
                 extra["all_token_limit"] = all_token_limit
+            if offload_activations and activations != "disk":
+                raise click.UsageError("--offload-activations DIR needs --activations disk (the default)")
             if true_sequential:
                 extra["sequential"] = True
             settings = CalibrationSettings(calibration=calibration, samples=samples, seq_len=seq_len, seed=seed,
-                                           offload_activations=offload_activations, **extra)
+                                           activations=activations, offload_activations=offload_activations,
+                                           **extra)
             world = dist.init(device) if dist.launched() else None  # torchrun: this process is one rank
             try:
                 report = run_gptq_from_text(plan, out, settings, device=world.device if world else device,

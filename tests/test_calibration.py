@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -153,23 +154,47 @@ def test_layers_built_alone_match_the_whole_model(make_ckpt, family):
             assert torch.equal(x, ref[i + 1]), f"layer {i}"
 
 
-def test_restore_experts_gives_back_the_source_weights_bit_for_bit(make_ckpt):
-    """pop_experts + restore_experts (the calibration layer's experts as the only copy while it lives)
-    returns exactly the per-expert source tensors, dtypes included, and empties the layer's experts."""
-    from glmq.calibration.layers import pop_experts, restore_experts
+def test_experts_as_stored_share_the_state_and_collect_bit_identical_hessians(make_ckpt):
+    """A layer built with `experts_as_stored` keeps its fused experts in the source's dtype (bf16), and
+    `share_experts` makes the state's per-expert tensors views of them (one copy, the same values). Its
+    tapped passes, which cast one expert at a time, collect exactly (bit for bit) the Hessians of the
+    layer built in float32, every site, with and without the routed output."""
+    from glmq.calibration.layers import share_experts
 
     b = LayerBuilder(open_source(make_ckpt("glm4_moe", "fp8-block")), torch.device("cpu"), torch.float32)
     i = b.config.first_k_dense_replace  # a MoE layer
     ref = b.tensors.layer_state(i)
     state = dict(ref)
-    layer = b.build(i, state)
-    popped = pop_experts(state)
-    assert popped and not any(k in state for k in popped)
-    restore_experts(layer, state, popped)
-    assert set(state) == set(ref)
+    layer = b.build(i, state, experts_as_stored=True)
+    ex = layer.mlp.experts
+    assert ex.gate_up_proj.dtype == ex.down_proj.dtype == torch.bfloat16
+    assert layer.self_attn.q_proj.weight.dtype == torch.float32
+    share_experts(layer, state)
+    base = ex.gate_up_proj.data_ptr(), ex.down_proj.data_ptr()
     for k, v in ref.items():
-        assert state[k].dtype == v.dtype and torch.equal(state[k], v) and not state[k].requires_grad, k
-    assert not hasattr(layer.mlp.experts, "gate_up_proj") and not hasattr(layer.mlp.experts, "down_proj")
+        assert state[k].dtype == v.dtype and torch.equal(state[k], v), k
+        if ".experts." in k:
+            assert state[k].untyped_storage().data_ptr() in base and not state[k].requires_grad, k
+    full = b.build(i, ref)  # the float32 layer
+    n_exp = b.config.n_routed_experts
+    sites = {f"mlp.experts.{e}.{s}" for e in range(n_exp) for s in ("gate_up", "down")} | {collect.ALL_TOKENS}
+    x = torch.randn(3, 40, b.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    for routed_output in (False, True):
+        cols, outs = [], []
+        for lay in (full, layer):
+            col = collect.HessianCollector(lay, sites, all_token_experts=set(range(n_exp)), all_token_limit=1.0,
+                                           routed_output=routed_output)
+            with torch.no_grad(), col:
+                for b0 in (0, 2):  # two batches: sums across batches too
+                    outs.append(lay(x[b0:b0 + 2], **b.layer_kwargs(x[b0:b0 + 2])))
+            cols.append(col)
+        assert set(cols[0].acc) == set(cols[1].acc) and len(cols[0].acc) > 2 * n_exp
+        for site in cols[0].acc:
+            assert torch.equal(cols[0].hessian(site)[0], cols[1].hessian(site)[0]), site
+        assert torch.equal(cols[0].tokens, cols[1].tokens)
+        if routed_output:
+            for o_full, o_tap in zip(outs[:2], outs[2:]):
+                assert torch.equal(o_full, o_tap)
 
 
 def test_layer_state_keeps_no_view_of_the_shards(make_ckpt):
@@ -276,7 +301,7 @@ def test_all_token_limit_takes_the_first_tokens_and_no_output_pass_collects_the_
         assert n == 50
         torch.testing.assert_close(h, 2 / 50 * he.T @ he, rtol=1e-4, atol=1e-6)
     for site in limited.acc:  # the same sums, bit for bit, without the routed output
-        assert torch.equal(limited.acc[site].xxt_sum, no_output.acc[site].xxt_sum), site
+        assert torch.equal(limited.acc[site].state_dict()["xxt_sum"], no_output.acc[site].state_dict()["xxt_sum"]), site
         assert limited.acc[site].num_tokens == no_output.acc[site].num_tokens
     assert set(limited.acc) == set(no_output.acc) and torch.equal(limited.tokens, no_output.tokens)
     assert not torch.equal(cols["no_output"][1], cols["limited"][1])  # that pass's output is not the layer's
@@ -317,3 +342,54 @@ def test_activation_stores_round_trip(tmp_path, dtype):
             back = Activations.load(tmp_path / path, tuple(data.shape), dtype, in_memory)
             assert torch.equal(back.read(0, 5), data)
     assert Activations.load(tmp_path / "h.bin", (6, 3, 4), dtype, True) is None  # wrong size: not a resume point
+
+
+def test_chunked_experts_give_transformers_grouped_mm_output_bit_for_bit(make_ckpt):
+    """ChunkedExperts (a few experts per call, bf16 weights cast per call) returns exactly what transformers'
+    grouped_mm experts forward returns on the float32 layer, for runs of one expert up to all of them, with
+    uneven token counts and an expert no token reaches; `build(chunked_experts=True)` installs it on a CPU."""
+    from glmq.calibration.layers import ChunkedExperts
+
+    b = LayerBuilder(open_source(make_ckpt("glm4_moe", "fp8-block")), torch.device("cpu"), torch.float32)
+    i = b.config.first_k_dense_replace
+    state = b.tensors.layer_state(i)
+    ref = b.build(i, state).mlp.experts
+    layer = b.build(i, state, chunked_experts=True)
+    ex = layer.mlp.experts
+    assert isinstance(vars(ex).get("forward"), ChunkedExperts) and ex.gate_up_proj.dtype == torch.bfloat16
+    assert ChunkedExperts.applies(ref) and ref.config._experts_implementation == "grouped_mm"
+    n_exp, k, h = b.config.n_routed_experts, b.config.num_experts_per_tok, b.config.hidden_size
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(300, h, generator=g)
+    scores = torch.rand(300, n_exp, generator=g) ** 3  # uneven counts
+    scores[:, 1] = -1  # expert 1 gets no token
+    top_w, top_i = scores.topk(k, dim=-1)
+    with torch.no_grad():
+        want = ref(x, top_i, top_w)  # transformers' class forward: grouped_mm_experts_forward
+        for rows in (1, 100, 400, 10**9):
+            got = ChunkedExperts(ex, rows)(x, top_i, top_w)
+            assert got.dtype == want.dtype and torch.equal(got, want), rows
+        assert torch.equal(layer.mlp.experts(x, top_i, top_w), want)
+    gone = weakref.ref(layer.mlp.experts)
+    del layer, ex
+    assert gone() is None, "the installed forward keeps the layer alive (a reference cycle)"
+
+
+def test_hessian_panels_hold_the_block_upper_triangle_bit_for_bit():
+    """The CPU accumulator's own panel tensors (62.5 % of K x K at K = 1024) sum exactly (bit for bit) what the
+    same GEMMs into views of one K x K matrix summed, over uneven batches; the whole sum is its mirror."""
+    from glmq.calibration.hessian import HessianAccumulator, symmetric_panels
+
+    k = 1024
+    acc, ref = HessianAccumulator(k), torch.zeros(k, k)
+    g = torch.Generator().manual_seed(4)
+    for t in (700, 1, 2048, 33):
+        x = torch.randn(t, k, generator=g)
+        acc.add(x)
+        for i0, i1 in symmetric_panels(k):
+            ref[i0:i1, i0:].addmm_(x[:, i0:i1].t(), x[:, i0:])
+    assert len(acc.panels) == 4 and sum(p.numel() for p in acc.panels) == k * k * 5 // 8
+    full = acc.state_dict()["xxt_sum"]
+    for i0, i1 in symmetric_panels(k):
+        assert torch.equal(full[i0:i1, i0:], ref[i0:i1, i0:])
+    assert torch.equal(full, full.T)

@@ -8,6 +8,7 @@ of a copy of the failed folder checks that a different world size resumes too.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from glmq import recipes
+from glmq.calibration.engine import GPTQ_BATCH
 from glmq.formats.manifest import FRAGMENT_GLOB, MANIFEST_NAME, REPORT_NAME, Manifest, fragment_name
 from glmq.formats.source import open_source
 from glmq.quantize import dist, stream
@@ -147,8 +149,9 @@ def test_failed_rank_stops_the_job_and_any_world_size_resumes(reference, tmp_pat
 
 # ----------------------------------------------------------------------------------------- GPTQ
 # One rank of a GPTQ job whose batched GPTQ solver kills rank 1 (os._exit, as a crash would) at its
-# `limit`-th call: with 8 experts split over 2 ranks, each rank solves 2 batches (gate+up, down) per
-# MoE layer, so limit 3 dies inside the second MoE layer, after the first one's file is written.
+# `limit`-th call: with 8 experts split over 2 ranks, each rank solves 2 * ceil(4 / GPTQ_BATCH["cpu"])
+# batches (gate+up, down) per MoE layer, so one more dies inside the second MoE layer, after the first
+# one's file is written.
 _GPTQ_RANK = r"""
 import os, sys
 limit = int(sys.argv[1])
@@ -198,9 +201,10 @@ def _gptq_args(src: Path, out: Path, text: Path) -> list[str]:
 def test_gptq_two_ranks_byte_identical_and_resume_after_a_rank_dies(gptq_reference, tmp_path):
     src, text, ref = gptq_reference
     out = tmp_path / "out"
-    # on CPU the ranks share single experts: in layers 1 and 2 rank 1 solves a gate_up and a down batch
-    # of its 4 experts, so its third call is in layer 2
-    r = _torchrun("--no-python", sys.executable, "-c", _GPTQ_RANK, "3", *_gptq_args(src, out, text))
+    # on CPU the ranks share single experts: in layers 1 and 2 rank 1 solves its 4 experts' gate_up and down
+    # problems in batches of GPTQ_BATCH["cpu"], so the call after layer 1's is in layer 2
+    limit = 2 * math.ceil(4 / GPTQ_BATCH["cpu"]) + 1
+    r = _torchrun("--no-python", sys.executable, "-c", _GPTQ_RANK, str(limit), *_gptq_args(src, out, text))
     assert r.returncode != 0 and not (out / "config.json").exists(), r.stderr[-3000:]
     cache = out / ".glmq-gptq"
     layers = [p.name for p in sorted(cache.glob("layer-*"))]

@@ -9,7 +9,9 @@ What is asserted:
 - Expert coverage: token counts add up; under-covered experts are listed and get all-token Hessians
   or RTN; an expert no token reaches is an empty-Hessian fallback in the report, never silent.
 - A run killed mid-layer (and one killed while writing) resumes and ends byte-identical to an
-  uninterrupted run, with activations in memory or offloaded to disk.
+  uninterrupted run, with activations on disk (the default), in memory or in a folder of their own; the
+  default's files are written in the output's cache folder and removed at the end (after a failure, all
+  but the resume point), and give the same bytes as activations in memory.
 - A folder holding another run (RTN, or other calibration settings) is refused.
 - On the shared trained model (slow): KL and perplexity, measured and printed, beat RTN's.
 """
@@ -307,12 +309,15 @@ def _files(root: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(root.iterdir()) if p.is_file() and p.name != REPORT_NAME}
 
 
-@pytest.mark.parametrize("offload", [False, True])
-def test_killed_mid_layer_resumes_byte_identical(cli_src, tmp_path, offload):
-    """Killed inside layer 2 (then, offloaded, also while writing the checkpoint); each rerun resumes."""
+@pytest.mark.parametrize("where", ["disk", "memory", "dir"])
+def test_killed_mid_layer_resumes_byte_identical(cli_src, tmp_path, where):
+    """Killed inside layer 2 (then, with the states in a folder of their own, also while writing the
+    checkpoint); each rerun resumes. The reference run keeps its states on disk (the default)."""
     src, text, ref = cli_src
     out = tmp_path / "out"
-    extra = ("--offload-activations", str(tmp_path / "acts")) if offload else ()
+    offload = where == "dir"
+    extra = {"disk": (), "memory": ("--activations", "memory"),
+             "dir": ("--offload-activations", str(tmp_path / "acts"))}[where]
     # layer 0 is dense (no target); layers 1 and 2 have 8 experts each, solved in batched GPTQ calls of
     # GPTQ_BATCH["cpu"] problems (gate+up, down): die in the middle of layer 2
     per_layer = 2 * math.ceil(8 / GPTQ_BATCH["cpu"])
@@ -399,8 +404,54 @@ def test_settings_are_validated():
         CalibrationSettings(under_covered="skip")
     with pytest.raises(ValueError, match="dtype"):
         CalibrationSettings(dtype="int8")
+    with pytest.raises(ValueError, match="activations"):
+        CalibrationSettings(activations="swap")
+    with pytest.raises(ValueError, match="offload_activations"):
+        CalibrationSettings(activations="memory", offload_activations="/x")
     # where the activations live does not change a single bit, so it is not part of the run identity
-    assert CalibrationSettings(offload_activations="/x").identity() == CalibrationSettings().identity()
+    assert CalibrationSettings().activations == "disk"
+    assert CalibrationSettings(offload_activations="/x").identity() == CalibrationSettings().identity() \
+        == CalibrationSettings(activations="memory").identity()
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_disk_activations_write_one_file_per_layer_and_remove_them(glm4, tmp_path, monkeypatch, fail):
+    """The default keeps the hidden states in files of the output's cache folder (the layer's input is read
+    from one batch at a time: no store holds them in memory); a finished run leaves none of them, a failed
+    one only the newest complete layer's (its resume point), no partial file; the bytes are those of a run
+    with the states in memory."""
+    from glmq.calibration import cache as cc
+    from glmq.calibration import layer_gptq
+
+    src, ref, _, _ = glm4
+    made, in_memory = [], []
+    monkeypatch.setattr(cc.Activations, "new_file", classmethod(
+        lambda cls, path, shape, dtype, f=cc.Activations.new_file.__func__: made.append(path) or f(cls, path, shape, dtype)))
+    monkeypatch.setattr(cc.Activations, "in_memory", classmethod(
+        lambda cls, data, f=cc.Activations.in_memory.__func__: in_memory.append(data.shape) or f(cls, data)))
+    if fail:  # the second MoE layer's first solve raises
+        calls, orig = [0], layer_gptq.quantize_gptq_batch
+
+        def dying(*a, **k):
+            calls[0] += 1
+            if calls[0] > 2 * math.ceil(8 / GPTQ_BATCH["cpu"]):
+                raise RuntimeError("solver died")
+            return orig(*a, **k)
+        monkeypatch.setattr(layer_gptq, "quantize_gptq_batch", dying)
+    out = tmp_path / "out"
+    cache = out / CACHE_DIR
+    if fail:
+        with pytest.raises(RuntimeError, match="solver died"):
+            run_gptq(gptq_plan(src), out, calib_ids(), settings(), progress=False)
+        left = sorted(p.name for p in cache.iterdir() if not p.name.startswith(("layer-", "calibration")))
+        assert left == ["hidden-00001.bin"], left
+        return
+    run_gptq(gptq_plan(src), out, calib_ids(), settings(), progress=False)
+    assert made and all(p.parent == cache for p in made) and not in_memory
+    assert not list(cache.glob("hidden-*")) and not list(cache.glob("*.tmp")) and not list(cache.glob("embeddings*"))
+    assert _files(out) == _files(ref)
+    run_gptq(gptq_plan(src), tmp_path / "memory", calib_ids(), settings(activations="memory"), progress=False)
+    assert in_memory and _files(tmp_path / "memory") == _files(out)
 
 
 def test_foreign_calibration_cache_is_refused(tmp_path):
