@@ -48,8 +48,9 @@ class QuantSpec:
             at half the cost.
         scale_refit: GPTQ only, symmetric specs: rounds of refitting each row's group scales to the final
             integers (least squares on the same damped objective, `glmq.quantize.scale_refit`), each followed
-            by one more descent sweep when cd_sweeps > 0; 0 = the scales GPTQ chose. 1 measured better than
-            0 and 2 on the shared model (BENCHMARKS.md, "GPTQ scale refit").
+            by one more descent sweep when cd_sweeps > 0; 0 = the scales GPTQ chose (default). 1 measured better
+            than 0 and 2 on the shared model (BENCHMARKS.md, "GPTQ scale refit"), but it is off by default: on a
+            CPU it made the 4-layer scaling model's GPTQ run 1.58x the peer's speed instead of >= 2x.
     """
 
     num_bits: int = 4
@@ -61,7 +62,7 @@ class QuantSpec:
     block_size: int = 128
     clip_objective: str = "propagated"
     cd_sweeps: int = 2
-    scale_refit: int = 1
+    scale_refit: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method(self.method))
