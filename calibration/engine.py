@@ -359,15 +359,15 @@ class _Run:
         meta = {"layer": i, "targets": {}}
         stages = sequential_stages(targets) if self.s.sequential else [targets] if targets else []
         metas, packed = [], {}
+        # built by quantize_layer, which drops it after its last calibration pass, before the solves;
+        # in a later stage, `state` holds the earlier stages' targets dequantized (put_quantized)
+        build = lambda as_stored: self.builder.build(i, state, as_stored)  # noqa: E731
         for stage in stages:
             mine = stage if self.world is None else self.share(stage, state)
-            # built by quantize_layer, which drops it after its last calibration pass, before the solves;
-            # in a later stage, `state` holds the earlier stages' targets dequantized (put_quantized)
-            build = lambda as_stored: self.builder.build(i, state, as_stored)  # noqa: E731
             qw, m = quantize_layer(self, i, build, state, mine, src, carry)
             if self.world is not None:
                 qw, m = self.merge(i, qw, m)
-            if len(stages) > 1:
+            if stage is not stages[-1]:  # the next stage's pass sees it quantized (quantized_layer does the last)
                 self.put_quantized(i, state, qw)
             packed.update(cc.packed(qw, self.spec))  # what the layer file holds: the integers 8 to an int32
             metas.append(m)
@@ -466,9 +466,9 @@ class _Run:
         return src, carry
 
 
-def merge_metas(metas: list[dict]) -> dict:
-    """One layer's diagnostics from the ranks' parts: targets united, expert counts (the same on every
-    rank) from a rank that saw experts, solve time the slowest rank's."""
+def _united(metas: list[dict]) -> dict:
+    """The first of a layer's partial diagnostics with every part's targets, and the expert counts of the first
+    part that has them (a part that collected routed experts; the counts are the same in every such part)."""
     out = dict(metas[0])
     out["targets"] = {k: v for m in metas for k, v in m["targets"].items()}
     for m in metas:
@@ -476,6 +476,13 @@ def merge_metas(metas: list[dict]) -> dict:
             out["tokens_per_expert"], out["under_covered"] = m["tokens_per_expert"], m["under_covered"]
             out["all_token_hessian_tokens"] = m.get("all_token_hessian_tokens")
             break
+    return out
+
+
+def merge_metas(metas: list[dict]) -> dict:
+    """One layer's diagnostics from the ranks' parts: targets united, expert counts (the same on every
+    rank) from a rank that saw experts, solve time the slowest rank's."""
+    out = _united(metas)
     out["gptq_seconds"] = max(m.get("gptq_seconds", 0.0) for m in metas)
     out["ranks"] = len(metas)
     return out
@@ -486,15 +493,7 @@ def merge_stage_metas(metas: list[dict]) -> dict:
     counts from the first stage that routed tokens to experts, times summed, tokens/s averaged."""
     if len(metas) == 1:
         return metas[0]
-    out = dict(metas[0])
-    out["targets"] = {k: v for m in metas for k, v in m["targets"].items()}
-    for key in ("tokens_per_expert", "under_covered", "all_token_hessian_tokens"):
-        out.pop(key, None)
-    for m in metas:
-        if m.get("tokens_per_expert"):
-            out["tokens_per_expert"], out["under_covered"] = m["tokens_per_expert"], m["under_covered"]
-            out["all_token_hessian_tokens"] = m.get("all_token_hessian_tokens")
-            break
+    out = _united(metas)
     tps = [m["calibration_tokens_per_s"] for m in metas if m.get("calibration_tokens_per_s")]
     out["calibration_tokens_per_s"] = round(statistics.fmean(tps), 1) if tps else None
     out["gptq_seconds"] = round(sum(m.get("gptq_seconds") or 0.0 for m in metas), 3)

@@ -41,9 +41,9 @@ VARIANTS = {  # name: (clip_search, clip_objective, cd_sweeps, scale_refit)
     "clip block": (True, "block", 0, 0),
     "clip propagated": (True, "propagated", 0, 0),
     "clip block + cd4": (True, "block", 4, 0),
-    "clip propagated + cd2": (True, "propagated", 2, 0),
+    "clip propagated + cd2 (default)": (True, "propagated", 2, 0),
     "clip propagated + cd4": (True, "propagated", 4, 0),
-    "clip propagated + cd2 + refit1 (default)": (True, "propagated", 2, 1),
+    "clip propagated + cd2 + refit1": (True, "propagated", 2, 1),
     "clip propagated + cd2 + refit2": (True, "propagated", 2, 2),
 }
 
@@ -105,8 +105,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
                 res = quantize_gptq_batch(w, h, spec, clip_search=clip, errors=False)
-                if w.is_cuda:
-                    torch.cuda.synchronize()
+                _sync(w.device)
                 times.append(time.perf_counter() - t0)
             err = sum(hessian_error(w[i], dequantize(r.qweight, args.group_size), h[i]) for i, r in enumerate(res))
             rows.append({"shape": [b, n, k], "variant": name, "seconds": round(min(times), 3),

@@ -158,11 +158,9 @@ def quantize(model, recipe, max_shard_size, output, scheme, device, no_progress,
                 extra["all_token_limit"] = all_token_limit
             if offload_activations and activations != "disk":
                 raise click.UsageError("--offload-activations DIR needs --activations disk (the default)")
-            if true_sequential:
-                extra["sequential"] = True
             settings = CalibrationSettings(calibration=calibration, samples=samples, seq_len=seq_len, seed=seed,
                                            activations=activations, offload_activations=offload_activations,
-                                           **extra)
+                                           sequential=true_sequential, **extra)
             world = dist.init(device) if dist.launched() else None  # torchrun: this process is one rank
             try:
                 report = run_gptq_from_text(plan, out, settings, device=world.device if world else device,
