@@ -258,6 +258,12 @@ class Activations:
     def describe(self) -> dict:
         return {"shape": list(self.shape), "dtype": str(self.dtype).removeprefix("torch.")}
 
+    def drop(self) -> None:
+        """Free the states: the file of a file store is deleted, an in-memory store lets go of its tensor."""
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+        self.data = None
+
 
 def dtype_of(name: str) -> torch.dtype:
     return getattr(torch, name)

@@ -193,6 +193,9 @@ def run_gptq(plan: Plan, out: str | Path, tokens: torch.Tensor, settings: Calibr
     out = Path(out)
     if tokens.ndim != 2 or tokens.dtype != torch.int64:
         raise ValueError(f"calibration tokens must be an int64 [samples, seq_len] tensor, got {tokens.dtype} {list(tokens.shape)}")
+    if world is not None and plan.recipe.spec.tune_iters:
+        raise ValueError(f"{plan.recipe.name}: tune_iters (layer-output tuning) runs in one process; set tune_iters: 0 "
+                         "in the recipe to calibrate with several ranks")
     lead = world is None or world.is_lead
     man = prepare_output(plan, out, world)  # the manifest first: then the cache may live inside `out`
     cache = out / cc.CACHE_DIR
@@ -264,27 +267,29 @@ class _Run:
         self.act_dir.mkdir(parents=True, exist_ok=True)
         self.progress = progress
         self.bar = None
+        self.offsets: dict[str, torch.Tensor] = {}  # module -> rounding offsets of the layer being tuned (tune.py)
+        self.source_stream: tuple | None = None  # (hidden, carry) of the unquantized model at the current layer (tune.py)
 
     # -- hidden states
     def hidden_path(self, i: int, kind: str = "hidden") -> Path:
         return self.act_dir / f"{kind}-{i:05d}.bin"
 
-    def embeddings(self) -> cc.Activations:
+    def embeddings(self, name: str = "embeddings") -> cc.Activations:
         s, t = self.tokens.shape
         shape = (s, t, self.builder.config.hidden_size)
         if not self.on_disk:
             return cc.Activations.in_memory(self.builder.embed(self.tokens))
-        store = cc.Activations.new_file(self.act_dir / "embeddings.tmp", shape, self.dtype)
+        store = cc.Activations.new_file(self.act_dir / f"{name}.tmp", shape, self.dtype)
         for b0 in range(0, s, self.s.batch_size):
             store.write(b0, self.builder.embed(self.tokens[b0:b0 + self.s.batch_size]))
         return store
 
     def forward(self, layer, src: cc.Activations, carry: cc.Activations | None, dst: cc.Activations | None,
-                carry_dst: list | None = None, index: int = 0, trim: bool = False) -> float:
+                carry_dst: list | None = None, index: int = 0, trim: bool = False, carry_kind: str = "carry") -> float:
         """Run every batch of `src` through `layer`; write outputs to `dst` (None: discard). Returns tokens/s.
 
         A layer's second output (GLM-5's top-k selection) is fed to it as `HFLayer.carry` and, when
-        `carry_dst` is a list, stored in a new store appended to it. `trim`: hand the heap's free pages
+        `carry_dst` is a list, stored in a new store appended to it (a file named by `carry_kind`). `trim`: hand the heap's free pages
         back after every batch (`stream.release_free_memory`).
         """
         t0, s = time.perf_counter(), src.shape[0]
@@ -301,7 +306,7 @@ class _Run:
                     y, extra = y
                     if carry_dst is not None:
                         if not carry_dst:
-                            carry_dst.append(self._carry_store(extra, s, index))
+                            carry_dst.append(self._carry_store(extra, s, index, carry_kind))
                         carry_dst[0].write(b0, extra)
                 if dst is not None:
                     dst.write(b0, y)
@@ -310,23 +315,23 @@ class _Run:
                     stream.release_free_memory()
         return src.shape[0] * src.shape[1] / max(time.perf_counter() - t0, 1e-9)
 
-    def _carry_store(self, extra: torch.Tensor, s: int, i: int) -> cc.Activations:
+    def _carry_store(self, extra: torch.Tensor, s: int, i: int, kind: str = "carry") -> cc.Activations:
         shape = (s, *extra.shape[1:])
         if not self.on_disk:
             return cc.Activations.in_memory(torch.empty(shape, dtype=extra.dtype))
-        return cc.Activations.new_file(self.hidden_path(i, "carry").with_suffix(".tmp"), shape, extra.dtype)
+        return cc.Activations.new_file(self.hidden_path(i, kind).with_suffix(".tmp"), shape, extra.dtype)
 
     def drop_states(self, keep: tuple[str, ...] = ()) -> None:
         """Delete saved/temporary hidden states other than `keep` (file names)."""
         for p in list(self.act_dir.glob("*.bin")) + list(self.act_dir.glob("*.tmp")):
-            if p.name.startswith(("hidden-", "carry-", "embeddings")) and p.name not in keep:
+            if p.name.startswith(("hidden-", "carry-", "embeddings", "reference-")) and p.name not in keep:
                 p.unlink()
 
     def drop_partial_states(self) -> None:
         """Delete the hidden states being written (`*.tmp`: of no use to a resumed run, which starts from the
         newest complete `hidden-*.bin`, kept, or regenerates its input from the layer files)."""
         for p in self.act_dir.glob("*.tmp"):
-            if p.name.startswith(("hidden-", "carry-", "embeddings")):
+            if p.name.startswith(("hidden-", "carry-", "embeddings", "reference-")):
                 p.unlink(missing_ok=True)
 
     def output_store(self, src: cc.Activations, i: int) -> cc.Activations:
@@ -362,6 +367,7 @@ class _Run:
         # built by quantize_layer, which drops it after its last calibration pass, before the solves;
         # in a later stage, `state` holds the earlier stages' targets dequantized (put_quantized)
         build = lambda as_stored: self.builder.build(i, state, as_stored)  # noqa: E731
+        fp_state = dict(state) if self.spec.tune_iters else None  # the stages replace entries, not tensors
         for stage in stages:
             mine = stage if self.world is None else self.share(stage, state)
             qw, m = quantize_layer(self, i, build, state, mine, src, carry)
@@ -374,6 +380,8 @@ class _Run:
             del qw
         if metas:
             meta = merge_stage_metas(metas)
+        if fp_state is not None and packed:
+            packed, meta["tune"] = self.tune(i, fp_state, packed, src, carry)
         stream.release_free_memory()  # what the solves left behind, before the forward's activations
         qlayer = self.quantized_layer(i, state, cc.PackedQWeights(packed, self.spec))
         del state
@@ -393,8 +401,18 @@ class _Run:
         meta["peak_rss_bytes"] = stream.peak_rss_bytes()
         if self.world is None or self.world.is_lead:
             cc.save_layer(self.cache, i, packed, meta)
-        self.drop_states(keep=(self.hidden_path(i).name, self.hidden_path(i, "carry").name))  # only the newest
+        self.drop_states(keep=(self.hidden_path(i).name, self.hidden_path(i, "carry").name)  # only the newest
+                         + tuple(a.path.name for a in (self.source_stream or ())[1:] if a is not None and a.path is not None))
         return dst, (carry_dst[0] if carry_dst else None)
+
+    def tune(self, i: int, fp_state: dict, packed: dict, src, carry) -> tuple[dict, dict]:
+        """Layer i's GPTQ result tuned on the layer's output error (tune.py): the packed tensors to keep and the
+        report entry."""
+        from glmq.calibration.tune import tune_layer
+
+        offsets, self.offsets = self.offsets, {}
+        qw, tmeta = tune_layer(self, i, fp_state, cc.PackedQWeights(packed, self.spec), offsets, src, carry)
+        return cc.packed(qw, self.spec), tmeta
 
     # -- several ranks
     def share(self, targets: list[Target], state: dict) -> list[Target]:

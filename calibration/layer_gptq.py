@@ -20,6 +20,7 @@ from glmq.calibration import cache as cc
 from glmq.calibration.collect import ALL_TOKENS, HessianCollector, Target
 from glmq.calibration.hessian import symmetric_panels
 from glmq.calibration.layers import share_experts
+from glmq.calibration.tune import rounding_offsets
 from glmq.quantize import stream
 from glmq.quantize.gptq import hessian_error, quantize_gptq_batch
 from glmq.quantize.rtn import QWeight, dequantize, quantize_rtn
@@ -117,6 +118,8 @@ def quantize_layer(run: _Run, i: int, build, state: dict, targets: list[Target],
                 for p in batch:
                     for t, qw, d in p.solve(run):
                         qweights.add(t.module, qw)
+                        if p.offsets is not None:  # for the layer-output tuning (tune.py)
+                            run.offsets[t.module] = p.offsets.pop(0)
                         meta["targets"][t.module] = d
                         col.acc.pop(t.site, None)
                         col.acc.pop(t.site + "_all", None)
@@ -213,6 +216,7 @@ class _Problem:
     h_seen: torch.Tensor | None
     tokens: int
     result: object = None
+    offsets: list | None = None  # per target, `tune.rounding_offsets` (float16, CPU) when the spec tunes
 
     @classmethod
     def make(cls, run: _Run, group: list[Target], state: dict, col: HessianCollector, under: set[int],
@@ -227,8 +231,15 @@ class _Problem:
         """Per target (QWeight on CPU, diagnostics). Errors are measured on the tokens the Linear really
         saw (its routed Hessian), whatever Hessian GPTQ used; on that one for an expert that saw none."""
         if self.h is None:
-            return [(t, *_rtn_target(run, w, self.h_seen, self.tokens)) for t, w in zip(self.group, self._split(self.w))]
+            out = [(t, *_rtn_target(run, w, self.h_seen, self.tokens)) for t, w in zip(self.group, self._split(self.w))]
+            if run.spec.tune_iters:
+                self.offsets = [rounding_offsets(w, qw, None, 0.0, run.spec.group_size).half().cpu()
+                                for w, (_, qw, _) in zip(self._split(self.w), out)]
+            return out
         r, gs = self.result, run.spec.group_size
+        if run.spec.tune_iters:
+            off = rounding_offsets(self.w, r.qweight, self.h.to(self.w.device), r.damp, gs).half().cpu()
+            self.offsets = self._split(off)
         measure = (self.h_seen if self.h_seen is not None and self.tokens > 0 else self.h).to(run.device)
         w = self.w.float()
         d = torch.cat([w - dequantize(r.qweight, gs).float(), w - dequantize(quantize_rtn(self.w, run.spec), gs).float(), w])

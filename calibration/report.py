@@ -70,7 +70,8 @@ def summarize(plan: Plan, metas: list[dict], settings, tokens: torch.Tensor, res
                        "under_covered_experts": meta.get("under_covered", []),
                        "all_token_hessian_tokens": meta.get("all_token_hessian_tokens"),
                        "peak_rss_bytes": meta["peak_rss_bytes"]}
-                      | ({"sequential_stages": meta["sequential_stages"]} if "sequential_stages" in meta else {}))
+                      | ({"sequential_stages": meta["sequential_stages"]} if "sequential_stages" in meta else {})
+                      | ({"tune": meta["tune"]} if "tune" in meta else {}))
     by_class = {cls: {"tensors": t[0], "rel_err_gptq": _rel(t[1], t[3]), "rel_err_rtn": _rel(t[2], t[3]),
                       "gptq_better": t[4]} for cls, t in sorted(totals.items())}
     return {
@@ -124,6 +125,14 @@ def format_report(rep: dict) -> str:
     for cls, r in rep["by_class"].items():
         lines.append(f"{'all':>5s} {cls:16s} {r['tensors']:7d} {_f(r['rel_err_gptq']):>12s} {_f(r['rel_err_rtn']):>11s} "
                      f"{r['gptq_better']:7d}")
+    for lay in rep["layers"]:
+        t = lay.get("tune")
+        if t and t.get("tensors"):
+            lines.append(f"layer {lay['layer']} output tuning ({t['tensors']} tensors, {t['iters']} iters, reference "
+                         f"{t['reference']}): loss {t['loss_gptq']:.4g} -> {t['loss_tuned']:.4g} "
+                         f"({'kept' if t['kept'] else 'not kept: GPTQ result written'}), "
+                         f"{100 * t['integers_changed']:.2f} % of integers moved, {t['seconds']:.1f} s"
+                         + (f"; routed experts not tuned: {t['experts_not_tuned']}" if t.get("experts_not_tuned") else ""))
     cov = rep["expert_coverage"]
     lines.append(f"experts under {cov['min_expert_tokens']} tokens: {len(cov['under_covered'])}"
                  + "".join(f"\n  layer {u['layer']} expert {u['expert']}: {u['tokens']} tokens -> {u['hessian']}"

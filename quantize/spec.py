@@ -21,6 +21,7 @@ SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 # How GPTQ's clip search scores a candidate group scale (glmq.quantize.gptq, `_clip_search`):
 CLIP_OBJECTIVES = ("propagated", "block")
+TUNE_REFERENCES = ("layer", "source")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,18 @@ class QuantSpec:
             by one more descent sweep when cd_sweeps > 0; 0 = the scales GPTQ chose (default). 1 measured better
             than 0 and 2 on the shared model (BENCHMARKS.md, "GPTQ scale refit"), but it is off by default: on a
             CPU it made the 4-layer scaling model's GPTQ run 1.58x the peer's speed instead of >= 2x.
+        tune_iters: GPTQ only, symmetric specs: iterations of tuning each decoder layer's rounding (an
+            integer moves at most one step) and group scales on the layer's output error, started from
+            GPTQ's result (AutoRound's signed gradient descent in GPTQ's frame, `glmq.calibration.tune`);
+            0 = off.
+        tune_lr: the tuning's step size, decaying linearly to 0 over tune_iters; None: 1 / tune_iters
+            (AutoRound's default).
+        tune_reference: the tuning's target: "layer", the unquantized layer on the same (quantized model's)
+            input; "source", the unquantized model's own output of the layer, so the tuning also pulls
+            back the error of the layers before it.
+        tune_experts: tune the routed experts too (False: they keep GPTQ's result and the tuning holds only
+            the layer's other targets; a GLM-5 layer's 256 experts, 9.7 G weights, would need ~30 bytes of
+            tuning state each).
     """
 
     num_bits: int = 4
@@ -63,6 +76,10 @@ class QuantSpec:
     clip_objective: str = "propagated"
     cd_sweeps: int = 2
     scale_refit: int = 0
+    tune_iters: int = 0
+    tune_lr: float | None = None
+    tune_reference: str = "layer"
+    tune_experts: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method(self.method))
@@ -81,6 +98,14 @@ class QuantSpec:
             raise ValueError(f"cd_sweeps must be an integer >= 0, got {self.cd_sweeps!r}")
         if not isinstance(self.scale_refit, int) or isinstance(self.scale_refit, bool) or self.scale_refit < 0:
             raise ValueError(f"scale_refit must be an integer >= 0, got {self.scale_refit!r}")
+        if not isinstance(self.tune_iters, int) or isinstance(self.tune_iters, bool) or self.tune_iters < 0:
+            raise ValueError(f"tune_iters must be an integer >= 0, got {self.tune_iters!r}")
+        if self.tune_lr is not None and not self.tune_lr > 0:
+            raise ValueError(f"tune_lr must be positive, got {self.tune_lr!r}")
+        if self.tune_reference not in TUNE_REFERENCES:
+            raise ValueError(f"tune_reference must be one of {TUNE_REFERENCES}, got {self.tune_reference!r}")
+        if self.tune_iters and not self.symmetric:
+            raise ValueError("tune_iters needs a symmetric spec (the tuning keeps no zero point)")
         if self.block_size <= 0 or self.block_size % self.group_size and self.group_size % self.block_size:
             raise ValueError(
                 f"block_size {self.block_size} and group_size {self.group_size} must divide one another"

@@ -53,6 +53,9 @@ def main() -> None:
     ap.add_argument("--skip-rtn", action="store_true")
     ap.add_argument("--preset", default="bench", choices=["bench", "tiny"], help="tiny: a smoke test of this script")
     ap.add_argument("--json", default="bench_gptq_gpu.json")
+    ap.add_argument("--recipe", default="int4-w4a16", help="GPTQ's recipe (a shipped name or a YAML path)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a QuantSpec field of the GPTQ recipe (YAML value syntax), e.g. tune_iters=200")
     a = ap.parse_args()
 
     from glmq import recipes
@@ -90,8 +93,16 @@ def main() -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
-    rep = run_gptq(make_plan(source, recipes.load("int4-w4a16").with_method("gptq")), out, tokens, settings,
-                   device=a.device, progress=True)
+    recipe = recipes.load(a.recipe).with_method("gptq")
+    if a.set:
+        import dataclasses
+
+        import yaml
+
+        recipe = dataclasses.replace(recipe, spec=dataclasses.replace(
+            recipe.spec, **{k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in a.set)}))
+    result["recipe"] = recipe.to_dict()
+    rep = run_gptq(make_plan(source, recipe), out, tokens, settings, device=a.device, progress=True)
     g = rep["gptq"]
     per_layer = [lay["seconds"] for lay in g["layers"]]
     result["gptq"] = {
@@ -101,7 +112,7 @@ def main() -> None:
         "calibration_tokens_per_s": [lay["calibration_tokens_per_s"] for lay in g["layers"]],
         "write_seconds": rep["seconds"], "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "peak_rss_bytes": stream.peak_rss_bytes(), "fallbacks": len(g["fallbacks"]),
-        "by_class": g["by_class"],
+        "by_class": g["by_class"], "tune": [lay.get("tune") for lay in g["layers"]],
     }
     shutil.rmtree(out)
     # projection: the slowest measured layer (the first one also builds the rotary tables etc.) for every

@@ -41,7 +41,7 @@ has gptq-profile && timeout ${PROFILE_TIMEOUT:-150} python3 -m glmq.scripts.benc
   --shape ${PROFILE_SHAPE:-8 4096 6144} 2>&1 | tail -30 | tee "$OUT/gptq_profile.txt"
 has gptq-tiles && timeout ${TILES_TIMEOUT:-150} python3 -m glmq.scripts.bench_gptq_solver --device cuda --repeats 2 \
   --triton-tiles ${TILES:-32x4 16x2 16x4 8x1 8x2} --shape 8 4096 6144 --shape 8 6144 2048 --out "$OUT" --name cuda-tiles 2>&1 | tail -14
-has gptq-gpu && python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gptq.py tests/test_gptq_engine.py tests/test_cuda_path.py tests/test_scale_refit.py tests/test_calibration.py 2>&1 | tail -8 | tee "$OUT/gptq_gpu_tests.txt"
+has gptq-gpu && python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gptq.py tests/test_gptq_engine.py tests/test_cuda_path.py tests/test_scale_refit.py tests/test_calibration.py tests/test_tune.py 2>&1 | tail -8 | tee "$OUT/gptq_gpu_tests.txt"
 has cudapath && python3 -m pytest -q -p no:cacheprovider tests/test_cuda_path.py 2>&1 | tail -8 | tee "$OUT/cuda_path_tests.txt"
 if has peer-quality; then  # llm-compressor (GPTQ variants, AutoRound) on the GPU against glmq: scripts/bench_gptq.py quality.
   # Needs the peer's wheels in .whl-peer/ (llmcompressor, auto-round, datasets, dill, multiprocess) and the shared
