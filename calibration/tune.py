@@ -75,22 +75,41 @@ def rounding_offsets(w: torch.Tensor, qw: QWeight, h: torch.Tensor | None, damp:
 
 @dataclass
 class _Tuned:
-    """One target's tuned parameters (float32 on the run's device) around its GPTQ integers and scales."""
+    """The tuned parameters (float32 on the run's device) of one parameter of the layer: a Linear's weight `[N, K]`,
+    or all routed experts' fused `gate_up_proj` `[E, 2I, H]` / `down_proj` `[E, H, I]` at once (one set of
+    element-wise ops per step instead of one per expert: the loop is launch-bound on a GPU).
 
-    module: str
-    local: str  # layer-local weight name
-    q0: torch.Tensor  # [N, K] GPTQ's integers as float32
-    x: torch.Tensor  # [N, K] their continuous values, q0 + rounding_offsets
-    s0: torch.Tensor  # [N, G] GPTQ's scales as float32
+    `parts` maps each target module to its place in the tensors: `()` for a Linear, `(e, slice of rows)` for an
+    expert's projection.
+    """
+
+    local: str  # the parameter's name in the layer (functional_call)
+    parts: list[tuple[str, tuple]]
+    q0: torch.Tensor  # GPTQ's integers as float32
+    x: torch.Tensor  # their continuous values, q0 + rounding_offsets
+    s0: torch.Tensor  # GPTQ's scales as float32 (`[..., G]`)
     dtype: torch.dtype  # the scale dtype (written)
-    v: torch.Tensor  # [N, K] the tuned rounding offsets (added to x)
-    a: torch.Tensor  # [N, G] relative scale changes
+    v: torch.Tensor  # the tuned rounding offsets (added to x)
+    a: torch.Tensor  # relative scale changes
 
     @classmethod
-    def start(cls, module: str, local: str, qw: QWeight, offsets: torch.Tensor, device: torch.device) -> _Tuned:
-        q0, s0 = qw.q.to(device, torch.float32), qw.scale.to(device, torch.float32)
-        return cls(module, local, q0, q0 + offsets.to(device, torch.float32), s0, qw.scale.dtype,
-                   torch.zeros_like(q0, requires_grad=True), torch.zeros_like(s0, requires_grad=True))
+    def start(cls, local: str, parts: list[tuple[str, tuple]], qws: dict[str, QWeight], offsets: dict[str, torch.Tensor],
+              shape: tuple[int, ...] | None, device: torch.device) -> _Tuned:
+        """`shape`: the stacked shape (None: one Linear, `parts` = [(module, ())])."""
+        def gather(get) -> torch.Tensor:
+            if shape is None:
+                return get(parts[0][0]).to(device, torch.float32)
+            first = get(parts[0][0])
+            out = torch.empty(*shape[:-1], first.shape[-1], dtype=torch.float32, device=device)
+            for m, idx in parts:
+                out[idx] = get(m).to(device, torch.float32)
+            return out
+
+        q0 = gather(lambda m: qws[m].q)
+        x = q0 + gather(lambda m: offsets[m])
+        s0 = gather(lambda m: qws[m].scale)
+        return cls(local, parts, q0, x, s0, qws[parts[0][0]].scale.dtype, torch.zeros_like(q0, requires_grad=True),
+                   torch.zeros_like(s0, requires_grad=True))
 
     def integers(self, lo: int, hi: int, soft: bool) -> torch.Tensor:
         z = self.x + self.v
@@ -103,39 +122,52 @@ class _Tuned:
         s = self.s0 * (1 + self.a)
         return (q.unflatten(-1, (-1, gs)) * s.unsqueeze(-1)).flatten(-2)
 
-    def result(self, lo: int, hi: int) -> QWeight:
-        q = self.integers(lo, hi, soft=False).to(torch.int8)
-        return QWeight(q.cpu(), (self.s0 * (1 + self.a)).detach().to(self.dtype).cpu(), None)
+    def results(self, lo: int, hi: int) -> dict[str, QWeight]:
+        q = self.integers(lo, hi, soft=False).to(torch.int8).cpu()
+        sc = (self.s0 * (1 + self.a)).detach().to(self.dtype).cpu()
+        return {m: QWeight(q[idx].clone(), sc[idx].clone(), None) for m, idx in self.parts}
+
+    def dequantized(self, qws: dict[str, QWeight], gs: int) -> torch.Tensor:
+        """The weight as the checkpoint holds `qws` (dequantized in the scale dtype), float32, stacked like x."""
+        if not self.parts[0][1]:
+            return dequantize(qws[self.parts[0][0]], gs).to(self.x.device, torch.float32)
+        out = torch.empty_like(self.x)
+        for m, idx in self.parts:
+            out[idx] = dequantize(qws[m], gs).to(out.device, torch.float32)
+        return out
+
+    def numel(self) -> int:
+        return self.q0.numel()
 
 
-def _fused(layer: torch.nn.Module, experts: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """transformers' fused expert parameters with the given experts' (gate, up, down) weights in place."""
-    ex = layer.get_submodule("mlp.experts")
-    gu, dn = ex.gate_up_proj.detach(), ex.down_proj.detach()
-    n = gu.shape[1] // 2
-    rows, downs = [], []
-    for e in range(gu.shape[0]):
-        d = experts.get(e, {})
-        rows.append(torch.cat([d.get("gate", gu[e, :n]), d.get("up", gu[e, n:])]))
-        downs.append(d.get("down", dn[e]))
-    return {"mlp.experts.gate_up_proj": torch.stack(rows), "mlp.experts.down_proj": torch.stack(downs)}
-
-
-def _weights(layer: torch.nn.Module, tuned: list[_Tuned], lo: int, hi: int, gs: int,
-             fixed: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Parameter name -> tensor for `torch.func.functional_call`: the tuned weights (or `fixed` ones, by local name)."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[int, dict[str, torch.Tensor]] = {}
-    for t in tuned:
-        w = fixed[t.local] if fixed is not None else t.weight(lo, hi, gs)
-        m = _EXPERT.search(t.local)
-        if m:
-            experts.setdefault(int(m.group(1)), {})[m.group(2)] = w
+def _targets(layer: torch.nn.Module, names: list[str], prefix: str, qws: dict, offsets: dict,
+             device: torch.device) -> list[_Tuned]:
+    """One `_Tuned` per Linear target, and one per fused expert parameter for the routed experts among `names`
+    (all of the layer's experts, every projection: `tune_layer` checks it)."""
+    out, experts = [], {}
+    for m in names:
+        hit = _EXPERT.search(m + ".weight")
+        if hit:
+            experts.setdefault(hit.group(2), {})[int(hit.group(1))] = m
         else:
-            out[t.local] = w
+            out.append(_Tuned.start(m[len(prefix):] + ".weight", [(m, ())], qws, offsets, None, device))
     if experts:
-        out.update(_fused(layer, experts))
+        ex = layer.get_submodule("mlp.experts")
+        n = ex.gate_up_proj.shape[1] // 2
+        if sorted(experts) != ["down", "gate", "up"] or any(sorted(d) != list(range(ex.num_experts)) for d in experts.values()):
+            raise RuntimeError(f"{prefix}: tuning needs every routed expert's three projections as targets, got "
+                               f"{ {k: len(d) for k, d in experts.items()} } of {ex.num_experts}")
+        gu = [(experts["gate"][e], (e, slice(0, n))) for e in range(ex.num_experts)] + \
+             [(experts["up"][e], (e, slice(n, 2 * n))) for e in range(ex.num_experts)]
+        out.append(_Tuned.start("mlp.experts.gate_up_proj", gu, qws, offsets, tuple(ex.gate_up_proj.shape), device))
+        dn = [(experts["down"][e], (e, slice(None))) for e in range(ex.num_experts)]
+        out.append(_Tuned.start("mlp.experts.down_proj", dn, qws, offsets, tuple(ex.down_proj.shape), device))
     return out
+
+
+def _weights(tuned: list[_Tuned], lo: int, hi: int, gs: int) -> dict[str, torch.Tensor]:
+    """Parameter name -> the tuned weight, for `torch.func.functional_call`."""
+    return {t.local: t.weight(lo, hi, gs) for t in tuned}
 
 
 class _Batches:
@@ -207,11 +239,11 @@ def tune_layer(run: _Run, i: int, fp_state: dict, qweights: dict[str, QWeight], 
         experts.config._experts_implementation = "eager"
     for p in layer.parameters():
         p.requires_grad_(False)
-    tuned = [_Tuned.start(m, m[len(prefix):] + ".weight", qws[m], offsets[m], run.device) for m in names]
-    deq = {t.local: deq[t.local] for t in tuned}  # the others are the layer's own parameters
+    del deq  # the layer holds them (the targets not tuned keep GPTQ's weights there)
+    tuned = _targets(layer, names, prefix, qws, offsets, run.device)
     data = _Batches(run, src, carry, ref)
     n, bs = src.shape[0], s.batch_size
-    gptq_w = _weights(layer, tuned, lo, hi, gs, fixed={k: v.to(run.device, torch.float32) for k, v in deq.items()})
+    gptq_w = {t.local: t.dequantized(qws, gs) for t in tuned}
     loss0 = _loss_all(layer, gptq_w, data, bs)
     del gptq_w
     gen = torch.Generator().manual_seed(s.seed * 1_000_003 + i)
@@ -223,7 +255,7 @@ def tune_layer(run: _Run, i: int, fp_state: dict, qweights: dict[str, QWeight], 
             order += torch.randperm(n, generator=gen).tolist()
         idx, order = order[:bs], order[bs:]
         x, kw, y = data.get(idx)
-        loss = (_output(layer, _weights(layer, tuned, lo, hi, gs), x, kw).float() - y.float()).square().mean()
+        loss = (_output(layer, _weights(tuned, lo, hi, gs), x, kw).float() - y.float()).square().mean()
         loss.backward()
         lr = lr0 * (1 - it / iters)
         with torch.no_grad():
@@ -236,17 +268,18 @@ def tune_layer(run: _Run, i: int, fp_state: dict, qweights: dict[str, QWeight], 
         first = last if first is None else first
         del x, kw, y, loss
     with torch.no_grad():
-        results = {**qws, **{t.module: t.result(lo, hi) for t in tuned}}
-        changed = sum(int((results[t.module].q.float() != t.q0.cpu()).sum()) for t in tuned)
-        total = sum(t.q0.numel() for t in tuned)
-        final_w = {t.local: dequantize(results[t.module], gs).to(run.device, torch.float32) for t in tuned}
-        loss1 = _loss_all(layer, _weights(layer, tuned, lo, hi, gs, fixed=final_w), data, bs)
+        results = dict(qws)
+        for t in tuned:
+            results.update(t.results(lo, hi))
+        changed = sum(int((results[m].q != qws[m].q).sum()) for t in tuned for m, _ in t.parts)
+        total = sum(t.numel() for t in tuned)
+        loss1 = _loss_all(layer, {t.local: t.dequantized(results, gs) for t in tuned}, data, bs)
     kept = loss1 < loss0
-    meta = {"iters": iters, "lr": lr0, "tensors": len(tuned), "reference": spec.tune_reference,
+    meta = {"iters": iters, "lr": lr0, "tensors": sum(len(t.parts) for t in tuned), "reference": spec.tune_reference,
             "experts_not_tuned": skipped, "loss_gptq": loss0, "loss_tuned": loss1, "kept": kept,
             "integers_changed": round(changed / max(total, 1), 6), "first_batch_loss": first,
             "last_batch_loss": last, "seconds": round(time.perf_counter() - t0, 3)}
-    del layer, tuned, data, final_w
+    del layer, tuned, data
     _drop_reference(run, ref)
     return (results if kept else qws), meta
 

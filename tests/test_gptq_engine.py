@@ -18,6 +18,7 @@ What is asserted:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -45,8 +46,12 @@ from test_stream import OLD_CT_ARGS_KEYS, ct_decompress, tensors  # tests/ is on
 SAMPLES, SEQ = 16, 64
 
 
-def gptq_plan(src: Path, recipe: str = "int4-w4a16", max_shard_bytes: int = 300_000):
-    return make_plan(open_source(src), recipes.load(recipe).with_method("gptq"), max_shard_bytes)
+def gptq_plan(src: Path, recipe: str = "int4-w4a16", max_shard_bytes: int = 300_000, **spec):
+    """GPTQ of a shipped recipe; `spec` overrides QuantSpec fields. The layer-output tuning is off unless asked
+    for (`tune_iters`): these tests are of GPTQ itself, tests/test_tune.py is of the tuning."""
+    r = recipes.load(recipe).with_method("gptq")
+    r = dataclasses.replace(r, spec=dataclasses.replace(r.spec, **{"tune_iters": 0, **spec}))
+    return make_plan(open_source(src), r, max_shard_bytes)
 
 
 def rtn_plan(src: Path, recipe: str = "int4-w4a16", max_shard_bytes: int = 300_000):
@@ -286,6 +291,9 @@ def dying(orig):
             os._exit(137)
         return orig(*a, **k)
     return f
+if mode == "tune":  # dies inside a layer's output tuning, after `limit` forwards of it
+    from glmq.calibration import tune
+    tune._output = dying(tune._output)
 if mode == "gptq":  # dies inside a layer, after `limit` batched GPTQ calls
     from glmq.calibration import layer_gptq
     layer_gptq.quantize_gptq_batch = dying(layer_gptq.quantize_gptq_batch)

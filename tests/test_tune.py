@@ -14,8 +14,10 @@ What is asserted:
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
+import yaml
 import torch
 
 from glmq import recipes
@@ -28,7 +30,7 @@ from glmq.quantize.gptq import quantize_gptq
 from glmq.quantize.plan import make_plan
 from glmq.quantize.rtn import dequantize, quantize_rtn
 from glmq.quantize.spec import Method, QuantSpec
-from test_gptq_engine import _files, _layer_output, calib_ids, gptq_plan, settings  # tests/ is on sys.path
+from test_gptq_engine import _cli, _files, _layer_output, calib_ids, cli_src, gptq_plan, settings  # noqa: F401 (a fixture)
 from test_stream import tensors
 
 
@@ -71,7 +73,7 @@ def test_rounding_offsets_are_the_coordinate_optima():
 
 def _tuned_plan(src, recipe="int4-w4a16-all-linear", iters=40):
     r = recipes.load(recipe).with_method("gptq")
-    r = dataclasses.replace(r, spec=dataclasses.replace(r.spec, tune_iters=iters))
+    r = dataclasses.replace(r, spec=dataclasses.replace(r.spec, tune_iters=iters, tune_lr=None))
     return make_plan(open_source(src), r, 300_000)
 
 
@@ -138,6 +140,30 @@ def test_tuning_is_deterministic(tuned, tmp_path):
     src, _, out, _ = tuned
     run_gptq(_tuned_plan(src), tmp_path / "again", calib_ids(), settings(), progress=False)
     assert _files(tmp_path / "again") == _files(out)
+
+
+def test_killed_while_tuning_resumes_byte_identical(cli_src, tmp_path):
+    """The CLI with a tuned every-linear recipe (the unquantized model's states as the target, so a resumed run
+    must regenerate them), killed inside layer 1's tuning: the rerun resumes at layer 1 and writes the bytes of
+    an uninterrupted run; the shipped every-linear recipe tunes."""
+    src, text, _ = cli_src
+    assert recipes.load("int4-w4a16-all-linear").spec.tune_iters > 0
+    recipe = tmp_path / "tuned.yaml"
+    recipe.write_text(yaml.safe_dump({**recipes.load("int4-w4a16-all-linear").to_dict(), "method": "gptq",
+                                      "tune_iters": 20, "tune_reference": "source"}))
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    r = _cli("none", 0, src, ref, text, "--recipe", str(recipe))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "output tuning" in r.stdout
+    per_layer = 1 + 20 + 1  # 8 samples in one batch: the GPTQ loss, the steps, the tuned loss
+    r = _cli("tune", per_layer + 10, src, out, text, "--recipe", str(recipe))
+    assert r.returncode == 137, r.stderr[-3000:]
+    assert sorted(p.name for p in (out / ".glmq-gptq").glob("layer-*")) == ["layer-00000.safetensors"]
+    r = _cli("none", 0, src, out, text, "--recipe", str(recipe))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _files(out) == _files(ref)
+    rep = json.loads((out / "glmq_report.json").read_text())["gptq"]
+    assert rep["resumed_from_layer"] == 1 and all(lay["tune"]["reference"] == "source" for lay in rep["layers"])
 
 
 def test_tune_settings_are_validated(make_ckpt):
