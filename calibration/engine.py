@@ -268,7 +268,8 @@ class _Run:
         self.progress = progress
         self.bar = None
         self.offsets: dict[str, torch.Tensor] = {}  # module -> rounding offsets of the layer being tuned (tune.py)
-        self.source_stream: tuple | None = None  # (hidden, carry) of the unquantized model at the current layer (tune.py)
+        # (layer index, its input hidden states and carry in the unquantized model): tune_reference "source" (tune.py)
+        self.source_stream: tuple | None = None
 
     # -- hidden states
     def hidden_path(self, i: int, kind: str = "hidden") -> Path:
@@ -316,10 +317,13 @@ class _Run:
         return src.shape[0] * src.shape[1] / max(time.perf_counter() - t0, 1e-9)
 
     def _carry_store(self, extra: torch.Tensor, s: int, i: int, kind: str = "carry") -> cc.Activations:
-        shape = (s, *extra.shape[1:])
+        return self.new_store(self.hidden_path(i, kind), (s, *extra.shape[1:]), extra.dtype)
+
+    def new_store(self, path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> cc.Activations:
+        """An empty store of states: a file at `path` with the `.tmp` suffix (activations on disk), or a tensor."""
         if not self.on_disk:
-            return cc.Activations.in_memory(torch.empty(shape, dtype=extra.dtype))
-        return cc.Activations.new_file(self.hidden_path(i, kind).with_suffix(".tmp"), shape, extra.dtype)
+            return cc.Activations.in_memory(torch.empty(shape, dtype=dtype))
+        return cc.Activations.new_file(path.with_suffix(".tmp"), shape, dtype)
 
     def drop_states(self, keep: tuple[str, ...] = ()) -> None:
         """Delete saved/temporary hidden states other than `keep` (file names)."""
@@ -337,7 +341,7 @@ class _Run:
     def output_store(self, src: cc.Activations, i: int) -> cc.Activations:
         if not self.on_disk:
             return src  # in place, batch by batch: one copy in memory
-        return cc.Activations.new_file(self.hidden_path(i).with_suffix(".tmp"), src.shape, src.dtype)
+        return self.new_store(self.hidden_path(i), src.shape, src.dtype)
 
     # -- one layer
     def quantized_layer(self, i: int, state: dict, qweights: dict[str, QWeight]):
@@ -411,8 +415,8 @@ class _Run:
         from glmq.calibration.tune import tune_layer
 
         offsets, self.offsets = self.offsets, {}
-        qw, tmeta = tune_layer(self, i, fp_state, cc.PackedQWeights(packed, self.spec), offsets, src, carry)
-        return cc.packed(qw, self.spec), tmeta
+        tuned, tmeta = tune_layer(self, i, fp_state, cc.PackedQWeights(packed, self.spec), offsets, src, carry)
+        return {**packed, **cc.packed(tuned, self.spec)}, tmeta  # the targets not tuned keep their packed tensors
 
     # -- several ranks
     def share(self, targets: list[Target], state: dict) -> list[Target]:

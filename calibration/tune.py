@@ -28,7 +28,6 @@ layer, built with transformers' own class, and has GPTQ's result and Hessians to
 from __future__ import annotations
 
 import copy
-import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,13 +35,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from glmq.calibration import cache as cc
+from glmq.calibration.layers import _EXPERT
 from glmq.quantize import stream
 from glmq.quantize.rtn import QWeight, dequantize
 
 if TYPE_CHECKING:
     from glmq.calibration.engine import _Run
 
-_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 V_BOUND, A_BOUND = 0.5, 0.5
 OFFSET_BOUND = 0.499  # |x - q| < 0.5: round(x) is GPTQ's integer
 # routed-expert weights of a layer above which `tune_experts` leaves them to GPTQ (and the report says so): the
@@ -207,7 +206,8 @@ def _loss_all(layer, weights: dict, data: _Batches, bs: int) -> float:
 
 def tune_layer(run: _Run, i: int, fp_state: dict, qweights: dict[str, QWeight], offsets: dict[str, torch.Tensor],
                src: cc.Activations, carry: cc.Activations | None) -> tuple[dict[str, QWeight], dict]:
-    """Tune layer i's quantized targets on its output error; returns (qweights to keep, the report's "tune" entry).
+    """Tune layer i's quantized targets on its output error; returns (the tuned targets' new QWeights, empty when
+    the tuning is not kept or tunes nothing, and the report's "tune" entry).
 
     Args:
         fp_state: the layer's unquantized weights (layer-local names, per-expert layout): the reference layer.
@@ -228,7 +228,7 @@ def tune_layer(run: _Run, i: int, fp_state: dict, qweights: dict[str, QWeight], 
         f"{expert_weights} routed-expert weights > {TUNE_EXPERT_WEIGHTS} (calibration/tune.py TUNE_EXPERT_WEIGHTS)")
     names = [m for m in qweights if tune_ex or not _EXPERT.search(m + ".weight")]
     if not names:  # ("source": the unquantized model's stream moves on at the next tuned layer)
-        return dict(qweights), {"iters": 0, "tensors": 0, "reference": spec.tune_reference, "experts_not_tuned": skipped}
+        return {}, {"iters": 0, "tensors": 0, "reference": spec.tune_reference, "experts_not_tuned": skipped}
     ref = _reference(run, i, fp_state, src, carry)
     qws = {m: qweights[m] for m in qweights}  # unpacked once
     deq = {m[len(prefix):] + ".weight": dequantize(qw, gs).to(run.dtype) for m, qw in qws.items()}
@@ -268,10 +268,8 @@ def tune_layer(run: _Run, i: int, fp_state: dict, qweights: dict[str, QWeight], 
         first = last if first is None else first
         del x, kw, y, loss
     with torch.no_grad():
-        results = dict(qws)
-        for t in tuned:
-            results.update(t.results(lo, hi))
-        changed = sum(int((results[m].q != qws[m].q).sum()) for t in tuned for m, _ in t.parts)
+        results = {m: qw for t in tuned for m, qw in t.results(lo, hi).items()}
+        changed = sum(int((qw.q != qws[m].q).sum()) for m, qw in results.items())
         total = sum(t.numel() for t in tuned)
         loss1 = _loss_all(layer, {t.local: t.dequantized(results, gs) for t in tuned}, data, bs)
     kept = loss1 < loss0
@@ -281,23 +279,17 @@ def tune_layer(run: _Run, i: int, fp_state: dict, qweights: dict[str, QWeight], 
             "last_batch_loss": last, "seconds": round(time.perf_counter() - t0, 3)}
     del layer, tuned, data
     _drop_reference(run, ref)
-    return (results if kept else qws), meta
+    return (results if kept else {}), meta
 
 
 def _reference(run: _Run, i: int, fp_state: dict, src: cc.Activations, carry: cc.Activations | None) -> cc.Activations:
     """The tuning's target on every calibration sample, stored as `src` is: the unquantized layer's output on the
     layer's input (`tune_reference: layer`), or on the unquantized model's own hidden states (`source`: the
-    unquantized model's output of layer i, `run.source_stream`, which this advances)."""
-    layer = run.builder.build(i, fp_state, chunked_experts=True)
-    if run.spec.tune_reference == "layer":
-        ref = _new_store(run, src, run.hidden_path(i, "reference"))
-        run.forward(layer, src, carry, ref)
-        return ref
-    h, c = _source_input(run, i)
-    ref, cdst = _new_store(run, h, run.hidden_path(i, "reference")), []
-    run.forward(layer, h, c, ref, cdst, i, carry_kind="reference-carry")
-    _drop(h, c)
-    run.source_stream = (i + 1, ref, cdst[0] if cdst else None)
+    unquantized model's output of layer i, which `run.source_stream` then holds as layer i + 1's input)."""
+    if run.spec.tune_reference == "source":
+        return _advance_source(run, i + 1, {i: fp_state})
+    ref = run.new_store(run.hidden_path(i, "reference"), src.shape, src.dtype)
+    run.forward(run.builder.build(i, fp_state, chunked_experts=True), src, carry, ref)
     return ref
 
 
@@ -313,28 +305,20 @@ def _drop_reference(run: _Run, ref: cc.Activations) -> None:
     stream.release_free_memory()
 
 
-def _new_store(run: _Run, like: cc.Activations, path) -> cc.Activations:
-    if run.on_disk:
-        return cc.Activations.new_file(path.with_suffix(".tmp"), like.shape, like.dtype)
-    return cc.Activations.in_memory(torch.empty(like.shape, dtype=like.dtype))
-
-
-def _drop(*stores: cc.Activations | None) -> None:
-    for a in stores:
-        if a is not None:
-            a.drop()
-
-
-def _source_input(run: _Run, i: int) -> tuple[cc.Activations, cc.Activations | None]:
-    """The unquantized model's input of layer i: `run.source_stream` moved on through the source's layers from
-    where it is (the embeddings when there is none yet: the first tuned layer, or a resumed run)."""
+def _advance_source(run: _Run, i: int, states: dict[int, dict]) -> cc.Activations:
+    """Move `run.source_stream` on through the source's layers until it holds the unquantized model's input of
+    layer i, and return those hidden states. It starts from the embeddings when there is no stream yet (the first
+    tuned layer, or a resumed run); layer j is built from `states[j]` if given, else read from the source."""
     j, h, c = run.source_stream if run.source_stream is not None else (0, run.embeddings("reference-embeddings"), None)
     run.source_stream = None
     while j < i:
-        layer = run.builder.build(j, None, chunked_experts=True)
-        nh, cdst = _new_store(run, h, run.hidden_path(j, "reference")), []
+        layer = run.builder.build(j, states.get(j), chunked_experts=True)
+        nh, cdst = run.new_store(run.hidden_path(j, "reference"), h.shape, h.dtype), []
         run.forward(layer, h, c, nh, cdst, j, carry_kind="reference-carry")
         del layer
-        _drop(h, c)
+        for a in (h, c):
+            if a is not None:
+                a.drop()
         j, h, c = j + 1, nh, (cdst[0] if cdst else None)
-    return h, c
+    run.source_stream = (j, h, c)
+    return h
