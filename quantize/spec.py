@@ -61,9 +61,9 @@ class QuantSpec:
         tune_reference: the tuning's target: "layer", the unquantized layer on the same (quantized model's)
             input; "source", the unquantized model's own output of the layer, so the tuning also pulls
             back the error of the layers before it.
-        tune_experts: tune the routed experts too (False: they keep GPTQ's result and the tuning holds only
-            the layer's other targets; a GLM-5 layer's 256 experts, 9.7 G weights, would need ~30 bytes of
-            tuning state each).
+        tune_experts: tune the routed experts too, in layers with at most `tune.TUNE_EXPERT_WEIGHTS` expert
+            weights (larger ones, e.g. GLM-5's 9.7 G, keep GPTQ's result, and the report says so); False: they
+            always keep GPTQ's result and the tuning holds only the layer's other targets.
     """
 
     num_bits: int = 4

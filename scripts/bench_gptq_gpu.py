@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--skip-rtn", action="store_true")
     ap.add_argument("--preset", default="bench", choices=["bench", "tiny"], help="tiny: a smoke test of this script")
     ap.add_argument("--json", default="bench_gptq_gpu.json")
-    ap.add_argument("--recipe", default="int4-w4a16", help="GPTQ's recipe (a shipped name or a YAML path)")
+    ap.add_argument("--recipe", default="int4-w4a16", help="GPTQ's recipe (a shipped name)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a QuantSpec field of the GPTQ recipe (YAML value syntax), e.g. tune_iters=200")
     a = ap.parse_args()
@@ -93,14 +93,9 @@ def main() -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
-    recipe = recipes.load(a.recipe).with_method("gptq")
-    if a.set:
-        import dataclasses
+    from glmq.scripts.bench_gptq import recipe_variant
 
-        import yaml
-
-        recipe = dataclasses.replace(recipe, spec=dataclasses.replace(
-            recipe.spec, **{k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in a.set)}))
+    recipe = recipes.load(recipe_variant(a.recipe, a.set, "gpu", work)).with_method("gptq")
     result["recipe"] = recipe.to_dict()
     rep = run_gptq(make_plan(source, recipe), out, tokens, settings, device=a.device, progress=True)
     g = rep["gptq"]
