@@ -10,7 +10,8 @@ They reproduce the eager path (`glmq.quantize.rtn` after `glmq.formats.fp8.dequa
 for bit, which tests/test_fused_cpu.py asserts:
   * fp8 decode through an exact 256-entry table; block scale multiply in float32 (as
     compressed-tensors' FP8BlockDequantizer does), then round-to-nearest-even to bf16;
-  * scale = bf16(absmax / 7.5) (int4) or bf16(absmax / 127.5) (int8), zero -> bf16 eps;
+  * scale = bf16(absmax / 7.5) (int4) or bf16(absmax / 127.5) (int8), zero -> bf16 eps; with
+    QuantSpec.full_range bf16(-max / 8) where max > |min|, else bf16(|min| / 8) (int8: 128);
   * q = rint(clamp(bf16(w / scale), q_min, q_max)), rint = round half to even = torch.round;
   * packing as compressed-tensors: u = q + 2^(b-1), LSB first into little-endian int32 words.
 Only symmetric specs take this path; asymmetric ones use the eager path.
@@ -59,7 +60,7 @@ if numba is not None:
         return not (big <= np.float32(3.4028234663852886e38)) or total != total
 
     @njit(inline="always")
-    def _quant_row(vals, tmp, out_row, scale_row, group, qmax, half_range, eps, bits):
+    def _quant_row(vals, tmp, out_row, scale_row, group, qmax, half_range, eps, bits, full):
         """Quantize one row of bf16-exact float32 values group by group and pack it (u8 view).
 
         Returns whether the row holds a NaN or Inf (`_not_finite`, from the group max pass)."""
@@ -74,11 +75,16 @@ if numba is not None:
         total = np.float32(0.0)
         for gi in range(ngroups):
             amax = np.float32(0.0)
+            vmax = np.float32(0.0)
+            nmin = np.float32(0.0)  # |min|
             for i in range(gi * group, (gi + 1) * group):
                 amax = max(amax, abs(vals[i]))
+                vmax = max(vmax, vals[i])
+                nmin = max(nmin, -vals[i])
                 total += vals[i] * np.float32(0.0)  # NaN (or Inf * 0) makes it NaN; max() may drop NaN
             big = max(big, amax)
-            sc[gi] = amax / np.float32(half_range)
+            # full range: the maximum maps to q_min (a negative scale) where it is larger than |min|
+            sc[gi] = (-vmax if full and vmax > nmin else amax) / np.float32(half_range)
         _round_bf16_inplace(sc.view(np.uint32))
         for gi in range(ngroups):
             if sc[gi] == 0:
@@ -109,14 +115,14 @@ if numba is not None:
                 vals[c] = lut[w8row[c]] * s
 
     @njit(parallel=True, cache=True, nogil=True)
-    def _fp8_block_kernel(w8, sinv, lut, bn, bk, out, scales, bad, group, qmax, half_range, eps, bits):
+    def _fp8_block_kernel(w8, sinv, lut, bn, bk, out, scales, bad, group, qmax, half_range, eps, bits, full):
         n, k = w8.shape
         for r in prange(n):
             vals = np.empty(k, dtype=np.float32)
             tmp = np.empty(k, dtype=np.float32)
             _fp8_row(w8[r], sinv[r // bn], lut, bk, vals)
             _round_bf16_inplace(vals.view(np.uint32))
-            bad[r] = _quant_row(vals, tmp, out[r], scales[r], group, qmax, half_range, eps, bits)
+            bad[r] = _quant_row(vals, tmp, out[r], scales[r], group, qmax, half_range, eps, bits, full)
 
     @njit(parallel=True, cache=True, nogil=True)
     def _fp8_block_dequant_kernel(w8, sinv, lut, bn, bk, out_bits, bad):
@@ -135,7 +141,7 @@ if numba is not None:
             bad[r] = _not_finite(big, total)
 
     @njit(parallel=True, cache=True, nogil=True)
-    def _bf16_kernel(w16, out, scales, bad, group, qmax, half_range, eps, bits):
+    def _bf16_kernel(w16, out, scales, bad, group, qmax, half_range, eps, bits, full):
         n, k = w16.shape
         for r in prange(n):
             vals = np.empty(k, dtype=np.float32)
@@ -143,7 +149,7 @@ if numba is not None:
             vb = vals.view(np.uint32)
             for c in range(k):
                 vb[c] = np.uint32(w16[r, c]) << np.uint32(16)
-            bad[r] = _quant_row(vals, tmp, out[r], scales[r], group, qmax, half_range, eps, bits)
+            bad[r] = _quant_row(vals, tmp, out[r], scales[r], group, qmax, half_range, eps, bits, full)
 
 
 class NonFiniteWeightError(ValueError):
@@ -157,7 +163,7 @@ def _outputs(n: int, k: int, spec: QuantSpec) -> tuple[np.ndarray, np.ndarray, n
 
 
 def _args(spec: QuantSpec) -> tuple:
-    return (spec.group_size, spec.q_max, (spec.q_max - spec.q_min) / 2.0, _BF16_EPS, spec.num_bits)
+    return (spec.group_size, spec.q_max, spec.half_range, _BF16_EPS, spec.num_bits, spec.full_range)
 
 
 def _check(bad: np.ndarray) -> None:

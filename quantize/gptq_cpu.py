@@ -106,13 +106,14 @@ if numba is not None:
                 d[r] = v
 
     @njit(parallel=True, cache=True, nogil=True)
-    def _loop_kernel(wt, u, qt, et, st, gs, qmin, qmax, half, eps, bf16, grid, t):
+    def _loop_kernel(wt, u, qt, et, st, gs, qmin, qmax, half, eps, bf16, grid, t, full):
         """One block of the GPTQ loop for B problems.
 
         wt: float32 [B, C, N], the block's current columns (transposed); u: float32 [B, C, C], the block's
         part of the upper inverse-Hessian factor; out: qt int8 [B, C, N], et float32 [B, C, N] (the
         errors (w - q) / u_jj), st float32 [B, C // gs, N] (the group scales, dtype-exact).
         grid: float32 clip factors, grid[0] == 1 (one entry: no search).
+        full: QuantSpec.full_range (the scale's dividend is signed: `rtn.compute_qparams`).
         """
         nb, nc, n = wt.shape
         ntile = (n + t - 1) // t
@@ -135,24 +136,40 @@ if numba is not None:
             best_s = np.empty(t, dtype=np.float32)
             loss = np.empty(t, dtype=np.float32)
             amax = np.empty(t, dtype=np.float32)
+            amin = np.empty(t, dtype=np.float32)
             s = np.empty(t, dtype=np.float32)
+            s2 = np.empty(t, dtype=np.float32)
             x = np.empty(t, dtype=np.float32)
             for g in range(nc // gs):
                 c0 = g * gs
-                # absmax of the group's current values in the weight dtype (= max(|min|, max), both clamped at 0)
+                # absmax of the group's current values in the weight dtype (= max(|min|, max), both clamped at 0);
+                # full range: max and |min| apart
                 for r in range(t):
                     amax[r] = 0.0
+                    amin[r] = 0.0
                 for c in range(c0, c0 + gs):
                     for r in range(t):
                         x[r] = w[c, r]
                     _round_dtype(x, bf16)
-                    for r in range(t):
-                        amax[r] = max(amax[r], abs(x[r]))
+                    if full:
+                        for r in range(t):
+                            amax[r] = max(amax[r], x[r])
+                            amin[r] = max(amin[r], -x[r])
+                    else:
+                        for r in range(t):
+                            amax[r] = max(amax[r], abs(x[r]))
                 for p in range(grid.shape[0]):
-                    # compute_qparams of the shrunk range: dtype(dtype(absmax * p) / half), zero -> eps
+                    # compute_qparams of the shrunk range: dtype(dtype(absmax * p) / half), zero -> eps;
+                    # full range: the dtype-rounded shrunk max and |min| compared, the larger signed
                     for r in range(t):
                         s[r] = amax[r] * grid[p]
                     _round_dtype(s, bf16)
+                    if full:
+                        for r in range(t):
+                            s2[r] = amin[r] * grid[p]
+                        _round_dtype(s2, bf16)
+                        for r in range(t):
+                            s[r] = -s[r] if s[r] > s2[r] else s2[r]
                     for r in range(t):
                         s[r] = s[r] / half32
                     _round_dtype(s, bf16)
@@ -301,8 +318,9 @@ def _grid(clip: str | None) -> np.ndarray:
 
 
 def _args(spec: QuantSpec, dtype: torch.dtype) -> tuple:
-    """(q_min, q_max, half range, bf16?) as the kernels take them (floats: Triton's as fp32 arguments)."""
-    return float(spec.q_min), float(spec.q_max), (spec.q_max - spec.q_min) / 2.0, dtype == torch.bfloat16
+    """(q_min, q_max, half range, bf16?, full range?) as the kernels take them (floats: Triton's as fp32
+    arguments)."""
+    return float(spec.q_min), float(spec.q_max), spec.half_range, dtype == torch.bfloat16, spec.full_range
 
 
 def gptq_loop(Wt: torch.Tensor, Hinv: torch.Tensor, spec: QuantSpec, dtype: torch.dtype, clip: str | None
@@ -319,7 +337,7 @@ def gptq_loop(Wt: torch.Tensor, Hinv: torch.Tensor, spec: QuantSpec, dtype: torc
     gs = spec.group_size
     Qt = torch.empty(nb, k, n, dtype=torch.int8)
     St = torch.empty(nb, k // gs, n)
-    qmin, qmax, half, bf16 = _args(spec, dtype)
+    qmin, qmax, half, bf16, full = _args(spec, dtype)
     eps = float(torch.finfo(dtype).eps)
     grid = _grid(clip)
     for i1 in range(0, k, BLOCK):
@@ -327,7 +345,7 @@ def gptq_loop(Wt: torch.Tensor, Hinv: torch.Tensor, spec: QuantSpec, dtype: torc
         Et = torch.empty(nb, i2 - i1, n)
         with _torch_threads():
             _loop_kernel(Wt[:, i1:i2].numpy(), Hinv[:, i1:i2, i1:i2].contiguous().numpy(), Qt[:, i1:i2].numpy(),
-                         Et.numpy(), St[:, i1 // gs:i2 // gs].numpy(), gs, qmin, qmax, half, eps, bf16, grid, TILE)
+                         Et.numpy(), St[:, i1 // gs:i2 // gs].numpy(), gs, qmin, qmax, half, eps, bf16, grid, TILE, full)
         if i2 < k:  # Wt[:, i2:] -= (E Hinv[i1:i2, i2:])^T
             Wt[:, i2:].baddbmm_(Hinv[:, i1:i2, i2:].transpose(1, 2), Et, alpha=-1)
     return Qt.transpose(1, 2), St.transpose(1, 2).to(dtype)
@@ -356,7 +374,7 @@ def coordinate_descent(Wt: torch.Tensor, Q: torch.Tensor, scale: torch.Tensor, H
     nb, k, n = Wt.shape
     gs = spec.group_size
     Qt, St, Dt = descent_start(Wt, Q, scale, spec, dtype)
-    qmin, qmax, _, bf16 = _args(spec, dtype)
+    qmin, qmax, _, bf16, _ = _args(spec, dtype)
     from glmq.quantize.gptq import CD_MIN_GAIN
 
     for _ in range(spec.cd_sweeps):

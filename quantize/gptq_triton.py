@@ -78,13 +78,14 @@ if triton is not None:
     def _group_kernel(w_ptr, u_ptr, grid_ptr, q_ptr, e_ptr, s_ptr,
                       N, ntile, P, swb, sub, suk, sqb, seb, ssb,
                       qmin, qmax, half, eps,
-                      GS: tl.constexpr, TN: tl.constexpr, BF16: tl.constexpr):
+                      GS: tl.constexpr, TN: tl.constexpr, BF16: tl.constexpr, FULL: tl.constexpr):
         """One group of GPTQ's loop for one tile of TN rows of problem b (`gptq_cpu._loop_kernel`'s group).
 
         w: float32 the group's current columns [GS, N] (row stride N, problem stride swb); u: the group's
         block of the upper inverse-Hessian factor [GS, GS] (row stride suk); grid: P clip factors (1.0 first).
         Out: q int8 [GS, N], e float32 [GS, N] (Alg. 1's errors (w - q) / u_jj), s float32 [N] the scale.
-        Passes 0..P-1 score the candidates; pass P reruns the winner and stores.
+        Passes 0..P-1 score the candidates; pass P reruns the winner and stores. FULL: QuantSpec.full_range
+        (the scale's dividend is signed, as `gptq_cpu._loop_kernel` computes it).
         """
         pid = tl.program_id(0)
         b = (pid // ntile).to(tl.int64)  # problem offsets pass 2^31 elements in large batches
@@ -93,14 +94,24 @@ if triton is not None:
         rows = tl.arange(0, GS)
         offs = rows[:, None] * N + cols[None, :]
         w0 = tl.load(w_ptr + b * swb + offs, mask=cm[None, :], other=0.0)
-        amax = tl.max(tl.abs(_rd(w0, BF16)), axis=0)  # compute_qparams on the group's range in the weight dtype
+        wr = _rd(w0, BF16)  # compute_qparams on the group's range in the weight dtype
+        if FULL:  # max and |min| apart (both >= 0: the masked columns load 0)
+            amax = tl.maximum(tl.max(wr, axis=0), 0.0)
+            amin = tl.maximum(tl.max(-wr, axis=0), 0.0)
+        else:
+            amax = tl.max(tl.abs(wr), axis=0)
         ub = u_ptr + b * sub
         best_loss = tl.full([TN], float("inf"), tl.float32)
         best_s = tl.zeros([TN], tl.float32)
         for p in range(P + 1):
             final = p == P
             f = tl.load(grid_ptr + tl.minimum(p, P - 1))
-            s = _rd(tl.math.div_rn(_rd(amax * f, BF16), half), BF16)
+            if FULL:  # the dtype-rounded shrunk max and |min| compared, the larger signed
+                a = _rd(amax * f, BF16)
+                a2 = _rd(amin * f, BF16)
+                s = _rd(tl.math.div_rn(tl.where(a > a2, -a, a2), half), BF16)
+            else:
+                s = _rd(tl.math.div_rn(_rd(amax * f, BF16), half), BF16)
             s = tl.where(s == 0, eps, s)
             s = tl.where(final, best_s, s)
             w = w0
@@ -184,7 +195,7 @@ def gptq_loop(Wt: torch.Tensor, Hinv: torch.Tensor, spec: QuantSpec, dtype: torc
     St = torch.empty(nb, k // gs, n, device=Wt.device)
     Et = torch.empty(nb, gs, n, device=Wt.device)
     grid = torch.from_numpy(_grid(clip)).to(Wt.device)
-    qmin, qmax, half, bf16 = _args(spec, dtype)
+    qmin, qmax, half, bf16, full = _args(spec, dtype)
     eps = float(torch.finfo(dtype).eps)
     ntile = triton.cdiv(n, T)
     for g in range(k // gs):
@@ -192,7 +203,7 @@ def gptq_loop(Wt: torch.Tensor, Hinv: torch.Tensor, spec: QuantSpec, dtype: torc
         _group_kernel[(nb * ntile,)](
             Wt[:, c0:c1], Hinv[:, c0:c1, c0:c1], grid, Qt[:, c0:c1], Et, St[:, g],
             n, ntile, grid.numel(), k * n, k * k, k, k * n, gs * n, (k // gs) * n,
-            qmin, qmax, half, eps, GS=gs, TN=T, BF16=bf16, num_warps=WARPS, enable_fp_fusion=False)
+            qmin, qmax, half, eps, GS=gs, TN=T, BF16=bf16, FULL=full, num_warps=WARPS, enable_fp_fusion=False)
         if c1 < k:  # Wt[:, c1:] -= (E Hinv[c0:c1, c1:])^T
             Wt[:, c1:].baddbmm_(Hinv[:, c0:c1, c1:].transpose(1, 2), Et, alpha=-1)
     return Qt.transpose(1, 2), St.transpose(1, 2).to(dtype)
@@ -213,7 +224,7 @@ def coordinate_descent(Wt: torch.Tensor, Q: torch.Tensor, scale: torch.Tensor, H
     gs = spec.group_size
     Hd = Hd.contiguous()
     Qt, St, Dt = descent_start(Wt, Q, scale, spec, dtype)
-    qmin, qmax, _, bf16 = _args(spec, dtype)
+    qmin, qmax, _, bf16, _ = _args(spec, dtype)
     ntile = triton.cdiv(n, T)
     for _ in range(spec.cd_sweeps):
         moved = torch.zeros(1, dtype=torch.int32, device=Wt.device)

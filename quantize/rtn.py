@@ -9,6 +9,11 @@ compressed-tensors (quantization/utils/helpers.py `calculate_qparams`, lifecycle
 The divisions below run in float32 and are rounded to the weight dtype, which is exactly what
 torch's bf16/fp16 kernels do on CPU and CUDA, so the integers match compressed-tensors bit for bit
 (tests/test_rtn.py checks this against compressed-tensors itself).
+
+`QuantSpec.full_range` (symmetric only) changes the scale alone, as AutoRound's full-range symmetric scheme:
+    scale = -max(g) / 2^(b-1) where max(g) > |min(g)|, else |min(g)| / 2^(b-1)        (signed; / 8 for int4)
+so the value of largest magnitude is exactly q_min * scale and all 2^b levels are used; the integers are
+still compressed-tensors' `quantize` of w with that scale (tests/test_rtn.py), and w = q * scale.
 """
 
 from __future__ import annotations
@@ -58,7 +63,11 @@ def compute_qparams(
     """
     dtype = lo.dtype
     q_range = float(spec.q_max - spec.q_min)  # 15 for int4: exact in bf16
-    if spec.symmetric:
+    if spec.symmetric and spec.full_range:
+        # the side of larger magnitude maps to q_min: a negative scale when it is the maximum (ties: |min|)
+        signed = torch.where(hi > lo.abs(), -hi, lo.abs())
+        scale = (signed.float() / spec.half_range).to(dtype)
+    elif spec.symmetric:
         absmax = torch.maximum(lo.abs(), hi)
         scale = (absmax.float() / (q_range / 2)).to(dtype)
     else:

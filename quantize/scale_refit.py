@@ -89,7 +89,8 @@ def _solve(W: torch.Tensor, Qf: torch.Tensor, s_old: torch.Tensor, Hd: torch.Ten
     b = torch.where(empty, s_old.double(), b)
     L, info = torch.linalg.cholesky_ex(M)
     s = torch.cholesky_solve(b.unsqueeze(-1), L)[..., 0].to(dtype)  # rounded to the written scale dtype
-    usable = torch.isfinite(s) & (s > 0) & ~empty & (info == 0).unsqueeze(-1)
+    # (the sign kept: full_range's negative scales stay negative; a zero or flipped fit keeps the old scale)
+    usable = torch.isfinite(s) & (s * s_old.sign() > 0) & ~empty & (info == 0).unsqueeze(-1)
     return torch.where(usable, s, s_old)
 
 

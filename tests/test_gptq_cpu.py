@@ -34,9 +34,11 @@ def torch_path(monkeypatch, *args, **kw):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-@pytest.mark.parametrize("clip, cd_sweeps, scale_refit", [(False, 0, 0), (True, 0, 0), (True, 2, 0), (False, 3, 0),
-                                                        (True, 2, 2)])
-def test_kernels_make_the_torch_paths_decisions(monkeypatch, dtype, group_size, clip, cd_sweeps, scale_refit):
+@pytest.mark.parametrize("clip, cd_sweeps, scale_refit, full_range", [
+    (False, 0, 0, False), (True, 0, 0, False), (True, 2, 0, False), (False, 3, 0, False), (True, 2, 2, False),
+    (False, 0, 0, True), (True, 2, 0, True)])
+def test_kernels_make_the_torch_paths_decisions(monkeypatch, dtype, group_size, clip, cd_sweeps, scale_refit,
+                                                full_range):
     """bf16 weights: the same integers and scales, bit for bit (measured: 0 differ in every case; the two
     paths group the lazy updates and the descent's gradients differently, but the bf16 rounding of every
     quantized value absorbs that here). float32 weights, where nothing is rounded to the weight dtype: a
@@ -46,7 +48,7 @@ def test_kernels_make_the_torch_paths_decisions(monkeypatch, dtype, group_size, 
     and by more than 1e-6 up to 2.4 % of the scales; the Hessian errors agree to 1e-3. With `scale_refit` the
     torch refit runs after either path's descent, and the bounds above hold as they are."""
     k = 384 if group_size != 128 else 256  # 384 = 3 blocks of 128, the last one partial for 256 at g128
-    spec = QuantSpec(group_size=group_size, cd_sweeps=cd_sweeps, scale_refit=scale_refit)
+    spec = QuantSpec(group_size=group_size, cd_sweeps=cd_sweeps, scale_refit=scale_refit, full_range=full_range)
     w, h = problems(3, 70, k, dtype, seed=group_size)  # 70 rows: two full tiles of 32 and a partial one
     assert gptq_cpu.applies(w, spec, "propagated" if clip else None)
     fast = quantize_gptq_batch(w, h, spec, clip_search=clip)
@@ -64,6 +66,8 @@ def test_kernels_make_the_torch_paths_decisions(monkeypatch, dtype, group_size, 
             assert off <= 0.05, float(off)
             assert a.error_gptq == pytest.approx(b.error_gptq, rel=2e-3)
         assert a.error_gptq < a.error_rtn
+        if full_range:  # both signs chosen (the scale's dividend is signed)
+            assert (a.qweight.scale < 0).any() and (a.qweight.scale > 0).any()
 
 
 def test_kernels_used_where_they_apply(monkeypatch):

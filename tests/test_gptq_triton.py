@@ -57,21 +57,23 @@ def solve_triton(monkeypatch, w, h, spec, clip):
 
 # The interpreter runs a kernel op by op in Python (~7 ms per column step of a row tile), so on a CPU the
 # cases are few and small, with a 3-point clip grid; on a GPU every combination runs at a larger size.
-GPU_CASES = [(dt, gs, clip, cd, 2, 40, 256) for dt in (torch.bfloat16, torch.float32) for gs in (32, 64, 128)
-             for clip, cd in ((True, 2), (False, 0), (True, 0), (False, 3))]
-CPU_CASES = [  # dtype, group, clip search, descent sweeps, problems, rows, K
-    (torch.bfloat16, 128, True, 1, 1, 12, 128),  # 12 rows: a full tile of 8 and a partial one
-    (torch.bfloat16, 32, True, 2, 2, 12, 64),  # two problems: the batch strides
-    (torch.float32, 64, False, 0, 1, 12, 128),
-    (torch.bfloat16, 64, False, 3, 1, 12, 128),
+GPU_CASES = [(dt, gs, clip, cd, 2, 40, 256, full) for dt in (torch.bfloat16, torch.float32) for gs in (32, 64, 128)
+             for clip, cd in ((True, 2), (False, 0), (True, 0), (False, 3)) for full in (False, True)]
+CPU_CASES = [  # dtype, group, clip search, descent sweeps, problems, rows, K, full range
+    (torch.bfloat16, 128, True, 1, 1, 12, 128, False),  # 12 rows: a full tile of 8 and a partial one
+    (torch.bfloat16, 32, True, 2, 2, 12, 64, False),  # two problems: the batch strides
+    (torch.float32, 64, False, 0, 1, 12, 128, False),
+    (torch.bfloat16, 64, False, 3, 1, 12, 128, False),
+    (torch.bfloat16, 128, True, 1, 1, 12, 128, True),  # signed scales
 ]
 
 
-@pytest.mark.parametrize("dtype, group_size, clip, cd_sweeps, b, n, k", GPU_CASES if DEV.type == "cuda" else CPU_CASES)
-def test_triton_kernels_make_the_cpu_kernels_decisions(monkeypatch, dtype, group_size, clip, cd_sweeps, b, n, k):
+@pytest.mark.parametrize("dtype, group_size, clip, cd_sweeps, b, n, k, full",
+                         GPU_CASES if DEV.type == "cuda" else CPU_CASES)
+def test_triton_kernels_make_the_cpu_kernels_decisions(monkeypatch, dtype, group_size, clip, cd_sweeps, b, n, k, full):
     if DEV.type == "cpu":
         monkeypatch.setattr(gptq, "CLIP_GRID", (1.0, 0.9, 0.8))  # read by both kernels at call time
-    spec = QuantSpec(group_size=group_size, cd_sweeps=cd_sweeps)
+    spec = QuantSpec(group_size=group_size, cd_sweeps=cd_sweeps, full_range=full)
     w, h = problems(b, n, k, dtype, seed=group_size)
     assert gptq_cpu.applies(w, spec, "propagated" if clip else None)
     ref = solve_cpu(w, h, spec, clip)
@@ -82,6 +84,8 @@ def test_triton_kernels_make_the_cpu_kernels_decisions(monkeypatch, dtype, group
         assert q.dtype == torch.int8 and s.dtype == dtype and a.qweight.zero_point is None
         assert q.shape == r.qweight.q.shape and s.shape == r.qweight.scale.shape
         assert int(q.min()) >= spec.q_min and int(q.max()) <= spec.q_max
+        if full:
+            assert (s < 0).any() and (s > 0).any()
         if exact:
             assert torch.equal(q, r.qweight.q), int((q != r.qweight.q).sum())
             assert torch.equal(s, r.qweight.scale)

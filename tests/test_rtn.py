@@ -48,6 +48,49 @@ def test_rtn_int4_scale_is_absmax_over_7_5():
     assert qw.q[0, 0].item() == 7
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_full_range_maps_the_largest_magnitude_to_q_min(dtype, bits):
+    """full_range: the value of largest magnitude is exactly q_min * scale (a negative scale where it is the
+    maximum), every other value within half a step except those beyond q_max steps (the side of fewer
+    levels), which clamp; compressed-tensors' own quantize/dequantize with those scales agree bit for bit."""
+    w = _weight(37, 128 * 3, dtype)
+    w[3, :128] = -w[3, :128].abs()  # only negative values
+    w[4, :128] = w[4, :128].abs()  # only positive values
+    w[5, :128] = torch.linspace(-1, 1, 128).to(dtype)  # a tie: |min| == max -> the positive scale
+    spec = QuantSpec(num_bits=bits, full_range=True)
+    ours = quantize_rtn(w, spec)
+    g = w.float().unflatten(-1, (3, 128))
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    neg = hi > lo.abs()
+    assert torch.equal(ours.scale < 0, neg & (hi > 0))
+    assert neg[4, 0] and not neg[3, 0] and not neg[5, 0] and neg.any() and (~neg).any()
+    deq = dequantize(ours, 128).float().unflatten(-1, (3, 128))
+    extreme = torch.where(neg, hi, lo)
+    nonzero = extreme != 0
+    assert torch.equal(deq.gather(-1, (g - extreme.unsqueeze(-1)).abs().argmin(-1, keepdim=True))[..., 0][nonzero],
+                       extreme[nonzero])  # the extreme itself is represented exactly
+    x = g / ours.scale.float().unsqueeze(-1)
+    excess = (x - spec.q_max).clamp_min(0)
+    steps = (deq - g).abs() / ours.scale.float().abs().unsqueeze(-1)
+    # the division is rounded to the weight dtype: 1/16 step at |x| <= 8, up to 1/2 at int8's |x| <= 128 in bf16
+    assert (steps - excess).amax() <= 0.5 + (1 / 16 if bits == 4 else 1 / 2)
+    assert excess.amax() > 0  # the tie row clamps its maximum to q_max
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="group", group_size=128)
+    q = ct_quantize(w, ours.scale, None, args, dtype=torch.int8)
+    assert torch.equal(ours.q, q)
+    assert torch.equal(dequantize(ours, 128), ct_dequantize(q, ours.scale, None, args))
+    plain = quantize_rtn(w, QuantSpec(num_bits=bits))
+    gauss = slice(6, None)  # the normal rows: a finer grid (int4: measured -13 % squared error; the tie row loses)
+    assert (deq.flatten(-2) - w.float())[gauss].square().sum() < \
+        (0.95 if bits == 4 else 1.0) * (dequantize(plain, 128).float() - w.float())[gauss].square().sum()
+
+
+def test_full_range_needs_a_symmetric_spec():
+    with pytest.raises(ValueError, match="full_range needs a symmetric spec"):
+        QuantSpec(symmetric=False, full_range=True)
+
+
 def test_rtn_rejects_shapes_the_group_does_not_divide():
     with pytest.raises(ValueError, match="group_size 128"):
         quantize_rtn(torch.zeros(4, 200, dtype=torch.bfloat16), QuantSpec())
@@ -61,10 +104,11 @@ def _fp8_weight(n, k, seed=0):
 
 
 @pytest.mark.parametrize("shape", [(256, 384), (160, 256), (300, 128)])
-@pytest.mark.parametrize("bits,group", [(4, 128), (4, 32), (8, 64)])
-def test_fused_fp8_kernel_equals_eager_path(shape, bits, group):
+@pytest.mark.parametrize("bits,group,full", [(4, 128, False), (4, 32, False), (8, 64, False), (4, 128, True),
+                                             (8, 32, True)])
+def test_fused_fp8_kernel_equals_eager_path(shape, bits, group, full):
     w8, s = _fp8_weight(*shape)
-    spec = QuantSpec(num_bits=bits, group_size=group)
+    spec = QuantSpec(num_bits=bits, group_size=group, full_range=full)
     packed, scale = fused_cpu.quantize_fp8_block(w8, s, (128, 128), spec)
     ref = quantize_rtn(dequantize_block(w8, s, (128, 128)), spec)
     assert torch.equal(scale, ref.scale)
@@ -72,11 +116,13 @@ def test_fused_fp8_kernel_equals_eager_path(shape, bits, group):
     assert torch.equal(fused_cpu.dequantize_fp8_block(w8, s, (128, 128)), dequantize_block(w8, s, (128, 128)))
 
 
-def test_fused_bf16_kernel_equals_eager_path():
+@pytest.mark.parametrize("full", [False, True])
+def test_fused_bf16_kernel_equals_eager_path(full):
     w = _weight(96, 256, torch.bfloat16, seed=3)
-    packed, scale = fused_cpu.quantize_bf16(w, QuantSpec())
-    ref = quantize_rtn(w, QuantSpec())
+    packed, scale = fused_cpu.quantize_bf16(w, QuantSpec(full_range=full))
+    ref = quantize_rtn(w, QuantSpec(full_range=full))
     assert torch.equal(scale, ref.scale) and torch.equal(packed, pack_int32(ref.q, 4))
+    assert (scale < 0).any() == full
 
 
 def test_fused_kernel_reports_nan():

@@ -1,4 +1,4 @@
-"""The numerics check: scales finite and positive (every module); the W4A16 matmul (Triton on CUDA, the
+"""The numerics check: scales finite and non-zero (every module); the W4A16 matmul (Triton on CUDA, the
 kernels' float32 reference on the CPU) against a float64 reference, on a deterministic sample.
 
 Sampling: on the CPU the check costs ~5 ns of CPU per weight (it was ~16 before cpu_kernels.py)
@@ -48,8 +48,9 @@ DEQUANT_BLOCK = 1 << 20
 # The same for the kernels' float32 reference, whose five temporaries per block then stay in L2:
 # ~1.4x less CPU per weight than DEQUANT_BLOCK here, and less exposed to others sharing the cache.
 REF_BLOCK = 1 << 17
-# Finite and > 0, read off the bits (sign clear, not zero, exponent not all ones): one pass over the
-# scales instead of five tensor ops, which cost half as much as hashing the packed weights.
+# Finite and not zero, read off the bits (|scale|: not zero, exponent not all ones): one pass over the
+# scales instead of five tensor ops, which cost half as much as hashing the packed weights. Negative scales
+# are valid: QuantSpec.full_range writes them (w = q * scale whatever its sign).
 _POSITIVE_FINITE_BITS = {torch.bfloat16: (torch.int16, 0x7F7F), torch.float16: (torch.int16, 0x7BFF),
                          torch.float32: (torch.int32, 0x7F7FFFFF)}
 
@@ -134,17 +135,18 @@ def _rel_error(runs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
 
 
 def scale_problem(scale: torch.Tensor) -> str | None:
-    """NaN/Inf or non-positive group scales (pure)."""
+    """NaN/Inf or zero group scales (pure)."""
     if scale.dtype in _POSITIVE_FINITE_BITS and scale.is_contiguous():
         as_int, top = _POSITIVE_FINITE_BITS[scale.dtype]
         bits = scale.view(as_int).numpy().view(f"u{scale.element_size()}")
-        if not ((bits - 1) > top - 1).any():  # 0 wraps to the largest value: every scale in [1, top]
+        bits = bits & bits.dtype.type((1 << (8 * scale.element_size() - 1)) - 1)  # the sign cleared: |scale|
+        if not ((bits - 1) > top - 1).any():  # 0 wraps to the largest value: every |scale| in [1, top]
             return None
     scale = scale.float()
     bad_f = int((~torch.isfinite(scale)).sum())
-    bad_p = int((scale <= 0).sum())
+    bad_p = int((scale == 0).sum())
     if bad_f or bad_p:
-        return f"{bad_f} NaN/Inf and {bad_p} zero/negative of {scale.numel()} scales"
+        return f"{bad_f} NaN/Inf and {bad_p} zero of {scale.numel()} scales"
     return None
 
 

@@ -54,7 +54,8 @@ def weight_error(packed: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | N
                  g: Group, w_src: torch.Tensor, method: str) -> tuple[float, float | None]:
     """Stored weight vs source weight `[N, K]`: (error, bound).
 
-    RTN: max |w_q - w_src| in scale steps, bound RTN_BOUND_STEPS. GPTQ: relative Frobenius error
+    RTN: max |w_q - w_src| in scale steps (symmetric: beyond the clamp's unavoidable part), bound RTN_BOUND_STEPS.
+    GPTQ: relative Frobenius error
     ||w_q - w_src|| / ||w_src||, no bound. Dequantization runs in float32, which is exact here:
     |q - zp| <= 2^b - 1 times a bf16 scale needs at most b + 8 significant bits.
     """
@@ -70,7 +71,13 @@ def weight_error(packed: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | N
             num += d.double().square().sum().item()
             den += w_src[r0:r1].double().square().sum().item()
         else:
-            worst = max(worst, (d.view(r1 - r0, -1, gs).abs() / s.unsqueeze(-1)).amax().item())
+            steps = d.view(r1 - r0, -1, gs).abs() / s.abs().unsqueeze(-1)
+            if zp is None:  # symmetric: less the distance of a source value beyond [q_min, q_max] steps, which
+                # no rounding can avoid (full_range's side of fewer levels, up to 1 step; absmax / 7.5's 1/2)
+                x = w_src[r0:r1].float().view(r1 - r0, -1, gs) / s.unsqueeze(-1)
+                q_max = (1 << (g.num_bits - 1)) - 1
+                steps = steps - (x - q_max).clamp_min(0) - (-q_max - 1 - x).clamp_min(0)
+            worst = max(worst, steps.amax().item())
     if method == "gptq":
         return math.sqrt(num / den) if den > 0 else math.inf, None
     return worst, RTN_BOUND_STEPS[g.symmetric]
