@@ -5,7 +5,7 @@
     python -m glmq.scripts.bench_gptq quality --peers --seeds 0 1 2 --set cd_sweeps=0 --tag cd0 --name solver
 
 quality: the shared GLM-4.x MoE (FP8), calibration 128 x 256 tokens of prose-calib.txt (seed 0 by default;
-    `--seeds` repeats glmq's GPTQ for other calibration draws, the peers always use seed 0), evaluation
+    `--seeds` repeats glmq's GPTQ for other calibration draws, `--peer-seeds` the peers'), evaluation
     the first 96 windows of 256 tokens of prose-eval.txt in float32 (`glmq eval`'s protocol). For each recipe
     (routed experts only; every FP8 linear) it runs glmq RTN, glmq GPTQ, and the peer's GPTQ (default,
     routed-only Hessians, no act-order) and AutoRound on the model dequantized to BF16 (the peer cannot read
@@ -105,11 +105,12 @@ def peer_run(peer_python: str, dense: Path, tokens: Path, variant: str, targets:
                 "peer_peak_gpu_bytes": pj.get("peak_gpu_bytes", 0)}
 
 
-def calibration_tokens_file(src: Path, calib: Path, samples: int, work: Path) -> Path:
+def calibration_tokens_file(src: Path, calib: Path, samples: int, work: Path, seed: int = 0) -> Path:
+    """The calibration draw `glmq quantize --seed seed` makes, as a file for the peer."""
     from glmq.calibration.data import calibration_tokens
 
-    path = work / f"tokens-{samples}x256.pt"
-    torch.save(calibration_tokens(src, str(calib), samples, 256, 0), path)
+    path = work / f"tokens-{samples}x256{f'-seed{seed}' if seed else ''}.pt"
+    torch.save(calibration_tokens(src, str(calib), samples, 256, seed), path)
     return path
 
 
@@ -120,7 +121,7 @@ def quality(args) -> dict:
     src, calib, text = shared / "glm4moe-prose-fp8", shared / "prose-calib.txt", shared / "prose-eval.txt"
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    tokens = calibration_tokens_file(src, calib, 128, work)
+    tokens = {s: calibration_tokens_file(src, calib, 128, work, s) for s in args.peer_seeds}
     dense = dense_copy(src, work / "bf16")
     rows = []
     for targets in args.recipes:
@@ -130,9 +131,9 @@ def quality(args) -> dict:
         runs += [(f"glmq gptq{' ' + args.tag if args.tag else ''}{f' seed{s}' if s else ''}",
                   lambda o, s=s: glmq_run(src, o, gptq_recipe, "gptq", calib, 128, work, s, args.cli_arg) | {
                       "seed": s, "set": args.set, "cli_args": args.cli_arg}) for s in args.seeds]
-        runs += [(f"llm-compressor {v}", lambda o, v=v: peer_run(args.peer_python, dense, tokens, v, targets, o, work,
-                                                                    args.peer_path))
-                 for v in args.peers]
+        runs += [(f"llm-compressor {v}{f' seed{s}' if s else ''}",
+                  lambda o, v=v, s=s: peer_run(args.peer_python, dense, tokens[s], v, targets, o, work, args.peer_path)
+                  | {"seed": s}) for v in args.peers for s in args.peer_seeds]
         for label, fn in runs:
             out = work / f"{targets}-{label.replace(' ', '-')}"
             done = work / f"{out.name}.row.json"  # a rerun reuses finished runs (the peers take long)
@@ -197,6 +198,8 @@ def main() -> None:
                     help="peer variants to run (default: all but autoround-asis); none: glmq only")
     ap.add_argument("--layers", nargs="+", type=int, default=[4, 8, 16])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0], help="quality: glmq GPTQ calibration draws")
+    ap.add_argument("--peer-seeds", nargs="+", type=int, default=[0],
+                    help="quality: the peers' calibration draws (the same draws as glmq's --seed)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="quality: QuantSpec override for glmq GPTQ (repeatable)")
     ap.add_argument("--cli-arg", action="append", default=[], metavar="ARG",
