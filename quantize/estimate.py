@@ -78,6 +78,13 @@ FIGURES: dict[str, Figure] = {
     "gptq_cpu_forward_TFLOPs": Figure(None, "TFLOP/s", _GPTQ_TODO),
     "gptq_cuda_forward_TFLOPs": Figure(31.2, "TFLOP/s", _GPTQ_GPU_RUN + ": layer 1, 48.77 s, of which 35.79 s solving "
                                        "and 6.04 s loading at rtn_cuda_GBps: 216 TFLOP of layer_work in the other 6.93 s"),
+    "gptq_cpu_tune_s_per_step": Figure(None, "s per tuning step of a decoder layer", NOT_MEASURED + ": no tuning "
+                                       "timing at GLM-5 shapes on a CPU"),
+    "gptq_cuda_tune_s_per_step": Figure(0.354, "s per tuning step of a decoder layer", "BENCHMARKS.md 'GPTQ at GLM-5 "
+                                        "shapes', session 9 (H200, 2026-12-02, `scripts/bench_gptq_gpu.py --layers 1 "
+                                        "--experts 64 --skip-rtn --recipe int4-w4a16-all-linear`): 70.7 s for 200 steps "
+                                        "of batch 8 x 256 tokens (attention and shared expert tuned), 64 of 256 experts "
+                                        "(the steps' expert FLOPs do not grow with the expert count: top-k routing)"),
     "gptq_cpu_s_per_column": Figure(None, "s per input column of a target", _GPTQ_TODO),
     "gptq_cuda_s_per_column": Figure(9.75e-6, "s per input column of a target", _GPTQ_GPU_RUN + ": layer 1, 35.79 s "
                                      "solving 3.67 M input columns with the recipe defaults (propagated clip search, "
@@ -409,6 +416,7 @@ def gptq_estimate(plan, scale: Scale, figures: dict[str, Figure]) -> dict:
             "rank_experts": len({t.expert for t in worst if t.expert is not None}),
             "experts": len({t.expert for t in big.targets if t.expert is not None}),
             "memory": variants, "flops": flops, "columns": columns, "load_seconds": load,
+            "tune_iters": plan.recipe.spec.tune_iters,
             "seconds": seconds if rate is not None and per_col is not None and load is not None else None}
 
 
@@ -524,4 +532,10 @@ def _gptq_lines(g: dict, sc: dict, figures: dict[str, Figure], rtn: dict) -> lis
                      f"{_duration(g['flops'] / (figures[keys[0]].value * 1e12))} + solves "
                      f"{_duration(g['columns'] * figures[keys[1]].value)}; EXTRAPOLATION from "
                      + "; ".join(f"{k} = {figures[k].value} ({figures[k].basis})" for k in keys))
+    if g.get("tune_iters"):
+        f = figures[f"gptq_{dev}_tune_s_per_step"]
+        cost = (f"about {_duration(f.value * g['tune_iters'] * g['layers'])} more if every layer steps as fast as a GLM-5 "
+                f"layer, at {f.value} s a step ({f.basis})"
+                if f.value is not None else f.basis)
+        lines.append(f"layer-output tuning ({g['tune_iters']} steps a layer, tune_iters) is NOT in the wall above: {cost}")
     return lines

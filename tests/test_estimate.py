@@ -150,6 +150,8 @@ def test_every_figure_names_its_source_and_matches_the_raw_benchmark_data():
                                                                        abs=0.001)  # fmt: skip
     gpu = json.loads((BENCH / "bench_gptq_gpu_triton.json").read_text())["gptq"]  # session 6, the Triton kernels
     assert FIGURES["gptq_cuda_s_per_column"].value * 3670016 == pytest.approx(gpu["gptq_solve_seconds"][1], rel=1e-3)
+    tune = json.loads((BENCH / "bench_gptq_gpu_session9-tune.json").read_text())["gptq"]["tune"][0]
+    assert FIGURES["gptq_cuda_tune_s_per_step"].value * tune["iters"] == pytest.approx(tune["seconds"], rel=2e-3)
 
 
 def test_overrides_replace_values_and_reject_unknown_keys():
@@ -314,6 +316,11 @@ def test_cli_prints_every_section(make_ckpt):
     assert res.exit_code == 0 and "EXTRAPOLATION" in res.output and NOT_MEASURED not in res.output
     res = CliRunner().invoke(main, ["plan", "-m", str(src / "config.json"), "--throughput", "bogus=1"])
     assert res.exit_code != 0 and "unknown --throughput key" in res.output
+    for dev, text in (("cuda", "at 0.354 s a step"), ("cpu", NOT_MEASURED)):  # the every-linear recipe tunes
+        res = CliRunner().invoke(main, ["plan", "-m", str(src / "config.json"), "--device", dev,
+                                        "-r", "int4-w4a16-all-linear"])
+        line = [x for x in res.output.splitlines() if x.startswith("layer-output tuning (200 steps a layer")]
+        assert res.exit_code == 0 and len(line) == 1 and text in line[0], res.output
 
 
 def test_layer_index_of_the_largest_layer_is_a_moe_layer(real):
