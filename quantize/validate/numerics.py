@@ -51,8 +51,8 @@ REF_BLOCK = 1 << 17
 # Finite and not zero, read off the bits (|scale|: not zero, exponent not all ones): one pass over the
 # scales instead of five tensor ops, which cost half as much as hashing the packed weights. Negative scales
 # are valid: QuantSpec.full_range writes them (w = q * scale whatever its sign).
-_POSITIVE_FINITE_BITS = {torch.bfloat16: (torch.int16, 0x7F7F), torch.float16: (torch.int16, 0x7BFF),
-                         torch.float32: (torch.int32, 0x7F7FFFFF)}
+_FINITE_MAGNITUDE_BITS = {torch.bfloat16: (torch.int16, 0x7F7F), torch.float16: (torch.int16, 0x7BFF),
+                          torch.float32: (torch.int32, 0x7F7FFFFF)}
 
 
 def _activations(seed: int, module: str, k: int) -> torch.Tensor:
@@ -136,8 +136,8 @@ def _rel_error(runs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
 
 def scale_problem(scale: torch.Tensor) -> str | None:
     """NaN/Inf or zero group scales (pure)."""
-    if scale.dtype in _POSITIVE_FINITE_BITS and scale.is_contiguous():
-        as_int, top = _POSITIVE_FINITE_BITS[scale.dtype]
+    if scale.dtype in _FINITE_MAGNITUDE_BITS and scale.is_contiguous():
+        as_int, top = _FINITE_MAGNITUDE_BITS[scale.dtype]
         bits = scale.view(as_int).numpy().view(f"u{scale.element_size()}")
         bits = bits & bits.dtype.type((1 << (8 * scale.element_size() - 1)) - 1)  # the sign cleared: |scale|
         if not ((bits - 1) > top - 1).any():  # 0 wraps to the largest value: every |scale| in [1, top]
