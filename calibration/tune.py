@@ -231,7 +231,9 @@ def tune_layer(run: _Run, i: int, fp_state: dict, qweights: dict[str, QWeight], 
         return {}, {"iters": 0, "tensors": 0, "reference": spec.tune_reference, "experts_not_tuned": skipped}
     ref = _reference(run, i, fp_state, src, carry)
     qws = {m: qweights[m] for m in qweights}  # unpacked once
-    deq = {m[len(prefix):] + ".weight": dequantize(qw, gs).to(run.dtype) for m, qw in qws.items()}
+    # dequantized on the run's device: on the host they were a float32 copy of the layer's targets, and the layer's
+    # build stacked the experts into a second one (a GLM-5 layer's 9.7 G expert weights: ~78 GB of host memory)
+    deq = {m[len(prefix):] + ".weight": _dequantized_on(qw, run.device, gs).to(run.dtype) for m, qw in qws.items()}
     layer = run.builder.build(i, {**fp_state, **deq})
     experts = getattr(getattr(layer, "mlp", None), "experts", None)
     if experts is not None and hasattr(experts, "config"):  # transformers' eager loop: differentiable
@@ -291,6 +293,11 @@ def _reference(run: _Run, i: int, fp_state: dict, src: cc.Activations, carry: cc
     ref = run.new_store(run.hidden_path(i, "reference"), src.shape, src.dtype)
     run.forward(run.builder.build(i, fp_state, chunked_experts=True), src, carry, ref)
     return ref
+
+
+def _dequantized_on(qw: QWeight, device: torch.device, gs: int) -> torch.Tensor:
+    """`dequantize(qw)` computed on `device` (the same bits: one rounded product per weight)."""
+    return dequantize(QWeight(qw.q.to(device), qw.scale.to(device), None), gs)
 
 
 def _numel(qweights, module: str) -> int:
