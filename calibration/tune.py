@@ -129,10 +129,10 @@ class _Tuned:
     def dequantized(self, qws: dict[str, QWeight], gs: int) -> torch.Tensor:
         """The weight as the checkpoint holds `qws` (dequantized in the scale dtype), float32, stacked like x."""
         if not self.parts[0][1]:
-            return dequantize(qws[self.parts[0][0]], gs).to(self.x.device, torch.float32)
+            return _dequantized_on(qws[self.parts[0][0]], self.x.device, gs).float()
         out = torch.empty_like(self.x)
         for m, idx in self.parts:
-            out[idx] = dequantize(qws[m], gs).to(out.device, torch.float32)
+            out[idx] = _dequantized_on(qws[m], out.device, gs)
         return out
 
     def numel(self) -> int:

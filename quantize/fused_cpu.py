@@ -74,14 +74,13 @@ if numba is not None:
         big = np.float32(0.0)
         total = np.float32(0.0)
         for gi in range(ngroups):
-            amax = np.float32(0.0)
             vmax = np.float32(0.0)
             nmin = np.float32(0.0)  # |min|
             for i in range(gi * group, (gi + 1) * group):
-                amax = max(amax, abs(vals[i]))
                 vmax = max(vmax, vals[i])
                 nmin = max(nmin, -vals[i])
                 total += vals[i] * np.float32(0.0)  # NaN (or Inf * 0) makes it NaN; max() may drop NaN
+            amax = max(vmax, nmin)
             big = max(big, amax)
             # full range: the maximum maps to q_min (a negative scale) where it is larger than |min|
             sc[gi] = (-vmax if full and vmax > nmin else amax) / np.float32(half_range)

@@ -63,13 +63,10 @@ def compute_qparams(
     """
     dtype = lo.dtype
     q_range = float(spec.q_max - spec.q_min)  # 15 for int4: exact in bf16
-    if spec.symmetric and spec.full_range:
-        # the side of larger magnitude maps to q_min: a negative scale when it is the maximum (ties: |min|)
-        signed = torch.where(hi > lo.abs(), -hi, lo.abs())
-        scale = (signed.float() / spec.half_range).to(dtype)
-    elif spec.symmetric:
-        absmax = torch.maximum(lo.abs(), hi)
-        scale = (absmax.float() / (q_range / 2)).to(dtype)
+    if spec.symmetric:
+        # full range: the side of larger magnitude maps to q_min, a negative scale when it is the maximum (ties: |min|)
+        top = torch.where(hi > lo.abs(), -hi, lo.abs()) if spec.full_range else torch.maximum(lo.abs(), hi)
+        scale = (top.float() / spec.half_range).to(dtype)
     else:
         scale = ((hi.float() - lo.float()).to(dtype).float() / q_range).to(dtype)
     zero = scale == 0
