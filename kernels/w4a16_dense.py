@@ -130,6 +130,8 @@ class DenseConfig:
             their partials with a plain store, no fence or atomic at the end) instead of the
             last-arriver ticket (`_write_tile`). Same sums in the same order, so the same bits.
         group_m: MMA only: output-tile rows per L2 "super-row" in the launch order.
+        pdl_prefetch: swap only, on a `pdl=True` call: chunks of words each program prefetches into L2
+            before it waits for the previous kernel (0: none).
         num_warps, num_stages: Triton launch options.
     """
 
@@ -144,6 +146,7 @@ class DenseConfig:
     asm: bool = True
     mailbox: bool = True
     group_m: int = 8
+    pdl_prefetch: int = 8
     num_warps: int = 4
     num_stages: int = 2
 
@@ -161,6 +164,8 @@ class DenseConfig:
             raise ValueError(f"block_n must be >= 16, got {self.block_n}")
         if self.split_k < 1:
             raise ValueError(f"split_k must be >= 1, got {self.split_k}")
+        if self.pdl_prefetch < 0:
+            raise ValueError(f"pdl_prefetch must be >= 0, got {self.pdl_prefetch}")
         if self.swap and self.kind is not KernelKind.MMA:
             raise ValueError("swap applies to the MMA kernel only")
 
@@ -709,6 +714,25 @@ def _ticket_value(tk):
     return tl.max(tl.where(rt == 0, tk, -1), axis=0)
 
 
+@triton.jit
+def _pdl_wait():
+    """Programmatic dependent launch (PDL, Hopper+): wait until the kernel launched before this one has
+    finished and its writes are visible, then let the next PDL launch start (its programs take the SM slots
+    this grid frees, and run their own prologue while this one works). Triggering only after the wait keeps
+    the chain transitive: when a program of the next launch starts, every kernel before this one is done.
+    Both instructions are no-ops for a launch without the PDL attribute."""
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """`prefetch.global.L2` of each address (one 32-byte sector or more each): warms L2 with data this
+    program will read after `_pdl_wait`, while the previous kernel is still running. No result."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
 def _spin_asm(g: int) -> str:
     """PTX for `_mailbox_group`: words $g..$2g-1 as loaded, their addresses $2g..$3g-1, live flags $3g..$4g-1 ->
     $0..$g-1. A live word that still holds MAILBOX_EMPTY is re-read (ld.relaxed.gpu, from L2) until its
@@ -821,13 +845,16 @@ def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, stride_xm, stride_wn, stride_sn, stride_om, steps_per_split, num_chunks, split_k,
     GROUP: tl.constexpr, CHUNK: tl.constexpr, GPC: tl.constexpr, CPI: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k). CUDA-core y = x @ dequant(W).T.
 
     Each loop step covers CPI chunks of CHUNK columns; GPC = groups per chunk (CHUNK // GROUP, or 1
     when a group spans several chunks). EVEN: the chunk count is a multiple of CPI (no K mask).
+    PDL: launched as a programmatic dependent (`_pdl_wait` before the first load).
     """
+    if PDL:
+        _pdl_wait()
     tile = tl.program_id(0)
     pid_k = tl.program_id(1)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -897,11 +924,15 @@ def _mma_kernel(
     M, N, stride_xm, stride_wn, stride_sn, stride_om, chunks_per_split, num_chunks, split_k,
     GPC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr, PREFETCH: tl.constexpr, BIG_DOT: tl.constexpr, EMULATE_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k). Tensor-core y = x @ dequant(W).T, chunk 128.
 
     BIG_DOT (GPC == 1 only): one K = 128 dot per chunk instead of one K = 16 dot per plane.
+    PDL: launched as a programmatic dependent (`_pdl_wait` before the first load).
     """
+    if PDL:
+        _pdl_wait()
     tile = tl.program_id(0)
     pid_k = tl.program_id(1)
     # Grouped launch order (Triton matmul tutorial): GROUP_M row-tiles share each weight column tile.
@@ -946,7 +977,7 @@ def _mma_swap_kernel(
     M, N, stride_xm, stride_wn, stride_sn, stride_om, chunks_per_split, num_chunks, split_k, stride_wc,
     GPC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, EMULATE_DOT: tl.constexpr, PAIRS: tl.constexpr, X_MASK: tl.constexpr,
-    SINGLE_M: tl.constexpr, MAILBOX: tl.constexpr,
+    SINGLE_M: tl.constexpr, MAILBOX: tl.constexpr, PDL: tl.constexpr, PDL_PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k). Tensor-core y.T = dequant(W) @ x.T, chunk 128.
 
@@ -974,6 +1005,11 @@ def _mma_swap_kernel(
     MAILBOX (SPLIT, SINGLE_M, X_MASK and M == 1; ws_ptr is then the int32 mailbox): each program takes
     its split-K ticket when it starts (the atomic's round trip hides behind the main loop) and the
     reduction goes through `_mailbox_tile` instead of `_write_tile`.
+
+    PDL (a programmatic dependent launch, `pdl=True`): the weights and scales do not come from the kernel
+    launched before (they are loaded once, at load time), so a program reads its first scales and
+    prefetches its first PDL_PREFETCH chunks of words into L2 before `_pdl_wait`; x, the split-K tickets,
+    the mailbox and every store come after it.
     """
     tile = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -1004,7 +1040,13 @@ def _mma_swap_kernel(
     s_ptrs = s_ptr + rn_in * stride_sn
     c_lo = pid_k * chunks_per_split
     c_hi = tl.minimum(c_lo + chunks_per_split, num_chunks)
+    if PDL and PDL_PREFETCH > 0:  # the words of this program's first chunks into L2, two sectors per row
+        pf_ptrs = w_ptr + rn_in[:, None] * stride_wn + (tl.arange(0, 2) * 8)[None, :]
+        for c in range(c_lo, tl.minimum(c_hi, c_lo + PDL_PREFETCH)):
+            _prefetch_l2(pf_ptrs + c * stride_wc)
     s0, s1, s2, s3 = _load_scales(s_ptrs, c_lo, rn * 0 + c_lo < c_hi, GPC)
+    if PDL:
+        _pdl_wait()
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if MAILBOX:
         tk = _start_ticket(cnt_ptr, tile, BLOCK_N)
@@ -1268,6 +1310,7 @@ def w4a16_matmul(
     *,
     out: torch.Tensor | None = None,
     config: DenseConfig | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """y = x @ dequant(W).T for a symmetric compressed-tensors int4 weight, fp32 accumulation.
 
@@ -1281,6 +1324,11 @@ def w4a16_matmul(
         group_size: 32, 64 or 128; K must be a multiple of it (and of 8).
         out: optional `[M, N]` buffer of x's dtype; every element is written.
         config: optional launch override (tests, tuning); default `choose_config`.
+        pdl: launch as a programmatic dependent of the kernel before it in the stream (Hopper and later;
+            ignored elsewhere and by the interpreter): its programs start while that kernel finishes,
+            read the weights' scales and prefetch words into L2, and wait for it before reading x or
+            writing anything. Needs only that the kernel before does not write this weight; a chain of
+            `pdl=True` GEMMs (a decode step's layers) overlaps each launch with the previous one's tail.
     Returns:
         `[M, N]` in x's dtype (`out` if given).
     Raises:
@@ -1297,11 +1345,12 @@ def w4a16_matmul(
     check_packed("weight", weight_packed, weight_scale, (n, k), group_size, x.device)
     check_out(out, (m, n), x)
     packed = cached_prepack(weight_packed, weight_scale, group_size, *layout_for(config, chunk_for(k), group_size))
-    return w4a16_matmul_packed(x, packed, out=out, config=config)
+    return w4a16_matmul_packed(x, packed, out=out, config=config, pdl=pdl)
 
 
 def w4a16_matmul_packed(
-    x: torch.Tensor, w: PackedW4, *, out: torch.Tensor | None = None, config: DenseConfig | None = None
+    x: torch.Tensor, w: PackedW4, *, out: torch.Tensor | None = None, config: DenseConfig | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """`w4a16_matmul` on a `prepack`ed weight (same arguments and errors)."""
     check_common(x, w.group_size)
@@ -1316,12 +1365,21 @@ def w4a16_matmul_packed(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0 or n == 0:
         return out
-    _launch(x, w, out, cfg)
+    _launch(x, w, out, cfg, pdl)
     return out
 
 
-def _launch(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DenseConfig) -> None:
+def pdl_supported(device: torch.device) -> bool:
+    """Whether a launch on `device` can be a programmatic dependent (griddepcontrol: sm_90 and later)."""
+    if _INTERPRETED or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _launch(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DenseConfig, pdl: bool = False) -> None:
     """Allocate the split-K scratch (if any) and launch the kernel `cfg` names; writes `out`."""
+    pdl = pdl and pdl_supported(x.device)
+    launch = {"launch_pdl": True} if pdl else {}
     m, k = x.shape
     n, g, chunk = w.n, w.group_size, w.chunk
     chunks = k // chunk
@@ -1351,18 +1409,20 @@ def _launch(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DenseConfig) -
     if cfg.kind is KernelKind.GEMV:
         _gemv_kernel[grid](
             *args, GROUP=g, CHUNK=chunk, GPC=gpc, CPI=cpi, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            SPLIT=split > 1, EVEN=chunks % cpi == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            SPLIT=split > 1, EVEN=chunks % cpi == 0, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **launch,
         )  # fmt: skip
     elif cfg.swap:
         _mma_swap_kernel[grid](
             *args, stride_wc, GPC=gpc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
             SPLIT=split > 1, ASM=cfg.asm and not _INTERPRETED, EMULATE_DOT=_INTERPRETED and x.dtype == torch.bfloat16,
             PAIRS=w.layout is Layout.PAIRS, X_MASK=m < cfg.block_m, SINGLE_M=single_m, MAILBOX=mailbox,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PDL=pdl, PDL_PREFETCH=cfg.pdl_prefetch if pdl else 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **launch,
         )  # fmt: skip
     else:
         _mma_kernel[grid](
             *args, GPC=gpc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, SPLIT=split > 1,
             PREFETCH=cfg.prefetch, BIG_DOT=cfg.big_dot and gpc == 1, EMULATE_DOT=_INTERPRETED and x.dtype == torch.bfloat16,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
         )  # fmt: skip

@@ -11,6 +11,9 @@ What is timed (symmetric int4, group 128, bf16 activations and scales):
           cuBLAS ~45-49 us, _weight_int4pack_mm ~25 us):
             glmq        glmq.kernels.w4a16_dense.w4a16_matmul on the compressed-tensors tensors (prepacked on
                         the first, untimed call and cached, as a serving engine repacks at load)
+            glmq-pdl    the same calls with pdl=True: each launch a programmatic dependent of the one before
+                        (the chain of a decode step whose kernels all opt in; cuBLAS and tinygemm do not)
+            glmq-pdl-pfN  (--pdl-prefetch N ..., M <= 16) glmq-pdl with DenseConfig.pdl_prefetch = N
             glmq-ticket the same launch at M = 1 with the split-K partials reduced by the last-arriver ticket
                         (DenseConfig.mailbox=False, the session-5 epilogue) instead of the mailbox
             cublas-fp16 / cublas-bf16   torch.nn.functional.linear with the dequantized weight
@@ -96,8 +99,9 @@ class Bench:
     """Timing and bookkeeping for one run."""
 
     def __init__(self, device: torch.device, budget_s: float, smoke: bool, compare_planes: bool = True,
-                 prev_table: dict | None = None):
+                 prev_table: dict | None = None, pdl_prefetch: tuple[int, ...] = ()):
         self.device = device
+        self.pdl_prefetch = pdl_prefetch  # extra glmq-pdl variants at M <= 16
         self.cuda = device.type == "cuda"
         self.deadline = time.monotonic() + budget_s
         self.smoke = smoke
@@ -340,6 +344,17 @@ def bench_dense(b: Bench, shape: str, n: int, k: int, ms, seed: int) -> None:
         b.run("dense", shape, m, "glmq", ours, ref, nbytes, flops, note=dense_config_note(b, m, n, k))
         cfg = D.choose_config(m, n, k, GROUP, D.sm_count(b.device), D.device_name(b.device),
                               D.default_layout(D.chunk_for(k), GROUP))  # fmt: skip
+
+        def chained(config=None):
+            return ([lambda p=p, s=s: w4a16_matmul(x, p, s, GROUP, config=config, pdl=True) for p, s in ours_w],
+                    w4a16_matmul(x, wp, ws, GROUP, config=config, pdl=True))  # fmt: skip
+
+        b.run("dense", shape, m, "glmq-pdl", chained, ref, nbytes, flops,
+              note=dense_config_note(b, m, n, k) + "; pdl=True (programmatic dependent launches)")  # fmt: skip
+        for pf in b.pdl_prefetch if m <= 16 else ():
+            pcfg = dataclasses.replace(cfg, pdl_prefetch=pf)
+            b.run("dense", shape, m, f"glmq-pdl-pf{pf}", lambda pcfg=pcfg: chained(pcfg), ref, nbytes, flops,
+                  note=f"config {compact(pcfg)}; pdl=True")  # fmt: skip
         if m == 1 and cfg.swap and cfg.split_k > 1:  # the same launch with the ticket fix-up (the session-5 kernel)
             ticket = D.DenseConfig(**{**cfg.to_dict(), "mailbox": False})
 
@@ -534,6 +549,26 @@ def fmt_x(v: float | None, pct: bool = False) -> str:
     return f"{100 * v:.0f}%" if pct else f"{v:.2f}x"
 
 
+def dense_targets(idx: dict, shape: str, m: int, impl: str, tag: str, add) -> None:
+    """The dense targets for one shape and M, for `impl` (target names suffixed with `tag`)."""
+    ours = idx.get(("dense", shape, m, impl))
+    if not ours or ours.status != "ok":
+        return
+    fp16 = speedup(idx.get(("dense", shape, m, "cublas-fp16")), ours)
+    floor = speedup(idx.get(("dense", shape, m, "floor")), ours)
+    rfloor = speedup(idx.get(("dense", shape, m, "read-floor")), ours)
+    i4 = speedup(idx.get(("dense", shape, m, "int4pack")), ours)
+    if m <= 16 and shape in LARGE and fp16 is not None:
+        add(">=3x cuBLAS fp16 (M<=16, large)" + tag, fp16 >= 3, f"{shape} M={m}: {fp16:.2f}x")
+    if m <= 16 and floor is not None:
+        add(">=70% of bandwidth floor (M<=16)" + tag, floor >= 0.7, f"{shape} M={m}: {100 * floor:.0f}% of the copy floor"
+            + (f", {100 * rfloor:.0f}% of the read floor" if rfloor is not None else ""))
+    if m <= 64 and fp16 is not None:
+        add("not slower than cuBLAS fp16 (M<=64)" + tag, fp16 >= 1, f"{shape} M={m}: {fp16:.2f}x")
+    if i4 is not None:
+        add("faster than _weight_int4pack_mm" + tag, i4 > 1, f"{shape} M={m}: {i4:.2f}x")
+
+
 def targets(records: list[Record]) -> list[dict]:
     """The GPU-tuning targets, checked against this run."""
     idx = index(records)
@@ -543,24 +578,10 @@ def targets(records: list[Record]) -> list[dict]:
         out.append({"target": name, "met": ok, "detail": detail})
 
     dense_shapes = dict.fromkeys(r.shape for r in records if r.op == "dense")
-    for shape in dense_shapes:
-        for m in sorted({r.m for r in records if r.shape == shape}):
-            ours = idx.get(("dense", shape, m, "glmq"))
-            if not ours or ours.status != "ok":
-                continue
-            fp16 = speedup(idx.get(("dense", shape, m, "cublas-fp16")), ours)
-            floor = speedup(idx.get(("dense", shape, m, "floor")), ours)
-            rfloor = speedup(idx.get(("dense", shape, m, "read-floor")), ours)
-            i4 = speedup(idx.get(("dense", shape, m, "int4pack")), ours)
-            if m <= 16 and shape in LARGE and fp16 is not None:
-                add(">=3x cuBLAS fp16 (M<=16, large)", fp16 >= 3, f"{shape} M={m}: {fp16:.2f}x")
-            if m <= 16 and floor is not None:
-                add(">=70% of bandwidth floor (M<=16)", floor >= 0.7, f"{shape} M={m}: {100 * floor:.0f}% of the copy floor"
-                    + (f", {100 * rfloor:.0f}% of the read floor" if rfloor is not None else ""))
-            if m <= 64 and fp16 is not None:
-                add("not slower than cuBLAS fp16 (M<=64)", fp16 >= 1, f"{shape} M={m}: {fp16:.2f}x")
-            if i4 is not None:
-                add("faster than _weight_int4pack_mm", i4 > 1, f"{shape} M={m}: {i4:.2f}x")
+    for impl, tag in (("glmq", ""), ("glmq-pdl", " [pdl chain]")):
+        for shape in dense_shapes:
+            for m in sorted({r.m for r in records if r.shape == shape}):
+                dense_targets(idx, shape, m, impl, tag, add)
     for r in records:
         if r.op == "moe" and r.impl == "glmq-fused" and r.status == "ok" and r.m <= 64:
             bases = [idx.get(("moe", r.shape, r.m, b)) for b in ("bf16-grouped", "bf16-loop")]
@@ -577,15 +598,17 @@ def markdown(records: list[Record], env: dict) -> str:
               "bytes / device-to-device copy rate (read + write); read floor = the same bytes / streaming-read",
               "rate. eff = floor / glmq, eff(read) = read floor / glmq.", ""]  # fmt: skip
     for shape in dict.fromkeys(r.shape for r in records if r.op == "dense"):
-        lines += [f"## {shape}", "", "| M | glmq | ticket fix-up | previous table | session-3 kernel | cuBLAS fp16 | cuBLAS bf16 | int4pack | floor | read floor | eff | eff(read) | vs fp16 | vs int4pack |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"## {shape}", "", "| M | glmq | glmq pdl | ticket fix-up | previous table | session-3 kernel | cuBLAS fp16 | cuBLAS bf16 | int4pack | floor | read floor | eff | eff(read) | eff(read) pdl | vs fp16 | pdl vs fp16 | vs int4pack | pdl vs int4pack |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for m in sorted({r.m for r in records if r.shape == shape}):
             g = lambda impl: idx.get(("dense", shape, m, impl))  # noqa: E731
             lines.append(
-                f"| {m} | {cell(g('glmq'))} | {cell(g('glmq-ticket'))} | {cell(g('glmq-prev'))} | {cell(g('glmq-planes'))} | {cell(g('cublas-fp16'))} | {cell(g('cublas-bf16'))} | "
+                f"| {m} | {cell(g('glmq'))} | {cell(g('glmq-pdl'))} | {cell(g('glmq-ticket'))} | {cell(g('glmq-prev'))} | {cell(g('glmq-planes'))} | {cell(g('cublas-fp16'))} | {cell(g('cublas-bf16'))} | "
                 f"{cell(g('int4pack'))} | {cell(g('floor'))} | {cell(g('read-floor'))} | "
                 f"{fmt_x(speedup(g('floor'), g('glmq')), True)} | {fmt_x(speedup(g('read-floor'), g('glmq')), True)} | "
-                f"{fmt_x(speedup(g('cublas-fp16'), g('glmq')))} | {fmt_x(speedup(g('int4pack'), g('glmq')))} |"
+                f"{fmt_x(speedup(g('read-floor'), g('glmq-pdl')), True)} | "
+                f"{fmt_x(speedup(g('cublas-fp16'), g('glmq')))} | {fmt_x(speedup(g('cublas-fp16'), g('glmq-pdl')))} | "
+                f"{fmt_x(speedup(g('int4pack'), g('glmq')))} | {fmt_x(speedup(g('int4pack'), g('glmq-pdl')))} |"
             )
         lines.append("")
     for shape in dict.fromkeys(r.shape for r in records if r.op == "moe"):
@@ -675,6 +698,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--m", type=int, nargs="+", help=f"override the M list {M_LIST}")
     ap.add_argument("--prev-table", type=Path, default=None,
                     help="an earlier tuned_configs.json: also time its PAIRS dense configs at M <= 64 ('previous table')")
+    ap.add_argument("--pdl-prefetch", type=int, nargs="*", default=[],
+                    help="also time pdl=True with these DenseConfig.pdl_prefetch values at M <= 16")
+    ap.add_argument("--only", nargs="*", default=None,
+                    help="dense shapes to run (names of DENSE, or 'square'); default all")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
 
@@ -688,14 +715,17 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     prev = json.loads(args.prev_table.read_text()) if args.prev_table else None
-    b = Bench(device, args.budget_s, args.smoke, not args.no_planes, prev)
+    b = Bench(device, args.budget_s, args.smoke, not args.no_planes, prev, tuple(args.pdl_prefetch))
 
     square, dense, moe, ms = (SMOKE_SQUARE, SMOKE_DENSE, SMOKE_MOE, SMOKE_M) if args.smoke else (SQUARE, DENSE, MOE, M_LIST)
     ms = tuple(args.m) if args.m else ms
+    keep = (lambda name: args.only is None or any(o in name for o in args.only))
     if not args.skip_dense:
-        bench_dense(b, square[0], square[1], square[2], ms[:1], seed=1)
+        if keep(square[0]):
+            bench_dense(b, square[0], square[1], square[2], ms[:1], seed=1)
         for j, (name, (n, k)) in enumerate(dense.items()):
-            bench_dense(b, name, n, k, ms, seed=10 + j)
+            if keep(name):
+                bench_dense(b, name, n, k, ms, seed=10 + j)
     # MoE last: right after its M = 2048 runs (5-7 ms of bf16 tensor-core work per call) the next
     # measurement came out ~20 % slow (H200, 2026-12-01: 6144->24576 at M = 1, one config, 31.1 us
     # after the MoE block against 25.8 us without it; the peer timed next, 27.5 us)

@@ -380,6 +380,30 @@ def test_dense_m1_mailbox_split_k(k, block_n, split, dtype):
     assert _mailbox_clean()
 
 
+@pytest.mark.parametrize(
+    "m, cfg",
+    [
+        (1, D.DenseConfig("gemv", 1, 64, split_k=2)),
+        (3, D.DenseConfig("mma", 16, 64, split_k=2)),
+        (1, D.DenseConfig("mma", 16, 64, split_k=3, swap=True)),  # mailbox
+        (1, D.DenseConfig("mma", 16, 64, split_k=3, swap=True, pdl_prefetch=0)),
+        (5, D.DenseConfig("mma", 16, 128, split_k=2, swap=True, pdl_prefetch=1)),  # ticket, fewer prefetched chunks
+    ],
+    ids=["gemv", "mma", "swap-mailbox", "swap-no-prefetch", "swap-ticket"],
+)
+def test_dense_pdl_flag_same_values(m, cfg):
+    # pdl=True makes each launch a programmatic dependent on Hopper (and is ignored by the interpreter and
+    # older GPUs): the same sums in the same order, so the same bits, and the split-K state left re-armed
+    assert D.pdl_supported(DEV) == (DEV.type == "cuda" and torch.cuda.get_device_capability(DEV) >= (9, 0))
+    wp, ws = quantized(136, 384, group_size=128)
+    x = acts(m, 384, torch.bfloat16)
+    plain = D.w4a16_matmul(x, wp, ws, 128, config=cfg)
+    y = D.w4a16_matmul(x, wp, ws, 128, out=poisoned(m, 136, torch.bfloat16), config=cfg, pdl=True)
+    assert_close(y, R.w4a16_matmul_ref(x, wp, ws, 128), torch.bfloat16)
+    assert torch.equal(y + 0, plain + 0)
+    assert _mailbox_clean()
+
+
 def test_mailbox_choice():
     # the mailbox where it measured faster on H200 (long loops per split), the ticket elsewhere
     pairs = D.Layout.PAIRS
@@ -665,6 +689,56 @@ def test_dense_m1_mailbox_glm_shapes_gpu(n, k, split):
     torch.cuda.synchronize()
     for y in outs:
         assert torch.equal(y + 0, ticket + 0)
+    assert _mailbox_clean()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("n, k", [(8192, 8192), (2048, 6144)])
+def test_dense_pdl_dependent_chain_gpu(n, k, m):
+    # A chain in which every GEMM reads the previous one's output (W0: k -> n, W1: n -> k, alternating), as a
+    # decode step's layers do. With pdl=True each launch starts while the one before still runs, so a read of
+    # x, a ticket or a store issued before its wait would see a NaN-poisoned or stale buffer. Eager and in a
+    # CUDA graph, every step must equal the plain launches' bits (same configs: mailbox at M = 1, tickets above).
+    raw = []
+    for seed, (rows, cols) in enumerate(((n, k), (k, n))):
+        wp, ws = quantized(rows, cols, group_size=128, seed=seed)
+        raw.append((wp, (ws.float() / math.sqrt(cols)).to(ws.dtype)))  # keeps |y| ~ |x| along the chain
+    ws_ = [D.prepack(wp, ws, 128) for wp, ws in raw]
+    x0 = acts(m, k, torch.bfloat16)
+    steps = 24
+    bufs = [poisoned(m, n if i % 2 == 0 else k, torch.bfloat16) for i in range(steps)]
+
+    def chain(pdl: bool) -> list[torch.Tensor]:
+        for b in bufs:
+            b.fill_(float("nan"))
+        x = x0
+        for i in range(steps):
+            x = D.w4a16_matmul_packed(x, ws_[i % 2], out=bufs[i], pdl=pdl)
+        return bufs
+
+    want = [b.clone() for b in chain(False)]
+    assert torch.isfinite(want[-1]).all() and want[-1].abs().max() > 1e-3
+    assert_close(want[0], R.w4a16_matmul_ref(x0, *raw[0], 128), torch.bfloat16)
+    for _ in range(3):
+        got = chain(True)
+        torch.cuda.synchronize()
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert torch.equal(g + 0, w + 0), f"step {i} differs with pdl=True (eager)"
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        chain(True)  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        chain(True)
+    for _ in range(5):
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (g, w) in enumerate(zip(bufs, want)):
+            assert torch.equal(g + 0, w + 0), f"step {i} differs with pdl=True (CUDA graph)"
     assert _mailbox_clean()
 
 
