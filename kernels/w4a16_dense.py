@@ -132,6 +132,8 @@ class DenseConfig:
         group_m: MMA only: output-tile rows per L2 "super-row" in the launch order.
         pdl_prefetch: swap only, on a `pdl=True` call: chunks of words each program prefetches into L2
             before it waits for the previous kernel (0: none).
+        pdl_early: swap only, on a `pdl=True` call: let the next launch start right after this one's
+            wait (True) or only after the main loop (False).
         num_warps, num_stages: Triton launch options.
     """
 
@@ -146,7 +148,8 @@ class DenseConfig:
     asm: bool = True
     mailbox: bool = True
     group_m: int = 8
-    pdl_prefetch: int = 8
+    pdl_prefetch: int = 0
+    pdl_early: bool = False
     num_warps: int = 4
     num_stages: int = 2
 
@@ -715,13 +718,19 @@ def _ticket_value(tk):
 
 
 @triton.jit
-def _pdl_wait():
+def _pdl_wait(TRIGGER: tl.constexpr = True):
     """Programmatic dependent launch (PDL, Hopper+): wait until the kernel launched before this one has
-    finished and its writes are visible, then let the next PDL launch start (its programs take the SM slots
-    this grid frees, and run their own prologue while this one works). Triggering only after the wait keeps
-    the chain transitive: when a program of the next launch starts, every kernel before this one is done.
-    Both instructions are no-ops for a launch without the PDL attribute."""
+    finished and its writes are visible; with TRIGGER, then let the next PDL launch start (its programs take
+    the SM slots this grid frees and run their own prologue while this one works; else `_pdl_trigger` later).
+    Triggering only after the wait keeps the chain transitive: when a program of the next launch starts,
+    every kernel before this one is done. Both are no-ops for a launch without the PDL attribute."""
     tl.extra.cuda.gdc_wait()
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _pdl_trigger():
     tl.extra.cuda.gdc_launch_dependents()
 
 
@@ -978,6 +987,7 @@ def _mma_swap_kernel(
     GPC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, EMULATE_DOT: tl.constexpr, PAIRS: tl.constexpr, X_MASK: tl.constexpr,
     SINGLE_M: tl.constexpr, MAILBOX: tl.constexpr, PDL: tl.constexpr, PDL_PREFETCH: tl.constexpr,
+    PDL_EARLY: tl.constexpr,
 ):  # fmt: skip
     """grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k). Tensor-core y.T = dequant(W) @ x.T, chunk 128.
 
@@ -1009,7 +1019,8 @@ def _mma_swap_kernel(
     PDL (a programmatic dependent launch, `pdl=True`): the weights and scales do not come from the kernel
     launched before (they are loaded once, at load time), so a program reads its first scales and
     prefetches its first PDL_PREFETCH chunks of words into L2 before `_pdl_wait`; x, the split-K tickets,
-    the mailbox and every store come after it.
+    the mailbox and every store come after it. The next launch is let in right after the wait (PDL_EARLY)
+    or after the main loop, during the split-K fix-up and the stores.
     """
     tile = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -1046,7 +1057,7 @@ def _mma_swap_kernel(
             _prefetch_l2(pf_ptrs + c * stride_wc)
     s0, s1, s2, s3 = _load_scales(s_ptrs, c_lo, rn * 0 + c_lo < c_hi, GPC)
     if PDL:
-        _pdl_wait()
+        _pdl_wait(PDL_EARLY)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if MAILBOX:
         tk = _start_ticket(cnt_ptr, tile, BLOCK_N)
@@ -1062,6 +1073,8 @@ def _mma_swap_kernel(
         else:
             acc = _dot(_dequant_nat(words, s0, s1, s2, s3, xt.dtype, GPC, ASM), xt, acc, EMULATE_DOT)
         s0, s1, s2, s3 = n0, n1, n2, n3
+    if PDL and not PDL_EARLY:
+        _pdl_trigger()
     if MAILBOX:
         _mailbox_tile(acc, out_ptr, ws_ptr, cnt_ptr, rn, N, stride_om, tile, pid_k, split_k, _ticket_value(tk), ASM)
     else:
@@ -1417,7 +1430,7 @@ def _launch(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DenseConfig, p
             *args, stride_wc, GPC=gpc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
             SPLIT=split > 1, ASM=cfg.asm and not _INTERPRETED, EMULATE_DOT=_INTERPRETED and x.dtype == torch.bfloat16,
             PAIRS=w.layout is Layout.PAIRS, X_MASK=m < cfg.block_m, SINGLE_M=single_m, MAILBOX=mailbox,
-            PDL=pdl, PDL_PREFETCH=cfg.pdl_prefetch if pdl else 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PDL=pdl, PDL_PREFETCH=cfg.pdl_prefetch if pdl else 0, PDL_EARLY=pdl and cfg.pdl_early, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **launch,
         )  # fmt: skip
     else:

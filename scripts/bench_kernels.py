@@ -13,7 +13,8 @@ What is timed (symmetric int4, group 128, bf16 activations and scales):
                         the first, untimed call and cached, as a serving engine repacks at load)
             glmq-pdl    the same calls with pdl=True: each launch a programmatic dependent of the one before
                         (the chain of a decode step whose kernels all opt in; cuBLAS and tinygemm do not)
-            glmq-pdl-pfN  (--pdl-prefetch N ..., M <= 16) glmq-pdl with DenseConfig.pdl_prefetch = N
+            glmq-pdl-pfN-WHEN  (--pdl-variants N:WHEN ..., M <= 64) glmq-pdl with DenseConfig.pdl_prefetch = N
+                        and pdl_early = (WHEN == "early")
             glmq-ticket the same launch at M = 1 with the split-K partials reduced by the last-arriver ticket
                         (DenseConfig.mailbox=False, the session-5 epilogue) instead of the mailbox
             cublas-fp16 / cublas-bf16   torch.nn.functional.linear with the dequantized weight
@@ -99,9 +100,9 @@ class Bench:
     """Timing and bookkeeping for one run."""
 
     def __init__(self, device: torch.device, budget_s: float, smoke: bool, compare_planes: bool = True,
-                 prev_table: dict | None = None, pdl_prefetch: tuple[int, ...] = ()):
+                 prev_table: dict | None = None, pdl_variants: tuple[str, ...] = ()):
         self.device = device
-        self.pdl_prefetch = pdl_prefetch  # extra glmq-pdl variants at M <= 16
+        self.pdl_variants = pdl_variants  # extra glmq-pdl variants ("PREFETCH:early|late") at M <= 64
         self.cuda = device.type == "cuda"
         self.deadline = time.monotonic() + budget_s
         self.smoke = smoke
@@ -351,9 +352,10 @@ def bench_dense(b: Bench, shape: str, n: int, k: int, ms, seed: int) -> None:
 
         b.run("dense", shape, m, "glmq-pdl", chained, ref, nbytes, flops,
               note=dense_config_note(b, m, n, k) + "; pdl=True (programmatic dependent launches)")  # fmt: skip
-        for pf in b.pdl_prefetch if m <= 16 else ():
-            pcfg = dataclasses.replace(cfg, pdl_prefetch=pf)
-            b.run("dense", shape, m, f"glmq-pdl-pf{pf}", lambda pcfg=pcfg: chained(pcfg), ref, nbytes, flops,
+        for variant in b.pdl_variants if m <= 64 and cfg.swap else ():
+            pf, when = variant.split(":")
+            pcfg = dataclasses.replace(cfg, pdl_prefetch=int(pf), pdl_early=when == "early")
+            b.run("dense", shape, m, f"glmq-pdl-pf{pf}-{when}", lambda pcfg=pcfg: chained(pcfg), ref, nbytes, flops,
                   note=f"config {compact(pcfg)}; pdl=True")  # fmt: skip
         if m == 1 and cfg.swap and cfg.split_k > 1:  # the same launch with the ticket fix-up (the session-5 kernel)
             ticket = D.DenseConfig(**{**cfg.to_dict(), "mailbox": False})
@@ -698,8 +700,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--m", type=int, nargs="+", help=f"override the M list {M_LIST}")
     ap.add_argument("--prev-table", type=Path, default=None,
                     help="an earlier tuned_configs.json: also time its PAIRS dense configs at M <= 64 ('previous table')")
-    ap.add_argument("--pdl-prefetch", type=int, nargs="*", default=[],
-                    help="also time pdl=True with these DenseConfig.pdl_prefetch values at M <= 16")
+    ap.add_argument("--pdl-variants", nargs="*", default=[], metavar="PREFETCH:early|late",
+                    help="also time pdl=True with these DenseConfig.pdl_prefetch / pdl_early values at M <= 64")
     ap.add_argument("--only", nargs="*", default=None,
                     help="dense shapes to run (names of DENSE, or 'square'); default all")
     args = ap.parse_args(argv)
@@ -715,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     prev = json.loads(args.prev_table.read_text()) if args.prev_table else None
-    b = Bench(device, args.budget_s, args.smoke, not args.no_planes, prev, tuple(args.pdl_prefetch))
+    b = Bench(device, args.budget_s, args.smoke, not args.no_planes, prev, tuple(args.pdl_variants))
 
     square, dense, moe, ms = (SMOKE_SQUARE, SMOKE_DENSE, SMOKE_MOE, SMOKE_M) if args.smoke else (SQUARE, DENSE, MOE, M_LIST)
     ms = tuple(args.m) if args.m else ms

@@ -21,6 +21,7 @@ kernel forgets to write fails the NaN check.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -386,10 +387,10 @@ def test_dense_m1_mailbox_split_k(k, block_n, split, dtype):
         (1, D.DenseConfig("gemv", 1, 64, split_k=2)),
         (3, D.DenseConfig("mma", 16, 64, split_k=2)),
         (1, D.DenseConfig("mma", 16, 64, split_k=3, swap=True)),  # mailbox
-        (1, D.DenseConfig("mma", 16, 64, split_k=3, swap=True, pdl_prefetch=0)),
+        (1, D.DenseConfig("mma", 16, 64, split_k=3, swap=True, pdl_prefetch=2, pdl_early=True)),
         (5, D.DenseConfig("mma", 16, 128, split_k=2, swap=True, pdl_prefetch=1)),  # ticket, fewer prefetched chunks
     ],
-    ids=["gemv", "mma", "swap-mailbox", "swap-no-prefetch", "swap-ticket"],
+    ids=["gemv", "mma", "swap-mailbox", "swap-prefetch-early", "swap-ticket"],
 )
 def test_dense_pdl_flag_same_values(m, cfg):
     # pdl=True makes each launch a programmatic dependent on Hopper (and is ignored by the interpreter and
@@ -694,9 +695,10 @@ def test_dense_m1_mailbox_glm_shapes_gpu(n, k, split):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("early", [False, True], ids=["trigger-late", "trigger-early-prefetch"])
 @pytest.mark.parametrize("m", [1, 4, 16])
 @pytest.mark.parametrize("n, k", [(8192, 8192), (2048, 6144)])
-def test_dense_pdl_dependent_chain_gpu(n, k, m):
+def test_dense_pdl_dependent_chain_gpu(n, k, m, early):
     # A chain in which every GEMM reads the previous one's output (W0: k -> n, W1: n -> k, alternating), as a
     # decode step's layers do. With pdl=True each launch starts while the one before still runs, so a read of
     # x, a ticket or a store issued before its wait would see a NaN-poisoned or stale buffer. Eager and in a
@@ -710,12 +712,15 @@ def test_dense_pdl_dependent_chain_gpu(n, k, m):
     steps = 24
     bufs = [poisoned(m, n if i % 2 == 0 else k, torch.bfloat16) for i in range(steps)]
 
+    cfgs = [D.choose_config(m, w.n, w.k, 128, D.sm_count(DEV), D.device_name(DEV), w.layout) for w in ws_]
+    cfgs = [dataclasses.replace(c, pdl_early=early, pdl_prefetch=2 if early else 0) for c in cfgs]
+
     def chain(pdl: bool) -> list[torch.Tensor]:
         for b in bufs:
             b.fill_(float("nan"))
         x = x0
         for i in range(steps):
-            x = D.w4a16_matmul_packed(x, ws_[i % 2], out=bufs[i], pdl=pdl)
+            x = D.w4a16_matmul_packed(x, ws_[i % 2], out=bufs[i], config=cfgs[i % 2], pdl=pdl)
         return bufs
 
     want = [b.clone() for b in chain(False)]
