@@ -104,6 +104,9 @@ class KernelKind(str, enum.Enum):
     MMA = "mma"  # tl.dot tiles
 
 
+PDL_MODES = ("auto", "early", "late", "off")
+
+
 @dataclass(frozen=True)
 class DenseConfig:
     """Launch parameters of one W4A16 GEMM; `choose_config` picks them, tests and benchmarks may override.
@@ -130,10 +133,11 @@ class DenseConfig:
             their partials with a plain store, no fence or atomic at the end) instead of the
             last-arriver ticket (`_write_tile`). Same sums in the same order, so the same bits.
         group_m: MMA only: output-tile rows per L2 "super-row" in the launch order.
-        pdl_prefetch: swap only, on a `pdl=True` call: chunks of words each program prefetches into L2
-            before it waits for the previous kernel (0: none).
-        pdl_early: swap only, on a `pdl=True` call: let the next launch start right after this one's
-            wait (True) or only after the main loop (False).
+        pdl_mode: what a `pdl=True` call does (`pdl_plan`): "early" lets the next launch in right after
+            this one's wait, "late" only after the main loop (swap kernel; the others trigger early),
+            "off" launches without PDL, "auto" picks by M and the chunks per split.
+        pdl_prefetch: swap only, on a PDL launch: chunks of words each program prefetches into L2 before
+            it waits for the previous kernel (None: 2 when early, else 0).
         num_warps, num_stages: Triton launch options.
     """
 
@@ -148,8 +152,8 @@ class DenseConfig:
     asm: bool = True
     mailbox: bool = True
     group_m: int = 8
-    pdl_prefetch: int = 0
-    pdl_early: bool = False
+    pdl_mode: str = "auto"
+    pdl_prefetch: int | None = None
     num_warps: int = 4
     num_stages: int = 2
 
@@ -167,7 +171,9 @@ class DenseConfig:
             raise ValueError(f"block_n must be >= 16, got {self.block_n}")
         if self.split_k < 1:
             raise ValueError(f"split_k must be >= 1, got {self.split_k}")
-        if self.pdl_prefetch < 0:
+        if self.pdl_mode not in PDL_MODES:
+            raise ValueError(f"pdl_mode must be one of {PDL_MODES}, got {self.pdl_mode!r}")
+        if self.pdl_prefetch is not None and self.pdl_prefetch < 0:
             raise ValueError(f"pdl_prefetch must be >= 0, got {self.pdl_prefetch}")
         if self.swap and self.kind is not KernelKind.MMA:
             raise ValueError("swap applies to the MMA kernel only")
@@ -1339,9 +1345,11 @@ def w4a16_matmul(
         config: optional launch override (tests, tuning); default `choose_config`.
         pdl: launch as a programmatic dependent of the kernel before it in the stream (Hopper and later;
             ignored elsewhere and by the interpreter): its programs start while that kernel finishes,
-            read the weights' scales and prefetch words into L2, and wait for it before reading x or
+            read the weights' scales (and may prefetch words into L2), and wait for it before reading x or
             writing anything. Needs only that the kernel before does not write this weight; a chain of
             `pdl=True` GEMMs (a decode step's layers) overlaps each launch with the previous one's tail.
+            `DenseConfig.pdl_mode` (`pdl_plan`) says when the next launch is let in, or that this shape
+            launches without PDL where that measured faster.
     Returns:
         `[M, N]` in x's dtype (`out` if given).
     Raises:
@@ -1389,10 +1397,35 @@ def pdl_supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+# `pdl_plan`'s "auto" rule, from the H200 runs of 2026-12-02 (chains of one GEMM config, bench_kernels.py
+# glmq-pdl-* columns; kernels/NOTES.md, session 10): short loops (<= 8 chunks per split: the expert shapes)
+# gained most with the early trigger and a 2-chunk L2 prefetch (2048->6144 M = 1: 6.2 -> 5.1 us); the long
+# decode loops at M = 1 and M = 17..64 gained ~1 us with the late trigger and lost with prefetching (it
+# competes with the running kernel's reads); at M = 2..16 on the long loops every variant was slower than no
+# PDL (6144->24576 M = 4: 26.9 -> 29.1 us late, 31.6 early; not understood), and above M = 64 it is noise.
+PDL_SHORT_LOOP = 8
+
+
+def pdl_plan(cfg: DenseConfig, m: int, chunks_per_split: int) -> tuple[str, int]:
+    """(mode, L2-prefetch chunks) of a `pdl=True` launch of `cfg`: mode "early", "late" or "off"."""
+    mode = cfg.pdl_mode
+    if mode == "auto":
+        if m > 64:
+            mode = "off"
+        elif chunks_per_split <= PDL_SHORT_LOOP:
+            mode = "early"
+        elif 1 < m <= 16:
+            mode = "off"
+        else:
+            mode = "late"
+    if mode == "late" and not cfg.swap:
+        mode = "early"  # the GEMV and per-plane kernels trigger right after their wait
+    prefetch = cfg.pdl_prefetch if cfg.pdl_prefetch is not None else (2 if mode == "early" else 0)
+    return mode, prefetch if cfg.swap and mode != "off" else 0
+
+
 def _launch(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DenseConfig, pdl: bool = False) -> None:
     """Allocate the split-K scratch (if any) and launch the kernel `cfg` names; writes `out`."""
-    pdl = pdl and pdl_supported(x.device)
-    launch = {"launch_pdl": True} if pdl else {}
     m, k = x.shape
     n, g, chunk = w.n, w.group_size, w.chunk
     chunks = k // chunk
@@ -1405,6 +1438,9 @@ def _launch(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DenseConfig, p
     per = -(-steps // cfg.split_k)
     split = -(-steps // per)  # no empty splits
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    pdl_mode, pdl_prefetch = pdl_plan(cfg, m, per) if pdl and pdl_supported(x.device) else ("off", 0)
+    pdl = pdl_mode != "off"
+    launch = {"launch_pdl": True} if pdl else {}
     single_m = m <= cfg.block_m and w.layout is Layout.PAIRS
     mailbox = cfg.swap and cfg.mailbox and split > 1 and m == 1 and single_m
     if mailbox:
@@ -1430,7 +1466,7 @@ def _launch(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DenseConfig, p
             *args, stride_wc, GPC=gpc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
             SPLIT=split > 1, ASM=cfg.asm and not _INTERPRETED, EMULATE_DOT=_INTERPRETED and x.dtype == torch.bfloat16,
             PAIRS=w.layout is Layout.PAIRS, X_MASK=m < cfg.block_m, SINGLE_M=single_m, MAILBOX=mailbox,
-            PDL=pdl, PDL_PREFETCH=cfg.pdl_prefetch if pdl else 0, PDL_EARLY=pdl and cfg.pdl_early, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PDL=pdl, PDL_PREFETCH=pdl_prefetch, PDL_EARLY=pdl_mode == "early", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **launch,
         )  # fmt: skip
     else:

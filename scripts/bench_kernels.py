@@ -14,7 +14,7 @@ What is timed (symmetric int4, group 128, bf16 activations and scales):
             glmq-pdl    the same calls with pdl=True: each launch a programmatic dependent of the one before
                         (the chain of a decode step whose kernels all opt in; cuBLAS and tinygemm do not)
             glmq-pdl-pfN-WHEN  (--pdl-variants N:WHEN ..., M <= 64) glmq-pdl with DenseConfig.pdl_prefetch = N
-                        and pdl_early = (WHEN == "early")
+                        and pdl_mode = WHEN ("early" or "late"); glmq-pdl itself takes pdl_mode "auto"
             glmq-ticket the same launch at M = 1 with the split-K partials reduced by the last-arriver ticket
                         (DenseConfig.mailbox=False, the session-5 epilogue) instead of the mailbox
             cublas-fp16 / cublas-bf16   torch.nn.functional.linear with the dequantized weight
@@ -354,7 +354,7 @@ def bench_dense(b: Bench, shape: str, n: int, k: int, ms, seed: int) -> None:
               note=dense_config_note(b, m, n, k) + "; pdl=True (programmatic dependent launches)")  # fmt: skip
         for variant in b.pdl_variants if m <= 64 and cfg.swap else ():
             pf, when = variant.split(":")
-            pcfg = dataclasses.replace(cfg, pdl_prefetch=int(pf), pdl_early=when == "early")
+            pcfg = dataclasses.replace(cfg, pdl_prefetch=int(pf), pdl_mode=when)
             b.run("dense", shape, m, f"glmq-pdl-pf{pf}-{when}", lambda pcfg=pcfg: chained(pcfg), ref, nbytes, flops,
                   note=f"config {compact(pcfg)}; pdl=True")  # fmt: skip
         if m == 1 and cfg.swap and cfg.split_k > 1:  # the same launch with the ticket fix-up (the session-5 kernel)
@@ -701,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prev-table", type=Path, default=None,
                     help="an earlier tuned_configs.json: also time its PAIRS dense configs at M <= 64 ('previous table')")
     ap.add_argument("--pdl-variants", nargs="*", default=[], metavar="PREFETCH:early|late",
-                    help="also time pdl=True with these DenseConfig.pdl_prefetch / pdl_early values at M <= 64")
+                    help="also time pdl=True with these DenseConfig.pdl_prefetch / pdl_mode values at M <= 64")
     ap.add_argument("--only", nargs="*", default=None,
                     help="dense shapes to run (names of DENSE, or 'square'); default all")
     args = ap.parse_args(argv)

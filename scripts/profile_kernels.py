@@ -19,6 +19,11 @@ replay over weight copies rotated past L2), so that differences place the time w
     stream             a loads-only kernel on the same grid (XOR of the words, four chunks in flight)
     torch.amax         torch's reduction over the same words
     add_(1)            a one-element kernel: the launch cost of a graph node
+
+--pdl (session 10): where a chain of `pdl=True` launches gains or loses. On the large shapes at M = 1, 4, 16,
+each of a few launch configurations (the chosen one; the ticket fix-up instead of the mailbox; no split-K;
+half-width column tiles) timed as the benchmark times, plain and with pdl_mode "late" and "early" (no L2
+prefetch), into pdl.json.
 """
 
 from __future__ import annotations
@@ -214,13 +219,54 @@ def decompose(out_dir: Path) -> int:
     return 0
 
 
+PDL_SHAPES = [("dense 6144->24576", 24576, 6144), ("dense 12288->6144", 6144, 12288)]
+
+
+def pdl_probe(out_dir: Path) -> int:
+    import dataclasses
+
+    from glmq.scripts.bench_kernels import Bench, random_int4
+
+    dev = torch.device("cuda")
+    b = Bench(dev, 1e9, False, False, None)
+    rows = []
+    for shape, n, k in PDL_SHAPES:
+        wp, ws = random_int4(n, k, device=dev, seed=1)
+        nbytes = wp.numel() * 4 + ws.numel() * 2
+        packs = [D.prepack(wp, ws, 128)] + [D.prepack(wp.clone(), ws.clone(), 128) for _ in range(b.copies(nbytes) - 1)]
+        for m in (1, 4, 16):
+            x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+            cfg = D.choose_config(m, n, k, 128, D.sm_count(dev), D.device_name(dev), D.Layout.PAIRS)
+            variants = {"chosen": cfg, "split 1": dataclasses.replace(cfg, split_k=1),
+                        "block_n 64": dataclasses.replace(cfg, block_n=64)}  # fmt: skip
+            if m == 1:
+                variants["ticket"] = dataclasses.replace(cfg, mailbox=False)
+            for name, c in variants.items():
+                for mode in ("plain", "late", "early"):
+                    cc = dataclasses.replace(c, pdl_mode="late" if mode == "plain" else mode, pdl_prefetch=0)
+                    us, _ = b.time_us([lambda p=p, cc=cc: D.w4a16_matmul_packed(x, p, config=cc, pdl=mode != "plain")
+                                       for p in packs])  # fmt: skip
+                    rows.append(dict(shape=shape, m=m, variant=name, pdl=mode, us=us,
+                                     config=f"block_n {c.block_n} split {c.split_k} stages {c.num_stages} mailbox {c.mailbox}"))
+                    print(f"{shape:20s} M={m:<3d} {name:12s} {mode:6s} {us:8.2f} us", flush=True)
+        del packs
+        torch.cuda.empty_cache()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = {"device": torch.cuda.get_device_name(dev), "triton": triton.__version__, "torch": torch.__version__}
+    (out_dir / "pdl.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--decompose", action="store_true", help="time the stage-dropping variants (see the docstring)")
+    ap.add_argument("--pdl", action="store_true", help="time plain against PDL chains per config (see the docstring)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "profile-out")))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
+    if args.pdl:
+        return pdl_probe(args.out)
     return decompose(args.out) if args.decompose else ncu_cases()
 
 

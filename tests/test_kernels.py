@@ -387,8 +387,8 @@ def test_dense_m1_mailbox_split_k(k, block_n, split, dtype):
         (1, D.DenseConfig("gemv", 1, 64, split_k=2)),
         (3, D.DenseConfig("mma", 16, 64, split_k=2)),
         (1, D.DenseConfig("mma", 16, 64, split_k=3, swap=True)),  # mailbox
-        (1, D.DenseConfig("mma", 16, 64, split_k=3, swap=True, pdl_prefetch=2, pdl_early=True)),
-        (5, D.DenseConfig("mma", 16, 128, split_k=2, swap=True, pdl_prefetch=1)),  # ticket, fewer prefetched chunks
+        (1, D.DenseConfig("mma", 16, 64, split_k=3, swap=True, pdl_prefetch=2, pdl_mode="early")),
+        (5, D.DenseConfig("mma", 16, 128, split_k=2, swap=True, pdl_prefetch=1, pdl_mode="late")),  # ticket
     ],
     ids=["gemv", "mma", "swap-mailbox", "swap-prefetch-early", "swap-ticket"],
 )
@@ -403,6 +403,20 @@ def test_dense_pdl_flag_same_values(m, cfg):
     assert_close(y, R.w4a16_matmul_ref(x, wp, ws, 128), torch.bfloat16)
     assert torch.equal(y + 0, plain + 0)
     assert _mailbox_clean()
+
+
+def test_pdl_plan():
+    swap = D.DenseConfig("mma", 16, 128, split_k=6, swap=True)
+    assert D.pdl_plan(swap, 1, 11) == ("late", 0)  # long decode loop (8192^2): the next launch after the loop
+    assert D.pdl_plan(swap, 1, 4) == ("early", 2)  # short loop (expert w2): early, two chunks prefetched
+    assert D.pdl_plan(swap, 4, 24) == ("off", 0)  # measured slower with PDL (6144->24576 M = 4)
+    assert D.pdl_plan(swap, 64, 12) == ("late", 0)
+    assert D.pdl_plan(swap, 256, 2) == ("off", 0)
+    assert D.pdl_plan(D.DenseConfig("mma", 16, 128, swap=True, pdl_mode="early", pdl_prefetch=0), 4, 24) == ("early", 0)
+    assert D.pdl_plan(D.DenseConfig("mma", 16, 128, swap=True, pdl_mode="off"), 1, 4) == ("off", 0)
+    assert D.pdl_plan(D.DenseConfig("gemv", 1, 64, pdl_mode="late"), 1, 11) == ("early", 0)  # no late trigger there
+    with pytest.raises(ValueError, match="pdl_mode must be one of"):
+        D.DenseConfig("mma", 16, 128, pdl_mode="sometimes")
 
 
 def test_mailbox_choice():
@@ -695,10 +709,10 @@ def test_dense_m1_mailbox_glm_shapes_gpu(n, k, split):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("early", [False, True], ids=["trigger-late", "trigger-early-prefetch"])
+@pytest.mark.parametrize("mode", ["late", "early", "auto"])
 @pytest.mark.parametrize("m", [1, 4, 16])
 @pytest.mark.parametrize("n, k", [(8192, 8192), (2048, 6144)])
-def test_dense_pdl_dependent_chain_gpu(n, k, m, early):
+def test_dense_pdl_dependent_chain_gpu(n, k, m, mode):
     # A chain in which every GEMM reads the previous one's output (W0: k -> n, W1: n -> k, alternating), as a
     # decode step's layers do. With pdl=True each launch starts while the one before still runs, so a read of
     # x, a ticket or a store issued before its wait would see a NaN-poisoned or stale buffer. Eager and in a
@@ -713,7 +727,7 @@ def test_dense_pdl_dependent_chain_gpu(n, k, m, early):
     bufs = [poisoned(m, n if i % 2 == 0 else k, torch.bfloat16) for i in range(steps)]
 
     cfgs = [D.choose_config(m, w.n, w.k, 128, D.sm_count(DEV), D.device_name(DEV), w.layout) for w in ws_]
-    cfgs = [dataclasses.replace(c, pdl_early=early, pdl_prefetch=2 if early else 0) for c in cfgs]
+    cfgs = [dataclasses.replace(c, pdl_mode=mode) for c in cfgs]
 
     def chain(pdl: bool) -> list[torch.Tensor]:
         for b in bufs:
