@@ -1397,24 +1397,27 @@ def pdl_supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-# `pdl_plan`'s "auto" rule, from the H200 runs of 2026-12-02 (chains of one GEMM config, bench_kernels.py
-# glmq-pdl-* columns; kernels/NOTES.md, session 10): short loops (<= 8 chunks per split: the expert shapes)
-# gained most with the early trigger and a 2-chunk L2 prefetch (2048->6144 M = 1: 6.2 -> 5.1 us); the long
-# decode loops at M = 1 and M = 17..64 gained ~1 us with the late trigger and lost with prefetching (it
-# competes with the running kernel's reads); at M = 2..16 on the long loops every variant was slower than no
-# PDL (6144->24576 M = 4: 26.9 -> 29.1 us late, 31.6 early; not understood), and above M = 64 it is noise.
+# `pdl_plan`'s "auto" rule, from three H200 runs of 2026-12-02 (chains of one GEMM config: bench_kernels.py's
+# glmq-pdl-* columns and profile_kernels.py --pdl; kernels/NOTES.md, session 10). Short loops (<= 8 chunks per
+# split: the expert shapes) gained most with the early trigger and a 2-chunk L2 prefetch (2048->6144 M = 1:
+# 6.2 -> 5.1 us); long loops gained ~1 us with the late trigger and lost with prefetching (it competes with
+# the running kernel's reads), except where the split-K partials go through the ticket fix-up at M <= 16:
+# slower with PDL in every such case (6144->24576 M = 4: 26.5 -> 29.2 us late, 31.2 early; M = 1 with the
+# ticket instead of the mailbox: 26.2 -> 28.7), while the same shapes without split-K or with the mailbox
+# gained (the mechanism was not identified). Above M = 64 the difference was within +-2 %.
 PDL_SHORT_LOOP = 8
 
 
-def pdl_plan(cfg: DenseConfig, m: int, chunks_per_split: int) -> tuple[str, int]:
-    """(mode, L2-prefetch chunks) of a `pdl=True` launch of `cfg`: mode "early", "late" or "off"."""
+def pdl_plan(cfg: DenseConfig, m: int, chunks_per_split: int, ticket: bool = False) -> tuple[str, int]:
+    """(mode, L2-prefetch chunks) of a `pdl=True` launch of `cfg`: mode "early", "late" or "off".
+    ticket: the launch reduces split-K partials through the last-arriver ticket (`_write_tile`)."""
     mode = cfg.pdl_mode
     if mode == "auto":
         if m > 64:
             mode = "off"
         elif chunks_per_split <= PDL_SHORT_LOOP:
             mode = "early"
-        elif 1 < m <= 16:
+        elif ticket and m <= 16:
             mode = "off"
         else:
             mode = "late"
@@ -1438,11 +1441,14 @@ def _launch(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DenseConfig, p
     per = -(-steps // cfg.split_k)
     split = -(-steps // per)  # no empty splits
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-    pdl_mode, pdl_prefetch = pdl_plan(cfg, m, per) if pdl and pdl_supported(x.device) else ("off", 0)
-    pdl = pdl_mode != "off"
-    launch = {"launch_pdl": True} if pdl else {}
     single_m = m <= cfg.block_m and w.layout is Layout.PAIRS
     mailbox = cfg.swap and cfg.mailbox and split > 1 and m == 1 and single_m
+    if pdl and pdl_supported(x.device):
+        pdl_mode, pdl_prefetch = pdl_plan(cfg, m, per, ticket=split > 1 and not mailbox)
+    else:
+        pdl_mode, pdl_prefetch = "off", 0
+    pdl = pdl_mode != "off"
+    launch = {"launch_pdl": True} if pdl else {}
     if mailbox:
         scratch = _mailbox_words(x.device, split * n)
         tickets = _tickets(x.device, tiles)

@@ -407,10 +407,12 @@ def test_dense_pdl_flag_same_values(m, cfg):
 
 def test_pdl_plan():
     swap = D.DenseConfig("mma", 16, 128, split_k=6, swap=True)
-    assert D.pdl_plan(swap, 1, 11) == ("late", 0)  # long decode loop (8192^2): the next launch after the loop
-    assert D.pdl_plan(swap, 1, 4) == ("early", 2)  # short loop (expert w2): early, two chunks prefetched
-    assert D.pdl_plan(swap, 4, 24) == ("off", 0)  # measured slower with PDL (6144->24576 M = 4)
-    assert D.pdl_plan(swap, 64, 12) == ("late", 0)
+    assert D.pdl_plan(swap, 1, 11) == ("late", 0)  # long decode loop (8192^2, mailbox): next launch after the loop
+    assert D.pdl_plan(swap, 1, 4, ticket=True) == ("early", 2)  # short loop (expert w2): early, 2 chunks prefetched
+    assert D.pdl_plan(swap, 4, 24, ticket=True) == ("off", 0)  # measured slower with PDL (6144->24576 M = 4)
+    assert D.pdl_plan(swap, 1, 24, ticket=True) == ("off", 0)
+    assert D.pdl_plan(swap, 4, 24, ticket=False) == ("late", 0)  # no split-K: gained
+    assert D.pdl_plan(swap, 64, 12, ticket=True) == ("late", 0)
     assert D.pdl_plan(swap, 256, 2) == ("off", 0)
     assert D.pdl_plan(D.DenseConfig("mma", 16, 128, swap=True, pdl_mode="early", pdl_prefetch=0), 4, 24) == ("early", 0)
     assert D.pdl_plan(D.DenseConfig("mma", 16, 128, swap=True, pdl_mode="off"), 1, 4) == ("off", 0)
