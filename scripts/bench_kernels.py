@@ -642,6 +642,7 @@ def markdown(records: list[Record], env: dict) -> str:
 
 
 def plot(records: list[Record], path: Path) -> bool:
+    """One log-log panel per shape: us per call against M (the --pdl-variants runs are left to the table)."""
     try:
         import matplotlib
 
@@ -655,10 +656,12 @@ def plot(records: list[Record], path: Path) -> bool:
     rows = -(-len(shapes) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.2 * rows), squeeze=False)
     for ax, shape in zip(axes.flat, shapes):
-        rs = [r for r in records if r.shape == shape and r.status == "ok"]
-        for impl in dict.fromkeys(r.impl for r in rs):
+        rs = [r for r in records if r.shape == shape and r.status == "ok" and not r.impl.startswith("glmq-pdl-pf")]
+        colors = plt.get_cmap("tab20").colors
+        for j, impl in enumerate(dict.fromkeys(r.impl for r in rs)):
             pts = sorted((r.m, r.us) for r in rs if r.impl == impl)
-            ax.plot(*zip(*pts), marker="o", linestyle="--" if impl.endswith("floor") else "-", label=impl)
+            ax.plot(*zip(*pts), marker="o", color=colors[(2 * j) % 20 + (2 * j) // 20], label=impl,
+                    linestyle="--" if impl.endswith("floor") else "-")  # fmt: skip
         ax.set(xscale="log", yscale="log", title=shape, xlabel="M", ylabel="us / call")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
@@ -702,11 +705,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="an earlier tuned_configs.json: also time its PAIRS dense configs at M <= 64 ('previous table')")
     ap.add_argument("--pdl-variants", nargs="*", default=[], metavar="PREFETCH:early|late",
                     help="also time pdl=True with these DenseConfig.pdl_prefetch / pdl_mode values at M <= 64")
+    ap.add_argument("--replot", type=Path, default=None, metavar="JSON",
+                    help="only redraw --out/bench_kernels.png and .md from an earlier run's bench_kernels.json")
     ap.add_argument("--only", nargs="*", default=None,
                     help="dense shapes to run (names of DENSE, or 'square'); default all")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
 
+    if args.replot:
+        old = json.loads(args.replot.read_text())
+        recs = [Record(**r) for r in old["records"]]
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_kernels.md").write_text(markdown(recs, old["env"]))
+        return 0 if plot(recs, args.out / "bench_kernels.png") else 1
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
         ap.error("no CUDA device: run on a GPU, or pass --smoke for a CPU self-test of this script")
