@@ -128,11 +128,10 @@ class DenseConfig:
             in natural k order, pipelined by Triton (num_stages).
         asm: swap only: dequantize two weights per instruction with inline PTX (`_plane_asm`);
             False: plain Triton ops (the interpreter always takes that path).
-        mailbox: swap only, one token tile with split-K: reduce the splits through the mailbox
-            (`_mailbox_tile` at M = 1, `_mailbox_tokens` at 1 < M <= block_m where each split runs
-            >= MAILBOX_MIN_CHUNKS chunks: the reducing program is fixed when the programs start, the
-            others publish their partials with a plain store, no fence or atomic at the end) instead
-            of the last-arriver ticket (`_write_tile`). Same sums in the same order, so the same bits.
+        mailbox: swap only, one token (M = 1) with split-K: reduce the splits through the mailbox
+            (`_mailbox_tile`: the reducing program is fixed when the programs start, the others publish
+            their partials with a plain store, no fence or atomic at the end) instead of the
+            last-arriver ticket (`_write_tile`). Same sums in the same order, so the same bits.
         group_m: MMA only: output-tile rows per L2 "super-row" in the launch order.
         pdl_mode: what a `pdl=True` call does (`pdl_plan`): "early" lets the next launch in right after
             this one's wait, "late" only after the main loop (swap kernel; the others trigger early),
@@ -708,7 +707,6 @@ MAILBOX_GROUP = 8  # splits whose words one reducing program has in flight at on
 # with 3-8 (the expert shapes 2048->6144 and 6144->2x2048: 4-6 % slower), where the main loop is too short to
 # hide the start ticket and the reducer more often waits on a late split.
 MAILBOX_MIN_CHUNKS = 10
-MAILBOX_TOKENS_MAX_M = 16  # the token mailbox (1 < M) was measured at M = 4 and 16 only (16-token tiles)
 
 
 @triton.jit
@@ -763,7 +761,6 @@ def _spin_asm(g: int) -> str:
 
 
 _SPIN8 = tl.constexpr(_spin_asm(MAILBOX_GROUP))
-_SPIN2 = tl.constexpr(_spin_asm(2))
 
 
 @triton.jit
@@ -850,48 +847,6 @@ def _mailbox_tile(acc, out_ptr, mb_ptr, cnt_ptr, rn, N, stride_om, tile_id, pid_
         tl.store(out_ptr + rn, total.to(out_ptr.dtype.element_ty), mask=mask)
         for s in range(0, split_k):
             tl.store(mb_ptr + s * N + rn, tl.full(part.shape, -1, tl.int32), mask=_mailbox_live(mask, s, pid_k, split_k))
-        tl.store(cnt_ptr + tile_id, 0)
-
-
-@triton.jit
-def _mailbox_pair(total, part, p0, mask, mn, s0, pid_k, split_k, ASM: tl.constexpr):
-    """`_mailbox_group` for two splits (s0, s0 + 1) of a `[BN, BM]` tile: both words loaded before either is
-    checked; two rather than eight, since each split is a whole tile of words here, not one column."""
-    p1 = p0 + mn
-    l0 = _mailbox_live(mask, s0, pid_k, split_k)
-    l1 = _mailbox_live(mask, s0 + 1, pid_k, split_k)
-    b0 = tl.load(p0, mask=l0, other=0, volatile=True)
-    b1 = tl.load(p1, mask=l1, other=0, volatile=True)
-    if ASM:
-        b0, b1 = tl.inline_asm_elementwise(
-            _SPIN2, "=r,=r,r,r,l,l,r,r", [b0, b1, p0, p1, l0.to(tl.int32), l1.to(tl.int32)],
-            dtype=(tl.int32, tl.int32), is_pure=True, pack=1)  # fmt: skip
-    total = _mailbox_add(total, part, b0, s0, pid_k, split_k)
-    total = _mailbox_add(total, part, b1, s0 + 1, pid_k, split_k)
-    return total
-
-
-@triton.jit
-def _mailbox_tokens(acc, out_ptr, mb_ptr, cnt_ptr, rm, rn, M, N, stride_om, tile_id, pid_k, split_k, ticket,
-                    ASM: tl.constexpr):  # fmt: skip
-    """`_mailbox_tile` for a one-token-tile launch with 1 < M <= BLOCK_M: acc `[BN, BM]` (weight rows x tokens);
-    mb_ptr int32 `[split_k, M, N]` words. Same protocol (the last starter reduces, the others store their fp32
-    bits and exit), token columns past M neither published nor stored; splits summed in split order, so the
-    result has the ticket fix-up's bits."""
-    mask = (rn[:, None] < N) & (rm[None, :] < M)
-    off = rm[None, :] * N + rn[:, None]
-    mn = M * N
-    if ticket != split_k - 1:
-        bits = acc.to(tl.int32, bitcast=True)
-        bits = tl.where(bits == -1, 0x7FFFFFFF, bits)  # never the empty word (a NaN either way)
-        tl.store(mb_ptr + pid_k.to(tl.int64) * mn + off, bits, mask=mask)
-    else:
-        total = tl.zeros_like(acc)
-        for s0 in range(0, split_k, 2):
-            total = _mailbox_pair(total, acc, mb_ptr + s0 * mn + off, mask, mn, s0, pid_k, split_k, ASM)
-        tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], total.to(out_ptr.dtype.element_ty), mask=mask)
-        for s in range(0, split_k):
-            tl.store(mb_ptr + s * mn + off, tl.full(acc.shape, -1, tl.int32), mask=_mailbox_live(mask, s, pid_k, split_k))
         tl.store(cnt_ptr + tile_id, 0)
 
 
@@ -1037,8 +992,8 @@ def _mma_swap_kernel(
     M, N, stride_xm, stride_wn, stride_sn, stride_om, chunks_per_split, num_chunks, split_k, stride_wc,
     GPC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, EMULATE_DOT: tl.constexpr, PAIRS: tl.constexpr, X_MASK: tl.constexpr,
-    SINGLE_M: tl.constexpr, MAILBOX: tl.constexpr, MAILBOX_TOKENS: tl.constexpr, PDL: tl.constexpr,
-    PDL_PREFETCH: tl.constexpr, PDL_EARLY: tl.constexpr,
+    SINGLE_M: tl.constexpr, MAILBOX: tl.constexpr, PDL: tl.constexpr, PDL_PREFETCH: tl.constexpr,
+    PDL_EARLY: tl.constexpr,
 ):  # fmt: skip
     """grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k). Tensor-core y.T = dequant(W) @ x.T, chunk 128.
 
@@ -1065,8 +1020,7 @@ def _mma_swap_kernel(
 
     MAILBOX (SPLIT, SINGLE_M, X_MASK and M == 1; ws_ptr is then the int32 mailbox): each program takes
     its split-K ticket when it starts (the atomic's round trip hides behind the main loop) and the
-    reduction goes through `_mailbox_tile` instead of `_write_tile`. MAILBOX_TOKENS: the same for
-    1 < M <= BLOCK_M through `_mailbox_tokens` (every token column).
+    reduction goes through `_mailbox_tile` instead of `_write_tile`.
 
     PDL (a programmatic dependent launch, `pdl=True`): the weights and scales do not come from the kernel
     launched before (they are loaded once, at load time), so a program reads its first scales and
@@ -1127,10 +1081,7 @@ def _mma_swap_kernel(
         s0, s1, s2, s3 = n0, n1, n2, n3
     if PDL and not PDL_EARLY:
         _pdl_trigger()
-    if MAILBOX and MAILBOX_TOKENS:
-        _mailbox_tokens(acc, out_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_om, tile, pid_k, split_k, _ticket_value(tk),
-                        ASM)  # fmt: skip
-    elif MAILBOX:
+    if MAILBOX:
         _mailbox_tile(acc, out_ptr, ws_ptr, cnt_ptr, rn, N, stride_om, tile, pid_k, split_k, _ticket_value(tk), ASM)
     else:
         _write_tile(tl.trans(acc), out_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_om, tile, pid_k, split_k, SPLIT)
@@ -1476,22 +1427,6 @@ def pdl_plan(cfg: DenseConfig, m: int, chunks_per_split: int, ticket: bool = Fal
     return mode, prefetch if cfg.swap and mode != "off" else 0
 
 
-def _mailbox_applies(cfg: DenseConfig, m: int, split: int, per: int, single_m: bool) -> bool:
-    """Whether a launch reduces its split-K partials through the mailbox: at M = 1 whenever `cfg.mailbox`;
-    at 1 < M <= MAILBOX_TOKENS_MAX_M (and <= block_m) only where each split runs >= MAILBOX_MIN_CHUNKS chunks."""
-    if not (cfg.swap and cfg.mailbox and split > 1 and single_m):
-        return False
-    return m == 1 or (m <= MAILBOX_TOKENS_MAX_M and per >= MAILBOX_MIN_CHUNKS)
-
-
-def uses_mailbox(cfg: DenseConfig, m: int, k: int, layout: Layout) -> bool:
-    """`_mailbox_applies` for a call of `cfg` on x `[m, k]` with weights in `layout` (benchmarks, tests)."""
-    if cfg.kind is not KernelKind.MMA or k % MMA_CHUNK:
-        return False
-    per = -(-(k // MMA_CHUNK) // cfg.split_k)
-    return _mailbox_applies(cfg, m, -(-(k // MMA_CHUNK) // per), per, m <= cfg.block_m and layout is Layout.PAIRS)
-
-
 def _launch(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DenseConfig, pdl: bool = False) -> None:
     """Allocate the split-K scratch (if any) and launch the kernel `cfg` names; writes `out`."""
     m, k = x.shape
@@ -1507,8 +1442,7 @@ def _launch(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DenseConfig, p
     split = -(-steps // per)  # no empty splits
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
     single_m = m <= cfg.block_m and w.layout is Layout.PAIRS
-    mailbox = _mailbox_applies(cfg, m, split, per, single_m)
-    mailbox_tokens = mailbox and m > 1
+    mailbox = cfg.swap and cfg.mailbox and split > 1 and m == 1 and single_m
     if pdl and pdl_supported(x.device):
         pdl_mode, pdl_prefetch = pdl_plan(cfg, m, per, ticket=split > 1 and not mailbox)
     else:
@@ -1516,7 +1450,7 @@ def _launch(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DenseConfig, p
     pdl = pdl_mode != "off"
     launch = {"launch_pdl": True} if pdl else {}
     if mailbox:
-        scratch = _mailbox_words(x.device, split * m * n)
+        scratch = _mailbox_words(x.device, split * n)
         tickets = _tickets(x.device, tiles)
     elif split > 1:
         scratch = torch.empty(split, m, n, dtype=torch.float32, device=x.device)  # fp32 partials
@@ -1538,8 +1472,7 @@ def _launch(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DenseConfig, p
             *args, stride_wc, GPC=gpc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
             SPLIT=split > 1, ASM=cfg.asm and not _INTERPRETED, EMULATE_DOT=_INTERPRETED and x.dtype == torch.bfloat16,
             PAIRS=w.layout is Layout.PAIRS, X_MASK=m < cfg.block_m, SINGLE_M=single_m, MAILBOX=mailbox,
-            MAILBOX_TOKENS=mailbox_tokens, PDL=pdl, PDL_PREFETCH=pdl_prefetch, PDL_EARLY=pdl_mode == "early",
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PDL=pdl, PDL_PREFETCH=pdl_prefetch, PDL_EARLY=pdl_mode == "early", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **launch,
         )  # fmt: skip
     else:

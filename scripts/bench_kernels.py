@@ -15,7 +15,7 @@ What is timed (symmetric int4, group 128, bf16 activations and scales):
                         (the chain of a decode step whose kernels all opt in; cuBLAS and tinygemm do not)
             glmq-pdl-pfN-WHEN  (--pdl-variants N:WHEN ..., M <= 64) glmq-pdl with DenseConfig.pdl_prefetch = N
                         and pdl_mode = WHEN ("early" or "late"); glmq-pdl itself takes pdl_mode "auto"
-            glmq-ticket the same launch at M <= 16 with the split-K partials reduced by the last-arriver ticket
+            glmq-ticket the same launch at M = 1 with the split-K partials reduced by the last-arriver ticket
                         (DenseConfig.mailbox=False, the session-5 epilogue) instead of the mailbox
             cublas-fp16 / cublas-bf16   torch.nn.functional.linear with the dequantized weight
             int4pack    torch._weight_int4pack_mm (tinygemm) with its own packing
@@ -357,7 +357,7 @@ def bench_dense(b: Bench, shape: str, n: int, k: int, ms, seed: int) -> None:
             pcfg = dataclasses.replace(cfg, pdl_prefetch=int(pf), pdl_mode=when)
             b.run("dense", shape, m, f"glmq-pdl-pf{pf}-{when}", lambda pcfg=pcfg: chained(pcfg), ref, nbytes, flops,
                   note=f"config {compact(pcfg)}; pdl=True")  # fmt: skip
-        if D.uses_mailbox(cfg, m, k, D.default_layout(D.chunk_for(k), GROUP)):  # the same launch, ticket fix-up
+        if m == 1 and cfg.swap and cfg.split_k > 1:  # the same launch with the ticket fix-up (the session-5 kernel)
             ticket = D.DenseConfig(**{**cfg.to_dict(), "mailbox": False})
 
             def ticket_fixup(ticket=ticket):
