@@ -1113,22 +1113,22 @@ def split_groups(tiles: int, num_groups: int, target_ctas: int, min_groups: int 
 
 
 @functools.lru_cache(maxsize=16)
-def _device_info(index: int) -> tuple[int, str]:
+def _device_info(index: int) -> tuple[int, str, tuple[int, int]]:
     p = torch.cuda.get_device_properties(index)
-    return p.multi_processor_count, p.name
+    return p.multi_processor_count, p.name, (p.major, p.minor)
+
+
+def _cuda_info(device: torch.device) -> tuple[int, str, tuple[int, int]]:
+    return _device_info(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of `device`, or DEFAULT_SM_COUNT (H200) off-GPU."""
-    if device.type == "cuda":
-        return _device_info(device.index if device.index is not None else torch.cuda.current_device())[0]
-    return DEFAULT_SM_COUNT
+    return _cuda_info(device)[0] if device.type == "cuda" else DEFAULT_SM_COUNT
 
 
 def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return _device_info(device.index if device.index is not None else torch.cuda.current_device())[1]
-    return "cpu"
+    return _cuda_info(device)[1] if device.type == "cuda" else "cpu"
 
 
 @functools.lru_cache(maxsize=4)
@@ -1392,9 +1392,7 @@ def w4a16_matmul_packed(
 
 def pdl_supported(device: torch.device) -> bool:
     """Whether a launch on `device` can be a programmatic dependent (griddepcontrol: sm_90 and later)."""
-    if _INTERPRETED or device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    return not _INTERPRETED and device.type == "cuda" and _cuda_info(device)[2] >= (9, 0)
 
 
 # `pdl_plan`'s "auto" rule, from three H200 runs of 2026-12-02 (chains of one GEMM config: bench_kernels.py's

@@ -655,12 +655,13 @@ def plot(records: list[Record], path: Path) -> bool:
     cols = 3
     rows = -(-len(shapes) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.2 * rows), squeeze=False)
+    tab20 = plt.get_cmap("tab20").colors
+    colors = tab20[0::2] + tab20[1::2]  # the ten dark shades first, then their light pairs
     for ax, shape in zip(axes.flat, shapes):
         rs = [r for r in records if r.shape == shape and r.status == "ok" and not r.impl.startswith("glmq-pdl-pf")]
-        colors = plt.get_cmap("tab20").colors
         for j, impl in enumerate(dict.fromkeys(r.impl for r in rs)):
             pts = sorted((r.m, r.us) for r in rs if r.impl == impl)
-            ax.plot(*zip(*pts), marker="o", color=colors[(2 * j) % 20 + (2 * j) // 20], label=impl,
+            ax.plot(*zip(*pts), marker="o", color=colors[j % 20], label=impl,
                     linestyle="--" if impl.endswith("floor") else "-")  # fmt: skip
         ax.set(xscale="log", yscale="log", title=shape, xlabel="M", ylabel="us / call")
         ax.grid(True, which="both", alpha=0.3)
