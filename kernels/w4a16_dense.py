@@ -389,8 +389,9 @@ def cached_prepack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, grou
 
 def layout_for(cfg, chunk: int, group_size: int) -> tuple[Layout | None, bool | None]:
     """(layout, chunk_major) a launch config needs, for `cached_prepack`: the per-plane kernels (GEMV,
-    non-transposed MMA) read PLANES row-major words; anything else takes the defaults."""
-    if cfg is not None and not getattr(cfg, "swap", False):
+    non-transposed MMA) read PLANES row-major words; anything else (the transposed MMA kernel, the Gluon decode
+    kernel's `DecodeConfig`) takes the defaults."""
+    if cfg is not None and hasattr(cfg, "swap") and not cfg.swap:  # DenseConfig / MoeConfig (a DecodeConfig has none)
         return Layout.PLANES, False
     return None, None
 
@@ -1328,7 +1329,7 @@ def w4a16_matmul(
     group_size: int,
     *,
     out: torch.Tensor | None = None,
-    config: DenseConfig | None = None,
+    config=None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """y = x @ dequant(W).T for a symmetric compressed-tensors int4 weight, fp32 accumulation.
@@ -1342,7 +1343,8 @@ def w4a16_matmul(
         weight_scale: float16/bfloat16/float32 `[N, K/group_size]`, contiguous.
         group_size: 32, 64 or 128; K must be a multiple of it (and of 8).
         out: optional `[M, N]` buffer of x's dtype; every element is written.
-        config: optional launch override (tests, tuning); default `choose_config`.
+        config: optional launch override (tests, tuning): a `DenseConfig` or a `w4a16_decode.DecodeConfig`;
+            default: the Gluon decode kernel where `w4a16_decode.choose` picks it, else `choose_config`.
         pdl: launch as a programmatic dependent of the kernel before it in the stream (Hopper and later;
             ignored elsewhere and by the interpreter): its programs start while that kernel finishes,
             read the weights' scales (and may prefetch words into L2), and wait for it before reading x or
@@ -1370,10 +1372,14 @@ def w4a16_matmul(
 
 
 def w4a16_matmul_packed(
-    x: torch.Tensor, w: PackedW4, *, out: torch.Tensor | None = None, config: DenseConfig | None = None,
-    pdl: bool = False,
+    x: torch.Tensor, w: PackedW4, *, out: torch.Tensor | None = None, config=None, pdl: bool = False,
 ) -> torch.Tensor:
-    """`w4a16_matmul` on a `prepack`ed weight (same arguments and errors)."""
+    """`w4a16_matmul` on a `prepack`ed weight (same arguments and errors).
+
+    config: a `DenseConfig` (the Triton kernels), a `w4a16_decode.DecodeConfig` (the Gluon decode kernel), or
+    None: the Gluon decode kernel where `w4a16_decode.choose` picks it (M <= 16 on a GPU it was tuned on or
+    an sm_90 heuristic), else `choose_config`.
+    """
     check_common(x, w.group_size)
     m, k = x.shape
     if w.lead or w.k != k:
@@ -1381,11 +1387,25 @@ def w4a16_matmul_packed(
     n = w.n
     w.check((), n, k, x.device)
     check_out(out, (m, n), x)
-    cfg = config or choose_config(m, n, k, w.group_size, sm_count(x.device), device_name(x.device), w.layout)
-    check_config(cfg, w)
+    from glmq.kernels import w4a16_decode as DK  # imports this module
+
+    if isinstance(config, DK.DecodeConfig):
+        if not DK.available(x.device):
+            raise ValueError(f"a DecodeConfig needs the Gluon decode kernel, which cannot run on {x.device} here "
+                             "(a CUDA GPU of sm_80 or later with Triton's Gluon, not the interpreter)")
+        if not DK.supports(m, w, config):
+            raise ValueError(f"the Gluon decode kernel does not take M = {m} with {config} on this weight "
+                             f"({w.layout.value}, chunk_major={w.chunk_major}, K / 128 = {w.k / MMA_CHUNK:g})")
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+        return DK.decode_matmul(x, w, out, config, pdl=pdl and pdl_supported(x.device))
+    decode = None if config is not None else DK.choose(m, w, x.device, device_name(x.device), pdl)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0 or n == 0:
         return out
+    if decode is not None:
+        return DK.decode_matmul(x, w, out, decode, pdl=pdl and pdl_supported(x.device))
+    cfg = config or choose_config(m, n, k, w.group_size, sm_count(x.device), device_name(x.device), w.layout)
+    check_config(cfg, w)
     _launch(x, w, out, cfg, pdl)
     return out
 

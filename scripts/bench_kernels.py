@@ -15,6 +15,8 @@ What is timed (symmetric int4, group 128, bf16 activations and scales):
                         (the chain of a decode step whose kernels all opt in; cuBLAS and tinygemm do not)
             glmq-pdl-pfN-WHEN  (--pdl-variants N:WHEN ..., M <= 64) glmq-pdl with DenseConfig.pdl_prefetch = N
                         and pdl_mode = WHEN ("early" or "late"); glmq-pdl itself takes pdl_mode "auto"
+            glmq-triton (-pdl)  at M <= 16: the Triton kernel alone (the config choose_config picks), beside
+                        glmq, which may take the Gluon decode kernel (kernels/w4a16_decode.py, its tuned table)
             glmq-ticket the same launch at M = 1 with the split-K partials reduced by the last-arriver ticket
                         (DenseConfig.mailbox=False, the session-5 epilogue) instead of the mailbox
             cublas-fp16 / cublas-bf16   torch.nn.functional.linear with the dequantized weight
@@ -270,11 +272,18 @@ def packed_bytes(wp: torch.Tensor, ws: torch.Tensor) -> int:
 # ---- dense ----------------------------------------------------------------------------------------
 
 
-def dense_config_note(b: Bench, m: int, n: int, k: int, layout=None) -> str:
-    """The launch configuration `w4a16_matmul` picks for this call (tuned table or heuristic)."""
+def dense_config_note(b: Bench, m: int, n: int, k: int, layout=None, pdl: bool = False, packed=None) -> str:
+    """The launch configuration `w4a16_matmul` picks for this call (the Gluon decode kernel's table or rule, else
+    the Triton kernels' tuned table or heuristic)."""
     from glmq.kernels import w4a16_dense as D
 
     layout = D.default_layout(D.chunk_for(k), GROUP) if layout is None else D.Layout(layout)
+    if packed is not None and b.cuda:
+        from glmq.kernels import w4a16_decode as DK
+
+        dcfg = DK.choose(m, packed, b.device, D.device_name(b.device), pdl)
+        if dcfg is not None:
+            return f"gluon decode config rows={dcfg.rows} warps={dcfg.warps} depth={dcfg.depth}"
     cfg = D.choose_config(m, n, k, GROUP, D.sm_count(b.device), D.device_name(b.device), layout)
     return f"{layout.value} config {compact(cfg)}"
 
@@ -339,10 +348,12 @@ def bench_dense(b: Bench, shape: str, n: int, k: int, ms, seed: int) -> None:
         flops = 2.0 * m * n * k
         b.floor("dense", shape, m, nbytes)
 
-        def ours():
-            return [lambda p=p, s=s: w4a16_matmul(x, p, s, GROUP) for p, s in ours_w], w4a16_matmul(x, wp, ws, GROUP)
+        def ours(config=None):
+            return ([lambda p=p, s=s: w4a16_matmul(x, p, s, GROUP, config=config) for p, s in ours_w],
+                    w4a16_matmul(x, wp, ws, GROUP, config=config))  # fmt: skip
 
-        b.run("dense", shape, m, "glmq", ours, ref, nbytes, flops, note=dense_config_note(b, m, n, k))
+        packed0 = D.cached_prepack(wp, ws, GROUP)
+        b.run("dense", shape, m, "glmq", ours, ref, nbytes, flops, note=dense_config_note(b, m, n, k, packed=packed0))
         cfg = D.choose_config(m, n, k, GROUP, D.sm_count(b.device), D.device_name(b.device),
                               D.default_layout(D.chunk_for(k), GROUP))  # fmt: skip
 
@@ -351,7 +362,12 @@ def bench_dense(b: Bench, shape: str, n: int, k: int, ms, seed: int) -> None:
                     w4a16_matmul(x, wp, ws, GROUP, config=config, pdl=True))  # fmt: skip
 
         b.run("dense", shape, m, "glmq-pdl", chained, ref, nbytes, flops,
-              note=dense_config_note(b, m, n, k) + "; pdl=True (programmatic dependent launches)")  # fmt: skip
+              note=dense_config_note(b, m, n, k, pdl=True, packed=packed0) + "; pdl=True (programmatic dependent launches)")  # fmt: skip
+        if m <= 16 and b.cuda and cfg.swap:  # the Triton kernel alone, where the Gluon decode kernel may be chosen
+            b.run("dense", shape, m, "glmq-triton", lambda: ours(cfg), ref, nbytes, flops,
+                  note=f"pairs config {compact(cfg)}; the Triton kernel (no Gluon decode kernel)")  # fmt: skip
+            b.run("dense", shape, m, "glmq-triton-pdl", lambda: chained(cfg), ref, nbytes, flops,
+                  note=f"pairs config {compact(cfg)}; the Triton kernel, pdl=True")  # fmt: skip
         for variant in b.pdl_variants if m <= 64 and cfg.swap else ():
             pf, when = variant.split(":")
             pcfg = dataclasses.replace(cfg, pdl_prefetch=int(pf), pdl_mode=when)
@@ -600,12 +616,12 @@ def markdown(records: list[Record], env: dict) -> str:
               "bytes / device-to-device copy rate (read + write); read floor = the same bytes / streaming-read",
               "rate. eff = floor / glmq, eff(read) = read floor / glmq.", ""]  # fmt: skip
     for shape in dict.fromkeys(r.shape for r in records if r.op == "dense"):
-        lines += [f"## {shape}", "", "| M | glmq | glmq pdl | ticket fix-up | previous table | session-3 kernel | cuBLAS fp16 | cuBLAS bf16 | int4pack | floor | read floor | eff | eff(read) | eff(read) pdl | vs fp16 | pdl vs fp16 | vs int4pack | pdl vs int4pack |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"## {shape}", "", "| M | glmq | glmq pdl | Triton kernel | Triton pdl | ticket fix-up | previous table | session-3 kernel | cuBLAS fp16 | cuBLAS bf16 | int4pack | floor | read floor | eff | eff(read) | eff(read) pdl | vs fp16 | pdl vs fp16 | vs int4pack | pdl vs int4pack |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for m in sorted({r.m for r in records if r.shape == shape}):
             g = lambda impl: idx.get(("dense", shape, m, impl))  # noqa: E731
             lines.append(
-                f"| {m} | {cell(g('glmq'))} | {cell(g('glmq-pdl'))} | {cell(g('glmq-ticket'))} | {cell(g('glmq-prev'))} | {cell(g('glmq-planes'))} | {cell(g('cublas-fp16'))} | {cell(g('cublas-bf16'))} | "
+                f"| {m} | {cell(g('glmq'))} | {cell(g('glmq-pdl'))} | {cell(g('glmq-triton'))} | {cell(g('glmq-triton-pdl'))} | {cell(g('glmq-ticket'))} | {cell(g('glmq-prev'))} | {cell(g('glmq-planes'))} | {cell(g('cublas-fp16'))} | {cell(g('cublas-bf16'))} | "
                 f"{cell(g('int4pack'))} | {cell(g('floor'))} | {cell(g('read-floor'))} | "
                 f"{fmt_x(speedup(g('floor'), g('glmq')), True)} | {fmt_x(speedup(g('read-floor'), g('glmq')), True)} | "
                 f"{fmt_x(speedup(g('read-floor'), g('glmq-pdl')), True)} | "
@@ -629,7 +645,7 @@ def markdown(records: list[Record], env: dict) -> str:
         lines.append("")
     lines += ["## Targets", "", "| target | met | detail |", "|---|---|---|"]
     lines += [f"| {t['target']} | {'yes' if t['met'] else 'NO'} | {t['detail']} |" for t in targets(records)]
-    cfgs = [r for r in records if r.impl in ("glmq", "glmq-ticket", "glmq-prev", "glmq-fused", "glmq-planes")
+    cfgs = [r for r in records if r.impl in ("glmq", "glmq-pdl", "glmq-ticket", "glmq-prev", "glmq-fused", "glmq-planes")
             and " config " in f" {r.note}"]
     if cfgs:
         lines += ["", "## glmq launch configurations", "", "| shape | M | impl | layout and config |", "|---|---|---|---|"]

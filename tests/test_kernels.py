@@ -34,6 +34,7 @@ TRITON_TOO_EARLY = triton_interpreter_guard()  # before anything here imports tr
 pytest.importorskip("triton")
 
 from glmq.kernels import reference as R  # noqa: E402
+from glmq.kernels import w4a16_decode as DK  # noqa: E402
 from glmq.kernels import w4a16_dense as D  # noqa: E402
 from glmq.kernels import w4a16_moe as MO  # noqa: E402
 from glmq.quantize.pack import pack_int32, pack_zero_point, unpack_int32  # noqa: E402
@@ -675,6 +676,191 @@ def test_moe_preconditions(mutate, match):
 def test_moe_config_validation():
     with pytest.raises(ValueError, match="power of two >= 16"):
         MO.MoeConfig(block_m=8, block_n_up=64, block_n_down=64)
+
+
+# ------------------------------------------------------------------------------------------------
+# the Gluon decode kernel (kernels/w4a16_decode.py): GPU-only numerics, CPU rules and an sm_90 compile
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [(dict(rows=64), "rows must be 16 or 32"), (dict(warps=3), "warps must be 1, 2, 4 or 8"),
+     (dict(depth=4), "depth must be 1, 2 or 3")],
+)  # fmt: skip
+def test_decode_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DK.DecodeConfig(**kwargs)
+
+
+def test_decode_supports_and_heuristic():
+    wp, ws = quantized(48, 768, group_size=128)
+    pairs = D.prepack(wp, ws, 128)
+    assert pairs.layout is D.Layout.PAIRS and pairs.chunk_major
+    assert DK.supports(1, pairs) and DK.supports(16, pairs) and not DK.supports(17, pairs) and not DK.supports(0, pairs)
+    assert DK.supports(5, pairs, DK.DecodeConfig(warps=2)) and not DK.supports(5, pairs, DK.DecodeConfig(warps=4))
+    assert not DK.supports(1, D.prepack(wp, ws, 128, layout="planes", chunk_major=False))
+    wp32, ws32 = quantized(48, 768, group_size=32)
+    assert not DK.supports(1, D.prepack(wp32, ws32, 32))  # group 32: PLANES words
+    # the rule measured on the H200: M = 1, up to ~80 M weights, 8 warps unless that leaves < 4 chunks each
+    assert DK.heuristic_config(1, 8192, 8192) == DK.DecodeConfig(16, 8, 2)
+    assert DK.heuristic_config(1, 6144, 2048) == DK.DecodeConfig(16, 4, 2)
+    assert DK.heuristic_config(1, 4096, 6144) == DK.DecodeConfig(16, 8, 2)
+    assert DK.heuristic_config(1, 256, 384) == DK.DecodeConfig(16, 1, 2)
+    assert DK.heuristic_config(1, 24576, 6144) is None and DK.heuristic_config(2, 8192, 8192) is None
+    # off-GPU (and under the interpreter) the Triton kernels always run; an explicit DecodeConfig is refused
+    assert DK.choose(1, pairs, torch.device("cpu"), "cpu", False) is None
+    if DEV.type != "cuda":
+        with pytest.raises(ValueError, match="needs the Gluon decode kernel"):
+            D.w4a16_matmul_packed(acts(1, 768, torch.bfloat16), pairs, config=DK.DecodeConfig(warps=2))
+
+
+def test_decode_tuned_table_lookup(tmp_path, monkeypatch):
+    table = {"device": "GPU-X", "decode": {"256,768,128": {
+        "1": {"plain": {"rows": 16, "warps": 2, "depth": 3}, "pdl": None},
+        "4": {"plain": None, "pdl": {"rows": 32, "warps": 1, "depth": 1}}}}}  # fmt: skip
+    path = tmp_path / "tuned_decode.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setattr(DK, "TUNED_PATH", path)
+    DK._table.cache_clear()
+    try:
+        look = functools.partial(DK.tuned_config, n=256, k=768, device="GPU-X")
+        assert look(1, pdl=False) == DK.DecodeConfig(16, 2, 3)
+        assert look(1, pdl=True) is None  # the Triton kernel won there
+        assert look(3, pdl=False) is None and look(3, pdl=True) == DK.DecodeConfig(32, 1, 1)  # smallest tuned M >= 3
+        assert look(5, pdl=True) is None  # past the largest tuned M: the Triton kernels
+        assert DK.tuned_config(1, 256, 768, "GPU-Y", False) == "untuned"
+        assert DK.tuned_config(1, 512, 768, "GPU-X", False) == "untuned"
+    finally:
+        DK._table.cache_clear()
+
+
+def test_decode_kernel_compiles_for_sm90():
+    # Compiled ahead of time with the installed Triton's ptxas (no GPU needed), in a fresh process: the
+    # dequantized words must become the MMA's A fragments without any data movement (assert_trivial), the
+    # words must load 16 bytes at a time, each chunk must issue its m16n8k16 MMAs, nothing may spill, and the
+    # main loop may hold no barrier (the only ones are the final cross-warp sum's).
+    code = """
+import json, sys
+from glmq.kernels import w4a16_decode as DK
+out = []
+for cfg, chunks, tok, bf16, xb, pdl in [(DK.DecodeConfig(16, 4, 2), 64, 8, True, True, False),
+                                        (DK.DecodeConfig(32, 8, 3), 96, 8, False, False, True),
+                                        (DK.DecodeConfig(16, 2, 1), 8, 16, True, False, False)]:
+    try:
+        r = DK.compile_sm90(cfg, chunks, tok, bf16, xb, pdl)
+    except RuntimeError as exc:
+        print("SKIP", exc); sys.exit(0)
+    r.pop("sass")
+    out.append(dict(r, rows=cfg.rows, warps=cfg.warps, cpw=chunks // cfg.warps, tok=tok))
+print(json.dumps(out))
+"""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    if last.startswith("SKIP"):
+        pytest.skip(f"this Triton cannot compile Gluon for sm_90 here: {last}")
+    for r in json.loads(last):
+        assert r["spills"] == 0 and r["local"] == 0 and r["registers"] <= 255, r
+        assert r["ops"].get("HMMA") == r["cpw"] * 8 * (r["rows"] // 16) * (r["tok"] // 8), r
+        assert r["ldg128"] == r["cpw"] * r["rows"] // 8, r  # two 16-byte word loads per 16 rows and chunk
+        assert r["loop_barriers"] == 0 and "STL" not in r["ops"] and "LDL" not in r["ops"], r
+
+
+def _decode_case(m, n, k, dtype, cfg, pdl=False, scale_dtype=torch.bfloat16):
+    wp, ws = quantized(n, k, group_size=128, scale_dtype=scale_dtype, seed=m + n)
+    x = acts(m, k, dtype, seed=k)
+    packed = D.prepack(wp, ws, 128)
+    out = poisoned(m, n, dtype)
+    y = D.w4a16_matmul_packed(x, packed, out=out, config=cfg, pdl=pdl)
+    assert y is out
+    assert_close(y, R.w4a16_matmul_ref(x, wp, ws, 128), dtype)
+    return x, packed, y
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cfg", [DK.DecodeConfig(16, 1, 1), DK.DecodeConfig(32, 2, 2), DK.DecodeConfig(16, 4, 3),
+                                 DK.DecodeConfig(16, 8, 2)], ids=str)  # fmt: skip
+@pytest.mark.parametrize("m, n, k", [(1, 200, 1024), (3, 96, 1024), (8, 2048, 2048), (9, 264, 3072),
+                                     (16, 128, 1024), (1, 4096, 6144), (4, 6144, 2048)])  # fmt: skip
+def test_decode_kernel_gpu(m, n, k, cfg, dtype):
+    if (k // 128) % cfg.warps:
+        pytest.skip("warps must divide the chunks")
+    _decode_case(m, n, k, dtype, cfg, scale_dtype=torch.float32 if n == 264 else torch.bfloat16)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [1, 5])
+def test_decode_kernel_deterministic_and_pdl_bits_gpu(m):
+    # the warps' partial sums meet in shared memory in warp order: the same bits every launch, with or without PDL
+    cfg = DK.DecodeConfig(16, 8, 2)
+    x, packed, y = _decode_case(m, 6144, 2048, torch.bfloat16, cfg)
+    for pdl in (False, True, False, True):
+        again = D.w4a16_matmul_packed(x, packed, out=poisoned(m, 6144, torch.bfloat16), config=cfg, pdl=pdl)
+        assert torch.equal(again + 0, y + 0)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [1, 4])
+def test_decode_pdl_dependent_chain_gpu(m):
+    # as test_dense_pdl_dependent_chain_gpu, on the Gluon kernel: every launch reads the previous one's output, and a
+    # chain of pdl=True launches (eager and in a graph) must equal the plain chain bit for bit
+    n, k = 2048, 6144
+    raw = []
+    for seed, (rows, cols) in enumerate(((n, k), (k, n))):
+        wp, ws = quantized(rows, cols, group_size=128, seed=seed)
+        raw.append((wp, (ws.float() / math.sqrt(cols)).to(ws.dtype)))
+    ws_ = [D.prepack(wp, ws, 128) for wp, ws in raw]
+    cfgs = [DK.DecodeConfig(16, 8, 2), DK.DecodeConfig(16, 4, 3)]
+    x0 = acts(m, k, torch.bfloat16)
+    bufs = [poisoned(m, n if i % 2 == 0 else k, torch.bfloat16) for i in range(16)]
+
+    def chain(pdl: bool):
+        for b in bufs:
+            b.fill_(float("nan"))
+        x = x0
+        for i, b in enumerate(bufs):
+            x = D.w4a16_matmul_packed(x, ws_[i % 2], out=b, config=cfgs[i % 2], pdl=pdl)
+        return bufs
+
+    want = [b.clone() for b in chain(False)]
+    assert torch.isfinite(want[-1]).all() and want[-1].abs().max() > 1e-3
+    assert_close(want[0], R.w4a16_matmul_ref(x0, *raw[0], 128), torch.bfloat16)
+    got = chain(True)
+    torch.cuda.synchronize()
+    assert all(torch.equal(g + 0, w + 0) for g, w in zip(got, want)), "pdl=True differs (eager)"
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        chain(True)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        chain(True)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(g + 0, w + 0) for g, w in zip(bufs, want)), "pdl=True differs (CUDA graph)"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n, k", [(8192, 8192), (6144, 12288), (4096, 6144), (6144, 2048)])
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_decode_dispatch_glm_shapes_gpu(m, n, k):
+    # whatever w4a16_matmul picks at decode (the Gluon kernel where its table or rule says so) is right
+    run_dense(m, n, k, 128, torch.bfloat16)
+    x, wp, ws = acts(m, k, torch.bfloat16), *quantized(n, k, group_size=128)
+    assert_close(D.w4a16_matmul(x, wp, ws, 128, pdl=True), R.w4a16_matmul_ref(x, wp, ws, 128), torch.bfloat16)
 
 
 # ------------------------------------------------------------------------------------------------

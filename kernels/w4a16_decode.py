@@ -1,0 +1,377 @@
+"""Decode W4A16 GEMM in Gluon: warp-independent streaming, tensor cores fed from registers, no split-K fix-up.
+
+    y[M, N] = x[M, K] @ dequant(W).T,  M <= 16, on `prepack`ed PAIRS weights (group 128, chunk-major)
+
+Why a second kernel, and why Gluon. At decode the Triton kernel in w4a16_dense.py (`_mma_swap_kernel`)
+runs 128-row wgmma tiles: a shape has only N / 128 of them, so K is split over programs and the fp32
+partials are summed through a ticket or mailbox in global memory (1.2-1.7 us of a 14-16 us GEMM on the
+H200), and its words go global -> shared memory -> registers through Triton's cp.async pipeline with two
+barriers per chunk (kernels/NOTES.md, session 6). Plain Triton can neither give a tile of fewer than 64
+rows to the tensor cores without staging the dequantized operand in shared memory, nor split K between
+the warps of one program. Gluon (Triton's explicit-layout dialect) can. Here:
+
+  * a program owns `rows` (R = 16 or 32) weight rows and all of K, and its W warps split K between them
+    (warp w takes chunks [w * CPW, (w + 1) * CPW)); the partial sums meet once, in shared memory, at the
+    end: no global scratch, no ticket, no atomic, the same bits every run;
+  * every thread loads exactly the words its mma.sync (m16n8k16) A fragments need, straight into
+    registers (16-byte loads of PAIRS words; `_dequant` is register renaming, checked at compile time by
+    `convert_layout(..., assert_trivial=True)`), and x's B fragments straight from global memory (L1/L2
+    hits): no shared memory and no barrier in the main loop, so each warp streams its words on its own
+    with `depth` chunks in flight;
+  * the loop over a warp's chunks is unrolled at compile time (CPW is a constexpr), so every load's
+    address is a base plus an immediate.
+
+Tokens: TOK = 8 (M <= 8) or 16 (two n8 MMAs per k16 step); token rows past M are not loaded (zeros); at
+M = 1 every lane loads token 0 unmasked (the MMA's eight columns are then all token 0). The
+dequantization is `w4a16_dense._pairs_asm` (q = u - 8 exactly, in bf16 or fp16); the group scale is
+applied once per (row, chunk) to the chunk's fp32 MMA result, as in the Triton kernel.
+
+Where it is used (kernels/NOTES.md, session 11, for the measurements): on the H200 it wins at M = 1-4 on
+some shapes (the expert-sized ones most: no split-K fix-up) and loses on others, and above M = 4 the x
+fragment loads (16 per chunk and token tile, per 16 rows) make it slower than the wgmma kernel everywhere.
+So `w4a16_matmul_packed` takes it only where `tuned_decode.json` (scripts/probe_decode.py --tune, on the
+GPU it names) says it was faster, or, on other sm_90 GPUs, by `heuristic_config`'s rule; an explicit
+`DecodeConfig` always takes it.
+
+Gluon kernels cannot run under TRITON_INTERPRET=1 (Triton has no Gluon interpreter): `available()` is
+False there and off-GPU, and the Triton kernels run instead. CPU CI compiles this kernel for sm_90 with
+the installed Triton (tests/test_kernels.py: the trivial layout conversion, 16-byte word loads, HMMA, no
+local memory); its numerics are tested on the GPU against the float reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from glmq.kernels.w4a16_dense import _INTERPRETED, MMA_CHUNK, Layout, PackedW4, _pairs_asm
+
+try:  # Gluon ships with Triton >= 3.4 as triton.experimental.gluon; its API is still moving
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    _GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    _GLUON = False
+
+MAX_M = 16  # token rows this kernel takes (two n8 MMA tiles)
+HEURISTIC_MAX_WEIGHTS = 80 << 20  # N * K up to which `heuristic_config` takes this kernel at M = 1 (module doc)
+TUNED_PATH = Path(__file__).with_name("tuned_decode.json")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the Gluon decode kernel.
+
+    Attributes:
+        rows: weight rows per program, 16 or 32 (one or two m16 MMA tiles per warp, sharing each x fragment).
+        warps: warps per program, 1, 2, 4 or 8; they split K, so they must divide K / 128.
+        depth: chunks of words (and x) each warp has requested ahead of the one it computes, 1-3.
+    """
+
+    rows: int = 16
+    warps: int = 4
+    depth: int = 2
+
+    def __post_init__(self) -> None:
+        if self.rows not in (16, 32):
+            raise ValueError(f"DecodeConfig.rows must be 16 or 32, got {self.rows}")
+        if self.warps not in (1, 2, 4, 8):
+            raise ValueError(f"DecodeConfig.warps must be 1, 2, 4 or 8, got {self.warps}")
+        if self.depth not in (1, 2, 3):
+            raise ValueError(f"DecodeConfig.depth must be 1, 2 or 3, got {self.depth}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+if _GLUON:
+    _PAIRS_BF16 = gl.constexpr(_pairs_asm(True))
+    _PAIRS_F16 = gl.constexpr(_pairs_asm(False))
+
+    @gluon.jit
+    def _dequant(words, W: gl.constexpr, R: gl.constexpr, BF16: gl.constexpr):
+        """`[W, R, 16]` PAIRS words (thread (g, c) of warp w: rows g + 8j, words 4c .. 4c + 3) -> `[W, R, 128]`
+        q = u - 8 in natural k order, each thread holding its own A-fragment elements (as
+        `w4a16_dense._dequant_pairs`, with the warps' K ranges as the leading axis)."""
+        if BF16:
+            e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
+                _PAIRS_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
+                dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16,
+                       gl.bfloat16), is_pure=True, pack=1)  # fmt: skip
+        else:
+            e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
+                _PAIRS_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
+                dtype=(gl.float16, gl.float16, gl.float16, gl.float16, gl.float16, gl.float16, gl.float16,
+                       gl.float16), is_pure=True, pack=1)  # fmt: skip
+        s: gl.constexpr = [W, R, 4, 4]
+        w = gl.join(gl.join(gl.join(gl.reshape(e0, s), gl.reshape(e4, s)), gl.join(gl.reshape(e1, s), gl.reshape(e5, s))),
+                    gl.join(gl.join(gl.reshape(e2, s), gl.reshape(e6, s)), gl.join(gl.reshape(e3, s), gl.reshape(e7, s))))
+        # [W, row, c, a, i2, i0, i1] -> [W, row, a, i1, i0, c, i2] = [W, row, k]
+        return gl.reshape(gl.permute(w, (0, 1, 3, 6, 5, 2, 4)), [W, R, 128])
+
+    @gluon.jit
+    def _load_x(xp, x_mask, PROBE: gl.constexpr, ones):
+        if PROBE == 1 or PROBE == 2:
+            return ones
+        elif x_mask is None:
+            return gl.load(xp)
+        else:
+            return gl.load(xp, mask=x_mask, other=0.0)
+
+    @gluon.jit
+    def _load_s(sp, PROBE: gl.constexpr, s_one):
+        if PROBE >= 2:
+            return s_one
+        else:
+            return gl.load(sp)
+
+    @gluon.jit
+    def _decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wc, stride_sn, stride_om,
+                       CPW: gl.constexpr, W: gl.constexpr, R: gl.constexpr, TOK: gl.constexpr, D: gl.constexpr,
+                       BF16: gl.constexpr, XB: gl.constexpr, PDL: gl.constexpr, PROBE: gl.constexpr):
+        """grid = (cdiv(N, R),), W warps. Program p: rows [R p, R p + R) over all K; warp w: chunks [w CPW, (w+1) CPW).
+
+        XB (M == 1): every lane loads token 0's x unmasked, so all eight token columns of the MMA are token 0.
+        PDL: a programmatic dependent launch: the first chunks' words and scales are requested before the
+        wait for the previous kernel, x after it; the next launch is let in after the main loop.
+        PROBE (timing probes for scripts/probe_decode.py, wrong results): 1 = ones instead of x (no x loads);
+        2 = words only (no x or scale loads, dequantization or MMA: the words are xor-ed); 3 = no scale loads."""
+        pid = gl.program_id(0)
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        # the words of one chunk: thread (g, c) = lane (4g + c) holds rows g + 8j and words 4c .. 4c + 3
+        w_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 8, 4],
+                                             warps_per_cta=[W, 1, 1], order=[2, 1, 0])
+        s_l: gl.constexpr = gl.SliceLayout(2, mma)
+        o_l: gl.constexpr = gl.SliceLayout(0, mma)
+
+        wi = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_l)))
+        ri = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_l)))
+        vi = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_l)))
+        rows = gl.minimum(pid * R + ri, N - 1)  # rows past N read row N - 1; their outputs are not stored
+        wp = w_ptr + (gl.expand_dims(gl.expand_dims(wi * CPW, 1), 2) * stride_wc
+                      + gl.expand_dims(gl.expand_dims(rows * 16, 0), 2) + gl.expand_dims(gl.expand_dims(vi, 0), 1))
+        wb = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, b_l)))
+        kb = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, b_l)))
+        tb = gl.arange(0, TOK, layout=gl.SliceLayout(0, gl.SliceLayout(1, b_l)))
+        if XB:
+            tsel = tb * 0
+        else:
+            tsel = tb
+        xp = x_ptr + (gl.expand_dims(gl.expand_dims(wb * (CPW * 128), 1), 2) + gl.expand_dims(gl.expand_dims(kb, 0), 2)
+                      + gl.expand_dims(gl.expand_dims(tsel * stride_xm, 0), 1))
+        x_mask = gl.expand_dims(gl.expand_dims(tb < M, 0), 1)
+        if XB:
+            x_mask = None
+        ws = gl.arange(0, W, layout=gl.SliceLayout(1, s_l))
+        rs = gl.arange(0, R, layout=gl.SliceLayout(0, s_l))
+        sp = s_ptr + gl.expand_dims(ws * CPW, 1) + gl.expand_dims(gl.minimum(pid * R + rs, N - 1) * stride_sn, 0)
+        acc = gl.zeros([W, R, TOK], gl.float32, layout=mma)
+        acc_w = gl.zeros([W, R, 16], gl.int32, layout=w_l)  # PROBE 2: the words, xor-ed
+        zero = gl.zeros([W, R, TOK], gl.float32, layout=mma)
+        ones = gl.full([W, 128, TOK], 1.0, x_ptr.dtype.element_ty, layout=b_l)
+        s_one = gl.full([W, R], 1.0, s_ptr.dtype.element_ty, layout=s_l)
+
+        # Words and scales do not depend on the kernel launched before this one: with PDL the first chunks'
+        # are requested before the wait; x only after it.
+        w0 = gl.load(wp)
+        s0 = _load_s(sp, PROBE, s_one)
+        w1 = w0
+        s1 = s0
+        w2 = w0
+        s2 = s0
+        if D > 1 and CPW > 1:
+            w1 = gl.load(wp + stride_wc)
+            s1 = _load_s(sp + 1, PROBE, s_one)
+        if D > 2 and CPW > 2:
+            w2 = gl.load(wp + 2 * stride_wc)
+            s2 = _load_s(sp + 2, PROBE, s_one)
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        x0 = _load_x(xp, x_mask, PROBE, ones)
+        x1 = x0
+        x2 = x0
+        if D > 1 and CPW > 1:
+            x1 = _load_x(xp + 128, x_mask, PROBE, ones)
+        if D > 2 and CPW > 2:
+            x2 = _load_x(xp + 256, x_mask, PROBE, ones)
+        for i in gl.static_range(CPW):  # unrolled: chunk i + D is requested before chunk i is computed
+            wn = w0
+            xn = x0
+            sn = s0
+            if i + D < CPW:
+                wn = gl.load(wp + (i + D) * stride_wc)
+                xn = _load_x(xp + (i + D) * 128, x_mask, PROBE, ones)
+                sn = _load_s(sp + (i + D), PROBE, s_one)
+            if PROBE == 2:
+                acc_w = acc_w ^ w0
+            else:  # a fresh fp32 accumulator per chunk, scaled by the chunk's group scales
+                a = gl.convert_layout(_dequant(w0, W, R, BF16), a_l, assert_trivial=True)
+                acc = acc + mma_v2(a, x0, zero) * gl.expand_dims(s0.to(gl.float32), 2)
+            if D == 1:
+                w0, x0, s0 = wn, xn, sn
+            elif D == 2:
+                w0, x0, s0 = w1, x1, s1
+                w1, x1, s1 = wn, xn, sn
+            else:
+                w0, x0, s0 = w1, x1, s1
+                w1, x1, s1 = w2, x2, s2
+                w2, x2, s2 = wn, xn, sn
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        if PROBE == 2:
+            acc = acc + gl.convert_layout(gl.expand_dims(gl.sum(acc_w, axis=2).to(gl.float32), 2), mma)
+        y = gl.sum(acc, axis=0)  # [R, TOK]: the warps' K ranges, summed in shared memory in warp order
+        ro = pid * R + gl.arange(0, R, layout=gl.SliceLayout(1, o_l))
+        to = gl.arange(0, TOK, layout=gl.SliceLayout(0, o_l))
+        o_mask = gl.expand_dims(ro < N, 1) & gl.expand_dims(to < M, 0)
+        gl.store(out_ptr + gl.expand_dims(ro, 1) + gl.expand_dims(to * stride_om, 0), y.to(out_ptr.dtype.element_ty),
+                 mask=o_mask)
+
+
+def available(device: torch.device) -> bool:
+    """Whether the Gluon decode kernel can run on `device`: a CUDA GPU of sm_80 or later (mma.sync on bf16),
+    Gluon in the installed Triton, and not the interpreter."""
+    if not _GLUON or _INTERPRETED or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def supports(m: int, w: PackedW4, cfg: DecodeConfig | None = None) -> bool:
+    """Whether a call fits the kernel: 1 <= M <= 16, a 2-D PAIRS weight stored chunk-major (what `prepack`
+    gives group-128 weights), and `cfg.warps` dividing the K / 128 chunks."""
+    if not (1 <= m <= MAX_M) or w.lead or w.layout is not Layout.PAIRS or not w.chunk_major or w.chunk != MMA_CHUNK:
+        return False
+    return (w.k // MMA_CHUNK) % (cfg.warps if cfg is not None else 1) == 0
+
+
+def heuristic_config(m: int, n: int, k: int) -> DecodeConfig | None:
+    """This kernel for an untuned shape on an sm_90 GPU, or None (the Triton kernels).
+
+    M = 1 and N * K <= HEURISTIC_MAX_WEIGHTS (where the H200 runs of 2026-12-02 had it at least level with the
+    Triton kernel: 8192^2, 12288->6144 and the expert shapes; 6144->24576 lost); 16 rows per program, the most
+    warps (8, 4, 2, 1) that still leave each warp >= 4 chunks, two chunks in flight.
+    """
+    chunks = k // MMA_CHUNK
+    if m != 1 or n * k > HEURISTIC_MAX_WEIGHTS or k % MMA_CHUNK:
+        return None
+    warps = next(w for w in (8, 4, 2, 1) if chunks % w == 0 and (chunks // w >= 4 or w == 1))
+    return DecodeConfig(rows=16, warps=warps, depth=2)
+
+
+@functools.lru_cache(maxsize=4)
+def _table(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def tuned_config(m: int, n: int, k: int, device: str, pdl: bool) -> DecodeConfig | None | str:
+    """The tuned choice for this GPU, shape and M: a DecodeConfig, None (the Triton kernel measured faster), or
+    "untuned" (no entry: fall back to `heuristic_config`). An entry holds the smallest tuned M >= m; past the
+    largest tuned M the Triton kernel is taken."""
+    table = _table(str(TUNED_PATH))
+    if table.get("device") != device:
+        return "untuned"
+    rows = table.get("decode", {}).get(f"{n},{k},{MMA_CHUNK}")
+    if not rows:
+        return "untuned"
+    ms = sorted(int(v) for v in rows)
+    pick = next((v for v in ms if v >= m), None)
+    if pick is None:
+        return None
+    ent = rows[str(pick)].get("pdl" if pdl else "plain")
+    return DecodeConfig(**ent) if ent else None
+
+
+def choose(m: int, w: PackedW4, device: torch.device, device_name: str, pdl: bool) -> DecodeConfig | None:
+    """The config `w4a16_matmul_packed` runs this call with on the Gluon kernel, or None for the Triton kernels."""
+    if not available(device) or not supports(m, w):
+        return None
+    cfg = tuned_config(m, w.n, w.k, device_name, pdl)
+    if cfg == "untuned":
+        cfg = heuristic_config(m, w.n, w.k) if torch.cuda.get_device_capability(device) == (9, 0) else None
+    return cfg if cfg is not None and supports(m, w, cfg) else None
+
+
+def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeConfig, pdl: bool = False,
+                  probe: int = 0) -> torch.Tensor:
+    """out = x @ dequant(w).T with the Gluon kernel. The caller (`w4a16_matmul_packed`) has checked x, w and out;
+    here `supports(m, w, cfg)` must hold. probe: `_decode_kernel`'s timing probes (wrong results), 0 for the GEMM."""
+    m, k = x.shape
+    if not supports(m, w, cfg):
+        raise ValueError(f"the decode kernel takes 1 <= M <= {MAX_M} on 2-D chunk-major pairs weights with "
+                         f"{cfg.warps} warps dividing K / {MMA_CHUNK}; got M = {m}, weight {[*w.lead, w.n, w.k]} "
+                         f"({w.layout.value}, chunk_major={w.chunk_major})")
+    n = w.n
+    chunks = k // MMA_CHUNK
+    stride_wn, stride_wc = w.word_strides()
+    if stride_wn != MMA_CHUNK // 8 or w.scale.stride(-1) != 1:
+        raise ValueError("the decode kernel needs contiguous chunk-major words (as `prepack` makes them) and scales")
+    launch = {"launch_pdl": True} if pdl else {}
+    _decode_kernel[(-(-n // cfg.rows),)](
+        x, w.qweight, w.scale, out, m, n, x.stride(0), stride_wc, w.scale.stride(0), out.stride(0),
+        CPW=chunks // cfg.warps, W=cfg.warps, R=cfg.rows, TOK=8 if m <= 8 else 16, D=min(cfg.depth, chunks // cfg.warps),
+        BF16=x.dtype == torch.bfloat16, XB=m == 1, PDL=pdl, PROBE=probe, num_warps=cfg.warps, **launch,
+    )  # fmt: skip
+    return out
+
+
+def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True, xb: bool = True,
+                 pdl: bool = False) -> dict:
+    """Compile `_decode_kernel` for sm_90 without a GPU (Triton's own ptxas and cuobjdump) and summarise it.
+
+    For CI and for reading the code a config produces: returns {"registers", "spills" (stack bytes),
+    "local" (bytes), "ops" (SASS opcode -> count), "ldg128" (16-byte loads), "loop_barriers" (barriers between
+    the first and the last MMA), "sass"}; TTGIR that needed a real layout conversion fails
+    to compile (`assert_trivial`). Raises RuntimeError when this Triton cannot (no Gluon, no cuobjdump).
+    """
+    import collections
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    if not _GLUON:
+        raise RuntimeError("this Triton has no Gluon (triton.experimental.gluon)")
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    try:
+        from triton.experimental.gluon._runtime import GluonASTSource
+    except ImportError as exc:  # pragma: no cover - depends on the installed Triton
+        raise RuntimeError(f"this Triton cannot compile Gluon ahead of time: {exc}") from exc
+    act = "*bf16" if bf16 else "*fp16"
+    sig = {"x_ptr": act, "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": act, "M": "i32", "N": "i32",
+           "stride_xm": "i32", "stride_wc": "i32", "stride_sn": "i32", "stride_om": "i32"}
+    consts = dict(CPW=chunks // cfg.warps, W=cfg.warps, R=cfg.rows, TOK=tok, D=min(cfg.depth, chunks // cfg.warps),
+                  BF16=bf16, XB=xb, PDL=pdl, PROBE=0)
+    sig.update({name: "constexpr" for name in consts})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 7, 8, 9)}  # as the JIT specialises them
+    src = GluonASTSource(_decode_kernel, sig, consts, attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.warps})
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        raise RuntimeError(f"no cuobjdump at {tool}")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        Path(cubin).write_bytes(kernel.asm["cubin"])
+        sass = subprocess.run([str(tool), "--dump-sass", cubin], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([str(tool), "--dump-resource-usage", cubin], capture_output=True, text=True,
+                             check=True).stdout
+    usage = {k: int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", res)}
+    ops = collections.Counter(m.split(".")[0] for m in re.findall(
+        r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass, re.M))  # fmt: skip
+    wide = len(re.findall(r"LDG\.E\.128", sass))
+    body = sass[sass.find("HMMA"):sass.rfind("HMMA")]  # the unrolled main loop: first to last MMA
+    return {"registers": usage.get("REG"), "spills": usage.get("STACK"), "local": usage.get("LOCAL"), "ops": dict(ops),
+            "ldg128": wide, "loop_barriers": len(re.findall(r"\bBAR\.", body)), "sass": sass}

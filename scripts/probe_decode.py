@@ -1,0 +1,287 @@
+"""Probe the Gluon decode kernel (kernels/w4a16_decode.py) on one GPU: correctness, then launch variants
+against the Triton kernel, cuBLAS fp16 and the bandwidth floors, in one run (timing as bench_kernels.py:
+CUDA-graph replay over weight copies rotated past L2, median of 15 replays).
+
+    python scripts/probe_decode.py --out DIR [--only 8192] [--m 1 4 16] [--workers 12]
+    python scripts/probe_decode.py --tune --out DIR [--write kernels/tuned_decode.json]
+
+Probe mode writes DIR/probe_decode.json and prints a table: launch variants of the Gluon kernel, its timing
+probes (parts left out), the Triton kernel and cuBLAS fp16. Tune mode times, for each shape and M in
+TUNE_M, the Triton kernel (the config `choose_config` picks) and TUNE_CANDIDATES of the Gluon kernel, plain
+and as PDL chains, each twice in alternation (the lower median is kept, against drift), and writes the
+launch table that `w4a16_decode.tuned_config` reads: the Gluon config where it was at least TUNE_MARGIN
+faster, null where the Triton kernel won. The kernels are compiled first in `--workers` processes (Triton's
+cache is shared), so the timing pass finds them compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SHAPES = {  # name -> (N, K)
+    "square 8192x8192": (8192, 8192),
+    "dense 12288->6144": (6144, 12288),
+    "dense 6144->24576": (24576, 6144),
+    "expert w13 6144->2x2048": (4096, 6144),
+    "expert w2 2048->6144": (6144, 2048),
+}
+# (rows, warps, depth, probe) per token tile (1: M = 1, 8: M <= 8, 16: M <= 16); probes leave parts out
+# (w4a16_decode._decode_kernel: 1 no x, 2 words only, 3 no scales) and are timed only
+VARIANTS = {
+    1: [(16, 4, 2, 0), (16, 4, 3, 0), (16, 8, 2, 0), (16, 8, 3, 0), (32, 4, 2, 0), (32, 4, 3, 0), (32, 8, 2, 0),
+        (16, 2, 3, 0), (16, 4, 2, 1), (16, 4, 2, 2), (16, 4, 2, 3), (16, 8, 2, 1), (16, 8, 2, 2)],
+    8: [(16, 4, 2, 0), (16, 4, 3, 0), (32, 4, 2, 0), (32, 4, 1, 0), (16, 4, 2, 1)],
+    16: [(32, 4, 1, 0), (32, 8, 1, 0)],
+}
+GROUP = 128
+TUNE_M = (1, 2, 4)
+TUNE_CANDIDATES = [(16, 8, 2), (16, 8, 3), (16, 4, 2), (16, 4, 3), (32, 4, 2), (32, 4, 3), (32, 8, 2), (16, 2, 3)]
+TUNE_MARGIN = 0.97  # the Gluon kernel only where it took <= 97 % of the Triton kernel's time
+
+
+def tune_candidates(k: int):
+    from glmq.kernels.w4a16_decode import DecodeConfig
+
+    chunks = k // 128
+    return [DecodeConfig(r, w, d) for r, w, d in TUNE_CANDIDATES if chunks % w == 0 and chunks // w >= max(d, 2)]
+
+
+def variants(k: int, m: int):
+    from glmq.kernels.w4a16_decode import DecodeConfig
+
+    tok = 1 if m == 1 else 8 if m <= 8 else 16
+    chunks = k // 128
+    for r, w, d, probe in VARIANTS[tok]:
+        if chunks % w == 0 and chunks // w >= d:
+            yield DecodeConfig(rows=r, warps=w, depth=d), probe
+
+
+def _warm(job):
+    n, k, m, r, w, d, pdl, probe = job
+    from glmq.kernels import w4a16_dense as D
+    from glmq.kernels import w4a16_decode as DK
+
+    torch.manual_seed(0)
+    wp = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
+    ws = torch.rand(n, k // GROUP, device="cuda").to(torch.bfloat16)
+    pk = D.prepack(wp, ws, GROUP)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    out = torch.empty(m, n, dtype=x.dtype, device="cuda")
+    t = time.time()
+    try:
+        DK.decode_matmul(x, pk, out, DK.DecodeConfig(r, w, d), pdl=pdl, probe=probe)
+        torch.cuda.synchronize()
+        return f"ok {job} {time.time() - t:.1f}s"
+    except Exception as exc:
+        return f"FAIL {job}: {type(exc).__name__}: {str(exc)[:400]}"
+
+
+def check(dev) -> list[dict]:
+    """Random shapes and dtypes against the float reference (output poisoned first)."""
+    from glmq.kernels import reference as R
+    from glmq.kernels import w4a16_dense as D
+    from glmq.kernels import w4a16_decode as DK
+
+    rows = []
+    cases = [(m, n, k, dt, r, w, d, pdl) for (m, n, k) in [(1, 200, 384), (3, 256, 1024), (9, 96, 512), (16, 2048, 2048),
+                                                           (5, 4096, 6144), (1, 8192, 8192)]
+             for dt in (torch.bfloat16, torch.float16)
+             for (r, w, d, pdl) in [(16, 1, 1, False), (32, 2, 2, True), (16, 4, 3, False)]]
+    for m, n, k, dt, r, w, d, pdl in cases:
+        chunks = k // 128
+        if chunks % w or chunks // w < 1:
+            continue
+        gen = torch.Generator(device=dev).manual_seed(m * 7 + n + k)
+        wp = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device=dev, generator=gen)
+        sdt = torch.float32 if n == 256 else dt
+        ws = (torch.rand(n, k // GROUP, device=dev, generator=gen) * 0.02 + 0.001).to(sdt)
+        x = torch.randn(m, k, device=dev, generator=gen).to(dt)
+        ref = x.double() @ R.dequantize_packed(wp, ws, GROUP).double().T
+        out = torch.full((m, n), float("nan"), dtype=dt, device=dev)
+        DK.decode_matmul(x, D.prepack(wp, ws, GROUP), out, DK.DecodeConfig(r, w, d), pdl=pdl)
+        err = float((out.double() - ref).norm() / ref.norm())
+        ok = bool(torch.isfinite(out).all()) and err < 5e-3
+        rows.append(dict(m=m, n=n, k=k, dtype=str(dt), rows=r, warps=w, depth=d, pdl=pdl, rel_err=err, ok=ok))
+        print(f"check M={m:<3} N={n:<5} K={k:<5} {str(dt):15} R={r} W={w} D={d} pdl={pdl}: rel err {err:.2e} {'ok' if ok else 'WRONG'}")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    ap.add_argument("--only", default="", help="substring of the shape names to run")
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--workers", type=int, default=12)
+    ap.add_argument("--budget-s", type=float, default=300)
+    ap.add_argument("--tune", action="store_true", help="time the tuning candidates and write the launch table")
+    ap.add_argument("--write", default="", help="--tune: also write the table here (e.g. kernels/tuned_decode.json)")
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    shapes = {k: v for k, v in SHAPES.items() if a.only in k}
+    if a.tune:
+        tune(shapes, dev, a, out_dir)
+        return
+
+    jobs = []
+    for (n, k), m in itertools.product(shapes.values(), a.m):
+        for cfg, probe in variants(k, m):
+            jobs.append((n, k, m, cfg.rows, cfg.warps, cfg.depth, False, probe))
+            if not probe:
+                jobs.append((n, k, m, cfg.rows, cfg.warps, cfg.depth, True, probe))
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(a.workers) as pool:
+        for r in pool.imap_unordered(_warm, jobs):
+            if not r.startswith("ok"):
+                print(r)
+    print(f"compiled {len(jobs)} kernels in {time.time() - t0:.0f} s")
+
+    rows = check(dev)
+
+    from bench_kernels import Bench, random_int4, packed_bytes, rel_err
+    import torch.nn.functional as F
+    from glmq.kernels import reference as R
+    from glmq.kernels import w4a16_dense as D
+    from glmq.kernels import w4a16_decode as DK
+
+    b = Bench(dev, a.budget_s, smoke=False)
+    res = []
+    for name, (n, k) in shapes.items():
+        wp, ws = random_int4(n, k, device=dev, seed=1)
+        w32 = R.dequantize_packed(wp, ws, GROUP)
+        nbytes = packed_bytes(wp, ws)
+        copies = b.copies(nbytes)
+        packs = [D.prepack(wp, ws, GROUP)] + [D.prepack(wp.clone(), ws.clone(), GROUP) for _ in range(copies - 1)]
+        w16 = [w32.to(torch.float16) for _ in range(b.copies(n * k * 2))]
+        for m in a.m:
+            if b.out_of_time():
+                break
+            x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+            ref = x.float() @ w32.T
+            outs = [torch.empty(m, n, dtype=x.dtype, device=dev) for _ in packs]
+
+            def timed(impl, fn_of, note=""):
+                y = fn_of(0)
+                err = rel_err(y, ref)
+                if not err < 3e-2:
+                    print(f"{name} M={m} {impl}: WRONG rel err {err}")
+                    res.append(dict(shape=name, m=m, impl=impl, status="wrong", rel_err=err, note=note))
+                    return
+                us, mode = b.time_us([lambda i=i: fn_of(i) for i in range(len(packs))])
+                res.append(dict(shape=name, m=m, impl=impl, us=us, rel_err=err, note=note, mode=mode))
+
+            timed("glmq", lambda i: D.w4a16_matmul_packed(x, packs[i], out=outs[i]))
+            timed("glmq-pdl", lambda i: D.w4a16_matmul_packed(x, packs[i], out=outs[i], pdl=True))
+            for cfg, probe in variants(k, m):
+                tag = f"R{cfg.rows}W{cfg.warps}D{cfg.depth}"
+                if probe:
+                    DK.decode_matmul(x, packs[0], outs[0], cfg, probe=probe)
+                    us, _ = b.time_us([lambda i=i, c=cfg: DK.decode_matmul(x, packs[i], outs[i], c, probe=probe)
+                                       for i in range(len(packs))])
+                    res.append(dict(shape=name, m=m, impl=f"probe{probe}-{tag}", us=us))
+                    continue
+                timed(f"gluon-{tag}", lambda i, c=cfg: DK.decode_matmul(x, packs[i], outs[i], c))
+                timed(f"gluon-pdl-{tag}", lambda i, c=cfg: DK.decode_matmul(x, packs[i], outs[i], c, pdl=True))
+            xd = x.to(torch.float16)
+            us, _ = b.time_us([lambda w=w: F.linear(xd, w) for w in w16])
+            res.append(dict(shape=name, m=m, impl="cublas-fp16", us=us))
+            res.append(dict(shape=name, m=m, impl="floor", us=nbytes / b.copy_rate * 1e6))
+            res.append(dict(shape=name, m=m, impl="read-floor", us=nbytes / b.read_rate * 1e6))
+        del packs, w16, w32
+        torch.cuda.empty_cache()
+
+    info = dict(device=torch.cuda.get_device_name(dev), torch=torch.__version__,
+                triton=__import__("triton").__version__, copy_rate=b.copy_rate, read_rate=b.read_rate,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    (out_dir / "probe_decode.json").write_text(json.dumps(dict(info=info, check=rows, results=res), indent=1))
+    print(json.dumps(info))
+    for (shape, m), grp in itertools.groupby(res, key=lambda r: (r["shape"], r["m"])):
+        grp = list(grp)
+        cub = next((r["us"] for r in grp if r["impl"] == "cublas-fp16"), None)
+        fl = next((r["us"] for r in grp if r["impl"] == "floor"), None)
+        print(f"== {shape} M={m}")
+        for r in grp:
+            if r.get("us") is None:
+                print(f"   {r['impl']:24} {r.get('status')}")
+                continue
+            extra = "" if r["impl"] in ("floor", "read-floor", "cublas-fp16") else \
+                f"  {cub / r['us']:.2f}x cublas  {fl / r['us'] * 100:.0f}% floor"
+            print(f"   {r['impl']:24} {r['us']:7.2f} us{extra}")
+
+
+def tune(shapes: dict, dev, a, out_dir: Path) -> None:
+    from bench_kernels import Bench, random_int4, packed_bytes, rel_err
+    from glmq.kernels import reference as R
+    from glmq.kernels import w4a16_dense as D
+    from glmq.kernels import w4a16_decode as DK
+
+    jobs = [(n, k, m, c.rows, c.warps, c.depth, pdl, 0) for (n, k) in shapes.values() for m in TUNE_M
+            for c in tune_candidates(k) for pdl in (False, True)]
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(a.workers) as pool:
+        for r in pool.imap_unordered(_warm, jobs):
+            if not r.startswith("ok"):
+                print(r)
+    print(f"compiled {len(jobs)} kernels in {time.time() - t0:.0f} s")
+    b = Bench(dev, a.budget_s, smoke=False)
+    name = torch.cuda.get_device_name(dev)
+    table = {"device": name, "measured": time.strftime("%Y-%m-%d", time.gmtime()),
+             "how": "scripts/probe_decode.py --tune (median of 15 graph replays, weights rotated past L2, "
+                    f"the lower of two passes; Gluon where <= {TUNE_MARGIN} x the Triton kernel)",
+             "decode": {}}
+    for shape, (n, k) in shapes.items():
+        wp, ws = random_int4(n, k, device=dev, seed=3)
+        w32 = R.dequantize_packed(wp, ws, GROUP)
+        copies = b.copies(packed_bytes(wp, ws))
+        packs = [D.prepack(wp, ws, GROUP)] + [D.prepack(wp.clone(), ws.clone(), GROUP) for _ in range(copies - 1)]
+        for m in TUNE_M:
+            x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+            ref = x.float() @ w32.T
+            outs = [torch.empty(m, n, dtype=x.dtype, device=dev) for _ in packs]
+            tcfg = D.choose_config(m, n, k, GROUP, D.sm_count(dev), name, D.Layout.PAIRS)
+            cands = [("triton", tcfg)] + [(f"R{c.rows}W{c.warps}D{c.depth}", c) for c in tune_candidates(k)]
+            times = {}
+            for _ in range(2):
+                for label, cfg in cands:
+                    for pdl in (False, True):
+                        fn = lambda i, c=cfg, p=pdl: D.w4a16_matmul_packed(x, packs[i], out=outs[i], config=c, pdl=p)
+                        if _ == 0:
+                            err = rel_err(fn(0), ref)
+                            if not err < 3e-2:
+                                raise SystemExit(f"{shape} M={m} {label}: wrong, rel err {err}")
+                        us, _mode = b.time_us([lambda i=i: fn(i) for i in range(len(packs))])
+                        key = (label, pdl)
+                        times[key] = min(times.get(key, us), us)
+            entry = {"us": {f"{label}{'-pdl' if pdl else ''}": round(us, 3) for (label, pdl), us in times.items()}}
+            for pdl, slot in ((False, "plain"), (True, "pdl")):
+                best = min((c for c in cands[1:]), key=lambda lc: times[(lc[0], pdl)])
+                win = times[(best[0], pdl)] <= TUNE_MARGIN * times[("triton", pdl)]
+                entry[slot] = best[1].to_dict() if win else None
+                print(f"{shape:26} M={m} {slot:5}: triton {times[('triton', pdl)]:6.2f} us, gluon {best[0]} "
+                      f"{times[(best[0], pdl)]:6.2f} us -> {'gluon' if win else 'triton'}")
+            table["decode"].setdefault(f"{n},{k},{GROUP}", {})[str(m)] = entry
+        del packs
+        torch.cuda.empty_cache()
+    text = json.dumps(table, indent=1) + "\n"
+    (out_dir / "tuned_decode.json").write_text(text)
+    if a.write:
+        Path(a.write).write_text(text)
+        DK._table.cache_clear()
+
+
+if __name__ == "__main__":
+    main()
