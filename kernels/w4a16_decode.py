@@ -72,11 +72,14 @@ class DecodeConfig:
         rows: weight rows per program, 16 or 32 (one or two m16 MMA tiles per warp, sharing each x fragment).
         warps: warps per program, 1, 2, 4 or 8; they split K, so they must divide K / 128.
         depth: chunks of words (and x) each warp has requested ahead of the one it computes, 1-3.
+        pdl_early: on a `pdl=True` launch, let the next launch in right after this one's wait for the previous
+            kernel instead of after the main loop.
     """
 
     rows: int = 16
     warps: int = 4
     depth: int = 2
+    pdl_early: bool = False
 
     def __post_init__(self) -> None:
         if self.rows not in (16, 32):
@@ -134,12 +137,15 @@ if _GLUON:
     @gluon.jit
     def _decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wc, stride_sn, stride_om,
                        CPW: gl.constexpr, W: gl.constexpr, R: gl.constexpr, TOK: gl.constexpr, D: gl.constexpr,
-                       BF16: gl.constexpr, XB: gl.constexpr, PDL: gl.constexpr, PROBE: gl.constexpr):
+                       BF16: gl.constexpr, XB: gl.constexpr, PDL: gl.constexpr, PDL_EARLY: gl.constexpr,
+                       PROBE: gl.constexpr):
         """grid = (cdiv(N, R),), W warps. Program p: rows [R p, R p + R) over all K; warp w: chunks [w CPW, (w+1) CPW).
 
         XB (M == 1): every lane loads token 0's x unmasked, so all eight token columns of the MMA are token 0.
         PDL: a programmatic dependent launch: the first chunks' words and scales are requested before the
-        wait for the previous kernel, x after it; the next launch is let in after the main loop.
+        wait for the previous kernel, x after it; the next launch is let in after the main loop, or right after
+        the wait with PDL_EARLY (either way after the wait: when a program of launch N + 1 starts, every kernel
+        before launch N has finished).
         PROBE (timing probes for scripts/probe_decode.py, wrong results): 1 = ones instead of x (no x loads);
         2 = words only (no x or scale loads, dequantization or MMA: the words are xor-ed); 3 = no scale loads."""
         pid = gl.program_id(0)
@@ -195,6 +201,9 @@ if _GLUON:
             s2 = _load_s(sp + 2, PROBE, s_one)
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+            if PDL_EARLY:
+                gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                          is_pure=False, pack=1)
         x0 = _load_x(xp, x_mask, PROBE, ones)
         x1 = x0
         x2 = x0
@@ -224,7 +233,7 @@ if _GLUON:
                 w0, x0, s0 = w1, x1, s1
                 w1, x1, s1 = w2, x2, s2
                 w2, x2, s2 = wn, xn, sn
-        if PDL:
+        if PDL and not PDL_EARLY:
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
         if PROBE == 2:
@@ -258,13 +267,14 @@ def heuristic_config(m: int, n: int, k: int) -> DecodeConfig | None:
 
     M = 1 and N * K <= HEURISTIC_MAX_WEIGHTS (where the H200 runs of 2026-12-02 had it at least level with the
     Triton kernel: 8192^2, 12288->6144 and the expert shapes; 6144->24576 lost); 16 rows per program, the most
-    warps (8, 4, 2, 1) that still leave each warp >= 4 chunks, two chunks in flight.
+    warps (8, 4, 2, 1) that still leave each warp >= 4 chunks, two chunks in flight; on a PDL launch the next
+    launch is let in early when each warp runs <= 8 chunks (the H200 tuning's winners on those loops).
     """
     chunks = k // MMA_CHUNK
     if m != 1 or n * k > HEURISTIC_MAX_WEIGHTS or k % MMA_CHUNK:
         return None
     warps = next(w for w in (8, 4, 2, 1) if chunks % w == 0 and (chunks // w >= 4 or w == 1))
-    return DecodeConfig(rows=16, warps=warps, depth=2)
+    return DecodeConfig(rows=16, warps=warps, depth=2, pdl_early=chunks // warps <= 8)
 
 
 @functools.lru_cache(maxsize=4)
@@ -321,7 +331,8 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
     _decode_kernel[(-(-n // cfg.rows),)](
         x, w.qweight, w.scale, out, m, n, x.stride(0), stride_wc, w.scale.stride(0), out.stride(0),
         CPW=chunks // cfg.warps, W=cfg.warps, R=cfg.rows, TOK=8 if m <= 8 else 16, D=min(cfg.depth, chunks // cfg.warps),
-        BF16=x.dtype == torch.bfloat16, XB=m == 1, PDL=pdl, PROBE=probe, num_warps=cfg.warps, **launch,
+        BF16=x.dtype == torch.bfloat16, XB=m == 1, PDL=pdl, PDL_EARLY=pdl and cfg.pdl_early, PROBE=probe,
+        num_warps=cfg.warps, **launch,
     )  # fmt: skip
     return out
 
@@ -354,7 +365,7 @@ def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True
     sig = {"x_ptr": act, "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": act, "M": "i32", "N": "i32",
            "stride_xm": "i32", "stride_wc": "i32", "stride_sn": "i32", "stride_om": "i32"}
     consts = dict(CPW=chunks // cfg.warps, W=cfg.warps, R=cfg.rows, TOK=tok, D=min(cfg.depth, chunks // cfg.warps),
-                  BF16=bf16, XB=xb, PDL=pdl, PROBE=0)
+                  BF16=bf16, XB=xb, PDL=pdl, PDL_EARLY=pdl and cfg.pdl_early, PROBE=0)
     sig.update({name: "constexpr" for name in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 7, 8, 9)}  # as the JIT specialises them
     src = GluonASTSource(_decode_kernel, sig, consts, attrs)

@@ -17,6 +17,7 @@ cache is shared), so the timing pass finds them compiled.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import logging
@@ -69,7 +70,7 @@ def variants(k: int, m: int):
 
 
 def _warm(job):
-    n, k, m, r, w, d, pdl, probe = job
+    n, k, m, r, w, d, pdl, probe, *early = job
     from glmq.kernels import w4a16_dense as D
     from glmq.kernels import w4a16_decode as DK
 
@@ -81,11 +82,21 @@ def _warm(job):
     out = torch.empty(m, n, dtype=x.dtype, device="cuda")
     t = time.time()
     try:
-        DK.decode_matmul(x, pk, out, DK.DecodeConfig(r, w, d), pdl=pdl, probe=probe)
+        DK.decode_matmul(x, pk, out, DK.DecodeConfig(r, w, d, bool(early and early[0])), pdl=pdl, probe=probe)
         torch.cuda.synchronize()
         return f"ok {job} {time.time() - t:.1f}s"
     except Exception as exc:
         return f"FAIL {job}: {type(exc).__name__}: {str(exc)[:400]}"
+
+
+def compile_all(jobs: list[tuple], workers: int) -> None:
+    """Compile every job's kernel (`_warm`) in `workers` spawned processes; Triton's cache is shared."""
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(workers) as pool:
+        for r in pool.imap_unordered(_warm, jobs):
+            if not r.startswith("ok"):
+                print(r)
+    print(f"compiled {len(jobs)} kernels in {time.time() - t0:.0f} s")
 
 
 def check(dev) -> list[dict]:
@@ -143,12 +154,7 @@ def main() -> None:
             jobs.append((n, k, m, cfg.rows, cfg.warps, cfg.depth, False, probe))
             if not probe:
                 jobs.append((n, k, m, cfg.rows, cfg.warps, cfg.depth, True, probe))
-    t0 = time.time()
-    with mp.get_context("spawn").Pool(a.workers) as pool:
-        for r in pool.imap_unordered(_warm, jobs):
-            if not r.startswith("ok"):
-                print(r)
-    print(f"compiled {len(jobs)} kernels in {time.time() - t0:.0f} s")
+    compile_all(jobs, a.workers)
 
     rows = check(dev)
 
@@ -229,14 +235,9 @@ def tune(shapes: dict, dev, a, out_dir: Path) -> None:
     from glmq.kernels import w4a16_dense as D
     from glmq.kernels import w4a16_decode as DK
 
-    jobs = [(n, k, m, c.rows, c.warps, c.depth, pdl, 0) for (n, k) in shapes.values() for m in TUNE_M
-            for c in tune_candidates(k) for pdl in (False, True)]
-    t0 = time.time()
-    with mp.get_context("spawn").Pool(a.workers) as pool:
-        for r in pool.imap_unordered(_warm, jobs):
-            if not r.startswith("ok"):
-                print(r)
-    print(f"compiled {len(jobs)} kernels in {time.time() - t0:.0f} s")
+    jobs = [(n, k, m, c.rows, c.warps, c.depth, pdl, 0, early) for (n, k) in shapes.values() for m in TUNE_M
+            for c in tune_candidates(k) for pdl, early in ((False, False), (True, False), (True, True))]
+    compile_all(jobs, a.workers)
     b = Bench(dev, a.budget_s, smoke=False)
     name = torch.cuda.get_device_name(dev)
     table = {"device": name, "measured": time.strftime("%Y-%m-%d", time.gmtime()),
@@ -254,10 +255,11 @@ def tune(shapes: dict, dev, a, out_dir: Path) -> None:
             outs = [torch.empty(m, n, dtype=x.dtype, device=dev) for _ in packs]
             tcfg = D.choose_config(m, n, k, GROUP, D.sm_count(dev), name, D.Layout.PAIRS)
             cands = [("triton", tcfg)] + [(f"R{c.rows}W{c.warps}D{c.depth}", c) for c in tune_candidates(k)]
+            cands += [(label + "E", dataclasses.replace(c, pdl_early=True)) for label, c in cands[1:]]
             times = {}
             for _ in range(2):
                 for label, cfg in cands:
-                    for pdl in (False, True):
+                    for pdl in ((True,) if label.endswith("E") else (False, True)):
                         fn = lambda i, c=cfg, p=pdl: D.w4a16_matmul_packed(x, packs[i], out=outs[i], config=c, pdl=p)
                         if _ == 0:
                             err = rel_err(fn(0), ref)
@@ -268,7 +270,7 @@ def tune(shapes: dict, dev, a, out_dir: Path) -> None:
                         times[key] = min(times.get(key, us), us)
             entry = {"us": {f"{label}{'-pdl' if pdl else ''}": round(us, 3) for (label, pdl), us in times.items()}}
             for pdl, slot in ((False, "plain"), (True, "pdl")):
-                best = min((c for c in cands[1:]), key=lambda lc: times[(lc[0], pdl)])
+                best = min((c for c in cands[1:] if (c[0], pdl) in times), key=lambda lc: times[(lc[0], pdl)])
                 win = times[(best[0], pdl)] <= TUNE_MARGIN * times[("triton", pdl)]
                 entry[slot] = best[1].to_dict() if win else None
                 print(f"{shape:26} M={m} {slot:5}: triton {times[('triton', pdl)]:6.2f} us, gluon {best[0]} "

@@ -703,10 +703,11 @@ def test_decode_supports_and_heuristic():
     wp32, ws32 = quantized(48, 768, group_size=32)
     assert not DK.supports(1, D.prepack(wp32, ws32, 32))  # group 32: PLANES words
     # the rule measured on the H200: M = 1, up to ~80 M weights, 8 warps unless that leaves < 4 chunks each
-    assert DK.heuristic_config(1, 8192, 8192) == DK.DecodeConfig(16, 8, 2)
-    assert DK.heuristic_config(1, 6144, 2048) == DK.DecodeConfig(16, 4, 2)
-    assert DK.heuristic_config(1, 4096, 6144) == DK.DecodeConfig(16, 8, 2)
-    assert DK.heuristic_config(1, 256, 384) == DK.DecodeConfig(16, 1, 2)
+    assert DK.heuristic_config(1, 8192, 8192) == DK.DecodeConfig(16, 8, 2, pdl_early=True)
+    assert DK.heuristic_config(1, 6144, 2048) == DK.DecodeConfig(16, 4, 2, pdl_early=True)
+    assert DK.heuristic_config(1, 4096, 6144) == DK.DecodeConfig(16, 8, 2, pdl_early=True)
+    assert DK.heuristic_config(1, 6144, 12288) == DK.DecodeConfig(16, 8, 2, pdl_early=False)  # 12 chunks a warp
+    assert DK.heuristic_config(1, 256, 384) == DK.DecodeConfig(16, 1, 2, pdl_early=True)
     assert DK.heuristic_config(1, 24576, 6144) is None and DK.heuristic_config(2, 8192, 8192) is None
     # off-GPU (and under the interpreter) the Triton kernels always run; an explicit DecodeConfig is refused
     assert DK.choose(1, pairs, torch.device("cpu"), "cpu", False) is None
@@ -717,7 +718,7 @@ def test_decode_supports_and_heuristic():
 
 def test_decode_tuned_table_lookup(tmp_path, monkeypatch):
     table = {"device": "GPU-X", "decode": {"256,768,128": {
-        "1": {"plain": {"rows": 16, "warps": 2, "depth": 3}, "pdl": None},
+        "1": {"plain": {"rows": 16, "warps": 2, "depth": 3, "pdl_early": False}, "pdl": None},
         "4": {"plain": None, "pdl": {"rows": 32, "warps": 1, "depth": 1}}}}}  # fmt: skip
     path = tmp_path / "tuned_decode.json"
     path.write_text(json.dumps(table))
@@ -772,6 +773,19 @@ print(json.dumps(out))
         assert r["loop_barriers"] == 0 and "STL" not in r["ops"] and "LDL" not in r["ops"], r
 
 
+def _graph_of(fn) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `fn()`, captured after a warm-up run of it on the capture stream."""
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def _decode_case(m, n, k, dtype, cfg, pdl=False, scale_dtype=torch.bfloat16):
     wp, ws = quantized(n, k, group_size=128, scale_dtype=scale_dtype, seed=m + n)
     x = acts(m, k, dtype, seed=k)
@@ -803,8 +817,9 @@ def test_decode_kernel_deterministic_and_pdl_bits_gpu(m):
     # the warps' partial sums meet in shared memory in warp order: the same bits every launch, with or without PDL
     cfg = DK.DecodeConfig(16, 8, 2)
     x, packed, y = _decode_case(m, 6144, 2048, torch.bfloat16, cfg)
-    for pdl in (False, True, False, True):
-        again = D.w4a16_matmul_packed(x, packed, out=poisoned(m, 6144, torch.bfloat16), config=cfg, pdl=pdl)
+    for pdl, early in ((False, False), (True, False), (False, False), (True, True)):
+        again = D.w4a16_matmul_packed(x, packed, out=poisoned(m, 6144, torch.bfloat16),
+                                      config=dataclasses.replace(cfg, pdl_early=early), pdl=pdl)
         assert torch.equal(again + 0, y + 0)
 
 
@@ -820,7 +835,7 @@ def test_decode_pdl_dependent_chain_gpu(m):
         wp, ws = quantized(rows, cols, group_size=128, seed=seed)
         raw.append((wp, (ws.float() / math.sqrt(cols)).to(ws.dtype)))
     ws_ = [D.prepack(wp, ws, 128) for wp, ws in raw]
-    cfgs = [DK.DecodeConfig(16, 8, 2), DK.DecodeConfig(16, 4, 3)]
+    cfgs = [DK.DecodeConfig(16, 8, 2, pdl_early=True), DK.DecodeConfig(16, 4, 3)]  # both trigger points
     x0 = acts(m, k, torch.bfloat16)
     bufs = [poisoned(m, n if i % 2 == 0 else k, torch.bfloat16) for i in range(16)]
 
@@ -838,14 +853,7 @@ def test_decode_pdl_dependent_chain_gpu(m):
     got = chain(True)
     torch.cuda.synchronize()
     assert all(torch.equal(g + 0, w + 0) for g, w in zip(got, want)), "pdl=True differs (eager)"
-    graph = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        chain(True)
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(graph):
-        chain(True)
+    graph = _graph_of(lambda: chain(True))
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
@@ -933,14 +941,7 @@ def test_dense_pdl_dependent_chain_gpu(n, k, m, mode):
         torch.cuda.synchronize()
         for i, (g, w) in enumerate(zip(got, want)):
             assert torch.equal(g + 0, w + 0), f"step {i} differs with pdl=True (eager)"
-    graph = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        chain(True)  # warm-up on the capture stream
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(graph):
-        chain(True)
+    graph = _graph_of(lambda: chain(True))
     for _ in range(5):
         graph.replay()
         torch.cuda.synchronize()
