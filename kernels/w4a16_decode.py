@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from glmq.kernels.w4a16_dense import _INTERPRETED, MMA_CHUNK, Layout, PackedW4, _pairs_asm
+from glmq.kernels.w4a16_dense import _INTERPRETED, MMA_CHUNK, Layout, PackedW4, _cuda_info, _pairs_asm
 
 try:  # Gluon ships with Triton >= 3.4 as triton.experimental.gluon; its API is still moving
     from triton.experimental import gluon
@@ -251,7 +251,7 @@ def available(device: torch.device) -> bool:
     Gluon in the installed Triton, and not the interpreter."""
     if not _GLUON or _INTERPRETED or device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 0)
+    return _cuda_info(device)[2] >= (8, 0)  # cached per device, as w4a16_dense's sm_count / pdl_supported
 
 
 def supports(m: int, w: PackedW4, cfg: DecodeConfig | None = None) -> bool:
@@ -309,7 +309,7 @@ def choose(m: int, w: PackedW4, device: torch.device, device_name: str, pdl: boo
         return None
     cfg = tuned_config(m, w.n, w.k, device_name, pdl)
     if cfg == "untuned":
-        cfg = heuristic_config(m, w.n, w.k) if torch.cuda.get_device_capability(device) == (9, 0) else None
+        cfg = heuristic_config(m, w.n, w.k) if _cuda_info(device)[2] == (9, 0) else None
     return cfg if cfg is not None and supports(m, w, cfg) else None
 
 
@@ -323,6 +323,8 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
                          f"{cfg.warps} warps dividing K / {MMA_CHUNK}; got M = {m}, weight {[*w.lead, w.n, w.k]} "
                          f"({w.layout.value}, chunk_major={w.chunk_major})")
     n = w.n
+    if n == 0:
+        return out  # nothing to launch (a grid of zero programs is an error)
     chunks = k // MMA_CHUNK
     stride_wn, stride_wc = w.word_strides()
     if stride_wn != MMA_CHUNK // 8 or w.scale.stride(-1) != 1:

@@ -1389,21 +1389,18 @@ def w4a16_matmul_packed(
     check_out(out, (m, n), x)
     from glmq.kernels import w4a16_decode as DK  # imports this module
 
-    if isinstance(config, DK.DecodeConfig):
+    if isinstance(config, DK.DecodeConfig):  # explicit: decode_matmul refuses what the kernel does not take
         if not DK.available(x.device):
             raise ValueError(f"a DecodeConfig needs the Gluon decode kernel, which cannot run on {x.device} here "
                              "(a CUDA GPU of sm_80 or later with Triton's Gluon, not the interpreter)")
-        if not DK.supports(m, w, config):
-            raise ValueError(f"the Gluon decode kernel does not take M = {m} with {config} on this weight "
-                             f"({w.layout.value}, chunk_major={w.chunk_major}, K / 128 = {w.k / MMA_CHUNK:g})")
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
-        return DK.decode_matmul(x, w, out, config, pdl=pdl and pdl_supported(x.device))
-    decode = None if config is not None else DK.choose(m, w, x.device, device_name(x.device), pdl)
+        decode = config
+    else:
+        decode = None if config is not None else DK.choose(m, w, x.device, device_name(x.device), pdl)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
-    if m == 0 or n == 0:
-        return out
     if decode is not None:
         return DK.decode_matmul(x, w, out, decode, pdl=pdl and pdl_supported(x.device))
+    if m == 0 or n == 0:
+        return out
     cfg = config or choose_config(m, n, k, w.group_size, sm_count(x.device), device_name(x.device), w.layout)
     check_config(cfg, w)
     _launch(x, w, out, cfg, pdl)
