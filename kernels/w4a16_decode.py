@@ -16,8 +16,10 @@ the warps of one program. Gluon (Triton's explicit-layout dialect) can. Here:
   * every thread loads exactly the words its mma.sync (m16n8k16) A fragments need, straight into
     registers (16-byte loads of PAIRS words; `_dequant` is register renaming, checked at compile time by
     `convert_layout(..., assert_trivial=True)`), and x's B fragments straight from global memory (L1/L2
-    hits): no shared memory and no barrier in the main loop, so each warp streams its words on its own
-    with `depth` chunks in flight;
+    hits), or at M = 1 with `x_smem` from a copy of x each program stages once in shared memory in
+    fragment order (four 16-byte shared loads per chunk instead of sixteen 4-byte global loads kept in
+    flight with the words); no barrier in the main loop, so each warp streams its words on its own with
+    `depth` chunks in flight;
   * the loop over a warp's chunks is unrolled at compile time (CPW is a constexpr), so every load's
     address is a base plus an immediate.
 
@@ -27,8 +29,10 @@ dequantization is `w4a16_dense._pairs_asm` (q = u - 8 exactly, in bf16 or fp16);
 applied once per (row, chunk) to the chunk's fp32 MMA result, as in the Triton kernel.
 
 Where it is used (kernels/NOTES.md, session 11, for the measurements): on the H200 it wins at M = 1-4 on
-some shapes (the expert-sized ones most: no split-K fix-up) and loses on others, and above M = 4 the x
-fragment loads (16 per chunk and token tile, per 16 rows) make it slower than the wgmma kernel everywhere.
+some shapes (the expert-sized ones most: no split-K fix-up; with x_smem at M = 1 on all five GLM shapes)
+and loses on others, and above M = 4 the x fragment loads (16 per chunk and token tile, per 16 rows) make
+it slower than the wgmma kernel everywhere (x_smem is M = 1 only: a program's x at M <= 16 would need up
+to K * 32 bytes of shared memory).
 So `w4a16_matmul_packed` takes it only where `tuned_decode.json` (scripts/probe_decode.py --tune, on the
 GPU it names) says it was faster, or, on other sm_90 GPUs, by `heuristic_config`'s rule; an explicit
 `DecodeConfig` always takes it.
@@ -71,23 +75,27 @@ class DecodeConfig:
     Attributes:
         rows: weight rows per program, 16 or 32 (one or two m16 MMA tiles per warp, sharing each x fragment).
         warps: warps per program, 1, 2, 4 or 8; they split K, so they must divide K / 128.
-        depth: chunks of words (and x) each warp has requested ahead of the one it computes, 1-3.
+        depth: chunks of words (and x) each warp has requested ahead of the one it computes, 1-4.
         pdl_early: on a `pdl=True` launch, let the next launch in right after this one's wait for the previous
             kernel instead of after the main loop.
+        x_smem: at M = 1, stage x once per program in shared memory, in fragment order, and read each chunk's B
+            fragments from there (four 16-byte shared loads) instead of sixteen 4-byte global loads per chunk in
+            flight with the words; ignored at M > 1.
     """
 
     rows: int = 16
     warps: int = 4
     depth: int = 2
     pdl_early: bool = False
+    x_smem: bool = False
 
     def __post_init__(self) -> None:
         if self.rows not in (16, 32):
             raise ValueError(f"DecodeConfig.rows must be 16 or 32, got {self.rows}")
         if self.warps not in (1, 2, 4, 8):
             raise ValueError(f"DecodeConfig.warps must be 1, 2, 4 or 8, got {self.warps}")
-        if self.depth not in (1, 2, 3):
-            raise ValueError(f"DecodeConfig.depth must be 1, 2 or 3, got {self.depth}")
+        if self.depth not in (1, 2, 3, 4):
+            raise ValueError(f"DecodeConfig.depth must be 1-4, got {self.depth}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -96,6 +104,7 @@ class DecodeConfig:
 if _GLUON:
     _PAIRS_BF16 = gl.constexpr(_pairs_asm(True))
     _PAIRS_F16 = gl.constexpr(_pairs_asm(False))
+    _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier  # renamed in Triton 3.7
 
     @gluon.jit
     def _dequant(words, W: gl.constexpr, R: gl.constexpr, BF16: gl.constexpr):
@@ -128,6 +137,38 @@ if _GLUON:
             return gl.load(xp, mask=x_mask, other=0.0)
 
     @gluon.jit
+    def _x_smem(view, ld_l: gl.constexpr, W: gl.constexpr, b_like):
+        """Token 0's x for one chunk of every warp from its staged copy (`view`: [W, 4, 4, 8], see `_stage_x`)
+        -> [W, 128, TOK] B fragments, every token column token 0. Thread c reads its 32 elements as four
+        16-byte runs; the reshape back to natural k order is register renaming (checked)."""
+        t = view.load(ld_l)  # [W, jb, c, j8], j8 = (s0, h, e)
+        t = gl.permute(gl.reshape(t, [W, 4, 4, 2, 2, 2]), (0, 1, 3, 4, 2, 5))  # -> [W, jb, s0, h, c, e]
+        t = gl.convert_layout(gl.reshape(t, [W, 128]), gl.SliceLayout(2, b_like.type.layout), assert_trivial=True)
+        return gl.broadcast(gl.expand_dims(t, 2), b_like)[0]
+
+    @gluon.jit
+    def _stage_x(x_ptr, xsm, CPW: gl.constexpr, CP2: gl.constexpr, W: gl.constexpr):
+        """Copy token 0's x, warp w's chunks [w CPW, (w + 1) CPW), into shared memory `xsm` ([CP2 * W, 4, 4, 8]:
+        chunk i of warp w at i W + w; CP2 = CPW rounded up to a power of two) in fragment order: k = 32 jb + 16 s0 + 8 h + 2 c + e is stored
+        at [jb, c, (s0, h, e)], so that the 32 elements thread c's B fragments take from a chunk are four
+        16-byte runs, the four c of one run adjacent (no bank conflict). One load and one store of the whole
+        buffer: stores to parts of one buffer would each be fenced by a barrier (Triton's membar analysis does
+        not tell the parts apart)."""
+        st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 8], threads_per_warp=[2, 1, 16],
+                                              warps_per_cta=[1, W, 1], order=[2, 1, 0])
+        ci = gl.arange(0, CP2, layout=gl.SliceLayout(1, gl.SliceLayout(2, st_l)))
+        wi = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(2, st_l)))
+        ki = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, st_l)))
+        off = (gl.expand_dims(gl.expand_dims(ci * 128, 1), 2) + gl.expand_dims(gl.expand_dims(wi * (CPW * 128), 0), 2)
+               + gl.expand_dims(gl.expand_dims(ki, 0), 1))
+        if CP2 == CPW:
+            t = gl.load(x_ptr + off)
+        else:
+            t = gl.load(x_ptr + off, mask=gl.expand_dims(gl.expand_dims(ci < CPW, 1), 2), other=0.0)
+        t = gl.permute(gl.reshape(t, [CP2, W, 4, 2, 2, 4, 2]), (0, 1, 2, 5, 3, 4, 6))  # [.., jb, c, s0, h, e]
+        xsm.store(gl.reshape(t, [CP2 * W, 4, 4, 8]))
+
+    @gluon.jit
     def _load_s(sp, PROBE: gl.constexpr, s_one):
         if PROBE >= 2:
             return s_one
@@ -137,11 +178,13 @@ if _GLUON:
     @gluon.jit
     def _decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wc, stride_sn, stride_om,
                        CPW: gl.constexpr, W: gl.constexpr, R: gl.constexpr, TOK: gl.constexpr, D: gl.constexpr,
-                       BF16: gl.constexpr, XB: gl.constexpr, PDL: gl.constexpr, PDL_EARLY: gl.constexpr,
-                       PROBE: gl.constexpr):
+                       BF16: gl.constexpr, XB: gl.constexpr, XS: gl.constexpr, PDL: gl.constexpr,
+                       PDL_EARLY: gl.constexpr, PROBE: gl.constexpr):
         """grid = (cdiv(N, R),), W warps. Program p: rows [R p, R p + R) over all K; warp w: chunks [w CPW, (w+1) CPW).
 
         XB (M == 1): every lane loads token 0's x unmasked, so all eight token columns of the MMA are token 0.
+        XS (M == 1, x_smem): token 0's x is staged once (`_stage_x`, one barrier) and each chunk's B fragments are
+        read from shared memory right before its MMA (`_x_smem`); x then holds no registers while in flight.
         PDL: a programmatic dependent launch: the first chunks' words and scales are requested before the
         wait for the previous kernel, x after it; the next launch is let in after the main loop, or right after
         the wait with PDL_EARLY (either way after the wait: when a program of launch N + 1 starts, every kernel
@@ -193,32 +236,53 @@ if _GLUON:
         s1 = s0
         w2 = w0
         s2 = s0
+        w3 = w0
+        s3 = s0
         if D > 1 and CPW > 1:
             w1 = gl.load(wp + stride_wc)
             s1 = _load_s(sp + 1, PROBE, s_one)
         if D > 2 and CPW > 2:
             w2 = gl.load(wp + 2 * stride_wc)
             s2 = _load_s(sp + 2, PROBE, s_one)
+        if D > 3 and CPW > 3:
+            w3 = gl.load(wp + 3 * stride_wc)
+            s3 = _load_s(sp + 3, PROBE, s_one)
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
             if PDL_EARLY:
                 gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                           is_pure=False, pack=1)
-        x0 = _load_x(xp, x_mask, PROBE, ones)
+        if XS:  # token 0's x, staged once in fragment order; each chunk's fragments are read right before its MMA
+            CP2: gl.constexpr = 1 << (CPW - 1).bit_length()
+            xsm = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [CP2 * W, 4, 4, 8],
+                                            gl.SwizzledSharedLayout(1, 1, 1, order=[3, 2, 1, 0]))
+            xs_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4, 1, 8], threads_per_warp=[1, 1, 4, 8],
+                                                  warps_per_cta=[W, 1, 1, 1], order=[2, 3, 1, 0])
+            _stage_x(x_ptr, xsm, CPW, CP2, W)
+            _barrier()
+            x0 = ones
+        else:
+            x0 = _load_x(xp, x_mask, PROBE, ones)
         x1 = x0
         x2 = x0
-        if D > 1 and CPW > 1:
+        x3 = x0
+        if D > 1 and CPW > 1 and not XS:
             x1 = _load_x(xp + 128, x_mask, PROBE, ones)
-        if D > 2 and CPW > 2:
+        if D > 2 and CPW > 2 and not XS:
             x2 = _load_x(xp + 256, x_mask, PROBE, ones)
+        if D > 3 and CPW > 3 and not XS:
+            x3 = _load_x(xp + 384, x_mask, PROBE, ones)
         for i in gl.static_range(CPW):  # unrolled: chunk i + D is requested before chunk i is computed
             wn = w0
             xn = x0
             sn = s0
             if i + D < CPW:
                 wn = gl.load(wp + (i + D) * stride_wc)
-                xn = _load_x(xp + (i + D) * 128, x_mask, PROBE, ones)
+                if not XS:
+                    xn = _load_x(xp + (i + D) * 128, x_mask, PROBE, ones)
                 sn = _load_s(sp + (i + D), PROBE, s_one)
+            if XS and PROBE != 1 and PROBE != 2:
+                x0 = _x_smem(xsm.slice(i * W, W), xs_l, W, ones)
             if PROBE == 2:
                 acc_w = acc_w ^ w0
             else:  # a fresh fp32 accumulator per chunk, scaled by the chunk's group scales
@@ -232,7 +296,11 @@ if _GLUON:
             else:
                 w0, x0, s0 = w1, x1, s1
                 w1, x1, s1 = w2, x2, s2
-                w2, x2, s2 = wn, xn, sn
+                if D == 3:
+                    w2, x2, s2 = wn, xn, sn
+                else:
+                    w2, x2, s2 = w3, x3, s3
+                    w3, x3, s3 = wn, xn, sn
         if PDL and not PDL_EARLY:
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
@@ -333,7 +401,7 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
     _decode_kernel[(-(-n // cfg.rows),)](
         x, w.qweight, w.scale, out, m, n, x.stride(0), stride_wc, w.scale.stride(0), out.stride(0),
         CPW=chunks // cfg.warps, W=cfg.warps, R=cfg.rows, TOK=8 if m <= 8 else 16, D=min(cfg.depth, chunks // cfg.warps),
-        BF16=x.dtype == torch.bfloat16, XB=m == 1, PDL=pdl, PDL_EARLY=pdl and cfg.pdl_early, PROBE=probe,
+        BF16=x.dtype == torch.bfloat16, XB=m == 1, XS=m == 1 and cfg.x_smem, PDL=pdl, PDL_EARLY=pdl and cfg.pdl_early, PROBE=probe,
         num_warps=cfg.warps, **launch,
     )  # fmt: skip
     return out
@@ -344,8 +412,9 @@ def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True
     """Compile `_decode_kernel` for sm_90 without a GPU (Triton's own ptxas and cuobjdump) and summarise it.
 
     For CI and for reading the code a config produces: returns {"registers", "spills" (stack bytes),
-    "local" (bytes), "ops" (SASS opcode -> count), "ldg128" (16-byte loads), "loop_barriers" (barriers between
-    the first and the last MMA), "sass"}; TTGIR that needed a real layout conversion fails
+    "local" (bytes), "ops" (SASS opcode -> count), "ldg128" (16-byte global loads), "lds128" (16-byte shared
+    loads), "loop_barriers" and "loop_lds_narrow" (barriers and shared loads of < 16 bytes between the first and
+    the last MMA), "sass"}; TTGIR that needed a real layout conversion fails
     to compile (`assert_trivial`). Raises RuntimeError when this Triton cannot (no Gluon, no cuobjdump).
     """
     import collections
@@ -367,7 +436,7 @@ def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True
     sig = {"x_ptr": act, "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": act, "M": "i32", "N": "i32",
            "stride_xm": "i32", "stride_wc": "i32", "stride_sn": "i32", "stride_om": "i32"}
     consts = dict(CPW=chunks // cfg.warps, W=cfg.warps, R=cfg.rows, TOK=tok, D=min(cfg.depth, chunks // cfg.warps),
-                  BF16=bf16, XB=xb, PDL=pdl, PDL_EARLY=pdl and cfg.pdl_early, PROBE=0)
+                  BF16=bf16, XB=xb, XS=xb and cfg.x_smem, PDL=pdl, PDL_EARLY=pdl and cfg.pdl_early, PROBE=0)
     sig.update({name: "constexpr" for name in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 7, 8, 9)}  # as the JIT specialises them
     src = GluonASTSource(_decode_kernel, sig, consts, attrs)
@@ -385,6 +454,8 @@ def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True
     ops = collections.Counter(m.split(".")[0] for m in re.findall(
         r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass, re.M))  # fmt: skip
     wide = len(re.findall(r"LDG\.E\.128", sass))
+    shared_wide = len(re.findall(r"LDS\.128", sass))
     body = sass[sass.find("HMMA"):sass.rfind("HMMA")]  # the unrolled main loop: first to last MMA
     return {"registers": usage.get("REG"), "spills": usage.get("STACK"), "local": usage.get("LOCAL"), "ops": dict(ops),
-            "ldg128": wide, "loop_barriers": len(re.findall(r"\bBAR\.", body)), "sass": sass}
+            "ldg128": wide, "lds128": shared_wide, "loop_barriers": len(re.findall(r"\bBAR\.", body)),
+            "loop_lds_narrow": len(re.findall(r"\bLDS(?!\.128)", body)), "sass": sass}

@@ -2,7 +2,7 @@
 # One device-machine call for the Gluon decode kernel (kernels/w4a16_decode.py, issue 4, session 11): tune its
 # launch table against the Triton kernel, run the GPU kernel tests with that table, then the kernel benchmark.
 # Run from the repository root; results in $OUT (tuned_decode.json, tune.log, tests.log, bench_kernels.{json,md,png},
-# run.log). TUNE_S / TEST_S / BENCH_S bound the three steps (seconds); TEST_ARGS and BENCH_ARGS are passed on.
+# run.log). TUNE_S / TEST_S / BENCH_S bound the three steps (seconds); TEST_ARGS (shell words, quotes kept) and BENCH_ARGS are passed on.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 exec > >(tee -a "$OUT/run.log") 2>&1
@@ -16,7 +16,8 @@ timeout "${TUNE_S:-150}" python3 scripts/probe_decode.py --tune --out "$OUT" --w
   --workers 15 --budget-s $(( ${TUNE_S:-150} - 40 )) > "$OUT/tune.log" 2>&1
 echo "tune exit $? at $((SECONDS - T0)) s"; grep -v "^ok\|Warning\|warn_once" "$OUT/tune.log" | tail -40
 echo "== GPU kernel tests"
-timeout "${TEST_S:-170}" python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels.py ${TEST_ARGS:-} > "$OUT/tests.log" 2>&1
+eval timeout "${TEST_S:-170}" python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels.py "${TEST_ARGS:-}" \
+  > "$OUT/tests.log" 2>&1  # eval: TEST_ARGS may quote, e.g. TEST_ARGS='-k "decode or pdl"'
 echo "tests exit $? at $((SECONDS - T0)) s"; tail -15 "$OUT/tests.log"
 echo "== benchmark"
 B=${BENCH_S:-220}

@@ -38,25 +38,36 @@ SHAPES = {  # name -> (N, K)
     "expert w13 6144->2x2048": (4096, 6144),
     "expert w2 2048->6144": (6144, 2048),
 }
-# (rows, warps, depth, probe) per token tile (1: M = 1, 8: M <= 8, 16: M <= 16); probes leave parts out
+# (rows, warps, depth, probe, x_smem) per token tile (1: M = 1, 8: M <= 8, 16: M <= 16); probes leave parts out
 # (w4a16_decode._decode_kernel: 1 no x, 2 words only, 3 no scales) and are timed only
 VARIANTS = {
-    1: [(16, 4, 2, 0), (16, 4, 3, 0), (16, 8, 2, 0), (16, 8, 3, 0), (32, 4, 2, 0), (32, 4, 3, 0), (32, 8, 2, 0),
-        (16, 2, 3, 0), (16, 4, 2, 1), (16, 4, 2, 2), (16, 4, 2, 3), (16, 8, 2, 1), (16, 8, 2, 2)],
-    8: [(16, 4, 2, 0), (16, 4, 3, 0), (32, 4, 2, 0), (32, 4, 1, 0), (16, 4, 2, 1)],
-    16: [(32, 4, 1, 0), (32, 8, 1, 0)],
+    1: [(16, 4, 2, 0, False), (16, 4, 3, 0, False), (16, 8, 2, 0, False), (16, 8, 3, 0, False), (32, 4, 2, 0, False),
+        (32, 8, 2, 0, False), (16, 4, 2, 0, True), (16, 4, 3, 0, True), (16, 8, 2, 0, True), (16, 8, 3, 0, True),
+        (32, 4, 2, 0, True), (32, 8, 2, 0, True), (16, 4, 2, 1, False), (16, 4, 2, 2, False), (16, 4, 2, 3, False),
+        (16, 8, 2, 1, False), (16, 8, 2, 2, False), (16, 8, 2, 3, True), (16, 4, 4, 0, True)],
+    8: [(16, 4, 2, 0, False), (16, 4, 3, 0, False), (32, 4, 2, 0, False), (32, 4, 1, 0, False), (16, 4, 2, 1, False)],
+    16: [(32, 4, 1, 0, False), (32, 8, 1, 0, False)],
 }
 GROUP = 128
 TUNE_M = (1, 2, 4)
 TUNE_CANDIDATES = [(16, 8, 2), (16, 8, 3), (16, 4, 2), (16, 4, 3), (32, 4, 2), (32, 4, 3), (32, 8, 2), (16, 2, 3)]
+TUNE_X_SMEM = [(16, 8, 2), (16, 8, 3), (16, 4, 2), (16, 4, 3), (16, 4, 4), (32, 8, 2)]  # also with x_smem at M = 1
 TUNE_MARGIN = 0.97  # the Gluon kernel only where it took <= 97 % of the Triton kernel's time
 
 
-def tune_candidates(k: int):
+def tune_candidates(k: int, m: int):
     from glmq.kernels.w4a16_decode import DecodeConfig
 
     chunks = k // 128
-    return [DecodeConfig(r, w, d) for r, w, d in TUNE_CANDIDATES if chunks % w == 0 and chunks // w >= max(d, 2)]
+    cands = [DecodeConfig(r, w, d) for r, w, d in TUNE_CANDIDATES]
+    if m == 1:
+        cands += [DecodeConfig(r, w, d, x_smem=True) for r, w, d in TUNE_X_SMEM]
+    return [c for c in cands if chunks % c.warps == 0 and chunks // c.warps >= max(c.depth, 2)]
+
+
+def tag(c) -> str:
+    """R{rows}W{warps}D{depth}, X with x_smem, E with pdl_early."""
+    return f"R{c.rows}W{c.warps}D{c.depth}{'X' if c.x_smem else ''}{'E' if c.pdl_early else ''}"
 
 
 def variants(k: int, m: int):
@@ -64,13 +75,13 @@ def variants(k: int, m: int):
 
     tok = 1 if m == 1 else 8 if m <= 8 else 16
     chunks = k // 128
-    for r, w, d, probe in VARIANTS[tok]:
+    for r, w, d, probe, xs in VARIANTS[tok]:
         if chunks % w == 0 and chunks // w >= d:
-            yield DecodeConfig(rows=r, warps=w, depth=d), probe
+            yield DecodeConfig(rows=r, warps=w, depth=d, x_smem=xs), probe
 
 
 def _warm(job):
-    n, k, m, r, w, d, pdl, probe, *early = job
+    n, k, m, cfg, pdl, probe = job
     from glmq.kernels import w4a16_dense as D
     from glmq.kernels import w4a16_decode as DK
 
@@ -82,7 +93,7 @@ def _warm(job):
     out = torch.empty(m, n, dtype=x.dtype, device="cuda")
     t = time.time()
     try:
-        DK.decode_matmul(x, pk, out, DK.DecodeConfig(r, w, d, bool(early and early[0])), pdl=pdl, probe=probe)
+        DK.decode_matmul(x, pk, out, cfg, pdl=pdl, probe=probe)
         torch.cuda.synchronize()
         return f"ok {job} {time.time() - t:.1f}s"
     except Exception as exc:
@@ -106,11 +117,14 @@ def check(dev) -> list[dict]:
     from glmq.kernels import w4a16_decode as DK
 
     rows = []
-    cases = [(m, n, k, dt, r, w, d, pdl) for (m, n, k) in [(1, 200, 384), (3, 256, 1024), (9, 96, 512), (16, 2048, 2048),
-                                                           (5, 4096, 6144), (1, 8192, 8192)]
+    cases = [(m, n, k, dt, r, w, d, pdl, xs) for (m, n, k) in [(1, 200, 384), (3, 256, 1024), (9, 96, 512),
+                                                               (16, 2048, 2048), (5, 4096, 6144), (1, 8192, 8192),
+                                                               (1, 6144, 12288)]
              for dt in (torch.bfloat16, torch.float16)
-             for (r, w, d, pdl) in [(16, 1, 1, False), (32, 2, 2, True), (16, 4, 3, False)]]
-    for m, n, k, dt, r, w, d, pdl in cases:
+             for (r, w, d, pdl, xs) in [(16, 1, 1, False, False), (32, 2, 2, True, False), (16, 4, 3, False, False),
+                                        (16, 1, 1, False, True), (32, 2, 2, True, True), (16, 8, 3, False, True)]
+             if m == 1 or not xs]
+    for m, n, k, dt, r, w, d, pdl, xs in cases:
         chunks = k // 128
         if chunks % w or chunks // w < 1:
             continue
@@ -121,11 +135,13 @@ def check(dev) -> list[dict]:
         x = torch.randn(m, k, device=dev, generator=gen).to(dt)
         ref = x.double() @ R.dequantize_packed(wp, ws, GROUP).double().T
         out = torch.full((m, n), float("nan"), dtype=dt, device=dev)
-        DK.decode_matmul(x, D.prepack(wp, ws, GROUP), out, DK.DecodeConfig(r, w, d), pdl=pdl)
+        DK.decode_matmul(x, D.prepack(wp, ws, GROUP), out, DK.DecodeConfig(r, w, d, x_smem=xs), pdl=pdl)
         err = float((out.double() - ref).norm() / ref.norm())
         ok = bool(torch.isfinite(out).all()) and err < 5e-3
-        rows.append(dict(m=m, n=n, k=k, dtype=str(dt), rows=r, warps=w, depth=d, pdl=pdl, rel_err=err, ok=ok))
-        print(f"check M={m:<3} N={n:<5} K={k:<5} {str(dt):15} R={r} W={w} D={d} pdl={pdl}: rel err {err:.2e} {'ok' if ok else 'WRONG'}")
+        rows.append(dict(m=m, n=n, k=k, dtype=str(dt), rows=r, warps=w, depth=d, pdl=pdl, x_smem=xs, rel_err=err,
+                         ok=ok))
+        print(f"check M={m:<3} N={n:<5} K={k:<5} {str(dt):15} R={r} W={w} D={d} X={xs:d} pdl={pdl}: rel err {err:.2e} "
+              f"{'ok' if ok else 'WRONG'}")
     return rows
 
 
@@ -151,9 +167,9 @@ def main() -> None:
     jobs = []
     for (n, k), m in itertools.product(shapes.values(), a.m):
         for cfg, probe in variants(k, m):
-            jobs.append((n, k, m, cfg.rows, cfg.warps, cfg.depth, False, probe))
+            jobs.append((n, k, m, cfg, False, probe))
             if not probe:
-                jobs.append((n, k, m, cfg.rows, cfg.warps, cfg.depth, True, probe))
+                jobs.append((n, k, m, cfg, True, probe))
     compile_all(jobs, a.workers)
 
     rows = check(dev)
@@ -193,15 +209,15 @@ def main() -> None:
             timed("glmq", lambda i: D.w4a16_matmul_packed(x, packs[i], out=outs[i]))
             timed("glmq-pdl", lambda i: D.w4a16_matmul_packed(x, packs[i], out=outs[i], pdl=True))
             for cfg, probe in variants(k, m):
-                tag = f"R{cfg.rows}W{cfg.warps}D{cfg.depth}"
+                label = tag(cfg)
                 if probe:
                     DK.decode_matmul(x, packs[0], outs[0], cfg, probe=probe)
                     us, _ = b.time_us([lambda i=i, c=cfg: DK.decode_matmul(x, packs[i], outs[i], c, probe=probe)
                                        for i in range(len(packs))])
-                    res.append(dict(shape=name, m=m, impl=f"probe{probe}-{tag}", us=us))
+                    res.append(dict(shape=name, m=m, impl=f"probe{probe}-{label}", us=us))
                     continue
-                timed(f"gluon-{tag}", lambda i, c=cfg: DK.decode_matmul(x, packs[i], outs[i], c))
-                timed(f"gluon-pdl-{tag}", lambda i, c=cfg: DK.decode_matmul(x, packs[i], outs[i], c, pdl=True))
+                timed(f"gluon-{label}", lambda i, c=cfg: DK.decode_matmul(x, packs[i], outs[i], c))
+                timed(f"gluon-pdl-{label}", lambda i, c=cfg: DK.decode_matmul(x, packs[i], outs[i], c, pdl=True))
             xd = x.to(torch.float16)
             us, _ = b.time_us([lambda w=w: F.linear(xd, w) for w in w16])
             res.append(dict(shape=name, m=m, impl="cublas-fp16", us=us))
@@ -235,8 +251,8 @@ def tune(shapes: dict, dev, a, out_dir: Path) -> None:
     from glmq.kernels import w4a16_dense as D
     from glmq.kernels import w4a16_decode as DK
 
-    jobs = [(n, k, m, c.rows, c.warps, c.depth, pdl, 0, early) for (n, k) in shapes.values() for m in TUNE_M
-            for c in tune_candidates(k) for pdl, early in ((False, False), (True, False), (True, True))]
+    jobs = [(n, k, m, dataclasses.replace(c, pdl_early=early), pdl, 0) for (n, k) in shapes.values() for m in TUNE_M
+            for c in tune_candidates(k, m) for pdl, early in ((False, False), (True, False), (True, True))]
     compile_all(jobs, a.workers)
     b = Bench(dev, a.budget_s, smoke=False)
     name = torch.cuda.get_device_name(dev)
@@ -254,7 +270,7 @@ def tune(shapes: dict, dev, a, out_dir: Path) -> None:
             ref = x.float() @ w32.T
             outs = [torch.empty(m, n, dtype=x.dtype, device=dev) for _ in packs]
             tcfg = D.choose_config(m, n, k, GROUP, D.sm_count(dev), name, D.Layout.PAIRS)
-            cands = [("triton", tcfg)] + [(f"R{c.rows}W{c.warps}D{c.depth}", c) for c in tune_candidates(k)]
+            cands = [("triton", tcfg)] + [(tag(c), c) for c in tune_candidates(k, m)]
             cands += [(label + "E", dataclasses.replace(c, pdl_early=True)) for label, c in cands[1:]]
             times = {}
             for _ in range(2):

@@ -686,7 +686,7 @@ def test_moe_config_validation():
 @pytest.mark.parametrize(
     "kwargs, match",
     [(dict(rows=64), "rows must be 16 or 32"), (dict(warps=3), "warps must be 1, 2, 4 or 8"),
-     (dict(depth=4), "depth must be 1, 2 or 3")],
+     (dict(depth=5), "depth must be 1-4")],
 )  # fmt: skip
 def test_decode_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -740,20 +740,23 @@ def test_decode_kernel_compiles_for_sm90():
     # Compiled ahead of time with the installed Triton's ptxas (no GPU needed), in a fresh process: the
     # dequantized words must become the MMA's A fragments without any data movement (assert_trivial), the
     # words must load 16 bytes at a time, each chunk must issue its m16n8k16 MMAs, nothing may spill, and the
-    # main loop may hold no barrier (the only ones are the final cross-warp sum's).
+    # main loop may hold no barrier (the only ones are the final cross-warp sum's and, with x_smem, the one after
+    # x is staged); with x_smem each chunk's x fragments are four 16-byte shared loads.
     code = """
 import json, sys
 from glmq.kernels import w4a16_decode as DK
 out = []
 for cfg, chunks, tok, bf16, xb, pdl in [(DK.DecodeConfig(16, 4, 2), 64, 8, True, True, False),
                                         (DK.DecodeConfig(32, 8, 3), 96, 8, False, False, True),
-                                        (DK.DecodeConfig(16, 2, 1), 8, 16, True, False, False)]:
+                                        (DK.DecodeConfig(16, 2, 1), 8, 16, True, False, False),
+                                        (DK.DecodeConfig(16, 8, 3, x_smem=True), 96, 8, False, True, True),
+                                        (DK.DecodeConfig(16, 4, 4, x_smem=True), 64, 8, True, True, False)]:
     try:
         r = DK.compile_sm90(cfg, chunks, tok, bf16, xb, pdl)
     except RuntimeError as exc:
         print("SKIP", exc); sys.exit(0)
     r.pop("sass")
-    out.append(dict(r, rows=cfg.rows, warps=cfg.warps, cpw=chunks // cfg.warps, tok=tok))
+    out.append(dict(r, rows=cfg.rows, warps=cfg.warps, cpw=chunks // cfg.warps, tok=tok, xs=cfg.x_smem and xb))
 print(json.dumps(out))
 """
     import os
@@ -768,9 +771,14 @@ print(json.dumps(out))
         pytest.skip(f"this Triton cannot compile Gluon for sm_90 here: {last}")
     for r in json.loads(last):
         assert r["spills"] == 0 and r["local"] == 0 and r["registers"] <= 255, r
+        assert "STL" not in r["ops"] and "LDL" not in r["ops"], r
         assert r["ops"].get("HMMA") == r["cpw"] * 8 * (r["rows"] // 16) * (r["tok"] // 8), r
-        assert r["ldg128"] == r["cpw"] * r["rows"] // 8, r  # two 16-byte word loads per 16 rows and chunk
-        assert r["loop_barriers"] == 0 and "STL" not in r["ops"] and "LDL" not in r["ops"], r
+        if r["xs"]:  # x staged in shared memory: four 16-byte shared loads per chunk, x's global loads 16-byte too
+            assert r["lds128"] >= r["cpw"] * 4 and r["loop_lds_narrow"] == 0, r
+            assert r["ldg128"] > r["cpw"] * r["rows"] // 8, r
+        else:
+            assert r["ldg128"] == r["cpw"] * r["rows"] // 8, r  # two 16-byte word loads per 16 rows and chunk
+        assert r["loop_barriers"] == 0, r
 
 
 def _graph_of(fn) -> torch.cuda.CUDAGraph:
@@ -801,7 +809,10 @@ def _decode_case(m, n, k, dtype, cfg, pdl=False, scale_dtype=torch.bfloat16):
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("cfg", [DK.DecodeConfig(16, 1, 1), DK.DecodeConfig(32, 2, 2), DK.DecodeConfig(16, 4, 3),
-                                 DK.DecodeConfig(16, 8, 2)], ids=str)  # fmt: skip
+                                 DK.DecodeConfig(16, 8, 2), DK.DecodeConfig(16, 1, 1, x_smem=True),
+                                 DK.DecodeConfig(32, 2, 3, x_smem=True), DK.DecodeConfig(16, 8, 2, x_smem=True),
+                                 DK.DecodeConfig(16, 4, 4, x_smem=True)],
+                         ids=str)  # fmt: skip
 @pytest.mark.parametrize("m, n, k", [(1, 200, 1024), (3, 96, 1024), (8, 2048, 2048), (9, 264, 3072),
                                      (16, 128, 1024), (1, 4096, 6144), (4, 6144, 2048)])  # fmt: skip
 def test_decode_kernel_gpu(m, n, k, cfg, dtype):
@@ -814,13 +825,15 @@ def test_decode_kernel_gpu(m, n, k, cfg, dtype):
 @gpu
 @pytest.mark.parametrize("m", [1, 5])
 def test_decode_kernel_deterministic_and_pdl_bits_gpu(m):
-    # the warps' partial sums meet in shared memory in warp order: the same bits every launch, with or without PDL
+    # the warps' partial sums meet in shared memory in warp order: the same bits every launch, with or without PDL,
+    # with x staged in shared memory or not
     cfg = DK.DecodeConfig(16, 8, 2)
     x, packed, y = _decode_case(m, 6144, 2048, torch.bfloat16, cfg)
-    for pdl, early in ((False, False), (True, False), (False, False), (True, True)):
+    for pdl, early, xs in ((False, False, False), (True, False, False), (False, False, False), (True, True, False),
+                           (False, False, True), (True, True, True)):
         again = D.w4a16_matmul_packed(x, packed, out=poisoned(m, 6144, torch.bfloat16),
-                                      config=dataclasses.replace(cfg, pdl_early=early), pdl=pdl)
-        assert torch.equal(again + 0, y + 0)
+                                      config=dataclasses.replace(cfg, pdl_early=early, x_smem=xs), pdl=pdl)
+        assert torch.equal(again + 0, y + 0)  # x_smem: the same B fragments, from shared memory, the same MMAs
 
 
 @pytest.mark.gpu
@@ -835,7 +848,7 @@ def test_decode_pdl_dependent_chain_gpu(m):
         wp, ws = quantized(rows, cols, group_size=128, seed=seed)
         raw.append((wp, (ws.float() / math.sqrt(cols)).to(ws.dtype)))
     ws_ = [D.prepack(wp, ws, 128) for wp, ws in raw]
-    cfgs = [DK.DecodeConfig(16, 8, 2, pdl_early=True), DK.DecodeConfig(16, 4, 3)]  # both trigger points
+    cfgs = [DK.DecodeConfig(16, 8, 2, pdl_early=True, x_smem=True), DK.DecodeConfig(16, 4, 3)]  # both trigger points
     x0 = acts(m, k, torch.bfloat16)
     bufs = [poisoned(m, n if i % 2 == 0 else k, torch.bfloat16) for i in range(16)]
 
