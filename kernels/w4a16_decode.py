@@ -64,6 +64,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     _GLUON = False
 
 MAX_M = 16  # token rows this kernel takes (two n8 MMA tiles)
+X_SMEM_MAX_BYTES = 96 << 10  # x_smem's staged copy of x per program (an sm_90 SM has 227 KB); larger is refused
 HEURISTIC_MAX_WEIGHTS = 80 << 20  # N * K up to which `heuristic_config` takes this kernel at M = 1 (module doc)
 TUNED_PATH = Path(__file__).with_name("tuned_decode.json")
 
@@ -149,9 +150,10 @@ if _GLUON:
     @gluon.jit
     def _stage_x(x_ptr, xsm, CPW: gl.constexpr, CP2: gl.constexpr, W: gl.constexpr):
         """Copy token 0's x, warp w's chunks [w CPW, (w + 1) CPW), into shared memory `xsm` ([CP2 * W, 4, 4, 8]:
-        chunk i of warp w at i W + w; CP2 = CPW rounded up to a power of two) in fragment order: k = 32 jb + 16 s0 + 8 h + 2 c + e is stored
-        at [jb, c, (s0, h, e)], so that the 32 elements thread c's B fragments take from a chunk are four
-        16-byte runs, the four c of one run adjacent (no bank conflict). One load and one store of the whole
+        chunk i of warp w at i W + w; CP2 = CPW rounded up to a power of two) in fragment order: element
+        k = 32 jb + 16 s0 + 8 h + 2 c + e of a chunk is stored at [jb, c, (s0, h, e)], so that the 32 elements
+        thread c's B fragments take from a chunk are four 16-byte runs, the four c of one run adjacent (no
+        bank conflict). One load and one store of the whole
         buffer: stores to parts of one buffer would each be fenced by a barrier (Triton's membar analysis does
         not tell the parts apart)."""
         st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 8], threads_per_warp=[2, 1, 16],
@@ -322,10 +324,20 @@ def available(device: torch.device) -> bool:
     return _cuda_info(device)[2] >= (8, 0)  # cached per device, as w4a16_dense's sm_count / pdl_supported
 
 
+def x_smem_bytes(k: int, warps: int) -> int:
+    """Shared memory a program of `warps` warps stages x in with x_smem (16-bit x): each warp's chunks rounded up
+    to a power of two, 256 bytes a chunk."""
+    cpw = k // MMA_CHUNK // warps
+    return (1 << (cpw - 1).bit_length()) * warps * MMA_CHUNK * 2
+
+
 def supports(m: int, w: PackedW4, cfg: DecodeConfig | None = None) -> bool:
     """Whether a call fits the kernel: 1 <= M <= 16, a 2-D PAIRS weight stored chunk-major (what `prepack`
-    gives group-128 weights), and `cfg.warps` dividing the K / 128 chunks."""
+    gives group-128 weights), `cfg.warps` dividing the K / 128 chunks, and with x_smem at M = 1 the staged x
+    within X_SMEM_MAX_BYTES."""
     if not (1 <= m <= MAX_M) or w.lead or w.layout is not Layout.PAIRS or not w.chunk_major or w.chunk != MMA_CHUNK:
+        return False
+    if cfg is not None and cfg.x_smem and m == 1 and x_smem_bytes(w.k, cfg.warps) > X_SMEM_MAX_BYTES:
         return False
     return (w.k // MMA_CHUNK) % (cfg.warps if cfg is not None else 1) == 0
 
@@ -388,8 +400,9 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
     m, k = x.shape
     if not supports(m, w, cfg):
         raise ValueError(f"the decode kernel takes 1 <= M <= {MAX_M} on 2-D chunk-major pairs weights with "
-                         f"{cfg.warps} warps dividing K / {MMA_CHUNK}; got M = {m}, weight {[*w.lead, w.n, w.k]} "
-                         f"({w.layout.value}, chunk_major={w.chunk_major})")
+                         f"{cfg.warps} warps dividing K / {MMA_CHUNK}, and with x_smem at M = 1 at most "
+                         f"{X_SMEM_MAX_BYTES >> 10} KB of staged x (`x_smem_bytes`); got M = {m}, weight "
+                         f"{[*w.lead, w.n, w.k]} ({w.layout.value}, chunk_major={w.chunk_major}), {cfg}")
     n = w.n
     if n == 0:
         return out  # nothing to launch (a grid of zero programs is an error)
@@ -401,8 +414,8 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
     _decode_kernel[(-(-n // cfg.rows),)](
         x, w.qweight, w.scale, out, m, n, x.stride(0), stride_wc, w.scale.stride(0), out.stride(0),
         CPW=chunks // cfg.warps, W=cfg.warps, R=cfg.rows, TOK=8 if m <= 8 else 16, D=min(cfg.depth, chunks // cfg.warps),
-        BF16=x.dtype == torch.bfloat16, XB=m == 1, XS=m == 1 and cfg.x_smem, PDL=pdl, PDL_EARLY=pdl and cfg.pdl_early, PROBE=probe,
-        num_warps=cfg.warps, **launch,
+        BF16=x.dtype == torch.bfloat16, XB=m == 1, XS=m == 1 and cfg.x_smem, PDL=pdl, PDL_EARLY=pdl and cfg.pdl_early,
+        PROBE=probe, num_warps=cfg.warps, **launch,
     )  # fmt: skip
     return out
 

@@ -696,6 +696,12 @@ def test_decode_config_validation(kwargs, match):
 def test_decode_supports_and_heuristic():
     wp, ws = quantized(48, 768, group_size=128)
     pairs = D.prepack(wp, ws, 128)
+    # x_smem stages each warp's chunks rounded up to a power of two; past X_SMEM_MAX_BYTES the config is refused
+    assert DK.x_smem_bytes(8192, 4) == 16 * 4 * 256 and DK.x_smem_bytes(12288, 8) == 16 * 8 * 256
+    wide = D.prepack(*quantized(16, 392 * 128, group_size=128), 128)  # 49 chunks a warp -> 64: 128 KB
+    assert DK.supports(1, wide, DK.DecodeConfig(warps=8)) and DK.supports(2, wide, DK.DecodeConfig(warps=8, x_smem=True))
+    assert not DK.supports(1, wide, DK.DecodeConfig(warps=8, x_smem=True))
+    assert DK.supports(1, pairs, DK.DecodeConfig(warps=2, x_smem=True))
     assert pairs.layout is D.Layout.PAIRS and pairs.chunk_major
     assert DK.supports(1, pairs) and DK.supports(16, pairs) and not DK.supports(17, pairs) and not DK.supports(0, pairs)
     assert DK.supports(5, pairs, DK.DecodeConfig(warps=2)) and not DK.supports(5, pairs, DK.DecodeConfig(warps=4))
