@@ -153,9 +153,8 @@ if _GLUON:
         chunk i of warp w at i W + w; CP2 = CPW rounded up to a power of two) in fragment order: element
         k = 32 jb + 16 s0 + 8 h + 2 c + e of a chunk is stored at [jb, c, (s0, h, e)], so that the 32 elements
         thread c's B fragments take from a chunk are four 16-byte runs, the four c of one run adjacent (no
-        bank conflict). One load and one store of the whole
-        buffer: stores to parts of one buffer would each be fenced by a barrier (Triton's membar analysis does
-        not tell the parts apart)."""
+        bank conflict). One load and one store of the whole buffer: stores to parts of one buffer would each be
+        fenced by a barrier (Triton's membar analysis does not tell the parts apart)."""
         st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 8], threads_per_warp=[2, 1, 16],
                                               warps_per_cta=[1, W, 1], order=[2, 1, 0])
         ci = gl.arange(0, CP2, layout=gl.SliceLayout(1, gl.SliceLayout(2, st_l)))

@@ -283,7 +283,7 @@ def dense_config_note(b: Bench, m: int, n: int, k: int, layout=None, pdl: bool =
 
         dcfg = DK.choose(m, packed, b.device, D.device_name(b.device), pdl)
         if dcfg is not None:
-            return f"gluon decode config rows={dcfg.rows} warps={dcfg.warps} depth={dcfg.depth}"
+            return f"gluon decode config {compact(dcfg)}"
     cfg = D.choose_config(m, n, k, GROUP, D.sm_count(b.device), D.device_name(b.device), layout)
     return f"{layout.value} config {compact(cfg)}"
 
@@ -301,7 +301,7 @@ def prev_config(b: Bench, m: int, n: int, k: int):
 
 def compact(cfg) -> str:
     """A launch config as 'field=value' for the fields that differ from the defaults (tiles always)."""
-    keep = ("kind", "block_m", "block_n", "block_n_up", "block_n_down", "split_k")
+    keep = ("kind", "block_m", "block_n", "block_n_up", "block_n_down", "split_k", "rows", "warps", "depth")
     parts = []
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)

@@ -2,7 +2,8 @@
 # One device-machine call for the Gluon decode kernel (kernels/w4a16_decode.py, issue 4, session 11): tune its
 # launch table against the Triton kernel, run the GPU kernel tests with that table, then the kernel benchmark.
 # Run from the repository root; results in $OUT (tuned_decode.json, tune.log, tests.log, bench_kernels.{json,md,png},
-# run.log). TUNE_S / TEST_S / BENCH_S bound the three steps (seconds); TEST_ARGS (shell words, quotes kept) and BENCH_ARGS are passed on.
+# run.log). TUNE_S / TEST_S / BENCH_S bound the three steps (seconds); TEST_ARGS (shell words, quotes kept) and
+# BENCH_ARGS are passed on.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 exec > >(tee -a "$OUT/run.log") 2>&1

@@ -80,6 +80,15 @@ def variants(k: int, m: int):
             yield DecodeConfig(rows=r, warps=w, depth=d, x_smem=xs), probe
 
 
+def packed_copies(b, wp: torch.Tensor, ws: torch.Tensor) -> list:
+    """`prepack`ed copies of one weight, as many as `b.copies` rotates past L2 (the first from wp, ws themselves)."""
+    from bench_kernels import packed_bytes
+    from glmq.kernels import w4a16_dense as D
+
+    return [D.prepack(wp, ws, GROUP)] + [D.prepack(wp.clone(), ws.clone(), GROUP)
+                                         for _ in range(b.copies(packed_bytes(wp, ws)) - 1)]
+
+
 def _warm(job):
     n, k, m, cfg, pdl, probe = job
     from glmq.kernels import w4a16_dense as D
@@ -186,8 +195,7 @@ def main() -> None:
         wp, ws = random_int4(n, k, device=dev, seed=1)
         w32 = R.dequantize_packed(wp, ws, GROUP)
         nbytes = packed_bytes(wp, ws)
-        copies = b.copies(nbytes)
-        packs = [D.prepack(wp, ws, GROUP)] + [D.prepack(wp.clone(), ws.clone(), GROUP) for _ in range(copies - 1)]
+        packs = packed_copies(b, wp, ws)
         w16 = [w32.to(torch.float16) for _ in range(b.copies(n * k * 2))]
         for m in a.m:
             if b.out_of_time():
@@ -246,7 +254,7 @@ def main() -> None:
 
 
 def tune(shapes: dict, dev, a, out_dir: Path) -> None:
-    from bench_kernels import Bench, random_int4, packed_bytes, rel_err
+    from bench_kernels import Bench, random_int4, rel_err
     from glmq.kernels import reference as R
     from glmq.kernels import w4a16_dense as D
     from glmq.kernels import w4a16_decode as DK
@@ -263,8 +271,7 @@ def tune(shapes: dict, dev, a, out_dir: Path) -> None:
     for shape, (n, k) in shapes.items():
         wp, ws = random_int4(n, k, device=dev, seed=3)
         w32 = R.dequantize_packed(wp, ws, GROUP)
-        copies = b.copies(packed_bytes(wp, ws))
-        packs = [D.prepack(wp, ws, GROUP)] + [D.prepack(wp.clone(), ws.clone(), GROUP) for _ in range(copies - 1)]
+        packs = packed_copies(b, wp, ws)
         for m in TUNE_M:
             x = torch.randn(m, k, device=dev).to(torch.bfloat16)
             ref = x.float() @ w32.T
