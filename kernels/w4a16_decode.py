@@ -1,6 +1,6 @@
 """Decode W4A16 GEMM in Gluon: warp-independent streaming, tensor cores fed from registers, no split-K fix-up.
 
-    y[M, N] = x[M, K] @ dequant(W).T,  M <= 16, on `prepack`ed PAIRS weights (group 128, chunk-major)
+    y[M, N] = x[M, K] @ dequant(W).T,  M <= 16, on `prepack`ed PAIRS or SPANS weights (group 128, chunk-major)
 
 Why a second kernel, and why Gluon. At decode the Triton kernel in w4a16_dense.py (`_mma_swap_kernel`)
 runs 128-row wgmma tiles: a shape has only N / 128 of them, so K is split over programs and the fp32
@@ -20,6 +20,10 @@ the warps of one program. Gluon (Triton's explicit-layout dialect) can. Here:
     fragment order (four 16-byte shared loads per chunk instead of sixteen 4-byte global loads kept in
     flight with the words); no barrier in the main loop, so each warp streams its words on its own with
     `depth` chunks in flight;
+  * on SPANS weights (`w4a16_dense.Layout.SPANS`: the same words, but the MMA's k position p holds chunk
+    column `spans_column(p)`, so lane c's fragments cover the columns [32 c, 32 c + 32)) x's B fragments are
+    four 16-byte global loads per chunk and 8-token tile at any M (`_x_spans`) instead of sixteen 4-byte
+    ones; this is what makes M = 2-8 pay here (kernels/NOTES.md, session 13);
   * the loop over a warp's chunks is unrolled at compile time (CPW is a constexpr), so every load's
     address is a base plus an immediate.
 
@@ -28,14 +32,16 @@ M = 1 every lane loads token 0 unmasked (the MMA's eight columns are then all to
 dequantization is `w4a16_dense._pairs_asm` (q = u - 8 exactly, in bf16 or fp16); the group scale is
 applied once per (row, chunk) to the chunk's fp32 MMA result, as in the Triton kernel.
 
-Where it is used (kernels/NOTES.md, session 11, for the measurements): on the H200 it wins at M = 1-4 on
-some shapes (the expert-sized ones most: no split-K fix-up; with x_smem at M = 1 on all five GLM shapes)
-and loses on others, and above M = 4 the x fragment loads (16 per chunk and token tile, per 16 rows) make
-it slower than the wgmma kernel everywhere (x_smem is M = 1 only: a program's x at M <= 16 would need up
-to K * 32 bytes of shared memory).
-So `w4a16_matmul_packed` takes it only where `tuned_decode.json` (scripts/probe_decode.py --tune, on the
-GPU it names) says it was faster, or, on other sm_90 GPUs, by `heuristic_config`'s rule; an explicit
-`DecodeConfig` always takes it.
+Where it is used (kernels/NOTES.md, sessions 11-13, for the measurements). On PAIRS weights on the H200 it
+wins at M = 1-4 on some shapes (the expert-sized ones most: no split-K fix-up; with x_smem at M = 1 on all
+five GLM shapes) and loses on others, and above M = 4 the x fragment loads (16 per chunk and token tile, per
+16 rows) make it slower than the wgmma kernel everywhere (x_smem is M = 1 only: a program's x at M <= 16
+would need up to K * 32 bytes of shared memory). On SPANS weights it won at M <= 8 on all five GLM shapes
+and at M = 16 on some (the Triton kernel, which then reads a permuted copy of x, `w4a16_dense.spans_x`,
+runs elsewhere). So `w4a16_matmul_packed` takes it only where the launch table of the weight's layout
+(`TUNED_PATHS`: `tuned_decode.json` for PAIRS, `tuned_decode_spans.json` for SPANS; written by
+scripts/probe_decode.py --tune on the GPU it names) says it was faster, or, on other sm_90 GPUs, by
+`heuristic_config`'s rule; an explicit `DecodeConfig` always takes it.
 
 Gluon kernels cannot run under TRITON_INTERPRET=1 (Triton has no Gluon interpreter): `available()` is
 False there and off-GPU, and the Triton kernels run instead. CPU CI compiles this kernel for sm_90 with
@@ -66,7 +72,8 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 MAX_M = 16  # token rows this kernel takes (two n8 MMA tiles)
 X_SMEM_MAX_BYTES = 96 << 10  # x_smem's staged copy of x per program (an sm_90 SM has 227 KB); larger is refused
 HEURISTIC_MAX_WEIGHTS = 80 << 20  # N * K up to which `heuristic_config` takes this kernel at M = 1 (module doc)
-TUNED_PATH = Path(__file__).with_name("tuned_decode.json")
+TUNED_PATHS = {Layout.PAIRS: Path(__file__).with_name("tuned_decode.json"),  # one launch table per weight layout
+               Layout.SPANS: Path(__file__).with_name("tuned_decode_spans.json")}
 
 
 @dataclass(frozen=True)
@@ -129,9 +136,11 @@ if _GLUON:
         return gl.reshape(gl.permute(w, (0, 1, 3, 6, 5, 2, 4)), [W, R, 128])
 
     @gluon.jit
-    def _load_x(xp, x_mask, PROBE: gl.constexpr, ones):
+    def _load_x(xp, x_mask, PROBE: gl.constexpr, ones, SP: gl.constexpr):
         if PROBE == 1 or PROBE == 2:
             return ones
+        elif SP:
+            return _x_spans(xp, x_mask, ones)
         elif x_mask is None:
             return gl.load(xp)
         else:
@@ -148,13 +157,29 @@ if _GLUON:
         return gl.broadcast(gl.expand_dims(t, 2), b_like)[0]
 
     @gluon.jit
-    def _stage_x(x_ptr, xsm, CPW: gl.constexpr, CP2: gl.constexpr, W: gl.constexpr):
+    def _x_spans(xq, x_mask, b_like):
+        """One chunk's x for SPANS weights: `xq` [W, TOK, 4, 32] pointers (thread (g, c): token g's columns
+        [32 c, 32 c + 32) of the chunk, four 16-byte loads) -> [W, 128, TOK] B fragments in MMA k-position order
+        (position 32 q + 16 s0 + 8 h + 2 c + e holds column 32 c + 8 q + 4 s0 + 2 h + e, `spans_column`); the
+        reshape is register renaming (checked)."""
+        if x_mask is None:
+            t = gl.load(xq)
+        else:
+            t = gl.load(xq, mask=x_mask, other=0.0)
+        W: gl.constexpr = t.shape[0]
+        TOK: gl.constexpr = t.shape[1]
+        t = gl.permute(gl.reshape(t, [W, TOK, 4, 4, 2, 2, 2]), (0, 3, 4, 5, 2, 6, 1))  # [W, q, s0, h, c, e, tok]
+        return gl.convert_layout(gl.reshape(t, [W, 128, TOK]), b_like.type.layout, assert_trivial=True)
+
+    @gluon.jit
+    def _stage_x(x_ptr, xsm, CPW: gl.constexpr, CP2: gl.constexpr, W: gl.constexpr, SP: gl.constexpr):
         """Copy token 0's x, warp w's chunks [w CPW, (w + 1) CPW), into shared memory `xsm` ([CP2 * W, 4, 4, 8]:
         chunk i of warp w at i W + w; CP2 = CPW rounded up to a power of two) in fragment order: element
         k = 32 jb + 16 s0 + 8 h + 2 c + e of a chunk is stored at [jb, c, (s0, h, e)], so that the 32 elements
         thread c's B fragments take from a chunk are four 16-byte runs, the four c of one run adjacent (no
-        bank conflict). One load and one store of the whole buffer: stores to parts of one buffer would each be
-        fenced by a barrier (Triton's membar analysis does not tell the parts apart)."""
+        bank conflict). SP (SPANS weights): column 32 c + 8 jb + j8 is stored there instead, which `_x_smem` then
+        reads in `spans_column` order. One load and one store of the whole buffer: stores to parts of one buffer
+        would each be fenced by a barrier (Triton's membar analysis does not tell the parts apart)."""
         st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 8], threads_per_warp=[2, 1, 16],
                                               warps_per_cta=[1, W, 1], order=[2, 1, 0])
         ci = gl.arange(0, CP2, layout=gl.SliceLayout(1, gl.SliceLayout(2, st_l)))
@@ -166,7 +191,10 @@ if _GLUON:
             t = gl.load(x_ptr + off)
         else:
             t = gl.load(x_ptr + off, mask=gl.expand_dims(gl.expand_dims(ci < CPW, 1), 2), other=0.0)
-        t = gl.permute(gl.reshape(t, [CP2, W, 4, 2, 2, 4, 2]), (0, 1, 2, 5, 3, 4, 6))  # [.., jb, c, s0, h, e]
+        if SP:
+            t = gl.permute(gl.reshape(t, [CP2, W, 4, 4, 8]), (0, 1, 3, 2, 4))  # [.., c, jb, j8] -> [.., jb, c, j8]
+        else:
+            t = gl.permute(gl.reshape(t, [CP2, W, 4, 2, 2, 4, 2]), (0, 1, 2, 5, 3, 4, 6))  # [.., jb, c, s0, h, e]
         xsm.store(gl.reshape(t, [CP2 * W, 4, 4, 8]))
 
     @gluon.jit
@@ -185,13 +213,15 @@ if _GLUON:
     @gluon.jit
     def _decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wc, stride_sn, stride_om,
                        CPW: gl.constexpr, W: gl.constexpr, R: gl.constexpr, TOK: gl.constexpr, D: gl.constexpr,
-                       BF16: gl.constexpr, XB: gl.constexpr, XS: gl.constexpr, PDL: gl.constexpr,
+                       BF16: gl.constexpr, XB: gl.constexpr, XS: gl.constexpr, SP: gl.constexpr, PDL: gl.constexpr,
                        PDL_EARLY: gl.constexpr, PROBE: gl.constexpr):
         """grid = (cdiv(N, R),), W warps. Program p: rows [R p, R p + R) over all K; warp w: chunks [w CPW, (w+1) CPW).
 
         XB (M == 1): every lane loads token 0's x unmasked, so all eight token columns of the MMA are token 0.
         XS (M == 1, x_smem): token 0's x is staged once (`_stage_x`, one barrier) and each chunk's B fragments are
         read from shared memory right before its MMA (`_x_smem`); x then holds no registers while in flight.
+        SP: SPANS weights (MMA k position p holds chunk column `spans_column(p)`): x's B fragments are loaded as
+        four 16-byte runs per thread, token and chunk (`_x_spans`), or staged in that order (XS).
         PDL: a programmatic dependent launch: the first chunks' words and scales are requested before the
         wait for the previous kernel, x after it; the next launch is let in after the main loop, or right after
         the wait with PDL_EARLY (either way after the wait: when a program of launch N + 1 starts, every kernel
@@ -224,6 +254,20 @@ if _GLUON:
         xp = x_ptr + (gl.expand_dims(gl.expand_dims(wb * (CPW * 128), 1), 2) + gl.expand_dims(gl.expand_dims(kb, 0), 2)
                       + gl.expand_dims(gl.expand_dims(tsel * stride_xm, 0), 1))
         x_mask = gl.expand_dims(gl.expand_dims(tb < M, 0), 1)
+        if SP:  # [W, TOK, 4, 32]: thread (g, c) loads token g's columns [32 c, 32 c + 32) of each chunk
+            xq_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 32], threads_per_warp=[1, 8, 4, 1],
+                                                  warps_per_cta=[W, 1, 1, 1], order=[3, 2, 1, 0])
+            wq = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, xq_l))))
+            tq = gl.arange(0, TOK, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, xq_l))))
+            cq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, xq_l))))
+            jq = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, xq_l))))
+            if XB:
+                tq = tq * 0
+            xp = x_ptr + (gl.expand_dims(gl.expand_dims(gl.expand_dims(wq * (CPW * 128), 1), 2), 3)
+                          + gl.expand_dims(gl.expand_dims(gl.expand_dims(tq * stride_xm, 0), 2), 3)
+                          + gl.expand_dims(gl.expand_dims(gl.expand_dims(cq * 32, 0), 1), 3)
+                          + gl.expand_dims(gl.expand_dims(gl.expand_dims(jq, 0), 1), 2))
+            x_mask = gl.expand_dims(gl.expand_dims(gl.expand_dims(tq < M, 0), 2), 3)
         if XB:
             x_mask = None
         ws = gl.arange(0, W, layout=gl.SliceLayout(1, s_l))
@@ -265,20 +309,20 @@ if _GLUON:
                                             gl.SwizzledSharedLayout(1, 1, 1, order=[3, 2, 1, 0]))
             xs_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4, 1, 8], threads_per_warp=[1, 1, 4, 8],
                                                   warps_per_cta=[W, 1, 1, 1], order=[2, 3, 1, 0])
-            _stage_x(x_ptr, xsm, CPW, CP2, W)
+            _stage_x(x_ptr, xsm, CPW, CP2, W, SP)
             _barrier()
             x0 = ones
         else:
-            x0 = _load_x(xp, x_mask, PROBE, ones)
+            x0 = _load_x(xp, x_mask, PROBE, ones, SP)
         x1 = x0
         x2 = x0
         x3 = x0
         if D > 1 and CPW > 1 and not XS:
-            x1 = _load_x(xp + 128, x_mask, PROBE, ones)
+            x1 = _load_x(xp + 128, x_mask, PROBE, ones, SP)
         if D > 2 and CPW > 2 and not XS:
-            x2 = _load_x(xp + 256, x_mask, PROBE, ones)
+            x2 = _load_x(xp + 256, x_mask, PROBE, ones, SP)
         if D > 3 and CPW > 3 and not XS:
-            x3 = _load_x(xp + 384, x_mask, PROBE, ones)
+            x3 = _load_x(xp + 384, x_mask, PROBE, ones, SP)
         for i in gl.static_range(CPW):  # unrolled: chunk i + D is requested before chunk i is computed
             wn = w0
             xn = x0
@@ -286,7 +330,7 @@ if _GLUON:
             if i + D < CPW:
                 wn = _load_w(wp + (i + D) * stride_wc)
                 if not XS:
-                    xn = _load_x(xp + (i + D) * 128, x_mask, PROBE, ones)
+                    xn = _load_x(xp + (i + D) * 128, x_mask, PROBE, ones, SP)
                 sn = _load_s(sp + (i + D), PROBE, s_one)
             if XS and PROBE != 1 and PROBE != 2:
                 x0 = _x_smem(xsm.slice(i * W, W), xs_l, W, ones)
@@ -337,10 +381,10 @@ def x_smem_bytes(k: int, warps: int) -> int:
 
 
 def supports(m: int, w: PackedW4, cfg: DecodeConfig | None = None) -> bool:
-    """Whether a call fits the kernel: 1 <= M <= 16, a 2-D PAIRS weight stored chunk-major (what `prepack`
+    """Whether a call fits the kernel: 1 <= M <= 16, a 2-D PAIRS or SPANS weight stored chunk-major (what `prepack`
     gives group-128 weights), `cfg.warps` dividing the K / 128 chunks, and with x_smem at M = 1 the staged x
     within X_SMEM_MAX_BYTES."""
-    if not (1 <= m <= MAX_M) or w.lead or w.layout is not Layout.PAIRS or not w.chunk_major or w.chunk != MMA_CHUNK:
+    if not (1 <= m <= MAX_M) or w.lead or not w.layout.mma or not w.chunk_major or w.chunk != MMA_CHUNK:
         return False
     if cfg is not None and cfg.x_smem and m == 1 and x_smem_bytes(w.k, cfg.warps) > X_SMEM_MAX_BYTES:
         return False
@@ -370,12 +414,14 @@ def _table(path: str) -> dict:
         return {}
 
 
-def tuned_config(m: int, n: int, k: int, device: str, pdl: bool) -> DecodeConfig | None | str:
-    """The tuned choice for this GPU, shape and M: a DecodeConfig, None (the Triton kernel measured faster), or
-    "untuned" (no entry: fall back to `heuristic_config`). An entry holds the smallest tuned M >= m; past the
-    largest tuned M the Triton kernel is taken."""
-    table = _table(str(TUNED_PATH))
-    if table.get("device") != device:
+def tuned_config(m: int, n: int, k: int, device: str, pdl: bool, layout: Layout = Layout.PAIRS
+                 ) -> DecodeConfig | None | str:
+    """The tuned choice for this GPU, weight layout, shape and M: a DecodeConfig, None (the Triton kernel measured
+    faster), or "untuned" (no entry, or a table tuned on weights of another layout: fall back to
+    `heuristic_config`). An entry holds the smallest tuned M >= m; past the largest tuned M the Triton kernel is
+    taken."""
+    table = _table(str(TUNED_PATHS.get(layout, "")))
+    if table.get("device") != device or table.get("layout", Layout.PAIRS.value) != layout.value:
         return "untuned"
     rows = table.get("decode", {}).get(f"{n},{k},{MMA_CHUNK}")
     if not rows:
@@ -392,7 +438,7 @@ def choose(m: int, w: PackedW4, device: torch.device, device_name: str, pdl: boo
     """The config `w4a16_matmul_packed` runs this call with on the Gluon kernel, or None for the Triton kernels."""
     if not available(device) or not supports(m, w):
         return None
-    cfg = tuned_config(m, w.n, w.k, device_name, pdl)
+    cfg = tuned_config(m, w.n, w.k, device_name, pdl, w.layout)
     if cfg == "untuned":
         cfg = heuristic_config(m, w.n, w.k) if _cuda_info(device)[2] == (9, 0) else None
     return cfg if cfg is not None and supports(m, w, cfg) else None
@@ -419,14 +465,14 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
     _decode_kernel[(-(-n // cfg.rows),)](
         x, w.qweight, w.scale, out, m, n, x.stride(0), stride_wc, w.scale.stride(0), out.stride(0),
         CPW=chunks // cfg.warps, W=cfg.warps, R=cfg.rows, TOK=8 if m <= 8 else 16, D=min(cfg.depth, chunks // cfg.warps),
-        BF16=x.dtype == torch.bfloat16, XB=m == 1, XS=m == 1 and cfg.x_smem, PDL=pdl, PDL_EARLY=pdl and cfg.pdl_early,
+        BF16=x.dtype == torch.bfloat16, XB=m == 1, XS=m == 1 and cfg.x_smem, SP=w.layout is Layout.SPANS, PDL=pdl, PDL_EARLY=pdl and cfg.pdl_early,
         PROBE=probe, num_warps=cfg.warps, **launch,
     )  # fmt: skip
     return out
 
 
 def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True, xb: bool = True,
-                 pdl: bool = False) -> dict:
+                 pdl: bool = False, spans: bool = False) -> dict:
     """Compile `_decode_kernel` for sm_90 without a GPU (Triton's own ptxas and cuobjdump) and summarise it.
 
     For CI and for reading the code a config produces: returns {"registers", "spills" (stack bytes),
@@ -454,7 +500,7 @@ def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True
     sig = {"x_ptr": act, "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": act, "M": "i32", "N": "i32",
            "stride_xm": "i32", "stride_wc": "i32", "stride_sn": "i32", "stride_om": "i32"}
     consts = dict(CPW=chunks // cfg.warps, W=cfg.warps, R=cfg.rows, TOK=tok, D=min(cfg.depth, chunks // cfg.warps),
-                  BF16=bf16, XB=xb, XS=xb and cfg.x_smem, PDL=pdl, PDL_EARLY=pdl and cfg.pdl_early, PROBE=0)
+                  BF16=bf16, XB=xb, XS=xb and cfg.x_smem, SP=spans, PDL=pdl, PDL_EARLY=pdl and cfg.pdl_early, PROBE=0)
     sig.update({name: "constexpr" for name in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 7, 8, 9)}  # as the JIT specialises them
     src = GluonASTSource(_decode_kernel, sig, consts, attrs)

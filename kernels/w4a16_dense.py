@@ -17,6 +17,12 @@ columns (C = 128 when K allows, else 64 or 32), in one of two orders (`Layout`, 
   but applied once per output after each chunk's dot (`_pairs_chunk_dot`). The words are also stored
   chunk-major (`PackedW4.chunk_major`: `[K/128, N, 16]`, all rows of one chunk contiguous), so that a
   tile of 128 rows x 1 chunk is one contiguous 8 KB block of memory.
+  SPANS (opt-in, `prepack(..., layout="spans")`; 2-D weights): the PAIRS words, but MMA k position p
+      holds column `spans_column(p)`, so that thread c's four words hold the columns [32c, 32c + 32) of
+      the chunk. The Gluon decode kernel (w4a16_decode.py) then loads x's B fragments 16 bytes at a time
+      at any M (on the H200: faster than PAIRS at M <= 8), while the Triton kernel reads a permuted copy
+      of x (`spans_x`: 2.5-4 us more per call, 1.03-1.3x slower than PAIRS from M = 16 on). A layout for
+      weights that only see decode batches; PAIRS stays the default, and the MoE kernel refuses SPANS.
   PLANES (every chunk size; the GEMV, the per-plane MMA kernel, and group sizes 32 and 64):
       prepacked word w of a chunk, nibble j  =  element  j * P + w  of that chunk   (P = C / 8)
   The words keep their shape `[N, K/8]`. Nibble "plane" j of the P words of a chunk is then P
@@ -202,6 +208,22 @@ class Layout(str, enum.Enum):
 
     PLANES = "planes"  # word w, nibble j = element j * P + w: any chunk; the GEMV and per-plane kernels
     PAIRS = "pairs"  # chunk 128 only: each word holds 4 (k, k+1) pairs of one thread's MMA fragment
+    SPANS = "spans"  # PAIRS over the MMA's k positions, which hold the columns `spans_column`: thread c's 32 columns
+
+    @property
+    def mma(self) -> bool:
+        """Whether the tensor-core kernels read it (PAIRS, SPANS: chunk 128, group 128, an A fragment per word)."""
+        return self is not Layout.PLANES
+
+
+def spans_column(p):
+    """The chunk column held at MMA k position p = 16 s + 8 h + 2 c + e of a SPANS chunk: 32 c + 4 s + 2 h + e.
+
+    So lane c of the m16n8k16 fragments (the positions 2c + e + 8h + 16s of every k16 step s) holds the columns
+    [32 c, 32 c + 32) of the chunk, in order: x's B fragments of a chunk are one 64-byte run per thread and
+    token. Works on ints, torch and Triton tensors (bit operations only).
+    """
+    return ((p >> 1) & 3) * 32 + (p >> 4) * 4 + ((p >> 3) & 1) * 2 + (p & 1)
 
 
 def chunk_perm(chunk: int, layout: Layout) -> torch.Tensor:
@@ -214,6 +236,10 @@ def chunk_perm(chunk: int, layout: Layout) -> torch.Tensor:
     tensor cores' A fragment holds, c = lane % 4 picks columns {2c, 2c+1, 2c+8, 2c+9} of every k16
     block (the fragment's rule), and a thread's four words v = 4c .. 4c+3 (one 16-byte load) carry
     all 32 of its elements of the chunk for one row.
+    SPANS (chunk 128): the PAIRS slots, but MMA k position p holds column `spans_column(p)`, so that
+    thread c's four words hold the columns [32 c, 32 c + 32): the kernels feed the MMA x's columns in
+    that order (16-byte runs per thread in the Gluon decode kernel; the Triton kernel reads a copy of x
+    permuted so, `spans_x`).
     """
     s = torch.arange(chunk)
     word, nib = s // 8, s % 8
@@ -222,7 +248,8 @@ def chunk_perm(chunk: int, layout: Layout) -> torch.Tensor:
     if chunk != MMA_CHUNK:
         raise ValueError(f"the {layout.value} layout needs 128-column chunks, got {chunk}")
     c, a = word // 4, word % 4
-    return (nib >> 2) + 2 * c + 8 * (nib & 1) + 16 * ((nib >> 1) & 1) + 32 * a
+    pos = (nib >> 2) + 2 * c + 8 * (nib & 1) + 16 * ((nib >> 1) & 1) + 32 * a  # PAIRS: the MMA k position
+    return spans_column(pos) if layout is Layout.SPANS else pos
 
 
 @dataclass(frozen=True, eq=False)
@@ -280,6 +307,18 @@ class PackedW4:
             raise ValueError(f"prepacked {name} words must be int32, got {self.qweight.dtype}")
         _check_tensor(name, "packed", self.qweight, device)
         check_scale(name, self.scale, (*lead, n, k), self.group_size, device)
+
+
+def spans_x(x: torch.Tensor) -> torch.Tensor:
+    """x `[M, K]` -> a contiguous copy whose column 128 j + p is x's column 128 j + `spans_column(p)`: the order in
+    which SPANS weights' MMA k positions take x, so the Triton kernel reads it as it reads x for PAIRS weights.
+
+    One copy kernel per call: 2.5-4 us more per GEMM in a CUDA graph on the H200 (BENCHMARKS.md, session 13).
+    Loading x's columns in `spans_column` order inside the kernel instead (4-byte loads into the wgmma operand
+    tile) was 1.1-4.3x slower than on PAIRS weights at every M (kernels/NOTES.md, session 13).
+    """
+    m, k = x.shape
+    return x.view(m, k // MMA_CHUNK, 4, 8, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k)  # (c, s, h, e) -> (s, h, c, e)
 
 
 def _permute_nibbles(words: torch.Tensor, chunk: int, perm: torch.Tensor) -> torch.Tensor:
@@ -343,10 +382,10 @@ def prepack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size:
         )
     chunk = chunk_for(k)
     layout = default_layout(chunk, group_size) if layout is None else Layout(layout)
-    if layout is Layout.PAIRS and group_size != MMA_CHUNK:
-        raise ValueError(f"the pairs layout is for group-{MMA_CHUNK} weights (its kernels scale once per 128-column "
-                         f"chunk), got group_size {group_size}; use layout='planes'")
-    chunk_major = layout is Layout.PAIRS if chunk_major is None else chunk_major
+    if layout.mma and group_size != MMA_CHUNK:
+        raise ValueError(f"the {layout.value} layout is for group-{MMA_CHUNK} weights (its kernels scale once per "
+                         f"128-column chunk), got group_size {group_size}; use layout='planes'")
+    chunk_major = layout.mma if chunk_major is None else chunk_major
     words = prepack_words(weight_packed.contiguous(), chunk, layout)
     if chunk_major:
         *lead, n, kw = words.shape
@@ -363,7 +402,7 @@ def cached_prepack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, grou
     """`prepack`, remembered per `weight_packed` tensor (and layout) while it lives and is not written in place."""
     k = weight_packed.shape[-1] * 8
     layout = default_layout(chunk_for(k), group_size) if layout is None else Layout(layout)
-    chunk_major = layout is Layout.PAIRS if chunk_major is None else chunk_major
+    chunk_major = layout.mma if chunk_major is None else chunk_major
     key = (id(weight_packed), layout, chunk_major)
     with _CACHE_LOCK:
         hit = _CACHE.get(key)
@@ -998,10 +1037,11 @@ def _mma_swap_kernel(
 ):  # fmt: skip
     """grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k). Tensor-core y.T = dequant(W) @ x.T, chunk 128.
 
-    PAIRS: the weights are in the PAIRS layout (`_pairs_chunk_dot`, group 128); else PLANES
-    (`_dequant_nat`, scales folded into the weights). X_MASK (M < BLOCK_M, decode): token columns
-    past M are not loaded but zero-filled; at M = 1 a 16-token tile would otherwise copy row 0 sixteen
-    times per chunk. Otherwise rows past M wrap (rm % M), which costs no predicate per load.
+    PAIRS: the weights are in the PAIRS layout (`_pairs_chunk_dot`, group 128; SPANS weights come with x's
+    columns already in their order, `spans_x`); else PLANES (`_dequant_nat`, scales folded into the
+    weights). X_MASK (M < BLOCK_M, decode): token columns past M are not loaded but zero-filled; at
+    M = 1 a 16-token tile would otherwise copy row 0 sixteen times per chunk. Otherwise rows past M
+    wrap (rm % M), which costs no predicate per load.
 
     The transposed product: the accumulator is `[BLOCK_N, BLOCK_M]`, the dequantized weight tile is
     the dot's first operand, which Hopper's wgmma (and mma.sync) reads from registers, and x.T the
@@ -1148,13 +1188,14 @@ def tuned_entry(section: str, key: str, m: int, device: str, layout: Layout = La
 
     Only used when `device` (the GPU's name) matches the table's, so CPU/interpreter runs and other
     GPUs always take the heuristics. PLANES entries are the table's top-level sections, PAIRS entries
-    its "pairs" sub-table (each tuned on weights of that layout).
+    its "pairs" sub-table (each tuned on weights of that layout); SPANS weights run the same kernel as
+    PAIRS (on a copy of x permuted to their column order, `spans_x`) and take the "pairs" entries.
     """
     table = _tuned_table(str(TUNED_PATH))
     if not table or table.get("device") != device:
         return None
-    if layout is not Layout.PLANES:
-        table = table.get(layout.value, {})
+    if layout.mma:
+        table = table.get(Layout.PAIRS.value, {})
     rows = table.get(section, {}).get(key)
     if not rows:
         return None
@@ -1177,7 +1218,7 @@ def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT
         warpgroup below M = 1024, else 128 x 128 on two; split-K only when there are fewer tiles than SMs.
     """
     chunk = chunk_for(k)
-    if (m <= GEMV_MAX_M and layout is Layout.PLANES) or chunk != MMA_CHUNK:
+    if (m <= GEMV_MAX_M and not layout.mma) or chunk != MMA_CHUNK:
         block_m = min(8, _next_pow2(m))
         p = chunk // 8
         block_n = 32 if block_m <= 2 else 16
@@ -1194,7 +1235,7 @@ def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT
         per = -(-chunks // split)
         return DenseConfig(KernelKind.MMA, block_m, 128, split, swap=True, num_warps=4, num_stages=4 if block_m <= 32 else 3,
                            mailbox=per >= MAILBOX_MIN_CHUNKS)  # fmt: skip
-    if layout is Layout.PAIRS:  # the tuned H200 winners at M = 256 / 2048; 128 x 256 spills (second accumulator)
+    if layout.mma:  # the tuned H200 winners at M = 256 / 2048; 128 x 256 spills (second accumulator)
         block_m, block_n, warps = (64, 128, 4) if m < 1024 else (128, 128, 8)
     else:
         block_m, block_n, warps = 128 if m >= 256 else 64, 256 if m >= 1024 else 128, 8
@@ -1317,9 +1358,9 @@ def check_out(out: torch.Tensor | None, shape: tuple[int, int], x: torch.Tensor)
 def check_config(cfg: DenseConfig, w: PackedW4) -> None:
     if cfg.kind is KernelKind.MMA and w.chunk != MMA_CHUNK:
         raise ValueError(f"the MMA kernel needs K to be a multiple of {MMA_CHUNK} (prepack chunk {w.chunk}); use a GEMV config")
-    if (w.layout is Layout.PAIRS or w.chunk_major) and not cfg.swap:
-        raise ValueError("weights prepacked in the pairs layout or chunk-major run on the transposed MMA kernel only "
-                         "(swap=True); prepack with layout='planes', chunk_major=False for the GEMV and per-plane kernels")
+    if (w.layout.mma or w.chunk_major) and not cfg.swap:
+        raise ValueError(f"weights prepacked in the {w.layout.value} layout or chunk-major run on the transposed MMA "
+                         "kernel only (swap=True); prepack with layout='planes', chunk_major=False for the GEMV and per-plane kernels")
 
 
 def w4a16_matmul(
@@ -1456,7 +1497,7 @@ def _launch(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DenseConfig, p
     per = -(-steps // cfg.split_k)
     split = -(-steps // per)  # no empty splits
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-    single_m = m <= cfg.block_m and w.layout is Layout.PAIRS
+    single_m = m <= cfg.block_m and w.layout.mma
     mailbox = cfg.swap and cfg.mailbox and split > 1 and m == 1 and single_m
     if pdl and pdl_supported(x.device):
         pdl_mode, pdl_prefetch = pdl_plan(cfg, m, per, ticket=split > 1 and not mailbox)
@@ -1473,6 +1514,8 @@ def _launch(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DenseConfig, p
     else:
         scratch = tickets = out  # not dereferenced without SPLIT
     stride_wn, stride_wc = w.word_strides()
+    if w.layout is Layout.SPANS:
+        x = spans_x(x)
     args = (x, w.qweight, w.scale, out, scratch, tickets, m, n, x.stride(0), stride_wn, w.scale.stride(0),
             out.stride(0), per, chunks, split)  # fmt: skip
     grid = (tiles, split)
@@ -1486,7 +1529,7 @@ def _launch(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DenseConfig, p
         _mma_swap_kernel[grid](
             *args, stride_wc, GPC=gpc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
             SPLIT=split > 1, ASM=cfg.asm and not _INTERPRETED, EMULATE_DOT=_INTERPRETED and x.dtype == torch.bfloat16,
-            PAIRS=w.layout is Layout.PAIRS, X_MASK=m < cfg.block_m, SINGLE_M=single_m, MAILBOX=mailbox,
+            PAIRS=w.layout.mma, X_MASK=m < cfg.block_m, SINGLE_M=single_m, MAILBOX=mailbox,
             PDL=pdl, PDL_PREFETCH=pdl_prefetch, PDL_EARLY=pdl_mode == "early", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **launch,
         )  # fmt: skip

@@ -393,6 +393,10 @@ def _check_moe_packed(x, w13: PackedW4, w2: PackedW4, topk_weights, topk_ids) ->
                          f"and {[*w2.lead, w2.n, w2.k]}")  # fmt: skip
     if w2.group_size != g:
         raise ValueError(f"w13 and w2 have group sizes {g} and {w2.group_size}")
+    for name, w in (("w13", w13), ("w2", w2)):
+        if w.layout is Layout.SPANS:  # its x order suits the 2-D decode kernel; the grouped GEMM reads PAIRS
+            raise ValueError(f"prepacked {name} is in the spans layout, which only the dense kernels read; prepack "
+                             "expert weights with the default layout (prepack_moe)")
     num_experts, two_i = w13.lead[0], w13.n
     inter = _check_dims(x, g, two_i, "w13")
     w13.check((num_experts,), two_i, x.shape[1], x.device, "w13")
@@ -543,7 +547,7 @@ def _kernel_and_options(cfg: MoeConfig, w: PackedW4, num_valid: int, num_experts
                   num_stages=cfg.num_stages)  # fmt: skip
     if cfg.swap:
         return _moe_swap_kernel, dict(common, ASM=cfg.asm and not _INTERPRETED, PAIRS=w.layout is Layout.PAIRS)
-    if w.layout is Layout.PAIRS or w.chunk_major:
-        raise ValueError("weights prepacked in the pairs layout or chunk-major run on the transposed MoE kernel only "
-                         "(swap=True); prepack with layout='planes', chunk_major=False for the per-plane kernel")
+    if w.layout.mma or w.chunk_major:
+        raise ValueError(f"weights prepacked in the {w.layout.value} layout or chunk-major run on the transposed MoE "
+                         "kernel only (swap=True); prepack with layout='planes', chunk_major=False for the per-plane kernel")
     return _moe_kernel, dict(common, PREFETCH=cfg.prefetch, BIG_DOT=cfg.big_dot and gpc == 1)

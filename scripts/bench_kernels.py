@@ -15,6 +15,9 @@ What is timed (symmetric int4, group 128, bf16 activations and scales):
                         (the chain of a decode step whose kernels all opt in; cuBLAS and tinygemm do not)
             glmq-pdl-pfN-WHEN  (--pdl-variants N:WHEN ..., M <= 64) glmq-pdl with DenseConfig.pdl_prefetch = N
                         and pdl_mode = WHEN ("early" or "late"); glmq-pdl itself takes pdl_mode "auto"
+            glmq-spans (-pdl)  the same on weights prepacked in the SPANS layout (`prepack(..., layout="spans")`:
+                        the Gluon decode kernel loads x 16 bytes at a time; the Triton kernel reads a permuted
+                        copy of x, `spans_x`), with its own tuned table (kernels/tuned_decode_spans.json)
             glmq-triton (-pdl)  at M <= 16: the Triton kernel alone (the config choose_config picks), beside
                         glmq, which may take the Gluon decode kernel (kernels/w4a16_decode.py, its tuned table)
             glmq-ticket the same launch at M = 1 with the split-K partials reduced by the last-arriver ticket
@@ -102,8 +105,9 @@ class Bench:
     """Timing and bookkeeping for one run."""
 
     def __init__(self, device: torch.device, budget_s: float, smoke: bool, compare_planes: bool = True,
-                 prev_table: dict | None = None, pdl_variants: tuple[str, ...] = ()):
+                 prev_table: dict | None = None, pdl_variants: tuple[str, ...] = (), spans: bool = True):
         self.device = device
+        self.spans = spans  # also time the dense GEMMs on SPANS-layout weights (glmq-spans, glmq-spans-pdl)
         self.pdl_variants = pdl_variants  # extra glmq-pdl variants ("PREFETCH:early|late") at M <= 64
         self.cuda = device.type == "cuda"
         self.deadline = time.monotonic() + budget_s
@@ -363,6 +367,18 @@ def bench_dense(b: Bench, shape: str, n: int, k: int, ms, seed: int) -> None:
 
         b.run("dense", shape, m, "glmq-pdl", chained, ref, nbytes, flops,
               note=dense_config_note(b, m, n, k, pdl=True, packed=packed0) + "; pdl=True (programmatic dependent launches)")  # fmt: skip
+        if b.spans:
+            spans_w = [D.cached_prepack(p, s, GROUP, D.Layout.SPANS) for p, s in ours_w]
+
+            def spans(pdl=False):
+                return ([lambda w=w: D.w4a16_matmul_packed(x, w, pdl=pdl) for w in spans_w],
+                        D.w4a16_matmul_packed(x, spans_w[0], pdl=pdl))  # fmt: skip
+
+            for impl, pdl in (("glmq-spans", False), ("glmq-spans-pdl", True)):
+                b.run("dense", shape, m, impl, lambda pdl=pdl: spans(pdl), ref, nbytes, flops,
+                      note=dense_config_note(b, m, n, k, D.Layout.SPANS, pdl=pdl, packed=spans_w[0])
+                      + ("; pdl=True" if pdl else ""))  # fmt: skip
+            del spans_w
         if m <= 16 and b.cuda and cfg.swap:  # the Triton kernel alone, where the Gluon decode kernel may be chosen
             b.run("dense", shape, m, "glmq-triton", lambda: ours(cfg), ref, nbytes, flops,
                   note=f"pairs config {compact(cfg)}; the Triton kernel (no Gluon decode kernel)")  # fmt: skip
@@ -596,7 +612,8 @@ def targets(records: list[Record]) -> list[dict]:
         out.append({"target": name, "met": ok, "detail": detail})
 
     dense_shapes = dict.fromkeys(r.shape for r in records if r.op == "dense")
-    for impl, tag in (("glmq", ""), ("glmq-pdl", " [pdl chain]")):
+    for impl, tag in (("glmq", ""), ("glmq-pdl", " [pdl chain]"), ("glmq-spans", " [spans layout]"),
+                      ("glmq-spans-pdl", " [spans layout, pdl chain]")):
         for shape in dense_shapes:
             for m in sorted({r.m for r in records if r.shape == shape}):
                 dense_targets(idx, shape, m, impl, tag, add)
@@ -616,16 +633,18 @@ def markdown(records: list[Record], env: dict) -> str:
               "bytes / device-to-device copy rate (read + write); read floor = the same bytes / streaming-read",
               "rate. eff = floor / glmq, eff(read) = read floor / glmq.", ""]  # fmt: skip
     for shape in dict.fromkeys(r.shape for r in records if r.op == "dense"):
-        lines += [f"## {shape}", "", "| M | glmq | glmq pdl | Triton kernel | Triton pdl | ticket fix-up | previous table | session-3 kernel | cuBLAS fp16 | cuBLAS bf16 | int4pack | floor | read floor | eff | eff(read) | eff(read) pdl | vs fp16 | pdl vs fp16 | vs int4pack | pdl vs int4pack |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"## {shape}", "", "| M | glmq | glmq pdl | spans | spans pdl | Triton kernel | Triton pdl | ticket fix-up | previous table | session-3 kernel | cuBLAS fp16 | cuBLAS bf16 | int4pack | floor | read floor | eff | eff(read) | eff(read) pdl | eff(read) spans (pdl) | vs fp16 | pdl vs fp16 | spans (pdl) vs fp16 | vs int4pack | pdl vs int4pack |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for m in sorted({r.m for r in records if r.shape == shape}):
             g = lambda impl: idx.get(("dense", shape, m, impl))  # noqa: E731
             lines.append(
-                f"| {m} | {cell(g('glmq'))} | {cell(g('glmq-pdl'))} | {cell(g('glmq-triton'))} | {cell(g('glmq-triton-pdl'))} | {cell(g('glmq-ticket'))} | {cell(g('glmq-prev'))} | {cell(g('glmq-planes'))} | {cell(g('cublas-fp16'))} | {cell(g('cublas-bf16'))} | "
+                f"| {m} | {cell(g('glmq'))} | {cell(g('glmq-pdl'))} | {cell(g('glmq-spans'))} | {cell(g('glmq-spans-pdl'))} | {cell(g('glmq-triton'))} | {cell(g('glmq-triton-pdl'))} | {cell(g('glmq-ticket'))} | {cell(g('glmq-prev'))} | {cell(g('glmq-planes'))} | {cell(g('cublas-fp16'))} | {cell(g('cublas-bf16'))} | "
                 f"{cell(g('int4pack'))} | {cell(g('floor'))} | {cell(g('read-floor'))} | "
                 f"{fmt_x(speedup(g('floor'), g('glmq')), True)} | {fmt_x(speedup(g('read-floor'), g('glmq')), True)} | "
                 f"{fmt_x(speedup(g('read-floor'), g('glmq-pdl')), True)} | "
+                f"{fmt_x(speedup(g('read-floor'), g('glmq-spans')), True)} ({fmt_x(speedup(g('read-floor'), g('glmq-spans-pdl')), True)}) | "
                 f"{fmt_x(speedup(g('cublas-fp16'), g('glmq')))} | {fmt_x(speedup(g('cublas-fp16'), g('glmq-pdl')))} | "
+                f"{fmt_x(speedup(g('cublas-fp16'), g('glmq-spans')))} ({fmt_x(speedup(g('cublas-fp16'), g('glmq-spans-pdl')))}) | "
                 f"{fmt_x(speedup(g('int4pack'), g('glmq')))} | {fmt_x(speedup(g('int4pack'), g('glmq-pdl')))} |"
             )
         lines.append("")
@@ -645,7 +664,7 @@ def markdown(records: list[Record], env: dict) -> str:
         lines.append("")
     lines += ["## Targets", "", "| target | met | detail |", "|---|---|---|"]
     lines += [f"| {t['target']} | {'yes' if t['met'] else 'NO'} | {t['detail']} |" for t in targets(records)]
-    cfgs = [r for r in records if r.impl in ("glmq", "glmq-pdl", "glmq-ticket", "glmq-prev", "glmq-fused", "glmq-planes")
+    cfgs = [r for r in records if r.impl in ("glmq", "glmq-pdl", "glmq-spans", "glmq-spans-pdl", "glmq-ticket", "glmq-prev", "glmq-fused", "glmq-planes")
             and " config " in f" {r.note}"]
     if cfgs:
         lines += ["", "## glmq launch configurations", "", "| shape | M | impl | layout and config |", "|---|---|---|---|"]
@@ -717,6 +736,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-moe", action="store_true")
     ap.add_argument("--skip-dense", action="store_true")
     ap.add_argument("--no-planes", action="store_true", help="skip the PLANES-layout (session-3) kernel at M <= 64")
+    ap.add_argument("--no-spans", action="store_true", help="skip the SPANS-layout columns (glmq-spans, -pdl)")
     ap.add_argument("--m", type=int, nargs="+", help=f"override the M list {M_LIST}")
     ap.add_argument("--prev-table", type=Path, default=None,
                     help="an earlier tuned_configs.json: also time its PAIRS dense configs at M <= 64 ('previous table')")
@@ -745,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     prev = json.loads(args.prev_table.read_text()) if args.prev_table else None
-    b = Bench(device, args.budget_s, args.smoke, not args.no_planes, prev, tuple(args.pdl_variants))
+    b = Bench(device, args.budget_s, args.smoke, not args.no_planes, prev, tuple(args.pdl_variants), not args.no_spans)
 
     square, dense, moe, ms = (SMOKE_SQUARE, SMOKE_DENSE, SMOKE_MOE, SMOKE_M) if args.smoke else (SQUARE, DENSE, MOE, M_LIST)
     ms = tuple(args.m) if args.m else ms

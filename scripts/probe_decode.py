@@ -2,12 +2,14 @@
 against the Triton kernel, cuBLAS fp16 and the bandwidth floors, in one run (timing as bench_kernels.py:
 CUDA-graph replay over weight copies rotated past L2, median of 15 replays).
 
-    python scripts/probe_decode.py --out DIR [--only 8192] [--m 1 4 16] [--workers 12]
-    python scripts/probe_decode.py --tune --out DIR [--write kernels/tuned_decode.json]
+    python scripts/probe_decode.py --out DIR [--only 8192] [--m 1 4 16] [--layouts pairs spans] [--workers 12]
+    python scripts/probe_decode.py --tune --out DIR [--write kernels/tuned_decode.json] [--layouts spans] [--m 1 2 4]
 
 Probe mode writes DIR/probe_decode.json and prints a table: launch variants of the Gluon kernel, its timing
-probes (parts left out), the Triton kernel and cuBLAS fp16. Tune mode times, for each shape and M in
-TUNE_M, the Triton kernel (the config `choose_config` picks) and TUNE_CANDIDATES of the Gluon kernel, plain
+probes (parts left out), the Triton kernel (the config `choose_config` picks, forced) and cuBLAS fp16, on
+weights prepacked in each of `--layouts` (labels end in the layout when there are several; above M = 16 only
+the Triton kernel runs). Tune mode times, on weights in the first of `--layouts`, for each shape and M in
+`--m` (default TUNE_M), the Triton kernel (the config `choose_config` picks) and TUNE_CANDIDATES of the Gluon kernel, plain
 and as PDL chains, each twice in alternation (the lower median is kept, against drift), and writes the
 launch table that `w4a16_decode.tuned_config` reads: the Gluon config where it was at least TUNE_MARGIN
 faster, null where the Triton kernel won. The kernels are compiled first in `--workers` processes (Triton's
@@ -41,16 +43,18 @@ SHAPES = {  # name -> (N, K)
 # (rows, warps, depth, probe, x_smem) per token tile (1: M = 1, 8: M <= 8, 16: M <= 16); probes leave parts out
 # (w4a16_decode._decode_kernel: 1 no x, 2 words only, 3 no scales) and are timed only
 VARIANTS = {
-    1: [(16, 4, 2, 0, False), (16, 4, 3, 0, False), (16, 8, 2, 0, False), (16, 8, 3, 0, False), (32, 4, 2, 0, False),
-        (32, 8, 2, 0, False), (16, 4, 2, 0, True), (16, 4, 3, 0, True), (16, 8, 2, 0, True), (16, 8, 3, 0, True),
-        (32, 4, 2, 0, True), (32, 8, 2, 0, True), (16, 4, 2, 1, False), (16, 4, 2, 2, False), (16, 4, 2, 3, False),
-        (16, 8, 2, 1, False), (16, 8, 2, 2, False), (16, 8, 2, 3, True), (16, 4, 4, 0, True)],
-    8: [(16, 4, 2, 0, False), (16, 4, 3, 0, False), (32, 4, 2, 0, False), (32, 4, 1, 0, False), (16, 4, 2, 1, False)],
-    16: [(32, 4, 1, 0, False), (32, 8, 1, 0, False)],
+    1: [(16, 4, 2, 0, False), (16, 4, 3, 0, False), (16, 8, 2, 0, False), (16, 8, 3, 0, False), (16, 4, 4, 0, False),
+        (16, 4, 2, 0, True), (16, 4, 3, 0, True), (16, 8, 2, 0, True), (16, 8, 3, 0, True), (16, 4, 4, 0, True),
+        (16, 4, 2, 1, False), (16, 4, 2, 2, False)],
+    8: [(16, 4, 2, 0, False), (16, 4, 3, 0, False), (16, 8, 2, 0, False), (16, 8, 3, 0, False), (32, 4, 2, 0, False),
+        (32, 8, 2, 0, False), (16, 4, 2, 1, False)],
+    16: [(16, 4, 2, 0, False), (16, 8, 2, 0, False), (16, 4, 3, 0, False), (32, 4, 1, 0, False), (32, 4, 2, 0, False),
+         (32, 8, 1, 0, False)],
 }
 GROUP = 128
 TUNE_M = (1, 2, 4)
 TUNE_CANDIDATES = [(16, 8, 2), (16, 8, 3), (16, 4, 2), (16, 4, 3), (32, 4, 2), (32, 4, 3), (32, 8, 2), (16, 2, 3)]
+TUNE_WIDE = [(32, 4, 1), (32, 8, 1)]  # also at M >= 8 (two m16 tiles share each x fragment)
 TUNE_X_SMEM = [(16, 8, 2), (16, 8, 3), (16, 4, 2), (16, 4, 3), (16, 4, 4), (32, 8, 2)]  # also with x_smem at M = 1
 TUNE_MARGIN = 0.97  # the Gluon kernel only where it took <= 97 % of the Triton kernel's time
 
@@ -62,6 +66,8 @@ def tune_candidates(k: int, m: int):
     cands = [DecodeConfig(r, w, d) for r, w, d in TUNE_CANDIDATES]
     if m == 1:
         cands += [DecodeConfig(r, w, d, x_smem=True) for r, w, d in TUNE_X_SMEM]
+    if m >= 8:
+        cands += [DecodeConfig(r, w, d) for r, w, d in TUNE_WIDE]
     return [c for c in cands if chunks % c.warps == 0 and chunks // c.warps >= max(c.depth, 2)]
 
 
@@ -73,31 +79,31 @@ def tag(c) -> str:
 def variants(k: int, m: int):
     from glmq.kernels.w4a16_decode import DecodeConfig
 
-    tok = 1 if m == 1 else 8 if m <= 8 else 16
+    tok = 1 if m == 1 else 8 if m <= 8 else 16 if m <= 16 else None  # above 16 tokens: the Triton kernel only
     chunks = k // 128
-    for r, w, d, probe, xs in VARIANTS[tok]:
+    for r, w, d, probe, xs in VARIANTS.get(tok, []):
         if chunks % w == 0 and chunks // w >= d:
             yield DecodeConfig(rows=r, warps=w, depth=d, x_smem=xs), probe
 
 
-def packed_copies(b, wp: torch.Tensor, ws: torch.Tensor) -> list:
+def packed_copies(b, wp: torch.Tensor, ws: torch.Tensor, layout: str) -> list:
     """`prepack`ed copies of one weight, as many as `b.copies` rotates past L2 (the first from wp, ws themselves)."""
     from bench_kernels import packed_bytes
     from glmq.kernels import w4a16_dense as D
 
-    return [D.prepack(wp, ws, GROUP)] + [D.prepack(wp.clone(), ws.clone(), GROUP)
-                                         for _ in range(b.copies(packed_bytes(wp, ws)) - 1)]
+    return [D.prepack(wp, ws, GROUP, layout)] + [D.prepack(wp.clone(), ws.clone(), GROUP, layout)
+                                                 for _ in range(b.copies(packed_bytes(wp, ws)) - 1)]
 
 
 def _warm(job):
-    n, k, m, cfg, pdl, probe = job
+    n, k, m, cfg, pdl, probe, layout = job
     from glmq.kernels import w4a16_dense as D
     from glmq.kernels import w4a16_decode as DK
 
     torch.manual_seed(0)
     wp = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
     ws = torch.rand(n, k // GROUP, device="cuda").to(torch.bfloat16)
-    pk = D.prepack(wp, ws, GROUP)
+    pk = D.prepack(wp, ws, GROUP, layout)
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     out = torch.empty(m, n, dtype=x.dtype, device="cuda")
     t = time.time()
@@ -119,7 +125,7 @@ def compile_all(jobs: list[tuple], workers: int) -> None:
     print(f"compiled {len(jobs)} kernels in {time.time() - t0:.0f} s")
 
 
-def check(dev) -> list[dict]:
+def check(dev, layout: str) -> list[dict]:
     """Random shapes and dtypes against the float reference (output poisoned first)."""
     from glmq.kernels import reference as R
     from glmq.kernels import w4a16_dense as D
@@ -144,12 +150,12 @@ def check(dev) -> list[dict]:
         x = torch.randn(m, k, device=dev, generator=gen).to(dt)
         ref = x.double() @ R.dequantize_packed(wp, ws, GROUP).double().T
         out = torch.full((m, n), float("nan"), dtype=dt, device=dev)
-        DK.decode_matmul(x, D.prepack(wp, ws, GROUP), out, DK.DecodeConfig(r, w, d, x_smem=xs), pdl=pdl)
+        DK.decode_matmul(x, D.prepack(wp, ws, GROUP, layout), out, DK.DecodeConfig(r, w, d, x_smem=xs), pdl=pdl)
         err = float((out.double() - ref).norm() / ref.norm())
         ok = bool(torch.isfinite(out).all()) and err < 5e-3
         rows.append(dict(m=m, n=n, k=k, dtype=str(dt), rows=r, warps=w, depth=d, pdl=pdl, x_smem=xs, rel_err=err,
-                         ok=ok))
-        print(f"check M={m:<3} N={n:<5} K={k:<5} {str(dt):15} R={r} W={w} D={d} X={xs:d} pdl={pdl}: rel err {err:.2e} "
+                         ok=ok, layout=layout))
+        print(f"check {layout} M={m:<3} N={n:<5} K={k:<5} {str(dt):15} R={r} W={w} D={d} X={xs:d} pdl={pdl}: rel err {err:.2e} "
               f"{'ok' if ok else 'WRONG'}")
     return rows
 
@@ -158,7 +164,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--only", default="", help="substring of the shape names to run")
-    ap.add_argument("--m", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--m", type=int, nargs="+", default=None, help="M values (default: 1 4 16; --tune: TUNE_M)")
+    ap.add_argument("--layouts", nargs="+", default=["pairs"], choices=["pairs", "spans"],
+                    help="weight layouts to probe side by side (--tune: the first)")
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--tune", action="store_true", help="time the tuning candidates and write the launch table")
@@ -172,16 +180,17 @@ def main() -> None:
     if a.tune:
         tune(shapes, dev, a, out_dir)
         return
+    a.m = a.m or [1, 4, 16]
 
     jobs = []
-    for (n, k), m in itertools.product(shapes.values(), a.m):
+    for (n, k), m, lay in itertools.product(shapes.values(), a.m, a.layouts):
         for cfg, probe in variants(k, m):
-            jobs.append((n, k, m, cfg, False, probe))
+            jobs.append((n, k, m, cfg, False, probe, lay))
             if not probe:
-                jobs.append((n, k, m, cfg, True, probe))
+                jobs.append((n, k, m, cfg, True, probe, lay))
     compile_all(jobs, a.workers)
 
-    rows = check(dev)
+    rows = [r for lay in a.layouts for r in check(dev, lay)]
 
     from bench_kernels import Bench, random_int4, packed_bytes, rel_err
     import torch.nn.functional as F
@@ -195,7 +204,8 @@ def main() -> None:
         wp, ws = random_int4(n, k, device=dev, seed=1)
         w32 = R.dequantize_packed(wp, ws, GROUP)
         nbytes = packed_bytes(wp, ws)
-        packs = packed_copies(b, wp, ws)
+        packs_of = {lay: packed_copies(b, wp, ws, lay) for lay in a.layouts}
+        packs = packs_of[a.layouts[0]]
         w16 = [w32.to(torch.float16) for _ in range(b.copies(n * k * 2))]
         for m in a.m:
             if b.out_of_time():
@@ -214,27 +224,34 @@ def main() -> None:
                 us, mode = b.time_us([lambda i=i: fn_of(i) for i in range(len(packs))])
                 res.append(dict(shape=name, m=m, impl=impl, us=us, rel_err=err, note=note, mode=mode))
 
-            timed("glmq", lambda i: D.w4a16_matmul_packed(x, packs[i], out=outs[i]))
-            timed("glmq-pdl", lambda i: D.w4a16_matmul_packed(x, packs[i], out=outs[i], pdl=True))
+            tcfg = D.choose_config(m, n, k, GROUP, D.sm_count(dev), D.device_name(dev), D.Layout.PAIRS)
+            for lay, pk in packs_of.items():
+                sfx = f"-{lay}" if len(packs_of) > 1 else ""
+                timed(f"glmq{sfx}", lambda i, pk=pk: D.w4a16_matmul_packed(x, pk[i], out=outs[i]))
+                timed(f"glmq-pdl{sfx}", lambda i, pk=pk: D.w4a16_matmul_packed(x, pk[i], out=outs[i], pdl=True))
+                timed(f"triton{sfx}", lambda i, pk=pk: D.w4a16_matmul_packed(x, pk[i], out=outs[i], config=tcfg))
+                timed(f"triton-pdl{sfx}",
+                      lambda i, pk=pk: D.w4a16_matmul_packed(x, pk[i], out=outs[i], config=tcfg, pdl=True))
             for cfg, probe in variants(k, m):
-                label = tag(cfg)
-                if probe:
-                    DK.decode_matmul(x, packs[0], outs[0], cfg, probe=probe)
-                    us, _ = b.time_us([lambda i=i, c=cfg: DK.decode_matmul(x, packs[i], outs[i], c, probe=probe)
-                                       for i in range(len(packs))])
-                    res.append(dict(shape=name, m=m, impl=f"probe{probe}-{label}", us=us))
-                    continue
-                timed(f"gluon-{label}", lambda i, c=cfg: DK.decode_matmul(x, packs[i], outs[i], c))
-                timed(f"gluon-pdl-{label}", lambda i, c=cfg: DK.decode_matmul(x, packs[i], outs[i], c, pdl=True))
+                for lay, pk in packs_of.items():
+                    label = tag(cfg) + (f"-{lay}" if len(packs_of) > 1 else "")
+                    if probe:
+                        DK.decode_matmul(x, pk[0], outs[0], cfg, probe=probe)
+                        us, _ = b.time_us([lambda i=i, c=cfg, pk=pk: DK.decode_matmul(x, pk[i], outs[i], c, probe=probe)
+                                           for i in range(len(pk))])
+                        res.append(dict(shape=name, m=m, impl=f"probe{probe}-{label}", us=us))
+                        continue
+                    timed(f"gluon-{label}", lambda i, c=cfg, pk=pk: DK.decode_matmul(x, pk[i], outs[i], c))
+                    timed(f"gluon-pdl-{label}", lambda i, c=cfg, pk=pk: DK.decode_matmul(x, pk[i], outs[i], c, pdl=True))
             xd = x.to(torch.float16)
             us, _ = b.time_us([lambda w=w: F.linear(xd, w) for w in w16])
             res.append(dict(shape=name, m=m, impl="cublas-fp16", us=us))
             res.append(dict(shape=name, m=m, impl="floor", us=nbytes / b.copy_rate * 1e6))
             res.append(dict(shape=name, m=m, impl="read-floor", us=nbytes / b.read_rate * 1e6))
-        del packs, w16, w32
+        del packs, packs_of, w16, w32
         torch.cuda.empty_cache()
 
-    info = dict(device=torch.cuda.get_device_name(dev), torch=torch.__version__,
+    info = dict(layouts=a.layouts, device=torch.cuda.get_device_name(dev), torch=torch.__version__,
                 triton=__import__("triton").__version__, copy_rate=b.copy_rate, read_rate=b.read_rate,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     (out_dir / "probe_decode.json").write_text(json.dumps(dict(info=info, check=rows, results=res), indent=1))
@@ -259,20 +276,24 @@ def tune(shapes: dict, dev, a, out_dir: Path) -> None:
     from glmq.kernels import w4a16_dense as D
     from glmq.kernels import w4a16_decode as DK
 
-    jobs = [(n, k, m, dataclasses.replace(c, pdl_early=early), pdl, 0) for (n, k) in shapes.values() for m in TUNE_M
-            for c in tune_candidates(k, m) for pdl, early in ((False, False), (True, False), (True, True))]
+    layout, tune_m = a.layouts[0], a.m or TUNE_M
+    jobs = [(n, k, m, dataclasses.replace(c, pdl_early=early), pdl, 0, layout) for (n, k) in shapes.values()
+            for m in tune_m for c in tune_candidates(k, m) for pdl, early in ((False, False), (True, False), (True, True))]
     compile_all(jobs, a.workers)
     b = Bench(dev, a.budget_s, smoke=False)
     name = torch.cuda.get_device_name(dev)
     table = {"device": name, "measured": time.strftime("%Y-%m-%d", time.gmtime()),
              "how": "scripts/probe_decode.py --tune (median of 15 graph replays, weights rotated past L2, "
                     f"the lower of two passes; Gluon where <= {TUNE_MARGIN} x the Triton kernel)",
-             "decode": {}}
+             "layout": layout, "decode": {}}
     for shape, (n, k) in shapes.items():
         wp, ws = random_int4(n, k, device=dev, seed=3)
         w32 = R.dequantize_packed(wp, ws, GROUP)
-        packs = packed_copies(b, wp, ws)
-        for m in TUNE_M:
+        packs = packed_copies(b, wp, ws, layout)
+        for m in tune_m:
+            if b.out_of_time():  # the table so far is still written (untuned entries take the heuristic)
+                print(f"{shape} M={m}: out of time, not tuned")
+                break
             x = torch.randn(m, k, device=dev).to(torch.bfloat16)
             ref = x.float() @ w32.T
             outs = [torch.empty(m, n, dtype=x.dtype, device=dev) for _ in packs]
@@ -302,7 +323,7 @@ def tune(shapes: dict, dev, a, out_dir: Path) -> None:
         del packs
         torch.cuda.empty_cache()
     text = json.dumps(table, indent=1) + "\n"
-    (out_dir / "tuned_decode.json").write_text(text)
+    (out_dir / ("tuned_decode.json" if layout == "pairs" else f"tuned_decode_{layout}.json")).write_text(text)
     if a.write:
         Path(a.write).write_text(text)
         DK._table.cache_clear()

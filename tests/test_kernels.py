@@ -318,6 +318,37 @@ def test_pairs_layout_is_the_documented_permutation():
     assert torch.equal(new, orig[:, :, perm])
 
 
+def test_spans_layout_is_the_documented_permutation():
+    # SPANS: the PAIRS slots over MMA k positions p, position p holding chunk column spans_column(p) = 32c + 4s + 2h + e
+    # (p = 16s + 8h + 2c + e): thread c's words 4c..4c+3 hold the columns [32c, 32c + 32), nibbles i and i + 4 are
+    # still adjacent columns, and position order is the order x's columns are fed to the MMA
+    pairs, spans = D.chunk_perm(128, D.Layout.PAIRS), D.chunk_perm(128, D.Layout.SPANS)
+    cols = D.spans_column(torch.arange(128))
+    assert sorted(cols.tolist()) == list(range(128)) and torch.equal(spans, cols[pairs])
+    assert [D.spans_column(p) for p in (0, 1, 2, 8, 16, 127)] == [0, 1, 32, 2, 4, 127]
+    for c in range(4):
+        assert sorted(spans[32 * c: 32 * c + 32].tolist()) == list(range(32 * c, 32 * c + 32))
+        for s_ in range(8):  # k16 step s: thread c's B fragment is four consecutive columns of x
+            assert [int(D.spans_column(16 * s_ + 8 * h + 2 * c + e)) for h in (0, 1) for e in (0, 1)] == \
+                list(range(32 * c + 4 * s_, 32 * c + 4 * s_ + 4))
+    for v in range(16):
+        for i in range(4):
+            assert spans[8 * v + i + 4] == spans[8 * v + i] + 1
+    wp, ws = quantized(24, 384, group_size=128)
+    q = D.prepack_words(wp.cpu(), 128, D.Layout.SPANS)
+    assert torch.equal(D.unprepack_words(q, 128, D.Layout.SPANS), wp.cpu())
+    new = unpack_int32(q, 384).view(24, 3, 128)
+    assert torch.equal(new, unpack_int32(wp.cpu(), 384).view(24, 3, 128)[:, :, spans])
+    packed = D.prepack(wp, ws, 128, layout="spans")
+    assert packed.layout is D.Layout.SPANS and packed.layout.mma and packed.chunk_major
+    x = acts(3, 384, torch.bfloat16)  # the Triton kernel reads x in this order on SPANS weights
+    xs = D.spans_x(x)
+    for j in range(3):
+        assert torch.equal(xs[:, 128 * j: 128 * j + 128], x[:, 128 * j + cols])
+    with pytest.raises(ValueError, match="spans layout is for group-128"):
+        D.prepack(*quantized(64, 256, group_size=64), 64, layout="spans")
+
+
 @pytest.mark.parametrize("chunk_major", [True, False])
 def test_prepack_pairs_chunk_major(chunk_major):
     wp, ws = quantized(2, 40, 384, group_size=128)
@@ -346,11 +377,13 @@ def test_prepack_pairs_chunk_major(chunk_major):
     ids=lambda v: str(v) if isinstance(v, (int, bool)) else f"{v.block_m}x{v.block_n}-s{v.split_k}-w{v.num_warps}"
     f"{'' if v.asm else '-noasm'}",
 )
-def test_dense_pairs_layout(m, cfg, chunk_major, dtype):
+@pytest.mark.parametrize("layout", [D.Layout.PAIRS, D.Layout.SPANS], ids=lambda v: v.value)
+def test_dense_pairs_layout(m, cfg, chunk_major, dtype, layout):
+    # SPANS: the same kernel on a copy of x with its columns in spans_column order (spans_x)
     wp, ws = quantized(136, 384, group_size=128)
     x = acts(m, 384, dtype)
     out = poisoned(m, 136, dtype)
-    packed = D.prepack(wp, ws, 128, D.Layout.PAIRS, chunk_major)
+    packed = D.prepack(wp, ws, 128, layout, chunk_major)
     y = D.w4a16_matmul_packed(x, packed, out=out, config=cfg)
     assert_close(y, R.w4a16_matmul_ref(x, wp, ws, 128), dtype)
 
@@ -503,6 +536,21 @@ def test_moe_column_tails_and_default_config(dtype):
     config = MO.MoeConfig(16, 256, 256, swap=dtype == torch.bfloat16)
     run_moe(5, 128, 384, num_experts=6, topk=2, g=32, dtype=dtype, config=config)
     run_moe(2, 128, 128, num_experts=4, topk=2, g=64, dtype=dtype)  # choose_moe_config's tiles
+
+
+def test_moe_packed_refuses_spans():
+    # the grouped GEMM reads PAIRS expert weights; SPANS (the 2-D decode layout) is refused with a clear error
+    m, hidden, inter, num_experts, topk, dtype = 3, 256, 128, 4, 2, torch.bfloat16
+    w13p, w13s = quantized(num_experts, 2 * inter, hidden, group_size=128, seed=3)
+    w2p, w2s = quantized(num_experts, hidden, inter, group_size=128, seed=4)
+    x = acts(m, hidden, dtype)
+    tw, ti = routing(m, num_experts, topk)
+    w13, w2 = MO.prepack_moe(w13p, w13s, w2p, w2s, 128)
+    y = MO.fused_moe_w4a16_packed(x, w13, w2, tw, ti, out=poisoned(m, hidden, dtype),
+                                  config=MO.MoeConfig(16, 128, 128, swap=True))
+    assert_close(y, R.moe_w4a16_ref(x, w13p, w13s, w2p, w2s, ti, tw, 128), dtype)
+    with pytest.raises(ValueError, match="prepacked w2 is in the spans layout"):
+        MO.fused_moe_w4a16_packed(x, w13, D.prepack(w2p, w2s, 128, "spans"), tw, ti)
 
 
 ALIGN_CASES = [(1, 8, 256, 16), (37, 3, 8, 16), (50, 4, 8, 64), (3, 2, 6, 16), (40, 8, 256, 16)]
@@ -728,7 +776,9 @@ def test_decode_tuned_table_lookup(tmp_path, monkeypatch):
         "4": {"plain": None, "pdl": {"rows": 32, "warps": 1, "depth": 1}}}}}  # fmt: skip
     path = tmp_path / "tuned_decode.json"
     path.write_text(json.dumps(table))
-    monkeypatch.setattr(DK, "TUNED_PATH", path)
+    spans = tmp_path / "tuned_decode_spans.json"
+    spans.write_text(json.dumps({**table, "layout": "spans", "decode": {"256,768,128": {"8": {"plain": {"warps": 4}}}}}))
+    monkeypatch.setattr(DK, "TUNED_PATHS", {D.Layout.PAIRS: path, D.Layout.SPANS: spans})
     DK._table.cache_clear()
     try:
         look = functools.partial(DK.tuned_config, n=256, k=768, device="GPU-X")
@@ -738,6 +788,12 @@ def test_decode_tuned_table_lookup(tmp_path, monkeypatch):
         assert look(5, pdl=True) is None  # past the largest tuned M: the Triton kernels
         assert DK.tuned_config(1, 256, 768, "GPU-Y", False) == "untuned"
         assert DK.tuned_config(1, 512, 768, "GPU-X", False) == "untuned"
+        # each layout has its own table, tuned on weights of that layout
+        assert look(5, pdl=False, layout=D.Layout.SPANS) == DK.DecodeConfig(16, 4, 2)
+        assert look(9, pdl=False, layout=D.Layout.SPANS) is None and look(8, pdl=True, layout=D.Layout.SPANS) is None
+        spans.write_text(json.dumps(table))  # a table without "layout" was tuned on PAIRS weights
+        DK._table.cache_clear()
+        assert look(1, pdl=False, layout=D.Layout.SPANS) == "untuned"
     finally:
         DK._table.cache_clear()
 
@@ -747,22 +803,28 @@ def test_decode_kernel_compiles_for_sm90():
     # dequantized words must become the MMA's A fragments without any data movement (assert_trivial), the
     # words must load 16 bytes at a time, each chunk must issue its m16n8k16 MMAs, nothing may spill, and the
     # main loop may hold no barrier (the only ones are the final cross-warp sum's and, with x_smem, the one after
-    # x is staged); with x_smem each chunk's x fragments are four 16-byte shared loads.
+    # x is staged); with x_smem each chunk's x fragments are four 16-byte shared loads; on SPANS weights without
+    # x_smem they are four 16-byte global loads per chunk and 8-token tile (one tile's worth at M = 1).
     code = """
 import json, sys
 from glmq.kernels import w4a16_decode as DK
 out = []
-for cfg, chunks, tok, bf16, xb, pdl in [(DK.DecodeConfig(16, 4, 2), 64, 8, True, True, False),
-                                        (DK.DecodeConfig(32, 8, 3), 96, 8, False, False, True),
-                                        (DK.DecodeConfig(16, 2, 1), 8, 16, True, False, False),
-                                        (DK.DecodeConfig(16, 8, 3, x_smem=True), 96, 8, False, True, True),
-                                        (DK.DecodeConfig(16, 4, 4, x_smem=True), 64, 8, True, True, False)]:
+for cfg, chunks, tok, bf16, xb, pdl, sp in [(DK.DecodeConfig(16, 4, 2), 64, 8, True, True, False, False),
+                                            (DK.DecodeConfig(32, 8, 3), 96, 8, False, False, True, False),
+                                            (DK.DecodeConfig(16, 2, 1), 8, 16, True, False, False, False),
+                                            (DK.DecodeConfig(16, 8, 3, x_smem=True), 96, 8, False, True, True, False),
+                                            (DK.DecodeConfig(16, 4, 4, x_smem=True), 64, 8, True, True, False, False),
+                                            (DK.DecodeConfig(16, 4, 2), 64, 8, True, True, False, True),
+                                            (DK.DecodeConfig(16, 4, 3), 64, 8, False, False, True, True),
+                                            (DK.DecodeConfig(16, 4, 2), 32, 16, True, False, False, True),
+                                            (DK.DecodeConfig(16, 8, 2, x_smem=True), 96, 8, True, True, False, True)]:
     try:
-        r = DK.compile_sm90(cfg, chunks, tok, bf16, xb, pdl)
+        r = DK.compile_sm90(cfg, chunks, tok, bf16, xb, pdl, sp)
     except RuntimeError as exc:
         print("SKIP", exc); sys.exit(0)
     r.pop("sass")
-    out.append(dict(r, rows=cfg.rows, warps=cfg.warps, cpw=chunks // cfg.warps, tok=tok, xs=cfg.x_smem and xb))
+    out.append(dict(r, rows=cfg.rows, warps=cfg.warps, cpw=chunks // cfg.warps, tok=tok, xs=cfg.x_smem and xb, sp=sp,
+                    xb=xb))
 print(json.dumps(out))
 """
     import os
@@ -782,6 +844,8 @@ print(json.dumps(out))
         if r["xs"]:  # x staged in shared memory: four 16-byte shared loads per chunk, x's global loads 16-byte too
             assert r["lds128"] >= r["cpw"] * 4 and r["loop_lds_narrow"] == 0, r
             assert r["ldg128"] > r["cpw"] * r["rows"] // 8, r
+        elif r["sp"]:  # the words, then x: four 16-byte loads per chunk and token tile (at M = 1 one tile)
+            assert r["ldg128"] == r["cpw"] * (r["rows"] // 8 + 4 * (1 if r["xb"] else r["tok"] // 8)), r
         else:
             assert r["ldg128"] == r["cpw"] * r["rows"] // 8, r  # two 16-byte word loads per 16 rows and chunk
         assert r["loop_barriers"] == 0, r
@@ -800,10 +864,10 @@ def _graph_of(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def _decode_case(m, n, k, dtype, cfg, pdl=False, scale_dtype=torch.bfloat16):
+def _decode_case(m, n, k, dtype, cfg, pdl=False, scale_dtype=torch.bfloat16, layout=None):
     wp, ws = quantized(n, k, group_size=128, scale_dtype=scale_dtype, seed=m + n)
     x = acts(m, k, dtype, seed=k)
-    packed = D.prepack(wp, ws, 128)
+    packed = D.prepack(wp, ws, 128, layout)
     out = poisoned(m, n, dtype)
     y = D.w4a16_matmul_packed(x, packed, out=out, config=cfg, pdl=pdl)
     assert y is out
@@ -821,20 +885,22 @@ def _decode_case(m, n, k, dtype, cfg, pdl=False, scale_dtype=torch.bfloat16):
                          ids=str)  # fmt: skip
 @pytest.mark.parametrize("m, n, k", [(1, 200, 1024), (3, 96, 1024), (8, 2048, 2048), (9, 264, 3072),
                                      (16, 128, 1024), (1, 4096, 6144), (4, 6144, 2048)])  # fmt: skip
-def test_decode_kernel_gpu(m, n, k, cfg, dtype):
+@pytest.mark.parametrize("layout", [D.Layout.PAIRS, D.Layout.SPANS], ids=lambda v: v.value)
+def test_decode_kernel_gpu(m, n, k, cfg, dtype, layout):
     if (k // 128) % cfg.warps:
         pytest.skip("warps must divide the chunks")
-    _decode_case(m, n, k, dtype, cfg, scale_dtype=torch.float32 if n == 264 else torch.bfloat16)
+    _decode_case(m, n, k, dtype, cfg, scale_dtype=torch.float32 if n == 264 else torch.bfloat16, layout=layout)
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("m", [1, 5])
-def test_decode_kernel_deterministic_and_pdl_bits_gpu(m):
+@pytest.mark.parametrize("layout", [D.Layout.PAIRS, D.Layout.SPANS], ids=lambda v: v.value)
+def test_decode_kernel_deterministic_and_pdl_bits_gpu(m, layout):
     # the warps' partial sums meet in shared memory in warp order: the same bits every launch, with or without PDL,
     # with x staged in shared memory or not
     cfg = DK.DecodeConfig(16, 8, 2)
-    x, packed, y = _decode_case(m, 6144, 2048, torch.bfloat16, cfg)
+    x, packed, y = _decode_case(m, 6144, 2048, torch.bfloat16, cfg, layout=layout)
     for pdl, early, xs in ((False, False, False), (True, False, False), (False, False, False), (True, True, False),
                            (False, False, True), (True, True, True)):
         again = D.w4a16_matmul_packed(x, packed, out=poisoned(m, 6144, torch.bfloat16),
@@ -845,7 +911,8 @@ def test_decode_kernel_deterministic_and_pdl_bits_gpu(m):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("m", [1, 4])
-def test_decode_pdl_dependent_chain_gpu(m):
+@pytest.mark.parametrize("layout", [D.Layout.PAIRS, D.Layout.SPANS], ids=lambda v: v.value)
+def test_decode_pdl_dependent_chain_gpu(m, layout):
     # as test_dense_pdl_dependent_chain_gpu, on the Gluon kernel: every launch reads the previous one's output, and a
     # chain of pdl=True launches (eager and in a graph) must equal the plain chain bit for bit
     n, k = 2048, 6144
@@ -853,7 +920,7 @@ def test_decode_pdl_dependent_chain_gpu(m):
     for seed, (rows, cols) in enumerate(((n, k), (k, n))):
         wp, ws = quantized(rows, cols, group_size=128, seed=seed)
         raw.append((wp, (ws.float() / math.sqrt(cols)).to(ws.dtype)))
-    ws_ = [D.prepack(wp, ws, 128) for wp, ws in raw]
+    ws_ = [D.prepack(wp, ws, 128, layout) for wp, ws in raw]
     cfgs = [DK.DecodeConfig(16, 8, 2, pdl_early=True, x_smem=True), DK.DecodeConfig(16, 4, 3)]  # both trigger points
     x0 = acts(m, k, torch.bfloat16)
     bufs = [poisoned(m, n if i % 2 == 0 else k, torch.bfloat16) for i in range(16)]
