@@ -20,9 +20,10 @@ columns (C = 128 when K allows, else 64 or 32), in one of two orders (`Layout`, 
   SPANS (opt-in, `prepack(..., layout="spans")`; 2-D weights): the PAIRS words, but MMA k position p
       holds column `spans_column(p)`, so that thread c's four words hold the columns [32c, 32c + 32) of
       the chunk. The Gluon decode kernel (w4a16_decode.py) then loads x's B fragments 16 bytes at a time
-      at any M (on the H200: faster than PAIRS at M <= 8), while the Triton kernel reads a permuted copy
-      of x (`spans_x`: 2.5-4 us more per call, 1.03-1.3x slower than PAIRS from M = 16 on). A layout for
-      weights that only see decode batches; PAIRS stays the default, and the MoE kernel refuses SPANS.
+      at any M (on the H200: faster than PAIRS at M <= 8), while the Triton kernel permutes x's rows of
+      each chunk in registers (M <= 16, `_spans_rows`) or reads a permuted copy of x (`spans_x`): 1.03-1.3x
+      slower than PAIRS from M = 16 on. A layout for weights that only see decode batches; PAIRS stays the
+      default, and the MoE kernel refuses SPANS.
   PLANES (every chunk size; the GEMV, the per-plane MMA kernel, and group sizes 32 and 64):
       prepacked word w of a chunk, nibble j  =  element  j * P + w  of that chunk   (P = C / 8)
   The words keep their shape `[N, K/8]`. Nibble "plane" j of the P words of a chunk is then P
@@ -238,8 +239,8 @@ def chunk_perm(chunk: int, layout: Layout) -> torch.Tensor:
     all 32 of its elements of the chunk for one row.
     SPANS (chunk 128): the PAIRS slots, but MMA k position p holds column `spans_column(p)`, so that
     thread c's four words hold the columns [32 c, 32 c + 32): the kernels feed the MMA x's columns in
-    that order (16-byte runs per thread in the Gluon decode kernel; the Triton kernel reads a copy of x
-    permuted so, `spans_x`).
+    that order (16-byte runs per thread in the Gluon decode kernel; the Triton kernel permutes each
+    chunk's x tile in registers, `_spans_rows`, or reads a copy of x permuted so, `spans_x`).
     """
     s = torch.arange(chunk)
     word, nib = s // 8, s % 8
@@ -309,13 +310,22 @@ class PackedW4:
         check_scale(name, self.scale, (*lead, n, k), self.group_size, device)
 
 
+# How the Triton kernel takes x for SPANS weights: up to this M it loads each chunk's x tile in natural order and
+# permutes its rows in registers (`_spans_rows`; Triton stages the result in shared memory for the wgmma, and the
+# 16-token tile's registers go from 128 to 167); above it `spans_x` first permutes x with a separate copy kernel.
+# On the H200 (kernels/NOTES.md, session 13) the in-register permutation was faster at M <= 16 on all five GLM shapes
+# (12288->6144 M = 16: 18.2 against 20.6 us; PAIRS weights 16.9) and the copy at M = 64 on all five (8192^2: 28.0
+# against 37.4 us; PAIRS 24.6) and at 9 of 10 shape/M pairs above. `scripts/probe_decode.py --triton-only` times both.
+SPANS_PERMUTE_IN_KERNEL_MAX_M = 16
+
+
 def spans_x(x: torch.Tensor) -> torch.Tensor:
     """x `[M, K]` -> a contiguous copy whose column 128 j + p is x's column 128 j + `spans_column(p)`: the order in
     which SPANS weights' MMA k positions take x, so the Triton kernel reads it as it reads x for PAIRS weights.
 
-    One copy kernel per call: 2.5-4 us more per GEMM in a CUDA graph on the H200 (BENCHMARKS.md, session 13).
-    Loading x's columns in `spans_column` order inside the kernel instead (4-byte loads into the wgmma operand
-    tile) was 1.1-4.3x slower than on PAIRS weights at every M (kernels/NOTES.md, session 13).
+    One copy kernel per call: 2-4 us more per GEMM in a CUDA graph on the H200, used above
+    SPANS_PERMUTE_IN_KERNEL_MAX_M (kernels/NOTES.md, session 13; loading x's columns in `spans_column` order
+    straight into the wgmma operand tile, 4-byte loads, was 1.1-4.3x slower than on PAIRS weights at every M).
     """
     m, k = x.shape
     return x.view(m, k // MMA_CHUNK, 4, 8, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k)  # (c, s, h, e) -> (s, h, c, e)
@@ -683,6 +693,15 @@ def _dequant_pairs(words, like, ASM: tl.constexpr):
 
 
 @triton.jit
+def _spans_rows(xt):
+    """`[128, BM]` x.T of a chunk in natural column order -> rows in SPANS position order (`spans_column`):
+    row 16 s + 8 h + 2 c + e <- column 32 c + 4 s + 2 h + e."""
+    BM: tl.constexpr = xt.shape[1]
+    t = tl.reshape(xt, [4, 8, 2, 2, BM])  # [c, s, h, e, m]
+    return tl.reshape(tl.permute(t, (1, 2, 0, 3, 4)), [128, BM])
+
+
+@triton.jit
 def _pairs_chunk_dot(words, s, xt, acc, ASM: tl.constexpr, EMULATE: tl.constexpr):
     """acc + dequant(PAIRS chunk) @ xt for one 128-column chunk of a group-128 weight.
 
@@ -1033,12 +1052,12 @@ def _mma_swap_kernel(
     GPC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, EMULATE_DOT: tl.constexpr, PAIRS: tl.constexpr, X_MASK: tl.constexpr,
     SINGLE_M: tl.constexpr, MAILBOX: tl.constexpr, PDL: tl.constexpr, PDL_PREFETCH: tl.constexpr,
-    PDL_EARLY: tl.constexpr,
+    PDL_EARLY: tl.constexpr, XPERM: tl.constexpr = False,
 ):  # fmt: skip
     """grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k). Tensor-core y.T = dequant(W) @ x.T, chunk 128.
 
-    PAIRS: the weights are in the PAIRS layout (`_pairs_chunk_dot`, group 128; SPANS weights come with x's
-    columns already in their order, `spans_x`); else PLANES (`_dequant_nat`, scales folded into the
+    PAIRS: the weights are in the PAIRS or SPANS layout (`_pairs_chunk_dot`, group 128; XPERM: SPANS, the
+    rows of each chunk's x tile permuted to its column order, `_spans_rows`); else PLANES (`_dequant_nat`, scales folded into the
     weights). X_MASK (M < BLOCK_M, decode): token columns past M are not loaded but zero-filled; at
     M = 1 a 16-token tile would otherwise copy row 0 sixteen times per chunk. Otherwise rows past M
     wrap (rm % M), which costs no predicate per load.
@@ -1115,6 +1134,8 @@ def _mma_swap_kernel(
         else:
             xt = tl.load(xt_ptrs + c * 128)
         n0, n1, n2, n3 = _load_scales(s_ptrs, c + 1, rn * 0 + c + 1 < c_hi, GPC)  # in flight during this chunk
+        if XPERM:
+            xt = _spans_rows(xt)
         if PAIRS:
             acc = _pairs_chunk_dot(words, s0, xt, acc, ASM, EMULATE_DOT)
         else:
@@ -1189,7 +1210,7 @@ def tuned_entry(section: str, key: str, m: int, device: str, layout: Layout = La
     Only used when `device` (the GPU's name) matches the table's, so CPU/interpreter runs and other
     GPUs always take the heuristics. PLANES entries are the table's top-level sections, PAIRS entries
     its "pairs" sub-table (each tuned on weights of that layout); SPANS weights run the same kernel as
-    PAIRS (on a copy of x permuted to their column order, `spans_x`) and take the "pairs" entries.
+    PAIRS (x permuted to their column order, `_spans_rows` / `spans_x`) and take the "pairs" entries.
     """
     table = _tuned_table(str(TUNED_PATH))
     if not table or table.get("device") != device:
@@ -1514,7 +1535,8 @@ def _launch(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DenseConfig, p
     else:
         scratch = tickets = out  # not dereferenced without SPLIT
     stride_wn, stride_wc = w.word_strides()
-    if w.layout is Layout.SPANS:
+    xperm = w.layout is Layout.SPANS and m <= SPANS_PERMUTE_IN_KERNEL_MAX_M
+    if w.layout is Layout.SPANS and not xperm:
         x = spans_x(x)
     args = (x, w.qweight, w.scale, out, scratch, tickets, m, n, x.stride(0), stride_wn, w.scale.stride(0),
             out.stride(0), per, chunks, split)  # fmt: skip
@@ -1529,7 +1551,7 @@ def _launch(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DenseConfig, p
         _mma_swap_kernel[grid](
             *args, stride_wc, GPC=gpc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
             SPLIT=split > 1, ASM=cfg.asm and not _INTERPRETED, EMULATE_DOT=_INTERPRETED and x.dtype == torch.bfloat16,
-            PAIRS=w.layout.mma, X_MASK=m < cfg.block_m, SINGLE_M=single_m, MAILBOX=mailbox,
+            PAIRS=w.layout.mma, XPERM=xperm, X_MASK=m < cfg.block_m, SINGLE_M=single_m, MAILBOX=mailbox,
             PDL=pdl, PDL_PREFETCH=pdl_prefetch, PDL_EARLY=pdl_mode == "early", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **launch,
         )  # fmt: skip

@@ -108,7 +108,10 @@ def _warm(job):
     out = torch.empty(m, n, dtype=x.dtype, device="cuda")
     t = time.time()
     try:
-        DK.decode_matmul(x, pk, out, cfg, pdl=pdl, probe=probe)
+        if isinstance(cfg, DK.DecodeConfig):
+            DK.decode_matmul(x, pk, out, cfg, pdl=pdl, probe=probe)
+        else:  # a DenseConfig (the Triton kernel), or None: what w4a16_matmul_packed picks
+            D.w4a16_matmul_packed(x, pk, out=out, config=cfg, pdl=pdl)
         torch.cuda.synchronize()
         return f"ok {job} {time.time() - t:.1f}s"
     except Exception as exc:
@@ -165,6 +168,14 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--only", default="", help="substring of the shape names to run")
     ap.add_argument("--m", type=int, nargs="+", default=None, help="M values (default: 1 4 16; --tune: TUNE_M)")
+    ap.add_argument("--triton-only", action="store_true",
+                    help="probe: time only what w4a16_matmul runs and the Triton kernel (no Gluon variants); on SPANS "
+                         "weights the Triton kernel also with x permuted the other way (triton-other: the copy kernel "
+                         "at M <= SPANS_PERMUTE_IN_KERNEL_MAX_M, in registers above)")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="probe: only compile its kernels (in --workers processes; fills Triton's cache for a bench)")
+    ap.add_argument("--merge", action="store_true",
+                    help="--tune: keep the --write table's entries for the M values not tuned now")
     ap.add_argument("--layouts", nargs="+", default=["pairs"], choices=["pairs", "spans"],
                     help="weight layouts to probe side by side (--tune: the first)")
     ap.add_argument("--workers", type=int, default=12)
@@ -183,14 +194,21 @@ def main() -> None:
     a.m = a.m or [1, 4, 16]
 
     jobs = []
+    name = torch.cuda.get_device_name(dev)
     for (n, k), m, lay in itertools.product(shapes.values(), a.m, a.layouts):
-        for cfg, probe in variants(k, m):
+        from glmq.kernels import w4a16_dense as D
+
+        tcfg = D.choose_config(m, n, k, GROUP, D.sm_count(dev), name, D.Layout.PAIRS)
+        jobs += [(n, k, m, c, pdl, 0, lay) for c in (None, tcfg) for pdl in (False, True)]
+        for cfg, probe in ([] if a.triton_only else variants(k, m)):
             jobs.append((n, k, m, cfg, False, probe, lay))
             if not probe:
                 jobs.append((n, k, m, cfg, True, probe, lay))
     compile_all(jobs, a.workers)
+    if a.compile_only:
+        return
 
-    rows = [r for lay in a.layouts for r in check(dev, lay)]
+    rows = [] if a.triton_only else [r for lay in a.layouts for r in check(dev, lay)]
 
     from bench_kernels import Bench, random_int4, packed_bytes, rel_err
     import torch.nn.functional as F
@@ -232,7 +250,16 @@ def main() -> None:
                 timed(f"triton{sfx}", lambda i, pk=pk: D.w4a16_matmul_packed(x, pk[i], out=outs[i], config=tcfg))
                 timed(f"triton-pdl{sfx}",
                       lambda i, pk=pk: D.w4a16_matmul_packed(x, pk[i], out=outs[i], config=tcfg, pdl=True))
-            for cfg, probe in variants(k, m):
+                if lay == "spans" and a.triton_only:  # the other way of permuting x (SPANS_PERMUTE_IN_KERNEL_MAX_M)
+                    limit = D.SPANS_PERMUTE_IN_KERNEL_MAX_M
+                    D.SPANS_PERMUTE_IN_KERNEL_MAX_M = 0 if m <= limit else 1 << 30
+                    try:
+                        timed(f"triton-other{sfx}", lambda i, pk=pk: D.w4a16_matmul_packed(x, pk[i], out=outs[i], config=tcfg))
+                        timed(f"triton-other-pdl{sfx}",
+                              lambda i, pk=pk: D.w4a16_matmul_packed(x, pk[i], out=outs[i], config=tcfg, pdl=True))
+                    finally:
+                        D.SPANS_PERMUTE_IN_KERNEL_MAX_M = limit
+            for cfg, probe in ([] if a.triton_only else variants(k, m)):
                 for lay, pk in packs_of.items():
                     label = tag(cfg) + (f"-{lay}" if len(packs_of) > 1 else "")
                     if probe:
@@ -286,6 +313,11 @@ def tune(shapes: dict, dev, a, out_dir: Path) -> None:
              "how": "scripts/probe_decode.py --tune (median of 15 graph replays, weights rotated past L2, "
                     f"the lower of two passes; Gluon where <= {TUNE_MARGIN} x the Triton kernel)",
              "layout": layout, "decode": {}}
+    if a.merge and a.write and Path(a.write).exists():
+        old = json.loads(Path(a.write).read_text())
+        if old.get("device") == name and old.get("layout", "pairs") == layout:
+            table["decode"] = old.get("decode", {})
+            table["measured"] = f"{old.get('measured')}; M = {', '.join(map(str, tune_m))}: {table['measured']}"
     for shape, (n, k) in shapes.items():
         wp, ws = random_int4(n, k, device=dev, seed=3)
         w32 = R.dequantize_packed(wp, ws, GROUP)

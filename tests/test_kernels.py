@@ -377,9 +377,13 @@ def test_prepack_pairs_chunk_major(chunk_major):
     ids=lambda v: str(v) if isinstance(v, (int, bool)) else f"{v.block_m}x{v.block_n}-s{v.split_k}-w{v.num_warps}"
     f"{'' if v.asm else '-noasm'}",
 )
-@pytest.mark.parametrize("layout", [D.Layout.PAIRS, D.Layout.SPANS], ids=lambda v: v.value)
-def test_dense_pairs_layout(m, cfg, chunk_major, dtype, layout):
-    # SPANS: the same kernel on a copy of x with its columns in spans_column order (spans_x)
+@pytest.mark.parametrize("layout", ["pairs", "spans", "spans-registers", "spans-copy"])
+def test_dense_pairs_layout(m, cfg, chunk_major, dtype, layout, monkeypatch):
+    # SPANS: the same kernel with each chunk's x tile permuted to spans_column order in registers (_spans_rows), or
+    # on a copy of x permuted so (spans_x); "spans" leaves the choice to SPANS_PERMUTE_IN_KERNEL_MAX_M (by M)
+    if layout != "spans":
+        monkeypatch.setattr(D, "SPANS_PERMUTE_IN_KERNEL_MAX_M", 1 << 30 if layout == "spans-registers" else 0)
+    layout = layout.split("-")[0]
     wp, ws = quantized(136, 384, group_size=128)
     x = acts(m, 384, dtype)
     out = poisoned(m, 136, dtype)
