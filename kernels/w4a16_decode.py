@@ -36,9 +36,9 @@ Where it is used (kernels/NOTES.md, sessions 11-13, for the measurements). On PA
 wins at M = 1-4 on some shapes (the expert-sized ones most: no split-K fix-up; with x_smem at M = 1 on all
 five GLM shapes) and loses on others, and above M = 4 the x fragment loads (16 per chunk and token tile, per
 16 rows) make it slower than the wgmma kernel everywhere (x_smem is M = 1 only: a program's x at M <= 16
-would need up to K * 32 bytes of shared memory). On SPANS weights it won at M <= 8 on all five GLM shapes
-and at M = 16 on some (the Triton kernel, which then reads a permuted copy of x, `w4a16_dense.spans_x`,
-runs elsewhere). So `w4a16_matmul_packed` takes it only where the launch table of the weight's layout
+would need up to K * 32 bytes of shared memory). On SPANS weights it won against the Triton kernel (which
+permutes x for them) at M <= 4 on all five GLM shapes, at M = 8 on three plain and all five as PDL chains,
+and at M = 16 on one. So `w4a16_matmul_packed` takes it only where the launch table of the weight's layout
 (`TUNED_PATHS`: `tuned_decode.json` for PAIRS, `tuned_decode_spans.json` for SPANS; written by
 scripts/probe_decode.py --tune on the GPU it names) says it was faster, or, on other sm_90 GPUs, by
 `heuristic_config`'s rule; an explicit `DecodeConfig` always takes it.

@@ -20,7 +20,7 @@ columns (C = 128 when K allows, else 64 or 32), in one of two orders (`Layout`, 
   SPANS (opt-in, `prepack(..., layout="spans")`; 2-D weights): the PAIRS words, but MMA k position p
       holds column `spans_column(p)`, so that thread c's four words hold the columns [32c, 32c + 32) of
       the chunk. The Gluon decode kernel (w4a16_decode.py) then loads x's B fragments 16 bytes at a time
-      at any M (on the H200: faster than PAIRS at M <= 8), while the Triton kernel permutes x's rows of
+      at any M (on the H200: faster than PAIRS at M <= 4), while the Triton kernel permutes x's rows of
       each chunk in registers (M <= 16, `_spans_rows`) or reads a permuted copy of x (`spans_x`): 1.03-1.3x
       slower than PAIRS from M = 16 on. A layout for weights that only see decode batches; PAIRS stays the
       default, and the MoE kernel refuses SPANS.
