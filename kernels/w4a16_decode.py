@@ -381,9 +381,9 @@ def x_smem_bytes(k: int, warps: int) -> int:
 
 
 def supports(m: int, w: PackedW4, cfg: DecodeConfig | None = None) -> bool:
-    """Whether a call fits the kernel: 1 <= M <= 16, a 2-D PAIRS or SPANS weight stored chunk-major (what `prepack`
-    gives group-128 weights), `cfg.warps` dividing the K / 128 chunks, and with x_smem at M = 1 the staged x
-    within X_SMEM_MAX_BYTES."""
+    """Whether a call fits the kernel: 1 <= M <= 16, a 2-D PAIRS or SPANS weight stored chunk-major (what
+    `prepack` gives group-128 weights), `cfg.warps` dividing the K / 128 chunks, and with x_smem at M = 1 the
+    staged x within X_SMEM_MAX_BYTES."""
     if not (1 <= m <= MAX_M) or w.lead or not w.layout.mma or not w.chunk_major or w.chunk != MMA_CHUNK:
         return False
     if cfg is not None and cfg.x_smem and m == 1 and x_smem_bytes(w.k, cfg.warps) > X_SMEM_MAX_BYTES:
@@ -450,7 +450,7 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
     here `supports(m, w, cfg)` must hold. probe: `_decode_kernel`'s timing probes (wrong results), 0 for the GEMM."""
     m, k = x.shape
     if not supports(m, w, cfg):
-        raise ValueError(f"the decode kernel takes 1 <= M <= {MAX_M} on 2-D chunk-major pairs weights with "
+        raise ValueError(f"the decode kernel takes 1 <= M <= {MAX_M} on 2-D chunk-major pairs or spans weights with "
                          f"{cfg.warps} warps dividing K / {MMA_CHUNK}, and with x_smem at M = 1 at most "
                          f"{X_SMEM_MAX_BYTES >> 10} KB of staged x (`x_smem_bytes`); got M = {m}, weight "
                          f"{[*w.lead, w.n, w.k]} ({w.layout.value}, chunk_major={w.chunk_major}), {cfg}")
@@ -465,7 +465,8 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
     _decode_kernel[(-(-n // cfg.rows),)](
         x, w.qweight, w.scale, out, m, n, x.stride(0), stride_wc, w.scale.stride(0), out.stride(0),
         CPW=chunks // cfg.warps, W=cfg.warps, R=cfg.rows, TOK=8 if m <= 8 else 16, D=min(cfg.depth, chunks // cfg.warps),
-        BF16=x.dtype == torch.bfloat16, XB=m == 1, XS=m == 1 and cfg.x_smem, SP=w.layout is Layout.SPANS, PDL=pdl, PDL_EARLY=pdl and cfg.pdl_early,
+        BF16=x.dtype == torch.bfloat16, XB=m == 1, XS=m == 1 and cfg.x_smem, SP=w.layout is Layout.SPANS, PDL=pdl,
+        PDL_EARLY=pdl and cfg.pdl_early,
         PROBE=probe, num_warps=cfg.warps, **launch,
     )  # fmt: skip
     return out
@@ -500,7 +501,8 @@ def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True
     sig = {"x_ptr": act, "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": act, "M": "i32", "N": "i32",
            "stride_xm": "i32", "stride_wc": "i32", "stride_sn": "i32", "stride_om": "i32"}
     consts = dict(CPW=chunks // cfg.warps, W=cfg.warps, R=cfg.rows, TOK=tok, D=min(cfg.depth, chunks // cfg.warps),
-                  BF16=bf16, XB=xb, XS=xb and cfg.x_smem, SP=spans, PDL=pdl, PDL_EARLY=pdl and cfg.pdl_early, PROBE=0)
+                  BF16=bf16, XB=xb, XS=xb and cfg.x_smem, SP=spans, PDL=pdl, PDL_EARLY=pdl and cfg.pdl_early,
+                  PROBE=0)
     sig.update({name: "constexpr" for name in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 7, 8, 9)}  # as the JIT specialises them
     src = GluonASTSource(_decode_kernel, sig, consts, attrs)
