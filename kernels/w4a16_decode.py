@@ -244,16 +244,6 @@ if _GLUON:
         rows = gl.minimum(pid * R + ri, N - 1)  # rows past N read row N - 1; their outputs are not stored
         wp = w_ptr + (gl.expand_dims(gl.expand_dims(wi * CPW, 1), 2) * stride_wc
                       + gl.expand_dims(gl.expand_dims(rows * 16, 0), 2) + gl.expand_dims(gl.expand_dims(vi, 0), 1))
-        wb = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, b_l)))
-        kb = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, b_l)))
-        tb = gl.arange(0, TOK, layout=gl.SliceLayout(0, gl.SliceLayout(1, b_l)))
-        if XB:
-            tsel = tb * 0
-        else:
-            tsel = tb
-        xp = x_ptr + (gl.expand_dims(gl.expand_dims(wb * (CPW * 128), 1), 2) + gl.expand_dims(gl.expand_dims(kb, 0), 2)
-                      + gl.expand_dims(gl.expand_dims(tsel * stride_xm, 0), 1))
-        x_mask = gl.expand_dims(gl.expand_dims(tb < M, 0), 1)
         if SP:  # [W, TOK, 4, 32]: thread (g, c) loads token g's columns [32 c, 32 c + 32) of each chunk
             xq_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 32], threads_per_warp=[1, 8, 4, 1],
                                                   warps_per_cta=[W, 1, 1, 1], order=[3, 2, 1, 0])
@@ -261,13 +251,22 @@ if _GLUON:
             tq = gl.arange(0, TOK, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, xq_l))))
             cq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, xq_l))))
             jq = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, xq_l))))
+            x_mask = gl.expand_dims(gl.expand_dims(gl.expand_dims(tq < M, 0), 2), 3)
             if XB:
                 tq = tq * 0
             xp = x_ptr + (gl.expand_dims(gl.expand_dims(gl.expand_dims(wq * (CPW * 128), 1), 2), 3)
                           + gl.expand_dims(gl.expand_dims(gl.expand_dims(tq * stride_xm, 0), 2), 3)
                           + gl.expand_dims(gl.expand_dims(gl.expand_dims(cq * 32, 0), 1), 3)
                           + gl.expand_dims(gl.expand_dims(gl.expand_dims(jq, 0), 1), 2))
-            x_mask = gl.expand_dims(gl.expand_dims(gl.expand_dims(tq < M, 0), 2), 3)
+        else:  # [W, 128, TOK] in the B-fragment layout: lane c's 4-byte pairs of each k16 step
+            wb = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, b_l)))
+            kb = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, b_l)))
+            tb = gl.arange(0, TOK, layout=gl.SliceLayout(0, gl.SliceLayout(1, b_l)))
+            x_mask = gl.expand_dims(gl.expand_dims(tb < M, 0), 1)
+            if XB:
+                tb = tb * 0
+            xp = x_ptr + (gl.expand_dims(gl.expand_dims(wb * (CPW * 128), 1), 2)
+                          + gl.expand_dims(gl.expand_dims(kb, 0), 2) + gl.expand_dims(gl.expand_dims(tb * stride_xm, 0), 1))
         if XB:
             x_mask = None
         ws = gl.arange(0, W, layout=gl.SliceLayout(1, s_l))

@@ -1057,10 +1057,10 @@ def _mma_swap_kernel(
     """grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k). Tensor-core y.T = dequant(W) @ x.T, chunk 128.
 
     PAIRS: the weights are in the PAIRS or SPANS layout (`_pairs_chunk_dot`, group 128; XPERM: SPANS, the
-    rows of each chunk's x tile permuted to its column order, `_spans_rows`); else PLANES (`_dequant_nat`, scales folded into the
-    weights). X_MASK (M < BLOCK_M, decode): token columns past M are not loaded but zero-filled; at
-    M = 1 a 16-token tile would otherwise copy row 0 sixteen times per chunk. Otherwise rows past M
-    wrap (rm % M), which costs no predicate per load.
+    rows of each chunk's x tile permuted to its column order, `_spans_rows`); else PLANES (`_dequant_nat`,
+    scales folded into the weights). X_MASK (M < BLOCK_M, decode): token columns past M are not loaded
+    but zero-filled; at M = 1 a 16-token tile would otherwise copy row 0 sixteen times per chunk.
+    Otherwise rows past M wrap (rm % M), which costs no predicate per load.
 
     The transposed product: the accumulator is `[BLOCK_N, BLOCK_M]`, the dequantized weight tile is
     the dot's first operand, which Hopper's wgmma (and mma.sync) reads from registers, and x.T the
@@ -1381,7 +1381,8 @@ def check_config(cfg: DenseConfig, w: PackedW4) -> None:
         raise ValueError(f"the MMA kernel needs K to be a multiple of {MMA_CHUNK} (prepack chunk {w.chunk}); use a GEMV config")
     if (w.layout.mma or w.chunk_major) and not cfg.swap:
         raise ValueError(f"weights prepacked in the {w.layout.value} layout or chunk-major run on the transposed MMA "
-                         "kernel only (swap=True); prepack with layout='planes', chunk_major=False for the GEMV and per-plane kernels")
+                         "kernel only (swap=True); prepack with layout='planes', chunk_major=False for the GEMV and "
+                         "per-plane kernels")
 
 
 def w4a16_matmul(

@@ -549,5 +549,6 @@ def _kernel_and_options(cfg: MoeConfig, w: PackedW4, num_valid: int, num_experts
         return _moe_swap_kernel, dict(common, ASM=cfg.asm and not _INTERPRETED, PAIRS=w.layout is Layout.PAIRS)
     if w.layout.mma or w.chunk_major:
         raise ValueError(f"weights prepacked in the {w.layout.value} layout or chunk-major run on the transposed MoE "
-                         "kernel only (swap=True); prepack with layout='planes', chunk_major=False for the per-plane kernel")
+                         "kernel only (swap=True); prepack with layout='planes', chunk_major=False for the per-plane "
+                         "kernel")
     return _moe_kernel, dict(common, PREFETCH=cfg.prefetch, BIG_DOT=cfg.big_dot and gpc == 1)

@@ -16,8 +16,9 @@ What is timed (symmetric int4, group 128, bf16 activations and scales):
             glmq-pdl-pfN-WHEN  (--pdl-variants N:WHEN ..., M <= 64) glmq-pdl with DenseConfig.pdl_prefetch = N
                         and pdl_mode = WHEN ("early" or "late"); glmq-pdl itself takes pdl_mode "auto"
             glmq-spans (-pdl)  the same on weights prepacked in the SPANS layout (`prepack(..., layout="spans")`:
-                        the Gluon decode kernel loads x 16 bytes at a time; the Triton kernel reads a permuted
-                        copy of x, `spans_x`), with its own tuned table (kernels/tuned_decode_spans.json)
+                        the Gluon decode kernel loads x 16 bytes at a time; the Triton kernel permutes x, in
+                        registers up to M = 16, by a copy kernel above), with its own tuned table
+                        (kernels/tuned_decode_spans.json)
             glmq-triton (-pdl)  at M <= 16: the Triton kernel alone (the config choose_config picks), beside
                         glmq, which may take the Gluon decode kernel (kernels/w4a16_decode.py, its tuned table)
             glmq-ticket the same launch at M = 1 with the split-K partials reduced by the last-arriver ticket

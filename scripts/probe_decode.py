@@ -9,8 +9,8 @@ Probe mode writes DIR/probe_decode.json and prints a table: launch variants of t
 probes (parts left out), the Triton kernel (the config `choose_config` picks, forced) and cuBLAS fp16, on
 weights prepacked in each of `--layouts` (labels end in the layout when there are several; above M = 16 only
 the Triton kernel runs). Tune mode times, on weights in the first of `--layouts`, for each shape and M in
-`--m` (default TUNE_M), the Triton kernel (the config `choose_config` picks) and TUNE_CANDIDATES of the Gluon kernel, plain
-and as PDL chains, each twice in alternation (the lower median is kept, against drift), and writes the
+`--m` (default TUNE_M), the Triton kernel (the config `choose_config` picks) and TUNE_CANDIDATES of the Gluon
+kernel, plain and as PDL chains, each twice in alternation (the lower median is kept, against drift), and writes the
 launch table that `w4a16_decode.tuned_config` reads: the Gluon config where it was at least TUNE_MARGIN
 faster, null where the Triton kernel won. The kernels are compiled first in `--workers` processes (Triton's
 cache is shared), so the timing pass finds them compiled.
@@ -158,8 +158,8 @@ def check(dev, layout: str) -> list[dict]:
         ok = bool(torch.isfinite(out).all()) and err < 5e-3
         rows.append(dict(m=m, n=n, k=k, dtype=str(dt), rows=r, warps=w, depth=d, pdl=pdl, x_smem=xs, rel_err=err,
                          ok=ok, layout=layout))
-        print(f"check {layout} M={m:<3} N={n:<5} K={k:<5} {str(dt):15} R={r} W={w} D={d} X={xs:d} pdl={pdl}: rel err {err:.2e} "
-              f"{'ok' if ok else 'WRONG'}")
+        print(f"check {layout} M={m:<3} N={n:<5} K={k:<5} {str(dt):15} R={r} W={w} D={d} X={xs:d} pdl={pdl}: "
+              f"rel err {err:.2e} {'ok' if ok else 'WRONG'}")
     return rows
 
 
@@ -193,11 +193,11 @@ def main() -> None:
         return
     a.m = a.m or [1, 4, 16]
 
+    from glmq.kernels import w4a16_dense as D
+
     jobs = []
     name = torch.cuda.get_device_name(dev)
     for (n, k), m, lay in itertools.product(shapes.values(), a.m, a.layouts):
-        from glmq.kernels import w4a16_dense as D
-
         tcfg = D.choose_config(m, n, k, GROUP, D.sm_count(dev), name, D.Layout.PAIRS)
         jobs += [(n, k, m, c, pdl, 0, lay) for c in (None, tcfg) for pdl in (False, True)]
         for cfg, probe in ([] if a.triton_only else variants(k, m)):
@@ -254,7 +254,8 @@ def main() -> None:
                     limit = D.SPANS_PERMUTE_IN_KERNEL_MAX_M
                     D.SPANS_PERMUTE_IN_KERNEL_MAX_M = 0 if m <= limit else 1 << 30
                     try:
-                        timed(f"triton-other{sfx}", lambda i, pk=pk: D.w4a16_matmul_packed(x, pk[i], out=outs[i], config=tcfg))
+                        timed(f"triton-other{sfx}",
+                              lambda i, pk=pk: D.w4a16_matmul_packed(x, pk[i], out=outs[i], config=tcfg))
                         timed(f"triton-other-pdl{sfx}",
                               lambda i, pk=pk: D.w4a16_matmul_packed(x, pk[i], out=outs[i], config=tcfg, pdl=True))
                     finally:
@@ -269,7 +270,8 @@ def main() -> None:
                         res.append(dict(shape=name, m=m, impl=f"probe{probe}-{label}", us=us))
                         continue
                     timed(f"gluon-{label}", lambda i, c=cfg, pk=pk: DK.decode_matmul(x, pk[i], outs[i], c))
-                    timed(f"gluon-pdl-{label}", lambda i, c=cfg, pk=pk: DK.decode_matmul(x, pk[i], outs[i], c, pdl=True))
+                    timed(f"gluon-pdl-{label}",
+                          lambda i, c=cfg, pk=pk: DK.decode_matmul(x, pk[i], outs[i], c, pdl=True))
             xd = x.to(torch.float16)
             us, _ = b.time_us([lambda w=w: F.linear(xd, w) for w in w16])
             res.append(dict(shape=name, m=m, impl="cublas-fp16", us=us))
@@ -305,7 +307,8 @@ def tune(shapes: dict, dev, a, out_dir: Path) -> None:
 
     layout, tune_m = a.layouts[0], a.m or TUNE_M
     jobs = [(n, k, m, dataclasses.replace(c, pdl_early=early), pdl, 0, layout) for (n, k) in shapes.values()
-            for m in tune_m for c in tune_candidates(k, m) for pdl, early in ((False, False), (True, False), (True, True))]
+            for m in tune_m for c in tune_candidates(k, m)
+            for pdl, early in ((False, False), (True, False), (True, True))]
     compile_all(jobs, a.workers)
     b = Bench(dev, a.budget_s, smoke=False)
     name = torch.cuda.get_device_name(dev)
@@ -355,7 +358,7 @@ def tune(shapes: dict, dev, a, out_dir: Path) -> None:
         del packs
         torch.cuda.empty_cache()
     text = json.dumps(table, indent=1) + "\n"
-    (out_dir / ("tuned_decode.json" if layout == "pairs" else f"tuned_decode_{layout}.json")).write_text(text)
+    (out_dir / DK.TUNED_PATHS[D.Layout(layout)].name).write_text(text)  # the file name the kernel reads
     if a.write:
         Path(a.write).write_text(text)
         DK._table.cache_clear()

@@ -47,6 +47,7 @@ GROUPS = (32, 64, 128)
 REL_TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
 SQNR_DB = {torch.float16: 55.0, torch.bfloat16: 35.0}
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+both_mma_layouts = pytest.mark.parametrize("layout", [D.Layout.PAIRS, D.Layout.SPANS], ids=lambda v: v.value)
 
 
 _kernels_runnable = skip_if_triton_too_early(TRITON_TOO_EARLY, "test_kernel_suite_in_fresh_interpreter")
@@ -889,7 +890,7 @@ def _decode_case(m, n, k, dtype, cfg, pdl=False, scale_dtype=torch.bfloat16, lay
                          ids=str)  # fmt: skip
 @pytest.mark.parametrize("m, n, k", [(1, 200, 1024), (3, 96, 1024), (8, 2048, 2048), (9, 264, 3072),
                                      (16, 128, 1024), (1, 4096, 6144), (4, 6144, 2048)])  # fmt: skip
-@pytest.mark.parametrize("layout", [D.Layout.PAIRS, D.Layout.SPANS], ids=lambda v: v.value)
+@both_mma_layouts
 def test_decode_kernel_gpu(m, n, k, cfg, dtype, layout):
     if (k // 128) % cfg.warps:
         pytest.skip("warps must divide the chunks")
@@ -899,7 +900,7 @@ def test_decode_kernel_gpu(m, n, k, cfg, dtype, layout):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("m", [1, 5])
-@pytest.mark.parametrize("layout", [D.Layout.PAIRS, D.Layout.SPANS], ids=lambda v: v.value)
+@both_mma_layouts
 def test_decode_kernel_deterministic_and_pdl_bits_gpu(m, layout):
     # the warps' partial sums meet in shared memory in warp order: the same bits every launch, with or without PDL,
     # with x staged in shared memory or not
@@ -915,7 +916,7 @@ def test_decode_kernel_deterministic_and_pdl_bits_gpu(m, layout):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("m", [1, 4])
-@pytest.mark.parametrize("layout", [D.Layout.PAIRS, D.Layout.SPANS], ids=lambda v: v.value)
+@both_mma_layouts
 def test_decode_pdl_dependent_chain_gpu(m, layout):
     # as test_dense_pdl_dependent_chain_gpu, on the Gluon kernel: every launch reads the previous one's output, and a
     # chain of pdl=True launches (eager and in a graph) must equal the plain chain bit for bit
