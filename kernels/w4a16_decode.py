@@ -32,7 +32,17 @@ M = 1 every lane loads token 0 unmasked (the MMA's eight columns are then all to
 dequantization is `w4a16_dense._pairs_asm` (q = u - 8 exactly, in bf16 or fp16); the group scale is
 applied once per (row, chunk) to the chunk's fp32 MMA result, as in the Triton kernel.
 
-Where it is used (kernels/NOTES.md, sessions 11-13, for the measurements). On PAIRS weights on the H200 it
+A second kernel here, the shared-x kernel (`_xshared_kernel`, `DecodeConfig.split` >= 1), turns the work around:
+its W warps split the program's rows (R each, so a program has W R rows) instead of K, K is split over `split`
+programs (their fp32 partials summed by the last to arrive, in split order, as the Triton kernel's ticket does),
+and x goes global -> shared memory once per program through a ring of `ring` chunks filled by cp.async (one
+barrier per chunk), from which every warp reads its B fragments with four 16-byte shared loads per chunk and
+token tile, on PAIRS and SPANS weights alike (the ring is filled in the layout's k order). Every warp of a program
+then uses the same x, so x's traffic is 1 / W of `_decode_kernel`'s, paid for with the ring's barrier and the
+split-K fix-up. On the H200 it is the fastest kernel at M = 4 on four of the five GLM shapes with PAIRS weights
+(kernels/NOTES.md, session 14); at M = 16 it loses to the Triton wgmma kernel everywhere.
+
+Where it is used (kernels/NOTES.md, sessions 11-14, for the measurements). On PAIRS weights on the H200 it
 wins at M = 1-4 on some shapes (the expert-sized ones most: no split-K fix-up; with x_smem at M = 1 on all
 five GLM shapes) and loses on others, and above M = 4 the x fragment loads (16 per chunk and token tile, per
 16 rows) make it slower than the wgmma kernel everywhere (x_smem is M = 1 only: a program's x at M <= 16
@@ -46,7 +56,8 @@ scripts/probe_decode.py --tune on the GPU it names) says it was faster, or, on o
 Gluon kernels cannot run under TRITON_INTERPRET=1 (Triton has no Gluon interpreter): `available()` is
 False there and off-GPU, and the Triton kernels run instead. CPU CI compiles this kernel for sm_90 with
 the installed Triton (tests/test_kernels.py: the trivial layout conversion, 16-byte word loads, HMMA, no
-local memory); its numerics are tested on the GPU against the float reference.
+local memory; for the shared-x kernel cp.async, 16-byte shared loads, one barrier per chunk); their numerics are
+tested on the GPU against the float reference.
 """
 
 from __future__ import annotations
@@ -63,7 +74,7 @@ from glmq.kernels.w4a16_dense import _INTERPRETED, MMA_CHUNK, Layout, PackedW4, 
 try:  # Gluon ships with Triton >= 3.4 as triton.experimental.gluon; its API is still moving
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
     _GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
@@ -89,6 +100,11 @@ class DecodeConfig:
         x_smem: at M = 1, stage x once per program in shared memory, in fragment order, and read each chunk's B
             fragments from there (four 16-byte shared loads) instead of sixteen 4-byte global loads per chunk in
             flight with the words; ignored at M > 1.
+        split: 0 for the kernel above (`_decode_kernel`: warps split K). >= 1: the shared-x kernel
+            (`_xshared_kernel`): each of the `warps` warps owns `rows` rows (a program `warps * rows`), K is split over
+            `split` programs (it must divide K / 128), and a program's x goes through shared memory once, shared by
+            its warps (x_smem and pdl_early do not apply).
+        ring: the shared-x kernel's x ring in chunks, 2, 4 or 8 (ring - 1 chunks of x in flight).
     """
 
     rows: int = 16
@@ -96,6 +112,8 @@ class DecodeConfig:
     depth: int = 2
     pdl_early: bool = False
     x_smem: bool = False
+    split: int = 0
+    ring: int = 4
 
     def __post_init__(self) -> None:
         if self.rows not in (16, 32):
@@ -104,6 +122,10 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.warps must be 1, 2, 4 or 8, got {self.warps}")
         if self.depth not in (1, 2, 3, 4):
             raise ValueError(f"DecodeConfig.depth must be 1-4, got {self.depth}")
+        if self.split < 0:
+            raise ValueError(f"DecodeConfig.split must be >= 0, got {self.split}")
+        if self.ring not in (2, 4, 8):
+            raise ValueError(f"DecodeConfig.ring must be 2, 4 or 8, got {self.ring}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -113,6 +135,8 @@ if _GLUON:
     _PAIRS_BF16 = gl.constexpr(_pairs_asm(True))
     _PAIRS_F16 = gl.constexpr(_pairs_asm(False))
     _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier  # renamed in Triton 3.7
+    # cp.async global -> shared: async_copy_global_to_shared up to Triton 3.6, async_load from 3.7 (the old name raises)
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
     @gluon.jit
     def _dequant(words, W: gl.constexpr, R: gl.constexpr, BF16: gl.constexpr):
@@ -364,6 +388,209 @@ if _GLUON:
                  mask=o_mask)
 
 
+    # ---- the shared-x kernel: warps split rows, programs split K, x through a ring in shared memory ---------
+
+    @gluon.jit
+    def _xs_pointers(x_ptr, c0, M, stride_xm, TOK: gl.constexpr, W: gl.constexpr, SP: gl.constexpr):
+        """Pointers and mask of chunk c0's x, laid out as a ring slot `[4, TOK, 4, 8]` of the shared-x kernel:
+        [q, t, c, j] holds token t's column 32 c + 8 q + j (SPANS weights: 16-byte runs) or, PAIRS,
+        32 q + 16 s0 + 8 h + 2 c + e for j = 4 s0 + 2 h + e (4-byte runs): the column that MMA k position
+        32 q + 16 s0 + 8 h + 2 c + e takes.
+        Token rows past M are masked: cp.async fills them with zeros without reading (a clamped row would make up
+        to 7 lanes of each copy read one address)."""
+        WQ: gl.constexpr = 4 if W >= 4 else W
+        cp_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 8], threads_per_warp=[1, 8, 4, 1],
+                                              warps_per_cta=[WQ, W // WQ, 1, 1], order=[3, 2, 1, 0])
+        qi = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, cp_l))))
+        ti = gl.arange(0, TOK, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, cp_l))))
+        cj_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, cp_l))  # [c, j]
+        ci = gl.arange(0, 4, layout=gl.SliceLayout(1, cj_l))
+        ji = gl.arange(0, 8, layout=gl.SliceLayout(0, cj_l))
+        if SP:
+            col_q = 8 * qi
+            col_cj = gl.expand_dims(ci * 32, 1) + gl.expand_dims(ji, 0)
+        else:
+            col_q = 32 * qi
+            col_cj = gl.expand_dims(ci * 2, 1) + gl.expand_dims((ji // 4) * 16 + ((ji // 2) % 2) * 8 + ji % 2, 0)
+        t2 = gl.expand_dims(gl.expand_dims(ti, 0), 2)  # [1, TOK, 1]
+        off = (gl.expand_dims(gl.expand_dims(gl.expand_dims(col_q, 1), 2), 3)
+               + gl.expand_dims(t2 * stride_xm, 3) + gl.expand_dims(gl.expand_dims(col_cj, 0), 1))
+        mask = gl.expand_dims(t2 < M, 3) & (gl.expand_dims(gl.expand_dims(col_cj, 0), 1) >= 0)  # (true: full shape)
+        return x_ptr + c0 * 128 + off, mask
+
+    @gluon.jit
+    def _ring_buffer(x_ptr, TOK: gl.constexpr):
+        return gl.allocate_shared_memory(x_ptr.dtype.element_ty, [4, TOK, 4, 8],
+                                         gl.SwizzledSharedLayout(1, 1, 1, order=[3, 2, 1, 0]))
+
+    @gluon.jit
+    def _ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i: gl.constexpr):
+        if i == 0:
+            return r0
+        elif i == 1:
+            return r1
+        elif i == 2:
+            return r2
+        elif i == 3:
+            return r3
+        elif i == 4:
+            return r4
+        elif i == 5:
+            return r5
+        elif i == 6:
+            return r6
+        else:
+            return r7
+
+    @gluon.jit
+    def _xs_frag(view, ld_l: gl.constexpr, b_like):
+        """One chunk's B fragments from a ring slot (`view` [4, TOK, 4, 8], see `_xs_pointers`) -> [W, 128, TOK], the
+        same in every warp: thread (g, c) reads its four 16-byte runs per token tile (lanes 8 apart: no bank
+        conflict); the permute into MMA k-position order is register renaming (checked)."""
+        t = gl.expand_dims(view.load(gl.SliceLayout(0, ld_l)), 0)  # [1, q, tok, c, j]
+        TOK: gl.constexpr = t.shape[2]
+        t = gl.permute(gl.reshape(t, [1, 4, TOK, 4, 2, 2, 2]), (0, 1, 4, 5, 3, 6, 2))  # [1, q, s0, h, c, e, tok]
+        t = gl.convert_layout(gl.reshape(t, [1, 128, TOK]), b_like.type.layout, assert_trivial=True)
+        return gl.broadcast(t, b_like)[0]
+
+    @gluon.jit
+    def _xshared_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, stride_wc, stride_sn,
+                        stride_om, CPP: gl.constexpr, W: gl.constexpr, R: gl.constexpr, TOK: gl.constexpr,
+                        D: gl.constexpr, XR: gl.constexpr, BF16: gl.constexpr, SP: gl.constexpr, SPLIT: gl.constexpr,
+                        PDL: gl.constexpr):
+        """grid = (cdiv(N, W R), split). Program (p, k): rows [W R p, W R (p + 1)), chunks [CPP k, CPP (k + 1));
+        warp w: its R of those rows over all the program's chunks, so the W warps share one copy of x: each chunk's x
+        goes global -> shared memory by cp.async into a ring of XR slots (XR - 1 chunks ahead, one barrier per chunk)
+        and is read as B fragments right before the chunk's MMAs (`_xs_frag`); the words stream into registers as in
+        `_decode_kernel` (depth D).
+
+        SPLIT (split > 1): each program stores its fp32 partial to `ws_ptr` ([split, M, N]) and takes a ticket
+        (`cnt_ptr`, one per row block, zero on entry and on exit); the last to arrive sums the partials in split
+        order (the same bits every run) and stores the output, as `w4a16_dense._write_tile` does.
+        PDL: the first chunks' words and scales are requested before the wait for the previous kernel, x after
+        it; the next launch is let in after the main loop."""
+        pid = gl.program_id(0)
+        c0 = gl.program_id(1) * CPP
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        w_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 8, 4],
+                                             warps_per_cta=[W, 1, 1], order=[2, 1, 0])
+        ld_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4, 1, 1, 8], threads_per_warp=[1, 1, 8, 4, 1],
+                                              warps_per_cta=[W, 1, 1, 1, 1], order=[4, 3, 2, 1, 0])
+        s_l: gl.constexpr = gl.SliceLayout(2, mma)
+
+        wi = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_l)))
+        ri = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_l)))
+        vi = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_l)))
+        rows = gl.minimum(pid * (W * R) + gl.expand_dims(wi * R, 1) + gl.expand_dims(ri, 0), N - 1)  # past N: row N - 1
+        wp = w_ptr + c0 * stride_wc + gl.expand_dims(rows * 16, 2) + gl.expand_dims(gl.expand_dims(vi, 0), 1)
+        ws = gl.arange(0, W, layout=gl.SliceLayout(1, s_l))
+        rs = gl.arange(0, R, layout=gl.SliceLayout(0, s_l))
+        srows = gl.minimum(pid * (W * R) + gl.expand_dims(ws * R, 1) + gl.expand_dims(rs, 0), N - 1)
+        sp = s_ptr + c0 + srows * stride_sn
+        acc = gl.zeros([W, R, TOK], gl.float32, layout=mma)
+        zero = gl.zeros([W, R, TOK], gl.float32, layout=mma)
+        b_like = gl.full([W, 128, TOK], 0.0, x_ptr.dtype.element_ty, layout=b_l)
+
+        w0 = _load_w(wp)
+        s0 = gl.load(sp)
+        w1 = w0
+        s1 = s0
+        w2 = w0
+        s2 = s0
+        w3 = w0
+        s3 = s0
+        if D > 1 and CPP > 1:
+            w1 = _load_w(wp + stride_wc)
+            s1 = gl.load(sp + 1)
+        if D > 2 and CPP > 2:
+            w2 = _load_w(wp + 2 * stride_wc)
+            s2 = gl.load(sp + 2)
+        if D > 3 and CPP > 3:
+            w3 = _load_w(wp + 3 * stride_wc)
+            s3 = gl.load(sp + 3)
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        # the ring of x chunks: one allocation per slot, so that Triton's barrier analysis sees that a copy into one
+        # slot and the reads of another do not overlap (one buffer of XR slots drew a second barrier per chunk)
+        r0 = _ring_buffer(x_ptr, TOK)
+        r1 = _ring_buffer(x_ptr, TOK)
+        r2 = r0
+        r3 = r0
+        r4 = r0
+        r5 = r0
+        r6 = r0
+        r7 = r0
+        if XR > 2:
+            r2 = _ring_buffer(x_ptr, TOK)
+            r3 = _ring_buffer(x_ptr, TOK)
+        if XR > 4:
+            r4 = _ring_buffer(x_ptr, TOK)
+            r5 = _ring_buffer(x_ptr, TOK)
+            r6 = _ring_buffer(x_ptr, TOK)
+            r7 = _ring_buffer(x_ptr, TOK)
+        xp, x_mask = _xs_pointers(x_ptr, c0, M, stride_xm, TOK, W, SP)
+        for j in gl.static_range(XR - 1):  # chunks 0 .. XR - 2 in flight, one cp.async group each
+            if j < CPP:
+                _cp_async(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, j), xp + j * 128, mask=x_mask)
+                async_copy.commit_group()
+        for i in gl.static_range(CPP):  # unrolled: chunk i + D is requested before chunk i is computed
+            wn = w0
+            sn = s0
+            if i + D < CPP:
+                wn = _load_w(wp + (i + D) * stride_wc)
+                sn = gl.load(sp + (i + D))
+            # chunk i's x has landed (this thread's copies: wait; everyone's: the barrier, which also tells that every
+            # warp is done with the slot chunk i - 1 used, where chunk i + XR - 1 goes now)
+            async_copy.wait_group(min(XR - 2, CPP - 1 - i))
+            _barrier()
+            if i + XR - 1 < CPP:
+                _cp_async(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, (i + XR - 1) % XR), xp + (i + XR - 1) * 128,
+                          mask=x_mask)
+                async_copy.commit_group()
+            xb = _xs_frag(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i % XR), ld_l, b_like)
+            a = gl.convert_layout(_dequant(w0, W, R, BF16), a_l, assert_trivial=True)
+            acc = acc + mma_v2(a, xb, zero) * gl.expand_dims(s0.to(gl.float32), 2)
+            if D == 1:
+                w0, s0 = wn, sn
+            elif D == 2:
+                w0, s0 = w1, s1
+                w1, s1 = wn, sn
+            else:
+                w0, s0 = w1, s1
+                w1, s1 = w2, s2
+                if D == 3:
+                    w2, s2 = wn, sn
+                else:
+                    w2, s2 = w3, s3
+                    w3, s3 = wn, sn
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        wo = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma)))
+        ro = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, mma)))
+        to = gl.arange(0, TOK, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))
+        row = pid * (W * R) + gl.expand_dims(gl.expand_dims(wo * R, 1) + gl.expand_dims(ro, 0), 2)
+        tok = gl.expand_dims(gl.expand_dims(to, 0), 1)
+        o_mask = (row < N) & (tok < M)
+        o_ptr = out_ptr + row + tok * stride_om
+        if SPLIT:
+            mn = M * N
+            part = ws_ptr + row + tok * N
+            gl.store(part + gl.program_id(1).to(gl.int64) * mn, acc, mask=o_mask)
+            _barrier()  # every thread's partial precedes the one-thread release below (as `_write_tile`)
+            ticket = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+            if ticket == gl.num_programs(1) - 1:  # the last split of this row block: sum in split order
+                total = gl.load(part, mask=o_mask, other=0.0, cache_modifier=".cg")
+                for s in range(1, gl.num_programs(1)):
+                    total += gl.load(part + s * mn, mask=o_mask, other=0.0, cache_modifier=".cg")
+                gl.store(o_ptr, total.to(out_ptr.dtype.element_ty), mask=o_mask)
+                gl.store(cnt_ptr + pid, 0)  # re-arm for the next launch
+        else:
+            gl.store(o_ptr, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
 def available(device: torch.device) -> bool:
     """Whether the Gluon decode kernel can run on `device`: a CUDA GPU of sm_80 or later (mma.sync on bf16),
     Gluon in the installed Triton, and not the interpreter."""
@@ -385,6 +612,8 @@ def supports(m: int, w: PackedW4, cfg: DecodeConfig | None = None) -> bool:
     staged x within X_SMEM_MAX_BYTES."""
     if not (1 <= m <= MAX_M) or w.lead or not w.layout.mma or not w.chunk_major or w.chunk != MMA_CHUNK:
         return False
+    if cfg is not None and cfg.split:
+        return (w.k // MMA_CHUNK) % cfg.split == 0
     if cfg is not None and cfg.x_smem and m == 1 and x_smem_bytes(w.k, cfg.warps) > X_SMEM_MAX_BYTES:
         return False
     return (w.k // MMA_CHUNK) % (cfg.warps if cfg is not None else 1) == 0
@@ -461,6 +690,9 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
     if stride_wn != MMA_CHUNK // 8 or w.scale.stride(-1) != 1:
         raise ValueError("the decode kernel needs contiguous chunk-major words (as `prepack` makes them) and scales")
     launch = {"launch_pdl": True} if pdl else {}
+    if cfg.split:
+        _launch_xshared(x, w, out, cfg, pdl, stride_wc, launch)
+        return out
     _decode_kernel[(-(-n // cfg.rows),)](
         x, w.qweight, w.scale, out, m, n, x.stride(0), stride_wc, w.scale.stride(0), out.stride(0),
         CPW=chunks // cfg.warps, W=cfg.warps, R=cfg.rows, TOK=8 if m <= 8 else 16, D=min(cfg.depth, chunks // cfg.warps),
@@ -469,6 +701,30 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
         PROBE=probe, num_warps=cfg.warps, **launch,
     )  # fmt: skip
     return out
+
+
+def _xshared_args(m: int, chunks: int, cfg: DecodeConfig, bf16: bool, spans: bool, pdl: bool) -> dict:
+    cpp = chunks // cfg.split
+    return dict(CPP=cpp, W=cfg.warps, R=cfg.rows, TOK=8 if m <= 8 else 16, D=min(cfg.depth, cpp), XR=cfg.ring,
+                BF16=bf16, SP=spans, SPLIT=cfg.split > 1, PDL=pdl)
+
+
+def _launch_xshared(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeConfig, pdl: bool, stride_wc: int,
+                    launch: dict) -> None:
+    from glmq.kernels.w4a16_dense import _tickets
+
+    m, k = x.shape
+    blocks = -(-w.n // (cfg.warps * cfg.rows))
+    if cfg.split > 1:
+        scratch = torch.empty(cfg.split, m, w.n, dtype=torch.float32, device=x.device)  # fp32 partials
+        tickets = _tickets(x.device, blocks)
+    else:
+        scratch = tickets = out  # not dereferenced without SPLIT
+    _xshared_kernel[(blocks, cfg.split)](
+        x, w.qweight, w.scale, out, scratch, tickets, m, w.n, x.stride(0), stride_wc, w.scale.stride(0), out.stride(0),
+        **_xshared_args(m, k // MMA_CHUNK, cfg, x.dtype == torch.bfloat16, w.layout is Layout.SPANS, pdl),
+        num_warps=cfg.warps, **launch,
+    )  # fmt: skip
 
 
 def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True, xb: bool = True,
@@ -499,12 +755,19 @@ def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True
     act = "*bf16" if bf16 else "*fp16"
     sig = {"x_ptr": act, "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": act, "M": "i32", "N": "i32",
            "stride_xm": "i32", "stride_wc": "i32", "stride_sn": "i32", "stride_om": "i32"}
-    consts = dict(CPW=chunks // cfg.warps, W=cfg.warps, R=cfg.rows, TOK=tok, D=min(cfg.depth, chunks // cfg.warps),
-                  BF16=bf16, XB=xb, XS=xb and cfg.x_smem, SP=spans, PDL=pdl, PDL_EARLY=pdl and cfg.pdl_early,
-                  PROBE=0)
+    if cfg.split:  # the shared-x kernel: two more pointers (the split-K scratch and tickets)
+        sig = {**{k: v for k, v in sig.items() if k.endswith("_ptr")}, "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+               **{k: v for k, v in sig.items() if not k.endswith("_ptr")}}
+        consts = _xshared_args(tok, chunks, cfg, bf16, spans, pdl)
+        kernel_fn, ptrs = _xshared_kernel, (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11)
+    else:
+        consts = dict(CPW=chunks // cfg.warps, W=cfg.warps, R=cfg.rows, TOK=tok, D=min(cfg.depth, chunks // cfg.warps),
+                      BF16=bf16, XB=xb, XS=xb and cfg.x_smem, SP=spans, PDL=pdl, PDL_EARLY=pdl and cfg.pdl_early,
+                      PROBE=0)
+        kernel_fn, ptrs = _decode_kernel, (0, 1, 2, 3, 5, 6, 7, 8, 9)
     sig.update({name: "constexpr" for name in consts})
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 7, 8, 9)}  # as the JIT specialises them
-    src = GluonASTSource(_decode_kernel, sig, consts, attrs)
+    attrs = {(i,): [["tt.divisibility", 16]] for i in ptrs}  # as the JIT specialises them
+    src = GluonASTSource(kernel_fn, sig, consts, attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.warps})
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists():
@@ -523,4 +786,4 @@ def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True
     body = sass[sass.find("HMMA"):sass.rfind("HMMA")]  # the unrolled main loop: first to last MMA
     return {"registers": usage.get("REG"), "spills": usage.get("STACK"), "local": usage.get("LOCAL"), "ops": dict(ops),
             "ldg128": wide, "lds128": shared_wide, "loop_barriers": len(re.findall(r"\bBAR\.", body)),
-            "loop_lds_narrow": len(re.findall(r"\bLDS(?!\.128)", body)), "sass": sass}
+            "loop_lds_narrow": len(re.findall(r"(?<!@!PT )\bLDS(?!\.128)", body)), "sass": sass}  # @!PT: never runs

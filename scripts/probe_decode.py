@@ -51,15 +51,24 @@ VARIANTS = {
     16: [(16, 4, 2, 0, False), (16, 8, 2, 0, False), (16, 4, 3, 0, False), (32, 4, 1, 0, False), (32, 4, 2, 0, False),
          (32, 8, 1, 0, False)],
 }
+# the shared-x kernel (DecodeConfig.split >= 1): (rows, warps, depth) per token tile; each with the K splits that
+# give xshared_splits' program counts
+# the shared-x kernel (DecodeConfig.split >= 1): (rows, warps, depth, ring) per token tile; each with the K splits
+# that give xshared_splits' program counts
+XSHARED = {1: [(16, 4, 3, 4), (16, 8, 3, 4)],
+           8: [(16, 4, 3, 4), (16, 4, 4, 4), (16, 8, 3, 4), (32, 4, 2, 4), (16, 4, 4, 8)],
+           16: [(16, 4, 2, 4), (16, 4, 3, 4), (16, 4, 4, 4), (16, 8, 3, 4), (32, 4, 2, 4), (16, 4, 3, 8)]}
+XSHARED_PROGRAMS = (96, 800)  # programs per launch the K splits are chosen for (132 SMs, 1-6 programs each)
 GROUP = 128
 TUNE_M = (1, 2, 4)
 TUNE_CANDIDATES = [(16, 8, 2), (16, 8, 3), (16, 4, 2), (16, 4, 3), (32, 4, 2), (32, 4, 3), (32, 8, 2), (16, 2, 3)]
 TUNE_WIDE = [(32, 4, 1), (32, 8, 1)]  # also at M >= 8 (two m16 tiles share each x fragment)
 TUNE_X_SMEM = [(16, 8, 2), (16, 8, 3), (16, 4, 2), (16, 4, 3), (16, 4, 4), (32, 8, 2)]  # also with x_smem at M = 1
+TUNE_XSHARED = [(16, 4, 3, 4), (32, 4, 2, 4), (16, 4, 4, 8)]  # (rows, warps, depth, ring) at M >= 2
 TUNE_MARGIN = 0.97  # the Gluon kernel only where it took <= 97 % of the Triton kernel's time
 
 
-def tune_candidates(k: int, m: int):
+def tune_candidates(n: int, k: int, m: int):
     from glmq.kernels.w4a16_decode import DecodeConfig
 
     chunks = k // 128
@@ -68,22 +77,45 @@ def tune_candidates(k: int, m: int):
         cands += [DecodeConfig(r, w, d, x_smem=True) for r, w, d in TUNE_X_SMEM]
     if m >= 8:
         cands += [DecodeConfig(r, w, d) for r, w, d in TUNE_WIDE]
-    return [c for c in cands if chunks % c.warps == 0 and chunks // c.warps >= max(c.depth, 2)]
+    cands = [c for c in cands if chunks % c.warps == 0 and chunks // c.warps >= max(c.depth, 2)]
+    if m >= 2:  # the shared-x kernel, with the K splits xshared_splits picks for the shape
+        cands += [DecodeConfig(r, w, d, split=s, ring=g) for r, w, d, g in TUNE_XSHARED
+                  for s in xshared_splits(n, k, r, w)]
+    return cands
+
+
+def xshared_splits(n: int, k: int, rows: int, warps: int) -> list[int]:
+    """The K splits of the shared-x kernel worth timing for this shape: those whose launch has XSHARED_PROGRAMS
+    programs with at least 4 chunks each, at most three (the smallest, the largest and one between)."""
+    chunks, blocks = k // 128, -(-n // (rows * warps))
+    ok = [s for s in range(1, chunks // 4 + 1) if chunks % s == 0
+          and XSHARED_PROGRAMS[0] <= blocks * s <= XSHARED_PROGRAMS[1]]
+    return sorted({ok[0], ok[len(ok) // 2], ok[-1]}) if ok else []
 
 
 def tag(c) -> str:
-    """R{rows}W{warps}D{depth}, X with x_smem, E with pdl_early."""
-    return f"R{c.rows}W{c.warps}D{c.depth}{'X' if c.x_smem else ''}{'E' if c.pdl_early else ''}"
+    """R{rows}W{warps}D{depth}, X with x_smem, E with pdl_early, S{split}G{ring} for the shared-x kernel."""
+    return (f"R{c.rows}W{c.warps}D{c.depth}{'X' if c.x_smem else ''}{'E' if c.pdl_early else ''}"
+            f"{f'S{c.split}G{c.ring}' if c.split else ''}")
 
 
-def variants(k: int, m: int):
+def variants(n: int, k: int, m: int, xshared_only: bool = False, tag_has: str = ""):
+    for cfg, probe in _variants(n, k, m, xshared_only):
+        if tag_has in tag(cfg):
+            yield cfg, probe
+
+
+def _variants(n: int, k: int, m: int, xshared_only: bool):
     from glmq.kernels.w4a16_decode import DecodeConfig
 
     tok = 1 if m == 1 else 8 if m <= 8 else 16 if m <= 16 else None  # above 16 tokens: the Triton kernel only
     chunks = k // 128
-    for r, w, d, probe, xs in VARIANTS.get(tok, []):
+    for r, w, d, probe, xs in ([] if xshared_only else VARIANTS.get(tok, [])):
         if chunks % w == 0 and chunks // w >= d:
             yield DecodeConfig(rows=r, warps=w, depth=d, x_smem=xs), probe
+    for r, w, d, ring in XSHARED.get(tok, []):
+        for split in xshared_splits(n, k, r, w):
+            yield DecodeConfig(rows=r, warps=w, depth=d, split=split, ring=ring), 0
 
 
 def packed_copies(b, wp: torch.Tensor, ws: torch.Tensor, layout: str) -> list:
@@ -96,7 +128,7 @@ def packed_copies(b, wp: torch.Tensor, ws: torch.Tensor, layout: str) -> list:
 
 
 def _warm(job):
-    n, k, m, cfg, pdl, probe, layout = job
+    n, k, m, cfg, pdl, probe, layout, *dtype = job
     from glmq.kernels import w4a16_dense as D
     from glmq.kernels import w4a16_decode as DK
 
@@ -104,7 +136,7 @@ def _warm(job):
     wp = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
     ws = torch.rand(n, k // GROUP, device="cuda").to(torch.bfloat16)
     pk = D.prepack(wp, ws, GROUP, layout)
-    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    x = torch.randn(m, k, device="cuda").to(dtype[0] if dtype else torch.bfloat16)
     out = torch.empty(m, n, dtype=x.dtype, device="cuda")
     t = time.time()
     try:
@@ -128,24 +160,41 @@ def compile_all(jobs: list[tuple], workers: int) -> None:
     print(f"compiled {len(jobs)} kernels in {time.time() - t0:.0f} s")
 
 
-def check(dev, layout: str) -> list[dict]:
+CHECK_SHAPES = [(1, 200, 384), (3, 256, 1024), (9, 96, 512), (16, 2048, 2048), (5, 4096, 6144), (1, 8192, 8192),
+                (1, 6144, 12288), (16, 6144, 12288)]
+CHECK_CONFIGS = [(16, 1, 1, False, False, 0), (32, 2, 2, True, False, 0), (16, 4, 3, False, False, 0),
+                 (16, 1, 1, False, True, 0), (32, 2, 2, True, True, 0), (16, 8, 3, False, True, 0),
+                 (16, 4, 2, False, False, 1), (16, 8, 3, True, False, 3), (32, 4, 2, False, False, 2),
+                 (32, 8, 1, True, False, 4)]  # (rows, warps, depth, pdl, x_smem, split)
+
+
+def check_cases(xshared_only: bool = False) -> list[tuple]:
+    """(m, n, k, dtype, DecodeConfig, pdl) of `check`: every config of CHECK_CONFIGS the kernel takes at each
+    CHECK_SHAPES shape, in both activation dtypes (x_smem at M = 1 only; with --xshared-only the shared-x ones)."""
+    from glmq.kernels import w4a16_dense as D
+    from glmq.kernels import w4a16_decode as DK
+
+    out = []
+    for (m, n, k), dt, (r, w, d, pdl, xs, sp) in itertools.product(CHECK_SHAPES, (torch.bfloat16, torch.float16),
+                                                                  CHECK_CONFIGS):
+        cfg = DK.DecodeConfig(r, w, d, x_smem=xs, split=sp)
+        stub = D.PackedW4(torch.zeros(k // 128, 8, 16, dtype=torch.int32), torch.ones(8, k // GROUP), GROUP, chunk=128,
+                          layout=D.Layout.PAIRS, chunk_major=True)
+        if (xs and m > 1) or (xshared_only and not sp) or not DK.supports(m, stub, cfg):
+            continue
+        out.append((m, n, k, dt, cfg, pdl))
+    return out
+
+
+def check(dev, layout: str, xshared_only: bool = False) -> list[dict]:
     """Random shapes and dtypes against the float reference (output poisoned first)."""
     from glmq.kernels import reference as R
     from glmq.kernels import w4a16_dense as D
     from glmq.kernels import w4a16_decode as DK
 
     rows = []
-    cases = [(m, n, k, dt, r, w, d, pdl, xs) for (m, n, k) in [(1, 200, 384), (3, 256, 1024), (9, 96, 512),
-                                                               (16, 2048, 2048), (5, 4096, 6144), (1, 8192, 8192),
-                                                               (1, 6144, 12288)]
-             for dt in (torch.bfloat16, torch.float16)
-             for (r, w, d, pdl, xs) in [(16, 1, 1, False, False), (32, 2, 2, True, False), (16, 4, 3, False, False),
-                                        (16, 1, 1, False, True), (32, 2, 2, True, True), (16, 8, 3, False, True)]
-             if m == 1 or not xs]
-    for m, n, k, dt, r, w, d, pdl, xs in cases:
-        chunks = k // 128
-        if chunks % w or chunks // w < 1:
-            continue
+    for m, n, k, dt, cfg, pdl in check_cases(xshared_only):
+        r, w, d, xs, sp = cfg.rows, cfg.warps, cfg.depth, cfg.x_smem, cfg.split
         gen = torch.Generator(device=dev).manual_seed(m * 7 + n + k)
         wp = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device=dev, generator=gen)
         sdt = torch.float32 if n == 256 else dt
@@ -153,12 +202,12 @@ def check(dev, layout: str) -> list[dict]:
         x = torch.randn(m, k, device=dev, generator=gen).to(dt)
         ref = x.double() @ R.dequantize_packed(wp, ws, GROUP).double().T
         out = torch.full((m, n), float("nan"), dtype=dt, device=dev)
-        DK.decode_matmul(x, D.prepack(wp, ws, GROUP, layout), out, DK.DecodeConfig(r, w, d, x_smem=xs), pdl=pdl)
+        DK.decode_matmul(x, D.prepack(wp, ws, GROUP, layout), out, cfg, pdl=pdl)
         err = float((out.double() - ref).norm() / ref.norm())
         ok = bool(torch.isfinite(out).all()) and err < 5e-3
-        rows.append(dict(m=m, n=n, k=k, dtype=str(dt), rows=r, warps=w, depth=d, pdl=pdl, x_smem=xs, rel_err=err,
-                         ok=ok, layout=layout))
-        print(f"check {layout} M={m:<3} N={n:<5} K={k:<5} {str(dt):15} R={r} W={w} D={d} X={xs:d} pdl={pdl}: "
+        rows.append(dict(m=m, n=n, k=k, dtype=str(dt), rows=r, warps=w, depth=d, pdl=pdl, x_smem=xs, split=sp,
+                         rel_err=err, ok=ok, layout=layout))
+        print(f"check {layout} M={m:<3} N={n:<5} K={k:<5} {str(dt):15} {tag(cfg)} pdl={pdl}: "
               f"rel err {err:.2e} {'ok' if ok else 'WRONG'}")
     return rows
 
@@ -172,6 +221,10 @@ def main() -> None:
                     help="probe: time only what w4a16_matmul runs and the Triton kernel (no Gluon variants); on SPANS "
                          "weights the Triton kernel also with x permuted the other way (triton-other: the copy kernel "
                          "at M <= SPANS_PERMUTE_IN_KERNEL_MAX_M, in registers above)")
+    ap.add_argument("--xshared-only", action="store_true",
+                    help="probe: of the Gluon variants only the shared-x kernel's (DecodeConfig.split >= 1)")
+    ap.add_argument("--plain", action="store_true", help="probe: the Gluon variants without PDL only")
+    ap.add_argument("--tag-has", default="", help="probe: only the Gluon variants whose tag contains this")
     ap.add_argument("--compile-only", action="store_true",
                     help="probe: only compile its kernels (in --workers processes; fills Triton's cache for a bench)")
     ap.add_argument("--merge", action="store_true",
@@ -200,15 +253,18 @@ def main() -> None:
     for (n, k), m, lay in itertools.product(shapes.values(), a.m, a.layouts):
         tcfg = D.choose_config(m, n, k, GROUP, D.sm_count(dev), name, D.Layout.PAIRS)
         jobs += [(n, k, m, c, pdl, 0, lay) for c in (None, tcfg) for pdl in (False, True)]
-        for cfg, probe in ([] if a.triton_only else variants(k, m)):
+        for cfg, probe in ([] if a.triton_only else variants(n, k, m, a.xshared_only, a.tag_has)):
             jobs.append((n, k, m, cfg, False, probe, lay))
-            if not probe:
+            if not probe and not a.plain:
                 jobs.append((n, k, m, cfg, True, probe, lay))
+    if not a.triton_only:
+        jobs += [(n, k, m, cfg, pdl, 0, lay, dt) for m, n, k, dt, cfg, pdl in check_cases(a.xshared_only)
+                 for lay in a.layouts]
     compile_all(jobs, a.workers)
     if a.compile_only:
         return
 
-    rows = [] if a.triton_only else [r for lay in a.layouts for r in check(dev, lay)]
+    rows = [] if a.triton_only else [r for lay in a.layouts for r in check(dev, lay, a.xshared_only)]
 
     from bench_kernels import Bench, random_int4, packed_bytes, rel_err
     import torch.nn.functional as F
@@ -241,6 +297,7 @@ def main() -> None:
                     return
                 us, mode = b.time_us([lambda i=i: fn_of(i) for i in range(len(packs))])
                 res.append(dict(shape=name, m=m, impl=impl, us=us, rel_err=err, note=note, mode=mode))
+                print(f"timed {name} M={m} {impl}: {us:.2f} us", flush=True)  # as it goes: a cut-off run still tells
 
             tcfg = D.choose_config(m, n, k, GROUP, D.sm_count(dev), D.device_name(dev), D.Layout.PAIRS)
             for lay, pk in packs_of.items():
@@ -260,7 +317,7 @@ def main() -> None:
                               lambda i, pk=pk: D.w4a16_matmul_packed(x, pk[i], out=outs[i], config=tcfg, pdl=True))
                     finally:
                         D.SPANS_PERMUTE_IN_KERNEL_MAX_M = limit
-            for cfg, probe in ([] if a.triton_only else variants(k, m)):
+            for cfg, probe in ([] if a.triton_only else variants(n, k, m, a.xshared_only, a.tag_has)):
                 for lay, pk in packs_of.items():
                     label = tag(cfg) + (f"-{lay}" if len(packs_of) > 1 else "")
                     if probe:
@@ -270,8 +327,9 @@ def main() -> None:
                         res.append(dict(shape=name, m=m, impl=f"probe{probe}-{label}", us=us))
                         continue
                     timed(f"gluon-{label}", lambda i, c=cfg, pk=pk: DK.decode_matmul(x, pk[i], outs[i], c))
-                    timed(f"gluon-pdl-{label}",
-                          lambda i, c=cfg, pk=pk: DK.decode_matmul(x, pk[i], outs[i], c, pdl=True))
+                    if not a.plain:
+                        timed(f"gluon-pdl-{label}",
+                              lambda i, c=cfg, pk=pk: DK.decode_matmul(x, pk[i], outs[i], c, pdl=True))
             xd = x.to(torch.float16)
             us, _ = b.time_us([lambda w=w: F.linear(xd, w) for w in w16])
             res.append(dict(shape=name, m=m, impl="cublas-fp16", us=us))
@@ -307,8 +365,8 @@ def tune(shapes: dict, dev, a, out_dir: Path) -> None:
 
     layout, tune_m = a.layouts[0], a.m or TUNE_M
     jobs = [(n, k, m, dataclasses.replace(c, pdl_early=early), pdl, 0, layout) for (n, k) in shapes.values()
-            for m in tune_m for c in tune_candidates(k, m)
-            for pdl, early in ((False, False), (True, False), (True, True))]
+            for m in tune_m for c in tune_candidates(n, k, m)
+            for pdl, early in ((False, False), (True, False), (True, True)) if not (early and c.split)]
     compile_all(jobs, a.workers)
     b = Bench(dev, a.budget_s, smoke=False)
     name = torch.cuda.get_device_name(dev)
@@ -333,8 +391,8 @@ def tune(shapes: dict, dev, a, out_dir: Path) -> None:
             ref = x.float() @ w32.T
             outs = [torch.empty(m, n, dtype=x.dtype, device=dev) for _ in packs]
             tcfg = D.choose_config(m, n, k, GROUP, D.sm_count(dev), name, D.Layout.PAIRS)
-            cands = [("triton", tcfg)] + [(tag(c), c) for c in tune_candidates(k, m)]
-            cands += [(label + "E", dataclasses.replace(c, pdl_early=True)) for label, c in cands[1:]]
+            cands = [("triton", tcfg)] + [(tag(c), c) for c in tune_candidates(n, k, m)]
+            cands += [(label + "E", dataclasses.replace(c, pdl_early=True)) for label, c in cands[1:] if not c.split]
             times = {}
             for _ in range(2):
                 for label, cfg in cands:

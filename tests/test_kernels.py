@@ -739,7 +739,8 @@ def test_moe_config_validation():
 @pytest.mark.parametrize(
     "kwargs, match",
     [(dict(rows=64), "rows must be 16 or 32"), (dict(warps=3), "warps must be 1, 2, 4 or 8"),
-     (dict(depth=5), "depth must be 1-4")],
+     (dict(depth=5), "depth must be 1-4"), (dict(split=-1), "split must be >= 0"),
+     (dict(ring=3), "ring must be 2, 4 or 8")],
 )  # fmt: skip
 def test_decode_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -758,6 +759,10 @@ def test_decode_supports_and_heuristic():
     assert pairs.layout is D.Layout.PAIRS and pairs.chunk_major
     assert DK.supports(1, pairs) and DK.supports(16, pairs) and not DK.supports(17, pairs) and not DK.supports(0, pairs)
     assert DK.supports(5, pairs, DK.DecodeConfig(warps=2)) and not DK.supports(5, pairs, DK.DecodeConfig(warps=4))
+    # the shared-x kernel: its warps split rows, so only the K split must divide the chunks (6 here)
+    assert DK.supports(5, pairs, DK.DecodeConfig(warps=4, split=3)) and DK.supports(16, pairs, DK.DecodeConfig(split=6))
+    assert not DK.supports(5, pairs, DK.DecodeConfig(warps=4, split=4))
+    assert not DK.supports(17, pairs, DK.DecodeConfig(split=1))
     assert not DK.supports(1, D.prepack(wp, ws, 128, layout="planes", chunk_major=False))
     wp32, ws32 = quantized(48, 768, group_size=32)
     assert not DK.supports(1, D.prepack(wp32, ws32, 32))  # group 32: PLANES words
@@ -803,13 +808,31 @@ def test_decode_tuned_table_lookup(tmp_path, monkeypatch):
         DK._table.cache_clear()
 
 
+@pytest.mark.parametrize("layout", [D.Layout.PAIRS, D.Layout.SPANS], ids=lambda v: v.value)
+def test_shipped_decode_tables_are_valid(layout):
+    # every entry of the launch tables in the repository is a config the kernel takes for its shape and M, on weights
+    # of the table's layout (a table written by an older or newer probe_decode.py must not break the dispatch)
+    table = json.loads(DK.TUNED_PATHS[layout].read_text())
+    assert table.get("layout", "pairs") == layout.value and table["decode"]
+    for key, by_m in table["decode"].items():
+        n, k, g = map(int, key.split(","))
+        w = D.PackedW4(torch.zeros(k // 128, 8, 16, dtype=torch.int32), torch.ones(8, k // g), g, chunk=128,
+                       layout=layout, chunk_major=True)
+        for m, entry in by_m.items():
+            for slot in ("plain", "pdl"):
+                if entry.get(slot):
+                    assert DK.supports(int(m), w, DK.DecodeConfig(**entry[slot])), (key, m, slot, entry[slot])
+
+
 def test_decode_kernel_compiles_for_sm90():
     # Compiled ahead of time with the installed Triton's ptxas (no GPU needed), in a fresh process: the
     # dequantized words must become the MMA's A fragments without any data movement (assert_trivial), the
     # words must load 16 bytes at a time, each chunk must issue its m16n8k16 MMAs, nothing may spill, and the
     # main loop may hold no barrier (the only ones are the final cross-warp sum's and, with x_smem, the one after
     # x is staged); with x_smem each chunk's x fragments are four 16-byte shared loads; on SPANS weights without
-    # x_smem they are four 16-byte global loads per chunk and 8-token tile (one tile's worth at M = 1).
+    # x_smem they are four 16-byte global loads per chunk and 8-token tile (one tile's worth at M = 1). The shared-x
+    # kernel (split >= 1) copies x into a ring in shared memory (cp.async) and reads it there 16 bytes at a time, with
+    # one barrier per chunk.
     code = """
 import json, sys
 from glmq.kernels import w4a16_decode as DK
@@ -822,14 +845,17 @@ for cfg, chunks, tok, bf16, xb, pdl, sp in [(DK.DecodeConfig(16, 4, 2), 64, 8, T
                                             (DK.DecodeConfig(16, 4, 2), 64, 8, True, True, False, True),
                                             (DK.DecodeConfig(16, 4, 3), 64, 8, False, False, True, True),
                                             (DK.DecodeConfig(16, 4, 2), 32, 16, True, False, False, True),
-                                            (DK.DecodeConfig(16, 8, 2, x_smem=True), 96, 8, True, True, False, True)]:
+                                            (DK.DecodeConfig(16, 8, 2, x_smem=True), 96, 8, True, True, False, True),
+                                            (DK.DecodeConfig(16, 8, 2, split=4), 96, 16, True, False, False, True),
+                                            (DK.DecodeConfig(16, 8, 2, split=6), 96, 16, False, False, True, False),
+                                            (DK.DecodeConfig(16, 4, 3, split=1), 16, 8, True, False, False, False)]:
     try:
         r = DK.compile_sm90(cfg, chunks, tok, bf16, xb, pdl, sp)
     except RuntimeError as exc:
         print("SKIP", exc); sys.exit(0)
     r.pop("sass")
-    out.append(dict(r, rows=cfg.rows, warps=cfg.warps, cpw=chunks // cfg.warps, tok=tok, xs=cfg.x_smem and xb, sp=sp,
-                    xb=xb))
+    out.append(dict(r, rows=cfg.rows, warps=cfg.warps, cpw=chunks // (cfg.split or cfg.warps), tok=tok,
+                    xs=cfg.x_smem and xb, sp=sp, xb=xb, split=cfg.split))
 print(json.dumps(out))
 """
     import os
@@ -846,14 +872,19 @@ print(json.dumps(out))
         assert r["spills"] == 0 and r["local"] == 0 and r["registers"] <= 255, r
         assert "STL" not in r["ops"] and "LDL" not in r["ops"], r
         assert r["ops"].get("HMMA") == r["cpw"] * 8 * (r["rows"] // 16) * (r["tok"] // 8), r
-        if r["xs"]:  # x staged in shared memory: four 16-byte shared loads per chunk, x's global loads 16-byte too
+        if r["split"]:  # the shared-x kernel: x copied into shared memory once (cp.async, no registers), then per
+            # chunk and token tile four 16-byte shared loads, no narrow one; the only 16-byte global loads are words
+            assert r["ops"].get("LDGSTS", 0) > 0 and r["ldg128"] == r["cpw"] * r["rows"] // 8, r
+            assert r["lds128"] == r["cpw"] * 4 * (r["tok"] // 8) and r["loop_lds_narrow"] == 0, r
+            assert r["loop_barriers"] <= r["cpw"], r  # one per chunk (the x ring's), none more
+        elif r["xs"]:  # x staged in shared memory: four 16-byte shared loads per chunk, x's global loads 16-byte too
             assert r["lds128"] >= r["cpw"] * 4 and r["loop_lds_narrow"] == 0, r
             assert r["ldg128"] > r["cpw"] * r["rows"] // 8, r
         elif r["sp"]:  # the words, then x: four 16-byte loads per chunk and token tile (at M = 1 one tile)
             assert r["ldg128"] == r["cpw"] * (r["rows"] // 8 + 4 * (1 if r["xb"] else r["tok"] // 8)), r
         else:
             assert r["ldg128"] == r["cpw"] * r["rows"] // 8, r  # two 16-byte word loads per 16 rows and chunk
-        assert r["loop_barriers"] == 0, r
+        assert r["split"] or r["loop_barriers"] == 0, r
 
 
 def _graph_of(fn) -> torch.cuda.CUDAGraph:
@@ -897,6 +928,42 @@ def test_decode_kernel_gpu(m, n, k, cfg, dtype, layout):
     _decode_case(m, n, k, dtype, cfg, scale_dtype=torch.float32 if n == 264 else torch.bfloat16, layout=layout)
 
 
+XSHARED_CFGS = [DK.DecodeConfig(16, 4, 2, split=1), DK.DecodeConfig(16, 8, 3, split=3),
+                DK.DecodeConfig(32, 4, 2, split=2), DK.DecodeConfig(32, 8, 1, split=4, ring=8),
+                DK.DecodeConfig(16, 4, 3, split=2, ring=2)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cfg", XSHARED_CFGS, ids=str)
+@pytest.mark.parametrize("m, n, k", [(1, 200, 1024), (3, 96, 1024), (8, 2048, 2048), (9, 264, 3072),
+                                     (16, 128, 1024), (13, 4096, 6144), (16, 6144, 12288)])  # fmt: skip
+@both_mma_layouts
+def test_xshared_kernel_gpu(m, n, k, cfg, dtype, layout):
+    # the shared-x kernel (warps split rows, programs split K, x through a ring in shared memory): rows past N in the
+    # last block, token rows past M, every split with its ticket fix-up
+    if (k // 128) % cfg.split:
+        pytest.skip("the split must divide the chunks")
+    _decode_case(m, n, k, dtype, cfg, scale_dtype=torch.float32 if n == 264 else torch.bfloat16, layout=layout)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [4, 16])
+@both_mma_layouts
+def test_xshared_deterministic_gpu(m, layout):
+    # the split-K partials are summed by the last program of each row block in split order: the same bits on every
+    # launch, plain or PDL, whichever program arrives last; the tickets are left at zero for the next launch
+    cfg = DK.DecodeConfig(16, 8, 2, split=4)
+    x, packed, y = _decode_case(m, 6144, 4096, torch.bfloat16, cfg, layout=layout)
+    for pdl in (False, True, False, True):
+        again = D.w4a16_matmul_packed(x, packed, out=poisoned(m, 6144, torch.bfloat16), config=cfg, pdl=pdl)
+        assert torch.equal(again + 0, y + 0)
+    torch.cuda.synchronize()
+    assert int(D._tickets(x.device, 1).count_nonzero()) == 0
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("m", [1, 5])
@@ -916,8 +983,9 @@ def test_decode_kernel_deterministic_and_pdl_bits_gpu(m, layout):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("kernel", ["split-warps", "shared-x"])
 @both_mma_layouts
-def test_decode_pdl_dependent_chain_gpu(m, layout):
+def test_decode_pdl_dependent_chain_gpu(m, layout, kernel):
     # as test_dense_pdl_dependent_chain_gpu, on the Gluon kernel: every launch reads the previous one's output, and a
     # chain of pdl=True launches (eager and in a graph) must equal the plain chain bit for bit
     n, k = 2048, 6144
@@ -926,7 +994,8 @@ def test_decode_pdl_dependent_chain_gpu(m, layout):
         wp, ws = quantized(rows, cols, group_size=128, seed=seed)
         raw.append((wp, (ws.float() / math.sqrt(cols)).to(ws.dtype)))
     ws_ = [D.prepack(wp, ws, 128, layout) for wp, ws in raw]
-    cfgs = [DK.DecodeConfig(16, 8, 2, pdl_early=True, x_smem=True), DK.DecodeConfig(16, 4, 3)]  # both trigger points
+    cfgs = ([DK.DecodeConfig(16, 8, 2, pdl_early=True, x_smem=True), DK.DecodeConfig(16, 4, 3)]  # both trigger points
+            if kernel == "split-warps" else [DK.DecodeConfig(16, 8, 2, split=4), DK.DecodeConfig(32, 4, 2, split=2)])
     x0 = acts(m, k, torch.bfloat16)
     bufs = [poisoned(m, n if i % 2 == 0 else k, torch.bfloat16) for i in range(16)]
 
