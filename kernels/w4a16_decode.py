@@ -69,7 +69,7 @@ from pathlib import Path
 
 import torch
 
-from glmq.kernels.w4a16_dense import _INTERPRETED, MMA_CHUNK, Layout, PackedW4, _cuda_info, _pairs_asm
+from glmq.kernels.w4a16_dense import _INTERPRETED, MMA_CHUNK, Layout, PackedW4, _cuda_info, _pairs_asm, _tickets
 
 try:  # Gluon ships with Triton >= 3.4 as triton.experimental.gluon; its API is still moving
     from triton.experimental import gluon
@@ -608,8 +608,9 @@ def x_smem_bytes(k: int, warps: int) -> int:
 
 def supports(m: int, w: PackedW4, cfg: DecodeConfig | None = None) -> bool:
     """Whether a call fits the kernel: 1 <= M <= 16, a 2-D PAIRS or SPANS weight stored chunk-major (what
-    `prepack` gives group-128 weights), `cfg.warps` dividing the K / 128 chunks, and with x_smem at M = 1 the
-    staged x within X_SMEM_MAX_BYTES."""
+    `prepack` gives group-128 weights), `cfg.warps` dividing the K / 128 chunks (with `cfg.split`, the shared-x
+    kernel's warps split rows: `cfg.split` dividing them instead), and with x_smem at M = 1 the staged x within
+    X_SMEM_MAX_BYTES."""
     if not (1 <= m <= MAX_M) or w.lead or not w.layout.mma or not w.chunk_major or w.chunk != MMA_CHUNK:
         return False
     if cfg is not None and cfg.split:
@@ -711,8 +712,6 @@ def _xshared_args(m: int, chunks: int, cfg: DecodeConfig, bf16: bool, spans: boo
 
 def _launch_xshared(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeConfig, pdl: bool, stride_wc: int,
                     launch: dict) -> None:
-    from glmq.kernels.w4a16_dense import _tickets
-
     m, k = x.shape
     blocks = -(-w.n // (cfg.warps * cfg.rows))
     if cfg.split > 1:
@@ -729,7 +728,8 @@ def _launch_xshared(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: Decode
 
 def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True, xb: bool = True,
                  pdl: bool = False, spans: bool = False) -> dict:
-    """Compile `_decode_kernel` for sm_90 without a GPU (Triton's own ptxas and cuobjdump) and summarise it.
+    """Compile `_decode_kernel` (with `cfg.split`: `_xshared_kernel`) for sm_90 without a GPU (Triton's own ptxas
+    and cuobjdump) and summarise it.
 
     For CI and for reading the code a config produces: returns {"registers", "spills" (stack bytes),
     "local" (bytes), "ops" (SASS opcode -> count), "ldg128" (16-byte global loads), "lds128" (16-byte shared
