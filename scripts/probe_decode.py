@@ -51,8 +51,6 @@ VARIANTS = {
     16: [(16, 4, 2, 0, False), (16, 8, 2, 0, False), (16, 4, 3, 0, False), (32, 4, 1, 0, False), (32, 4, 2, 0, False),
          (32, 8, 1, 0, False)],
 }
-# the shared-x kernel (DecodeConfig.split >= 1): (rows, warps, depth) per token tile; each with the K splits that
-# give xshared_splits' program counts
 # the shared-x kernel (DecodeConfig.split >= 1): (rows, warps, depth, ring) per token tile; each with the K splits
 # that give xshared_splits' program counts
 XSHARED = {1: [(16, 4, 3, 4), (16, 8, 3, 4)],

@@ -20,6 +20,13 @@ replay over weight copies rotated past L2), so that differences place the time w
     torch.amax         torch's reduction over the same words
     add_(1)            a one-element kernel: the launch cost of a graph node
 
+--decode CASE [CASE ...] (session 15): launch the Gluon decode kernels (kernels/w4a16_decode.py) for ncu, each
+case `N,K,M,TAG` three times on PAIRS weights (the first compiles), TAG a probe_decode tag (`R16W4D3S4G4`: the
+shared-x kernel with split 4, ring 4; `R16W4D3X`: `_decode_kernel` with x_smem) or `triton` for the Triton
+kernel on the config `choose_config` picks:
+    ncu --clock-control none -k regex:kernel -s 2 -c 1 --section WarpStateStats ... \
+        python scripts/profile_kernels.py --decode 6144,12288,16,R16W4D3S4G4
+
 --pdl (session 10): where a chain of `pdl=True` launches gains or loses. On the large shapes at M = 1, 4, 16,
 each of a few launch configurations (the chosen one; the ticket fix-up instead of the mailbox; no split-K;
 half-width column tiles) timed as the benchmark times, plain and with pdl_mode "late" and "early" (no L2
@@ -58,6 +65,45 @@ def ncu_cases() -> int:
             for _ in range(3):
                 D.w4a16_matmul_packed(x, w, config=cfg)
             torch.cuda.synchronize()
+    return 0
+
+
+def parse_tag(tag: str):
+    """probe_decode.tag's inverse: `R16W4D3[X][E][S4G4]` -> a DecodeConfig."""
+    import re
+
+    from glmq.kernels.w4a16_decode import DecodeConfig
+
+    m = re.fullmatch(r"R(\d+)W(\d+)D(\d+)(X?)(E?)(?:S(\d+)G(\d+))?", tag)
+    if not m:
+        raise ValueError(f"not a decode config tag: {tag!r} (R<rows>W<warps>D<depth>[X][E][S<split>G<ring>])")
+    r, w, d, xs, early, split, ring = m.groups()
+    return DecodeConfig(int(r), int(w), int(d), pdl_early=bool(early), x_smem=bool(xs),
+                        split=int(split or 0), ring=int(ring or 4))
+
+
+def ncu_decode(cases: list[str]) -> int:
+    from glmq.kernels import w4a16_decode as DK
+
+    dev = torch.device("cuda")
+    for case in cases:
+        n, k, m, tag = case.split(",")
+        n, k, m = int(n), int(k), int(m)
+        wp = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device=dev)
+        ws = (torch.rand(n, k // 128, device=dev) * 0.01 + 0.002).to(torch.bfloat16)
+        x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+        w = D.prepack(wp, ws, 128, D.Layout.PAIRS)
+        out = torch.empty(m, n, device=dev, dtype=x.dtype)
+        if tag == "triton":
+            cfg = D.choose_config(m, n, k, 128, D.sm_count(dev), D.device_name(dev), D.Layout.PAIRS)
+            fn = lambda: D.w4a16_matmul_packed(x, w, config=cfg)  # noqa: E731
+        else:
+            cfg = parse_tag(tag)
+            fn = lambda: DK.decode_matmul(x, w, out, cfg)  # noqa: E731
+        print(f"N={n} K={k} M={m} {tag}: {cfg}", file=sys.stderr, flush=True)
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
     return 0
 
 
@@ -261,12 +307,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--decompose", action="store_true", help="time the stage-dropping variants (see the docstring)")
     ap.add_argument("--pdl", action="store_true", help="time plain against PDL chains per config (see the docstring)")
+    ap.add_argument("--decode", nargs="+", metavar="N,K,M,TAG", help="launch decode kernels for ncu (see the docstring)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "profile-out")))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     if args.pdl:
         return pdl_probe(args.out)
+    if args.decode:
+        return ncu_decode(args.decode)
     return decompose(args.out) if args.decompose else ncu_cases()
 
 
