@@ -30,14 +30,20 @@ the warps of one program. Gluon (Triton's explicit-layout dialect) can. Here:
 Tokens: TOK = 8 (M <= 8) or 16 (two n8 MMAs per k16 step); token rows past M are not loaded (zeros); at
 M = 1 every lane loads token 0 unmasked (the MMA's eight columns are then all token 0). The
 dequantization is `w4a16_dense._pairs_asm` (q = u - 8 exactly, in bf16 or fp16); the group scale is
-applied once per (row, chunk) to the chunk's fp32 MMA result, as in the Triton kernel.
+applied once per (row, chunk) to the chunk's fp32 MMA result, as in the Triton kernel. The scales are loaded
+G = 8 (R = 16) or 4 (R = 32) chunks at a time, one 16- or 8-byte load per row (`_scale_group`): a 2-byte load
+per row and chunk touched one cache line per row, twice the L1 work of the chunk's words (kernels/NOTES.md,
+session 15).
 
 A second kernel here, the shared-x kernel (`_xshared_kernel`, `DecodeConfig.split` >= 1), turns the work around:
 its W warps split the program's rows (R each, so a program has W R rows) instead of K, K is split over `split`
 programs (their fp32 partials summed by the last to arrive, in split order, as the Triton kernel's ticket does),
 and x goes global -> shared memory once per program through a ring of `ring` chunks filled by cp.async (one
-barrier per chunk), from which every warp reads its B fragments with four 16-byte shared loads per chunk and
-token tile, on PAIRS and SPANS weights alike (the ring is filled in the layout's k order). Every warp of a program
+barrier per chunk), from which every warp reads its B fragments: on PAIRS weights (MMA k position = column) x
+stays in natural order, copied in whole 16-byte runs into a swizzled slot and read with four ldmatrix per
+chunk and token tile; on SPANS weights the ring holds the layout's fragment order, read with four 16-byte
+shared loads (a PAIRS ring in fragment order needed 4-byte copies, whose L1 traffic made the kernel L1-bound
+at M = 16; kernels/NOTES.md, session 15). Every warp of a program
 then uses the same x, so x's traffic is 1 / W of `_decode_kernel`'s, paid for with the ring's barrier and the
 split-K fix-up. On the H200 it is the fastest kernel at M = 4 on four of the five GLM shapes with PAIRS weights
 (kernels/NOTES.md, session 14); at M = 16 it loses to the Triton wgmma kernel everywhere.
@@ -56,7 +62,8 @@ scripts/probe_decode.py --tune on the GPU it names) says it was faster, or, on o
 Gluon kernels cannot run under TRITON_INTERPRET=1 (Triton has no Gluon interpreter): `available()` is
 False there and off-GPU, and the Triton kernels run instead. CPU CI compiles this kernel for sm_90 with
 the installed Triton (tests/test_kernels.py: the trivial layout conversion, 16-byte word loads, HMMA, no
-local memory; for the shared-x kernel cp.async, 16-byte shared loads, one barrier per chunk); their numerics are
+local memory, no per-chunk scale loads; for the shared-x kernel cp.async, ldmatrix or 16-byte shared loads, one
+barrier per chunk); their numerics are
 tested on the GPU against the float reference.
 """
 
@@ -228,11 +235,39 @@ if _GLUON:
         return gl.load(p, eviction_policy="evict_first")
 
     @gluon.jit
-    def _load_s(sp, PROBE: gl.constexpr, s_one):
-        if PROBE >= 2:
-            return s_one
+    def _prefetch_w(wp, stride_wc, D: gl.constexpr, n: gl.constexpr):
+        """The words of chunks 0 .. min(D, n) - 1 (`_load_w`), as the four slots of the depth-D rotation (`_rotate`);
+        slots past D repeat chunk 0's (never used)."""
+        w0 = _load_w(wp)
+        w1 = w0
+        w2 = w0
+        w3 = w0
+        if D > 1 and n > 1:
+            w1 = _load_w(wp + stride_wc)
+        if D > 2 and n > 2:
+            w2 = _load_w(wp + 2 * stride_wc)
+        if D > 3 and n > 3:
+            w3 = _load_w(wp + 3 * stride_wc)
+        return w0, w1, w2, w3
+
+    @gluon.jit
+    def _rotate(v0, v1, v2, v3, vn, D: gl.constexpr):
+        """One step of a depth-D prefetch rotation: slot 0 is the chunk computed now, vn the one just requested."""
+        if D == 1:
+            v0 = vn
+        elif D == 2:
+            v0 = v1
+            v1 = vn
+        elif D == 3:
+            v0 = v1
+            v1 = v2
+            v2 = vn
         else:
-            return gl.load(sp)
+            v0 = v1
+            v1 = v2
+            v2 = v3
+            v3 = vn
+        return v0, v1, v2, v3
 
     @gluon.jit
     def _decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wc, stride_sn, stride_om,
@@ -293,9 +328,8 @@ if _GLUON:
                           + gl.expand_dims(gl.expand_dims(kb, 0), 2) + gl.expand_dims(gl.expand_dims(tb * stride_xm, 0), 1))
         if XB:
             x_mask = None
-        ws = gl.arange(0, W, layout=gl.SliceLayout(1, s_l))
-        rs = gl.arange(0, R, layout=gl.SliceLayout(0, s_l))
-        sp = s_ptr + gl.expand_dims(ws * CPW, 1) + gl.expand_dims(gl.minimum(pid * R + rs, N - 1) * stride_sn, 0)
+        sp = _scale_pointers(s_ptr, 0, pid * R, N, stride_sn, W, R, CPW, 0)  # warp w: chunks from w CPW
+        G: gl.constexpr = sp.shape[2]
         acc = gl.zeros([W, R, TOK], gl.float32, layout=mma)
         acc_w = gl.zeros([W, R, 16], gl.int32, layout=w_l)  # PROBE 2: the words, xor-ed
         zero = gl.zeros([W, R, TOK], gl.float32, layout=mma)
@@ -304,23 +338,11 @@ if _GLUON:
 
         # Words and scales do not depend on the kernel launched before this one: with PDL the first chunks'
         # are requested before the wait; x only after it.
-        w0 = _load_w(wp)
-        s0 = _load_s(sp, PROBE, s_one)
-        w1 = w0
-        s1 = s0
-        w2 = w0
-        s2 = s0
-        w3 = w0
-        s3 = s0
-        if D > 1 and CPW > 1:
-            w1 = _load_w(wp + stride_wc)
-            s1 = _load_s(sp + 1, PROBE, s_one)
-        if D > 2 and CPW > 2:
-            w2 = _load_w(wp + 2 * stride_wc)
-            s2 = _load_s(sp + 2, PROBE, s_one)
-        if D > 3 and CPW > 3:
-            w3 = _load_w(wp + 3 * stride_wc)
-            s3 = _load_s(sp + 3, PROBE, s_one)
+        w0, w1, w2, w3 = _prefetch_w(wp, stride_wc, D, CPW)
+        sg0 = _scale_group(sp, 0, CPW)
+        sg1 = sg0
+        if CPW > G:
+            sg1 = _scale_group(sp, 1, CPW)
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
             if PDL_EARLY:
@@ -349,32 +371,26 @@ if _GLUON:
         for i in gl.static_range(CPW):  # unrolled: chunk i + D is requested before chunk i is computed
             wn = w0
             xn = x0
-            sn = s0
             if i + D < CPW:
                 wn = _load_w(wp + (i + D) * stride_wc)
                 if not XS:
                     xn = _load_x(xp + (i + D) * 128, x_mask, PROBE, ones, SP)
-                sn = _load_s(sp + (i + D), PROBE, s_one)
+            if i % G == 0 and i > 0:  # a new group of G chunks: request the one after it
+                sg0 = sg1
+                if i + G < CPW:
+                    sg1 = _scale_group(sp, i // G + 1, CPW)
             if XS and PROBE != 1 and PROBE != 2:
                 x0 = _x_smem(xsm.slice(i * W, W), xs_l, W, ones)
             if PROBE == 2:
                 acc_w = acc_w ^ w0
             else:  # a fresh fp32 accumulator per chunk, scaled by the chunk's group scales
                 a = gl.convert_layout(_dequant(w0, W, R, BF16), a_l, assert_trivial=True)
+                s0 = s_one
+                if PROBE < 2:
+                    s0 = _pick(sg0, i % G, s_one)
                 acc = acc + mma_v2(a, x0, zero) * gl.expand_dims(s0.to(gl.float32), 2)
-            if D == 1:
-                w0, x0, s0 = wn, xn, sn
-            elif D == 2:
-                w0, x0, s0 = w1, x1, s1
-                w1, x1, s1 = wn, xn, sn
-            else:
-                w0, x0, s0 = w1, x1, s1
-                w1, x1, s1 = w2, x2, s2
-                if D == 3:
-                    w2, x2, s2 = wn, xn, sn
-                else:
-                    w2, x2, s2 = w3, x3, s3
-                    w3, x3, s3 = wn, xn, sn
+            w0, w1, w2, w3 = _rotate(w0, w1, w2, w3, wn, D)
+            x0, x1, x2, x3 = _rotate(x0, x1, x2, x3, xn, D)
         if PDL and not PDL_EARLY:
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
@@ -391,13 +407,11 @@ if _GLUON:
     # ---- the shared-x kernel: warps split rows, programs split K, x through a ring in shared memory ---------
 
     @gluon.jit
-    def _xs_pointers(x_ptr, c0, M, stride_xm, TOK: gl.constexpr, W: gl.constexpr, SP: gl.constexpr):
-        """Pointers and mask of chunk c0's x, laid out as a ring slot `[4, TOK, 4, 8]` of the shared-x kernel:
-        [q, t, c, j] holds token t's column 32 c + 8 q + j (SPANS weights: 16-byte runs) or, PAIRS,
-        32 q + 16 s0 + 8 h + 2 c + e for j = 4 s0 + 2 h + e (4-byte runs): the column that MMA k position
-        32 q + 16 s0 + 8 h + 2 c + e takes.
-        Token rows past M are masked: cp.async fills them with zeros without reading (a clamped row would make up
-        to 7 lanes of each copy read one address)."""
+    def _xs_spans_pointers(x_ptr, c0, M, stride_xm, TOK: gl.constexpr, W: gl.constexpr):
+        """Pointers and mask of chunk c0's x for SPANS weights, laid out as a ring slot `[4, TOK, 4, 8]`: [q, t, c, j]
+        holds token t's column 32 c + 8 q + j (16-byte runs), so that thread (g, c) reads its B fragments as four
+        16-byte shared loads per token tile (`_xs_frag`). Token rows past M are masked: cp.async fills them with
+        zeros without reading (a clamped row would make up to 7 lanes of each copy read one address)."""
         WQ: gl.constexpr = 4 if W >= 4 else W
         cp_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 8], threads_per_warp=[1, 8, 4, 1],
                                               warps_per_cta=[WQ, W // WQ, 1, 1], order=[3, 2, 1, 0])
@@ -406,22 +420,35 @@ if _GLUON:
         cj_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, cp_l))  # [c, j]
         ci = gl.arange(0, 4, layout=gl.SliceLayout(1, cj_l))
         ji = gl.arange(0, 8, layout=gl.SliceLayout(0, cj_l))
-        if SP:
-            col_q = 8 * qi
-            col_cj = gl.expand_dims(ci * 32, 1) + gl.expand_dims(ji, 0)
-        else:
-            col_q = 32 * qi
-            col_cj = gl.expand_dims(ci * 2, 1) + gl.expand_dims((ji // 4) * 16 + ((ji // 2) % 2) * 8 + ji % 2, 0)
+        col_cj = gl.expand_dims(ci * 32, 1) + gl.expand_dims(ji, 0)
         t2 = gl.expand_dims(gl.expand_dims(ti, 0), 2)  # [1, TOK, 1]
-        off = (gl.expand_dims(gl.expand_dims(gl.expand_dims(col_q, 1), 2), 3)
+        off = (gl.expand_dims(gl.expand_dims(gl.expand_dims(8 * qi, 1), 2), 3)
                + gl.expand_dims(t2 * stride_xm, 3) + gl.expand_dims(gl.expand_dims(col_cj, 0), 1))
         mask = gl.expand_dims(t2 < M, 3) & (gl.expand_dims(gl.expand_dims(col_cj, 0), 1) >= 0)  # (true: full shape)
         return x_ptr + c0 * 128 + off, mask
 
     @gluon.jit
-    def _ring_buffer(x_ptr, TOK: gl.constexpr):
-        return gl.allocate_shared_memory(x_ptr.dtype.element_ty, [4, TOK, 4, 8],
-                                         gl.SwizzledSharedLayout(1, 1, 1, order=[3, 2, 1, 0]))
+    def _xs_nat_pointers(x_ptr, c0, M, stride_xm, TOK: gl.constexpr, W: gl.constexpr):
+        """Pointers and mask of chunk c0's x as a natural-order ring slot `[TOK, 128]` (PAIRS weights, whose MMA k
+        position p is column p): 16-byte runs, a warp's copies two whole token rows, coalesced. Token rows past M
+        are masked (cp.async fills them with zeros without reading)."""
+        WT: gl.constexpr = W if 2 * W <= TOK else TOK // 2  # warps along the tokens; the rest along the columns
+        cp_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
+                                              warps_per_cta=[WT, W // WT], order=[1, 0])
+        ti = gl.arange(0, TOK, layout=gl.SliceLayout(1, cp_l))
+        ki = gl.arange(0, 128, layout=gl.SliceLayout(0, cp_l))
+        off = gl.expand_dims(ti * stride_xm, 1) + gl.expand_dims(ki, 0)
+        mask = gl.expand_dims(ti < M, 1) & gl.expand_dims(ki >= 0, 0)  # (true: full shape)
+        return x_ptr + c0 * 128 + off, mask
+
+    @gluon.jit
+    def _ring_buffer(x_ptr, TOK: gl.constexpr, SP: gl.constexpr):
+        if SP:
+            return gl.allocate_shared_memory(x_ptr.dtype.element_ty, [4, TOK, 4, 8],
+                                             gl.SwizzledSharedLayout(1, 1, 1, order=[3, 2, 1, 0]))
+        else:  # natural order, the 16-byte units of token row t XOR t % 8: ldmatrix's 8 rows hit 8 bank quads
+            return gl.allocate_shared_memory(x_ptr.dtype.element_ty, [TOK, 128],
+                                             gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
 
     @gluon.jit
     def _ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i: gl.constexpr):
@@ -443,15 +470,70 @@ if _GLUON:
             return r7
 
     @gluon.jit
+    def _xs_nat_frag(view, b_like):
+        """One chunk's B fragments from a natural-order ring slot (`view` [TOK, 128]) -> [W, 128, TOK], the same in
+        every warp."""
+        t = view.permute((1, 0)).load(gl.SliceLayout(0, b_like.type.layout))
+        return gl.broadcast(gl.expand_dims(t, 0), b_like)[0]
+
+    @gluon.jit
     def _xs_frag(view, ld_l: gl.constexpr, b_like):
-        """One chunk's B fragments from a ring slot (`view` [4, TOK, 4, 8], see `_xs_pointers`) -> [W, 128, TOK], the
-        same in every warp: thread (g, c) reads its four 16-byte runs per token tile (lanes 8 apart: no bank
-        conflict); the permute into MMA k-position order is register renaming (checked)."""
+        """One chunk's B fragments from a SPANS ring slot (`view` [4, TOK, 4, 8], `_xs_spans_pointers`) ->
+        [W, 128, TOK], the same in every warp: thread (g, c) reads its four 16-byte runs per token tile (lanes 8
+        apart: no bank conflict); the permute into MMA k-position order is register renaming (checked)."""
         t = gl.expand_dims(view.load(gl.SliceLayout(0, ld_l)), 0)  # [1, q, tok, c, j]
         TOK: gl.constexpr = t.shape[2]
         t = gl.permute(gl.reshape(t, [1, 4, TOK, 4, 2, 2, 2]), (0, 1, 4, 5, 3, 6, 2))  # [1, q, s0, h, c, e, tok]
         t = gl.convert_layout(gl.reshape(t, [1, 128, TOK]), b_like.type.layout, assert_trivial=True)
         return gl.broadcast(t, b_like)[0]
+
+    @gluon.jit
+    def _scale_group(sp, g: gl.constexpr, n: gl.constexpr):
+        """Scales of chunks [G g, G g + G) (those < n) of the rows `sp` points at ([W, R, G], G consecutive chunks in
+        one thread's registers): one 8- or 16-byte load per row instead of one 2-byte load per row and chunk. A
+        warp's scale load touches 8 or 16 cache lines, one per row: per chunk that was twice the L1 work of its
+        words (ncu, kernels/NOTES.md session 15)."""
+        G: gl.constexpr = sp.shape[2]
+        if G * g + G <= n:
+            return gl.load(sp + G * g)
+        else:
+            j = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, sp.type.layout)))
+            return gl.load(sp + G * g, mask=gl.expand_dims(gl.expand_dims(j, 0), 1) < n - G * g, other=0.0)
+
+    @gluon.jit
+    def _pick(t, i: gl.constexpr, like):
+        """Element i of the last axis (2, 4 or 8 long, in registers) of `t` [W, R, G], in the layout of `like` [W, R];
+        the splits and the conversion are register renaming (checked)."""
+        W: gl.constexpr = t.shape[0]
+        R: gl.constexpr = t.shape[1]
+        G: gl.constexpr = t.shape[2]
+        if G == 8:
+            a, b = gl.split(gl.reshape(t, [W, R, 4, 2]))
+            t = b if i % 2 == 1 else a
+            i = i // 2
+        if G >= 4:
+            a, b = gl.split(gl.reshape(t, [W, R, 2, 2]))
+            t = b if i % 2 == 1 else a
+            i = i // 2
+        a, b = gl.split(t)
+        t = b if i % 2 == 1 else a
+        return gl.convert_layout(t, like.type.layout, assert_trivial=True)
+
+    @gluon.jit
+    def _scale_pointers(s_ptr, k0, row0, N, stride_sn, W: gl.constexpr, R: gl.constexpr, WK: gl.constexpr,
+                        WR: gl.constexpr):
+        """[W, R, G] pointers to the scales of rows row0 + w WR + [0, R) (past N: row N - 1) and G chunks from
+        k0 + w WK, for warp w (G = 8 for 16 rows a warp, 4 for 32): thread (g, c) holds rows g + 8j's G scales in
+        registers, lanes c alike, as the MMA's row slice."""
+        G: gl.constexpr = 8 if R == 16 else 4
+        sg_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, G], threads_per_warp=[1, 8, 4],
+                                              warps_per_cta=[W, 1, 1], order=[2, 1, 0])
+        ws = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, sg_l)))
+        rs = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, sg_l)))
+        js = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, sg_l)))
+        off = gl.expand_dims(ws * WK, 1) + gl.minimum(row0 + gl.expand_dims(ws * WR, 1) + gl.expand_dims(rs, 0),
+                                                      N - 1) * stride_sn
+        return s_ptr + k0 + gl.expand_dims(off, 2) + gl.expand_dims(gl.expand_dims(js, 0), 1)
 
     @gluon.jit
     def _xshared_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, stride_wc, stride_sn,
@@ -461,8 +543,10 @@ if _GLUON:
         """grid = (cdiv(N, W R), split). Program (p, k): rows [W R p, W R (p + 1)), chunks [CPP k, CPP (k + 1));
         warp w: its R of those rows over all the program's chunks, so the W warps share one copy of x: each chunk's x
         goes global -> shared memory by cp.async into a ring of XR slots (XR - 1 chunks ahead, one barrier per chunk)
-        and is read as B fragments right before the chunk's MMAs (`_xs_frag`); the words stream into registers as in
-        `_decode_kernel` (depth D).
+        and is read as B fragments right before the chunk's MMAs: PAIRS weights (MMA k position = column) keep x in
+        natural order, copied in 16-byte runs and read by ldmatrix (`_xs_nat_frag`), SPANS weights in fragment order
+        (`_xs_frag`); the words stream into registers as in `_decode_kernel` (depth D), the scales G chunks at a
+        time (`_scale_group`).
 
         SPLIT (split > 1): each program stores its fp32 partial to `ws_ptr` ([split, M, N]) and takes a ticket
         (`cnt_ptr`, one per row block, zero on entry and on exit); the last to arrive sums the partials in split
@@ -485,37 +569,24 @@ if _GLUON:
         vi = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_l)))
         rows = gl.minimum(pid * (W * R) + gl.expand_dims(wi * R, 1) + gl.expand_dims(ri, 0), N - 1)  # past N: row N - 1
         wp = w_ptr + c0 * stride_wc + gl.expand_dims(rows * 16, 2) + gl.expand_dims(gl.expand_dims(vi, 0), 1)
-        ws = gl.arange(0, W, layout=gl.SliceLayout(1, s_l))
-        rs = gl.arange(0, R, layout=gl.SliceLayout(0, s_l))
-        srows = gl.minimum(pid * (W * R) + gl.expand_dims(ws * R, 1) + gl.expand_dims(rs, 0), N - 1)
-        sp = s_ptr + c0 + srows * stride_sn
+        sp = _scale_pointers(s_ptr, c0, pid * (W * R), N, stride_sn, W, R, 0, R)  # warp w: its R rows
+        G: gl.constexpr = sp.shape[2]
+        s_like = gl.full([W, R], 0.0, gl.float32, layout=s_l)
         acc = gl.zeros([W, R, TOK], gl.float32, layout=mma)
         zero = gl.zeros([W, R, TOK], gl.float32, layout=mma)
         b_like = gl.full([W, 128, TOK], 0.0, x_ptr.dtype.element_ty, layout=b_l)
 
-        w0 = _load_w(wp)
-        s0 = gl.load(sp)
-        w1 = w0
-        s1 = s0
-        w2 = w0
-        s2 = s0
-        w3 = w0
-        s3 = s0
-        if D > 1 and CPP > 1:
-            w1 = _load_w(wp + stride_wc)
-            s1 = gl.load(sp + 1)
-        if D > 2 and CPP > 2:
-            w2 = _load_w(wp + 2 * stride_wc)
-            s2 = gl.load(sp + 2)
-        if D > 3 and CPP > 3:
-            w3 = _load_w(wp + 3 * stride_wc)
-            s3 = gl.load(sp + 3)
+        w0, w1, w2, w3 = _prefetch_w(wp, stride_wc, D, CPP)
+        sg0 = _scale_group(sp, 0, CPP)
+        sg1 = sg0
+        if CPP > G:
+            sg1 = _scale_group(sp, 1, CPP)
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         # the ring of x chunks: one allocation per slot, so that Triton's barrier analysis sees that a copy into one
         # slot and the reads of another do not overlap (one buffer of XR slots drew a second barrier per chunk)
-        r0 = _ring_buffer(x_ptr, TOK)
-        r1 = _ring_buffer(x_ptr, TOK)
+        r0 = _ring_buffer(x_ptr, TOK, SP)
+        r1 = _ring_buffer(x_ptr, TOK, SP)
         r2 = r0
         r3 = r0
         r4 = r0
@@ -523,24 +594,29 @@ if _GLUON:
         r6 = r0
         r7 = r0
         if XR > 2:
-            r2 = _ring_buffer(x_ptr, TOK)
-            r3 = _ring_buffer(x_ptr, TOK)
+            r2 = _ring_buffer(x_ptr, TOK, SP)
+            r3 = _ring_buffer(x_ptr, TOK, SP)
         if XR > 4:
-            r4 = _ring_buffer(x_ptr, TOK)
-            r5 = _ring_buffer(x_ptr, TOK)
-            r6 = _ring_buffer(x_ptr, TOK)
-            r7 = _ring_buffer(x_ptr, TOK)
-        xp, x_mask = _xs_pointers(x_ptr, c0, M, stride_xm, TOK, W, SP)
+            r4 = _ring_buffer(x_ptr, TOK, SP)
+            r5 = _ring_buffer(x_ptr, TOK, SP)
+            r6 = _ring_buffer(x_ptr, TOK, SP)
+            r7 = _ring_buffer(x_ptr, TOK, SP)
+        if SP:
+            xp, x_mask = _xs_spans_pointers(x_ptr, c0, M, stride_xm, TOK, W)
+        else:
+            xp, x_mask = _xs_nat_pointers(x_ptr, c0, M, stride_xm, TOK, W)
         for j in gl.static_range(XR - 1):  # chunks 0 .. XR - 2 in flight, one cp.async group each
             if j < CPP:
                 _cp_async(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, j), xp + j * 128, mask=x_mask)
                 async_copy.commit_group()
         for i in gl.static_range(CPP):  # unrolled: chunk i + D is requested before chunk i is computed
             wn = w0
-            sn = s0
             if i + D < CPP:
                 wn = _load_w(wp + (i + D) * stride_wc)
-                sn = gl.load(sp + (i + D))
+            if i % G == 0 and i > 0:  # a new group of G chunks: request the one after it
+                sg0 = sg1
+                if i + G < CPP:
+                    sg1 = _scale_group(sp, i // G + 1, CPP)
             # chunk i's x has landed (this thread's copies: wait; everyone's: the barrier, which also tells that every
             # warp is done with the slot chunk i - 1 used, where chunk i + XR - 1 goes now)
             async_copy.wait_group(min(XR - 2, CPP - 1 - i))
@@ -549,22 +625,14 @@ if _GLUON:
                 _cp_async(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, (i + XR - 1) % XR), xp + (i + XR - 1) * 128,
                           mask=x_mask)
                 async_copy.commit_group()
-            xb = _xs_frag(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i % XR), ld_l, b_like)
-            a = gl.convert_layout(_dequant(w0, W, R, BF16), a_l, assert_trivial=True)
-            acc = acc + mma_v2(a, xb, zero) * gl.expand_dims(s0.to(gl.float32), 2)
-            if D == 1:
-                w0, s0 = wn, sn
-            elif D == 2:
-                w0, s0 = w1, s1
-                w1, s1 = wn, sn
+            if SP:
+                xb = _xs_frag(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i % XR), ld_l, b_like)
             else:
-                w0, s0 = w1, s1
-                w1, s1 = w2, s2
-                if D == 3:
-                    w2, s2 = wn, sn
-                else:
-                    w2, s2 = w3, s3
-                    w3, s3 = wn, sn
+                xb = _xs_nat_frag(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i % XR), b_like)
+            a = gl.convert_layout(_dequant(w0, W, R, BF16), a_l, assert_trivial=True)
+            s0 = _pick(sg0, i % G, s_like)
+            acc = acc + mma_v2(a, xb, zero) * gl.expand_dims(s0.to(gl.float32), 2)
+            w0, w1, w2, w3 = _rotate(w0, w1, w2, w3, wn, D)
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
@@ -732,9 +800,10 @@ def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True
     and cuobjdump) and summarise it.
 
     For CI and for reading the code a config produces: returns {"registers", "spills" (stack bytes),
-    "local" (bytes), "ops" (SASS opcode -> count), "ldg128" (16-byte global loads), "lds128" (16-byte shared
-    loads), "loop_barriers" and "loop_lds_narrow" (barriers and shared loads of < 16 bytes between the first and
-    the last MMA), "sass"}; TTGIR that needed a real layout conversion fails
+    "local" (bytes), "ops" (SASS opcode -> count), "ldg128" (16-byte global loads), "ldg_words" (the words':
+    16-byte, evict-first), "ldg_u16" (2-byte global loads), "lds128" (16-byte shared loads), "ldsm" (ldmatrix),
+    "loop_barriers" and "loop_lds_narrow" (barriers and shared loads of < 16 bytes other than ldmatrix between
+    the first and the last MMA), "sass"}; TTGIR that needed a real layout conversion fails
     to compile (`assert_trivial`). Raises RuntimeError when this Triton cannot (no Gluon, no cuobjdump).
     """
     import collections
@@ -782,8 +851,9 @@ def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True
     ops = collections.Counter(m.split(".")[0] for m in re.findall(
         r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass, re.M))  # fmt: skip
     wide = len(re.findall(r"LDG\.E(?:\.[A-Z]+)*\.128", sass))
-    shared_wide = len(re.findall(r"LDS\.128", sass))
     body = sass[sass.find("HMMA"):sass.rfind("HMMA")]  # the unrolled main loop: first to last MMA
     return {"registers": usage.get("REG"), "spills": usage.get("STACK"), "local": usage.get("LOCAL"), "ops": dict(ops),
-            "ldg128": wide, "lds128": shared_wide, "loop_barriers": len(re.findall(r"\bBAR\.", body)),
-            "loop_lds_narrow": len(re.findall(r"(?<!@!PT )\bLDS(?!\.128)", body)), "sass": sass}  # @!PT: never runs
+            "ldg128": wide, "ldg_words": len(re.findall(r"LDG\.E\.EF\.128", sass)),
+            "ldg_u16": len(re.findall(r"LDG\.E\.U16", sass)), "lds128": len(re.findall(r"LDS\.128", sass)),
+            "ldsm": len(re.findall(r"\bLDSM\.", sass)), "loop_barriers": len(re.findall(r"\bBAR\.", body)),
+            "loop_lds_narrow": len(re.findall(r"(?<!@!PT )\bLDS(?!\.128|M)", body)), "sass": sass}  # @!PT: never runs

@@ -829,10 +829,11 @@ def test_decode_kernel_compiles_for_sm90():
     # dequantized words must become the MMA's A fragments without any data movement (assert_trivial), the
     # words must load 16 bytes at a time, each chunk must issue its m16n8k16 MMAs, nothing may spill, and the
     # main loop may hold no barrier (the only ones are the final cross-warp sum's and, with x_smem, the one after
-    # x is staged); with x_smem each chunk's x fragments are four 16-byte shared loads; on SPANS weights without
-    # x_smem they are four 16-byte global loads per chunk and 8-token tile (one tile's worth at M = 1). The shared-x
-    # kernel (split >= 1) copies x into a ring in shared memory (cp.async) and reads it there 16 bytes at a time, with
-    # one barrier per chunk.
+    # x is staged); the scales load 4 or 8 chunks at a time, never 2 bytes per chunk; with x_smem each chunk's x
+    # fragments are four 16-byte shared loads; on SPANS weights without x_smem they are four 16-byte global loads per
+    # chunk and 8-token tile (one tile's worth at M = 1). The shared-x kernel (split >= 1) copies x into a ring in
+    # shared memory (cp.async) and reads it there with ldmatrix (PAIRS) or 16-byte loads (SPANS), one barrier per
+    # chunk.
     code = """
 import json, sys
 from glmq.kernels import w4a16_decode as DK
@@ -848,7 +849,8 @@ for cfg, chunks, tok, bf16, xb, pdl, sp in [(DK.DecodeConfig(16, 4, 2), 64, 8, T
                                             (DK.DecodeConfig(16, 8, 2, x_smem=True), 96, 8, True, True, False, True),
                                             (DK.DecodeConfig(16, 8, 2, split=4), 96, 16, True, False, False, True),
                                             (DK.DecodeConfig(16, 8, 2, split=6), 96, 16, False, False, True, False),
-                                            (DK.DecodeConfig(16, 4, 3, split=1), 16, 8, True, False, False, False)]:
+                                            (DK.DecodeConfig(16, 4, 3, split=1), 16, 8, True, False, False, False),
+                                            (DK.DecodeConfig(32, 4, 2, split=4), 96, 8, True, False, False, False)]:
     try:
         r = DK.compile_sm90(cfg, chunks, tok, bf16, xb, pdl, sp)
     except RuntimeError as exc:
@@ -872,18 +874,22 @@ print(json.dumps(out))
         assert r["spills"] == 0 and r["local"] == 0 and r["registers"] <= 255, r
         assert "STL" not in r["ops"] and "LDL" not in r["ops"], r
         assert r["ops"].get("HMMA") == r["cpw"] * 8 * (r["rows"] // 16) * (r["tok"] // 8), r
+        assert r["ldg_words"] == r["cpw"] * r["rows"] // 8, r  # two 16-byte word loads per 16 rows and chunk
+        # the scales: one 8- or 16-byte load per row and 4 or 8 chunks, never a 2-byte load per chunk
+        groups = -(-r["cpw"] // (8 if r["rows"] == 16 else 4))
+        scale_max = groups * r["rows"] // 8
+        assert r["ldg_u16"] == 0 and r["ldg128"] - r["ldg_words"] <= scale_max + (
+            0 if r["split"] or not (r["sp"] or r["xs"]) else r["cpw"] * 4 * (1 if r["xb"] else r["tok"] // 8)), r
         if r["split"]:  # the shared-x kernel: x copied into shared memory once (cp.async, no registers), then per
-            # chunk and token tile four 16-byte shared loads, no narrow one; the only 16-byte global loads are words
-            assert r["ops"].get("LDGSTS", 0) > 0 and r["ldg128"] == r["cpw"] * r["rows"] // 8, r
-            assert r["lds128"] == r["cpw"] * 4 * (r["tok"] // 8) and r["loop_lds_narrow"] == 0, r
-            assert r["loop_barriers"] <= r["cpw"], r  # one per chunk (the x ring's), none more
-        elif r["xs"]:  # x staged in shared memory: four 16-byte shared loads per chunk, x's global loads 16-byte too
+            # chunk and token tile four ldmatrix (PAIRS, natural order) or four 16-byte shared loads (SPANS)
+            assert r["ops"].get("LDGSTS", 0) > 0, r
+            tiles = r["cpw"] * 4 * (r["tok"] // 8)
+            assert (r["lds128"], r["ldsm"]) == ((tiles, 0) if r["sp"] else (0, tiles)), r
+            assert r["loop_lds_narrow"] == 0 and r["loop_barriers"] <= r["cpw"], r  # one barrier per chunk, no more
+        elif r["xs"]:  # x staged in shared memory: four 16-byte shared loads per chunk
             assert r["lds128"] >= r["cpw"] * 4 and r["loop_lds_narrow"] == 0, r
-            assert r["ldg128"] > r["cpw"] * r["rows"] // 8, r
-        elif r["sp"]:  # the words, then x: four 16-byte loads per chunk and token tile (at M = 1 one tile)
-            assert r["ldg128"] == r["cpw"] * (r["rows"] // 8 + 4 * (1 if r["xb"] else r["tok"] // 8)), r
-        else:
-            assert r["ldg128"] == r["cpw"] * r["rows"] // 8, r  # two 16-byte word loads per 16 rows and chunk
+        elif r["sp"]:  # then x: four 16-byte loads per chunk and token tile (at M = 1 one tile)
+            assert r["ldg128"] - r["ldg_words"] >= r["cpw"] * 4 * (1 if r["xb"] else r["tok"] // 8), r
         assert r["split"] or r["loop_barriers"] == 0, r
 
 
