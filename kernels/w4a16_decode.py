@@ -339,10 +339,7 @@ if _GLUON:
         # Words and scales do not depend on the kernel launched before this one: with PDL the first chunks'
         # are requested before the wait; x only after it.
         w0, w1, w2, w3 = _prefetch_w(wp, stride_wc, D, CPW)
-        sg0 = _scale_group(sp, 0, CPW)
-        sg1 = sg0
-        if CPW > G:
-            sg1 = _scale_group(sp, 1, CPW)
+        sg0, sg1 = _prefetch_scales(sp, CPW)
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
             if PDL_EARLY:
@@ -375,10 +372,7 @@ if _GLUON:
                 wn = _load_w(wp + (i + D) * stride_wc)
                 if not XS:
                     xn = _load_x(xp + (i + D) * 128, x_mask, PROBE, ones, SP)
-            if i % G == 0 and i > 0:  # a new group of G chunks: request the one after it
-                sg0 = sg1
-                if i + G < CPW:
-                    sg1 = _scale_group(sp, i // G + 1, CPW)
+            sg0, sg1 = _advance_scales(sg0, sg1, sp, i, CPW)
             if XS and PROBE != 1 and PROBE != 2:
                 x0 = _x_smem(xsm.slice(i * W, W), xs_l, W, ones)
             if PROBE == 2:
@@ -501,6 +495,26 @@ if _GLUON:
             return gl.load(sp + G * g, mask=gl.expand_dims(gl.expand_dims(j, 0), 1) < n - G * g, other=0.0)
 
     @gluon.jit
+    def _prefetch_scales(sp, n: gl.constexpr):
+        """The first two scale groups (`_scale_group`) of a loop over n chunks: the one in use and the one after it."""
+        sg0 = _scale_group(sp, 0, n)
+        sg1 = sg0
+        if n > sp.shape[2]:
+            sg1 = _scale_group(sp, 1, n)
+        return sg0, sg1
+
+    @gluon.jit
+    def _advance_scales(sg0, sg1, sp, i: gl.constexpr, n: gl.constexpr):
+        """At chunk i of n: where a new group of G chunks starts, it moves into use and the one after it is
+        requested (one group ahead, as `_prefetch_scales` began)."""
+        G: gl.constexpr = sp.shape[2]
+        if i % G == 0 and i > 0:
+            sg0 = sg1
+            if i + G < n:
+                sg1 = _scale_group(sp, i // G + 1, n)
+        return sg0, sg1
+
+    @gluon.jit
     def _pick(t, i: gl.constexpr, like):
         """Element i of the last axis (2, 4 or 8 long, in registers) of `t` [W, R, G], in the layout of `like` [W, R];
         the splits and the conversion are register renaming (checked)."""
@@ -577,10 +591,7 @@ if _GLUON:
         b_like = gl.full([W, 128, TOK], 0.0, x_ptr.dtype.element_ty, layout=b_l)
 
         w0, w1, w2, w3 = _prefetch_w(wp, stride_wc, D, CPP)
-        sg0 = _scale_group(sp, 0, CPP)
-        sg1 = sg0
-        if CPP > G:
-            sg1 = _scale_group(sp, 1, CPP)
+        sg0, sg1 = _prefetch_scales(sp, CPP)
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         # the ring of x chunks: one allocation per slot, so that Triton's barrier analysis sees that a copy into one
@@ -613,10 +624,7 @@ if _GLUON:
             wn = w0
             if i + D < CPP:
                 wn = _load_w(wp + (i + D) * stride_wc)
-            if i % G == 0 and i > 0:  # a new group of G chunks: request the one after it
-                sg0 = sg1
-                if i + G < CPP:
-                    sg1 = _scale_group(sp, i // G + 1, CPP)
+            sg0, sg1 = _advance_scales(sg0, sg1, sp, i, CPP)
             # chunk i's x has landed (this thread's copies: wait; everyone's: the barrier, which also tells that every
             # warp is done with the slot chunk i - 1 used, where chunk i + XR - 1 goes now)
             async_copy.wait_group(min(XR - 2, CPP - 1 - i))
