@@ -97,6 +97,20 @@ def tag(c) -> str:
             f"{f'S{c.split}G{c.ring}' if c.split else ''}")
 
 
+def parse_tag(text: str):
+    """`tag`'s inverse: `R16W4D3[X][E][S4G4]` -> a DecodeConfig."""
+    import re
+
+    from glmq.kernels.w4a16_decode import DecodeConfig
+
+    m = re.fullmatch(r"R(\d+)W(\d+)D(\d+)(X?)(E?)(?:S(\d+)G(\d+))?", text)
+    if not m:
+        raise ValueError(f"not a decode config tag: {text!r} (R<rows>W<warps>D<depth>[X][E][S<split>G<ring>])")
+    r, w, d, xs, early, split, ring = m.groups()
+    return DecodeConfig(int(r), int(w), int(d), pdl_early=bool(early), x_smem=bool(xs),
+                        split=int(split or 0), ring=int(ring or 4))
+
+
 def variants(n: int, k: int, m: int, xshared_only: bool = False, tag_has: str = ""):
     for cfg, probe in _variants(n, k, m, xshared_only):
         if tag_has in tag(cfg):

@@ -52,12 +52,17 @@ DECOMPOSE_SHAPES = [("square 8192x8192", 8192, 8192), ("dense 12288->6144", 6144
                     ("dense 6144->24576", 24576, 6144)]  # fmt: skip
 
 
+def random_operands(n: int, k: int, m: int, dev: torch.device):
+    """Random packed words, bf16 group-128 scales and bf16 activations of an [n, k] weight at M = m."""
+    wp = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device=dev)
+    ws = (torch.rand(n, k // 128, device=dev) * 0.01 + 0.002).to(torch.bfloat16)
+    return wp, ws, torch.randn(m, k, device=dev).to(torch.bfloat16)
+
+
 def ncu_cases() -> int:
     dev = torch.device("cuda")
     for n, k, m in CASES:
-        wp = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device=dev)
-        ws = (torch.rand(n, k // 128, device=dev) * 0.01 + 0.002).to(torch.bfloat16)
-        x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+        wp, ws, x = random_operands(n, k, m, dev)
         for layout, cm in ((D.Layout.PAIRS, True), (D.Layout.PLANES, False)):
             w = D.prepack(wp, ws, 128, layout, cm)
             cfg = D.choose_config(m, n, k, 128, D.sm_count(dev), D.device_name(dev), layout)
@@ -68,30 +73,15 @@ def ncu_cases() -> int:
     return 0
 
 
-def parse_tag(tag: str):
-    """probe_decode.tag's inverse: `R16W4D3[X][E][S4G4]` -> a DecodeConfig."""
-    import re
-
-    from glmq.kernels.w4a16_decode import DecodeConfig
-
-    m = re.fullmatch(r"R(\d+)W(\d+)D(\d+)(X?)(E?)(?:S(\d+)G(\d+))?", tag)
-    if not m:
-        raise ValueError(f"not a decode config tag: {tag!r} (R<rows>W<warps>D<depth>[X][E][S<split>G<ring>])")
-    r, w, d, xs, early, split, ring = m.groups()
-    return DecodeConfig(int(r), int(w), int(d), pdl_early=bool(early), x_smem=bool(xs),
-                        split=int(split or 0), ring=int(ring or 4))
-
-
 def ncu_decode(cases: list[str]) -> int:
     from glmq.kernels import w4a16_decode as DK
+    from probe_decode import parse_tag  # scripts/ is on sys.path when this runs as a script
 
     dev = torch.device("cuda")
     for case in cases:
         n, k, m, tag = case.split(",")
         n, k, m = int(n), int(k), int(m)
-        wp = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device=dev)
-        ws = (torch.rand(n, k // 128, device=dev) * 0.01 + 0.002).to(torch.bfloat16)
-        x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+        wp, ws, x = random_operands(n, k, m, dev)
         w = D.prepack(wp, ws, 128, D.Layout.PAIRS)
         out = torch.empty(m, n, device=dev, dtype=x.dtype)
         if tag == "triton":

@@ -824,6 +824,17 @@ def test_shipped_decode_tables_are_valid(layout):
                     assert DK.supports(int(m), w, DK.DecodeConfig(**entry[slot])), (key, m, slot, entry[slot])
 
 
+def test_probe_decode_tags_round_trip():
+    # scripts/profile_kernels.py --decode names configs by probe_decode's tags: parse_tag must invert tag
+    from glmq.scripts import probe_decode as P
+
+    for cfg in (DK.DecodeConfig(16, 4, 3, split=4, ring=4), DK.DecodeConfig(16, 8, 2, pdl_early=True, x_smem=True),
+                DK.DecodeConfig(32, 4, 2), DK.DecodeConfig(16, 4, 4, split=1, ring=8)):
+        assert P.parse_tag(P.tag(cfg)) == cfg, cfg
+    with pytest.raises(ValueError, match="not a decode config tag"):
+        P.parse_tag("R16W4")
+
+
 def test_decode_kernel_compiles_for_sm90():
     # Compiled ahead of time with the installed Triton's ptxas (no GPU needed), in a fresh process: the
     # dequantized words must become the MMA's A fragments without any data movement (assert_trivial), the
