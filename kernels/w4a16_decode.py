@@ -809,7 +809,8 @@ def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True
 
     For CI and for reading the code a config produces: returns {"registers", "spills" (stack bytes),
     "local" (bytes), "ops" (SASS opcode -> count), "ldg128" (16-byte global loads), "ldg_words" (the words':
-    16-byte, evict-first), "ldg_u16" (2-byte global loads), "lds128" (16-byte shared loads), "ldsm" (ldmatrix),
+    16-byte, evict-first), "ldg_u16" and "ldg32" (2- and 4-byte global loads), "lds128" (16-byte shared loads),
+    "ldsm" (ldmatrix),
     "loop_barriers" and "loop_lds_narrow" (barriers and shared loads of < 16 bytes other than ldmatrix between
     the first and the last MMA), "sass"}; TTGIR that needed a real layout conversion fails
     to compile (`assert_trivial`). Raises RuntimeError when this Triton cannot (no Gluon, no cuobjdump).
@@ -862,6 +863,7 @@ def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True
     body = sass[sass.find("HMMA"):sass.rfind("HMMA")]  # the unrolled main loop: first to last MMA
     return {"registers": usage.get("REG"), "spills": usage.get("STACK"), "local": usage.get("LOCAL"), "ops": dict(ops),
             "ldg128": wide, "ldg_words": len(re.findall(r"LDG\.E\.EF\.128", sass)),
-            "ldg_u16": len(re.findall(r"LDG\.E\.U16", sass)), "lds128": len(re.findall(r"LDS\.128", sass)),
+            "ldg_u16": len(re.findall(r"LDG\.E\.U16", sass)),
+            "ldg32": len(re.findall(r"LDG\.E(?:\.STRONG\.GPU)? ", sass)), "lds128": len(re.findall(r"LDS\.128", sass)),
             "ldsm": len(re.findall(r"\bLDSM\.", sass)), "loop_barriers": len(re.findall(r"\bBAR\.", body)),
             "loop_lds_narrow": len(re.findall(r"(?<!@!PT )\bLDS(?!\.128|M)", body)), "sass": sass}  # @!PT: never runs

@@ -297,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--decompose", action="store_true", help="time the stage-dropping variants (see the docstring)")
     ap.add_argument("--pdl", action="store_true", help="time plain against PDL chains per config (see the docstring)")
-    ap.add_argument("--decode", nargs="+", metavar="N,K,M,TAG", help="launch decode kernels for ncu (see the docstring)")
+    ap.add_argument("--decode", nargs="+", metavar="N,K,M,TAG",
+                    help="launch decode kernels for ncu (see the docstring)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "profile-out")))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

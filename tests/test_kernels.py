@@ -897,8 +897,8 @@ print(json.dumps(out))
             tiles = r["cpw"] * 4 * (r["tok"] // 8)
             assert (r["lds128"], r["ldsm"]) == ((tiles, 0) if r["sp"] else (0, tiles)), r
             assert r["loop_lds_narrow"] == 0 and r["loop_barriers"] <= r["cpw"], r  # one barrier per chunk, no more
-        elif r["xs"]:  # x staged in shared memory: four 16-byte shared loads per chunk
-            assert r["lds128"] >= r["cpw"] * 4 and r["loop_lds_narrow"] == 0, r
+        elif r["xs"]:  # x staged in shared memory: four 16-byte shared loads per chunk, x's global loads 16-byte too
+            assert r["lds128"] >= r["cpw"] * 4 and r["loop_lds_narrow"] == 0 and r["ldg32"] == 0, r
         elif r["sp"]:  # then x: four 16-byte loads per chunk and token tile (at M = 1 one tile)
             assert r["ldg128"] - r["ldg_words"] >= r["cpw"] * 4 * (1 if r["xb"] else r["tok"] // 8), r
         assert r["split"] or r["loop_barriers"] == 0, r
