@@ -111,7 +111,12 @@ class DecodeConfig:
             (`_xshared_kernel`): each of the `warps` warps owns `rows` rows (a program `warps * rows`), K is split over
             `split` programs (it must divide K / 128), and a program's x goes through shared memory once, shared by
             its warps (x_smem and pdl_early do not apply).
-        ring: the shared-x kernel's x ring in chunks, 2, 4 or 8 (ring - 1 chunks of x in flight).
+        ring: the shared-x kernel's x ring in chunks, 2, 4 or 8 (ring - step chunks of x in flight).
+        step: the shared-x kernel's chunks per ring barrier, 1, 2 or 4 (ring >= 2 step): a wait and a barrier
+            per `step` chunks, and the chunks between two barriers are
+            independent work the compiler can interleave (their MMA chains, loads and dequantization).
+        w_smem: the shared-x kernel's words go global -> shared memory by cp.async with x, in the same ring
+            (ring - step chunks in flight, holding no registers), instead of into registers `depth` chunks ahead.
     """
 
     rows: int = 16
@@ -121,6 +126,8 @@ class DecodeConfig:
     x_smem: bool = False
     split: int = 0
     ring: int = 4
+    step: int = 1
+    w_smem: bool = False
 
     def __post_init__(self) -> None:
         if self.rows not in (16, 32):
@@ -133,6 +140,9 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.split must be >= 0, got {self.split}")
         if self.ring not in (2, 4, 8):
             raise ValueError(f"DecodeConfig.ring must be 2, 4 or 8, got {self.ring}")
+        if self.step not in (1, 2, 4) or self.ring < 2 * self.step:
+            raise ValueError(f"DecodeConfig.step must be 1, 2 or 4 with ring >= 2 step, got step {self.step}, "
+                             f"ring {self.ring}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -436,8 +446,35 @@ if _GLUON:
         return x_ptr + c0 * 128 + off, mask
 
     @gluon.jit
-    def _ring_buffer(x_ptr, TOK: gl.constexpr, SP: gl.constexpr):
-        if SP:
+    def _ring(x_ptr, TOK: gl.constexpr, SP: gl.constexpr, XR: gl.constexpr, WORDS: gl.constexpr, W: gl.constexpr,
+              R: gl.constexpr):
+        """The XR slots of a ring (`_ring_slot` picks one; slots past XR repeat slot 0): x's chunks, or with WORDS the
+        words' ([W, R, 16] int32). One allocation per slot, so that Triton's barrier analysis sees that a copy into
+        one slot and the reads of another do not overlap (one buffer of XR slots drew a second barrier per chunk)."""
+        r0 = _ring_buffer(x_ptr, TOK, SP, WORDS, W, R)
+        r1 = _ring_buffer(x_ptr, TOK, SP, WORDS, W, R)
+        r2 = r0
+        r3 = r0
+        r4 = r0
+        r5 = r0
+        r6 = r0
+        r7 = r0
+        if XR > 2:
+            r2 = _ring_buffer(x_ptr, TOK, SP, WORDS, W, R)
+            r3 = _ring_buffer(x_ptr, TOK, SP, WORDS, W, R)
+        if XR > 4:
+            r4 = _ring_buffer(x_ptr, TOK, SP, WORDS, W, R)
+            r5 = _ring_buffer(x_ptr, TOK, SP, WORDS, W, R)
+            r6 = _ring_buffer(x_ptr, TOK, SP, WORDS, W, R)
+            r7 = _ring_buffer(x_ptr, TOK, SP, WORDS, W, R)
+        return r0, r1, r2, r3, r4, r5, r6, r7
+
+    @gluon.jit
+    def _ring_buffer(x_ptr, TOK: gl.constexpr, SP: gl.constexpr, WORDS: gl.constexpr, W: gl.constexpr,
+                     R: gl.constexpr):
+        if WORDS:  # a chunk's words, row-major: thread (g, c)'s 16 bytes of a row are where it copied them from
+            return gl.allocate_shared_memory(gl.int32, [W, R, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+        elif SP:
             return gl.allocate_shared_memory(x_ptr.dtype.element_ty, [4, TOK, 4, 8],
                                              gl.SwizzledSharedLayout(1, 1, 1, order=[3, 2, 1, 0]))
         else:  # natural order, the 16-byte units of token row t XOR t % 8: ldmatrix's 8 rows hit 8 bank quads
@@ -552,12 +589,13 @@ if _GLUON:
     @gluon.jit
     def _xshared_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, stride_wc, stride_sn,
                         stride_om, CPP: gl.constexpr, W: gl.constexpr, R: gl.constexpr, TOK: gl.constexpr,
-                        D: gl.constexpr, XR: gl.constexpr, BF16: gl.constexpr, SP: gl.constexpr, SPLIT: gl.constexpr,
-                        PDL: gl.constexpr):
+                        D: gl.constexpr, XR: gl.constexpr, STEP: gl.constexpr, WS: gl.constexpr,
+                        BF16: gl.constexpr,
+                        SP: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr):
         """grid = (cdiv(N, W R), split). Program (p, k): rows [W R p, W R (p + 1)), chunks [CPP k, CPP (k + 1));
         warp w: its R of those rows over all the program's chunks, so the W warps share one copy of x: each chunk's x
-        goes global -> shared memory by cp.async into a ring of XR slots (XR - 1 chunks ahead, one barrier per chunk)
-        and is read as B fragments right before the chunk's MMAs: PAIRS weights (MMA k position = column) keep x in
+        goes global -> shared memory by cp.async into a ring of XR slots (XR - STEP chunks ahead, one barrier per STEP
+        chunks) and is read as B fragments right before the chunk's MMAs: PAIRS weights (MMA k position = column) keep x in
         natural order, copied in 16-byte runs and read by ldmatrix (`_xs_nat_frag`), SPANS weights in fragment order
         (`_xs_frag`); the words stream into registers as in `_decode_kernel` (depth D), the scales G chunks at a
         time (`_scale_group`).
@@ -590,49 +628,49 @@ if _GLUON:
         zero = gl.zeros([W, R, TOK], gl.float32, layout=mma)
         b_like = gl.full([W, 128, TOK], 0.0, x_ptr.dtype.element_ty, layout=b_l)
 
-        w0, w1, w2, w3 = _prefetch_w(wp, stride_wc, D, CPP)
+        if WS:  # the words go through a ring in shared memory with x (below), not through registers
+            w0 = gl.zeros([W, R, 16], gl.int32, layout=w_l)
+            w1 = w0
+            w2 = w0
+            w3 = w0
+        else:
+            w0, w1, w2, w3 = _prefetch_w(wp, stride_wc, D, CPP)
         sg0, sg1 = _prefetch_scales(sp, CPP)
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        # the ring of x chunks: one allocation per slot, so that Triton's barrier analysis sees that a copy into one
-        # slot and the reads of another do not overlap (one buffer of XR slots drew a second barrier per chunk)
-        r0 = _ring_buffer(x_ptr, TOK, SP)
-        r1 = _ring_buffer(x_ptr, TOK, SP)
-        r2 = r0
-        r3 = r0
-        r4 = r0
-        r5 = r0
-        r6 = r0
-        r7 = r0
-        if XR > 2:
-            r2 = _ring_buffer(x_ptr, TOK, SP)
-            r3 = _ring_buffer(x_ptr, TOK, SP)
-        if XR > 4:
-            r4 = _ring_buffer(x_ptr, TOK, SP)
-            r5 = _ring_buffer(x_ptr, TOK, SP)
-            r6 = _ring_buffer(x_ptr, TOK, SP)
-            r7 = _ring_buffer(x_ptr, TOK, SP)
+        r0, r1, r2, r3, r4, r5, r6, r7 = _ring(x_ptr, TOK, SP, XR, False, W, R)  # x's ring
+        q0, q1, q2, q3, q4, q5, q6, q7 = _ring(x_ptr, TOK, SP, XR if WS else 2, True, W, R)  # the words' (WS)
         if SP:
             xp, x_mask = _xs_spans_pointers(x_ptr, c0, M, stride_xm, TOK, W)
         else:
             xp, x_mask = _xs_nat_pointers(x_ptr, c0, M, stride_xm, TOK, W)
-        for j in gl.static_range(XR - 1):  # chunks 0 .. XR - 2 in flight, one cp.async group each
+        for j in gl.static_range(XR - STEP):  # chunks 0 .. XR - STEP - 1 in flight, one cp.async group each
             if j < CPP:
                 _cp_async(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, j), xp + j * 128, mask=x_mask)
+                if WS:
+                    _cp_async(_ring_slot(q0, q1, q2, q3, q4, q5, q6, q7, j), wp + j * stride_wc)
                 async_copy.commit_group()
         for i in gl.static_range(CPP):  # unrolled: chunk i + D is requested before chunk i is computed
             wn = w0
-            if i + D < CPP:
+            if i + D < CPP and not WS:
                 wn = _load_w(wp + (i + D) * stride_wc)
             sg0, sg1 = _advance_scales(sg0, sg1, sp, i, CPP)
-            # chunk i's x has landed (this thread's copies: wait; everyone's: the barrier, which also tells that every
-            # warp is done with the slot chunk i - 1 used, where chunk i + XR - 1 goes now)
-            async_copy.wait_group(min(XR - 2, CPP - 1 - i))
-            _barrier()
-            if i + XR - 1 < CPP:
-                _cp_async(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, (i + XR - 1) % XR), xp + (i + XR - 1) * 128,
-                          mask=x_mask)
-                async_copy.commit_group()
+            if i % STEP == 0:
+                # chunks i .. i + STEP - 1 have landed (this thread's copies: wait, for all but the groups requested
+                # after them; everyone's: the barrier, which also tells that every warp is done with the slots of
+                # chunks i - STEP .. i - 1, where chunks i + XR - STEP .. i + XR - 1 go now)
+                async_copy.wait_group(max(0, min(i + XR - STEP - 1, CPP - 1) - (i + STEP - 1)))
+                _barrier()
+                for j in gl.static_range(XR - STEP, XR):
+                    if i + j < CPP:
+                        _cp_async(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, (i + j) % XR), xp + (i + j) * 128,
+                                  mask=x_mask)
+                        if WS:
+                            _cp_async(_ring_slot(q0, q1, q2, q3, q4, q5, q6, q7, (i + j) % XR),
+                                      wp + (i + j) * stride_wc)
+                        async_copy.commit_group()
+            if WS:  # this thread's own copies of chunk i's words, complete after the wait above
+                w0 = _ring_slot(q0, q1, q2, q3, q4, q5, q6, q7, i % XR).load(w_l)
             if SP:
                 xb = _xs_frag(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i % XR), ld_l, b_like)
             else:
@@ -783,7 +821,7 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
 def _xshared_args(m: int, chunks: int, cfg: DecodeConfig, bf16: bool, spans: bool, pdl: bool) -> dict:
     cpp = chunks // cfg.split
     return dict(CPP=cpp, W=cfg.warps, R=cfg.rows, TOK=8 if m <= 8 else 16, D=min(cfg.depth, cpp), XR=cfg.ring,
-                BF16=bf16, SP=spans, SPLIT=cfg.split > 1, PDL=pdl)
+                STEP=cfg.step, WS=cfg.w_smem, BF16=bf16, SP=spans, SPLIT=cfg.split > 1, PDL=pdl)
 
 
 def _launch_xshared(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeConfig, pdl: bool, stride_wc: int,

@@ -62,7 +62,10 @@ TUNE_M = (1, 2, 4)
 TUNE_CANDIDATES = [(16, 8, 2), (16, 8, 3), (16, 4, 2), (16, 4, 3), (32, 4, 2), (32, 4, 3), (32, 8, 2), (16, 2, 3)]
 TUNE_WIDE = [(32, 4, 1), (32, 8, 1)]  # also at M >= 8 (two m16 tiles share each x fragment)
 TUNE_X_SMEM = [(16, 8, 2), (16, 8, 3), (16, 4, 2), (16, 4, 3), (16, 4, 4), (32, 8, 2)]  # also with x_smem at M = 1
-TUNE_XSHARED = [(16, 4, 3, 4), (32, 4, 2, 4), (16, 4, 4, 8)]  # (rows, warps, depth, ring) at M >= 2
+# the shared-x kernel at M >= 2: (rows, warps, depth, ring, step, w_smem); the last three, new in session 16, won in
+# its probes on 6144->24576 and the expert w2 shape at M = 16 and 12288->6144 at M = 4 (kernels/NOTES.md)
+TUNE_XSHARED = [(16, 4, 3, 4, 1, False), (32, 4, 2, 4, 1, False), (16, 4, 4, 8, 1, False),
+                (16, 4, 4, 8, 2, False), (16, 4, 1, 4, 1, True), (16, 4, 1, 8, 2, True)]
 TUNE_MARGIN = 0.97  # the Gluon kernel only where it took <= 97 % of the Triton kernel's time
 
 
@@ -77,7 +80,7 @@ def tune_candidates(n: int, k: int, m: int):
         cands += [DecodeConfig(r, w, d) for r, w, d in TUNE_WIDE]
     cands = [c for c in cands if chunks % c.warps == 0 and chunks // c.warps >= max(c.depth, 2)]
     if m >= 2:  # the shared-x kernel, with the K splits xshared_splits picks for the shape
-        cands += [DecodeConfig(r, w, d, split=s, ring=g) for r, w, d, g in TUNE_XSHARED
+        cands += [DecodeConfig(r, w, d, split=s, ring=g, step=st, w_smem=ws) for r, w, d, g, st, ws in TUNE_XSHARED
                   for s in xshared_splits(n, k, r, w)]
     return cands
 
@@ -92,9 +95,11 @@ def xshared_splits(n: int, k: int, rows: int, warps: int) -> list[int]:
 
 
 def tag(c) -> str:
-    """R{rows}W{warps}D{depth}, X with x_smem, E with pdl_early, S{split}G{ring} for the shared-x kernel."""
+    """R{rows}W{warps}D{depth}, X with x_smem, E with pdl_early, S{split}G{ring} for the shared-x kernel, then
+    B{step} where step > 1 and M with w_smem."""
     return (f"R{c.rows}W{c.warps}D{c.depth}{'X' if c.x_smem else ''}{'E' if c.pdl_early else ''}"
-            f"{f'S{c.split}G{c.ring}' if c.split else ''}")
+            f"{f'S{c.split}G{c.ring}' if c.split else ''}{f'B{c.step}' if c.step > 1 else ''}"
+            f"{'M' if c.w_smem else ''}")
 
 
 def parse_tag(text: str):
@@ -103,18 +108,35 @@ def parse_tag(text: str):
 
     from glmq.kernels.w4a16_decode import DecodeConfig
 
-    m = re.fullmatch(r"R(\d+)W(\d+)D(\d+)(X?)(E?)(?:S(\d+)G(\d+))?", text)
+    m = re.fullmatch(r"R(\d+)W(\d+)D(\d+)(X?)(E?)(?:S(\d+)G(\d+))?(?:B(\d+))?(M?)", text)
     if not m:
-        raise ValueError(f"not a decode config tag: {text!r} (R<rows>W<warps>D<depth>[X][E][S<split>G<ring>])")
-    r, w, d, xs, early, split, ring = m.groups()
-    return DecodeConfig(int(r), int(w), int(d), pdl_early=bool(early), x_smem=bool(xs),
-                        split=int(split or 0), ring=int(ring or 4))
+        raise ValueError(f"not a decode config tag: {text!r} "
+                         "(R<rows>W<warps>D<depth>[X][E][S<split>G<ring>][B<step>][M])")
+    r, w, d, xs, early, split, ring, step, ws = m.groups()
+    return DecodeConfig(int(r), int(w), int(d), pdl_early=bool(early), x_smem=bool(xs), split=int(split or 0),
+                        ring=int(ring or 4), step=int(step or 1), w_smem=bool(ws))
 
 
-def variants(n: int, k: int, m: int, xshared_only: bool = False, tag_has: str = ""):
+def variants(n: int, k: int, m: int, xshared_only: bool = False, tag_has: str = "", tags: tuple = ()):
+    """The Gluon configs (and timing probes) to time at this shape and M: `tags` where given (those the kernel
+    takes here), else VARIANTS and XSHARED."""
+    if tags:
+        from glmq.kernels import w4a16_decode as DK
+
+        stub = _stub(n, k)
+        yield from ((c, 0) for c in map(parse_tag, tags) if DK.supports(m, stub, c) and not (c.x_smem and m > 1))
+        return
     for cfg, probe in _variants(n, k, m, xshared_only):
         if tag_has in tag(cfg):
             yield cfg, probe
+
+
+def _stub(n: int, k: int):
+    """A chunk-major PAIRS PackedW4 of this shape with no real data (for `supports`)."""
+    from glmq.kernels import w4a16_dense as D
+
+    return D.PackedW4(torch.zeros(k // 128, 8, 16, dtype=torch.int32), torch.ones(8, k // GROUP), GROUP, chunk=128,
+                      layout=D.Layout.PAIRS, chunk_major=True)
 
 
 def _variants(n: int, k: int, m: int, xshared_only: bool):
@@ -180,32 +202,30 @@ CHECK_CONFIGS = [(16, 1, 1, False, False, 0), (32, 2, 2, True, False, 0), (16, 4
                  (32, 8, 1, True, False, 4)]  # (rows, warps, depth, pdl, x_smem, split)
 
 
-def check_cases(xshared_only: bool = False) -> list[tuple]:
-    """(m, n, k, dtype, DecodeConfig, pdl) of `check`: every config of CHECK_CONFIGS the kernel takes at each
-    CHECK_SHAPES shape, in both activation dtypes (x_smem at M = 1 only; with --xshared-only the shared-x ones)."""
-    from glmq.kernels import w4a16_dense as D
+def check_cases(xshared_only: bool = False, tags: tuple = ()) -> list[tuple]:
+    """(m, n, k, dtype, DecodeConfig, pdl) of `check`: every config of CHECK_CONFIGS (or, given, of `tags`, without
+    PDL) the kernel takes at each CHECK_SHAPES shape, in both activation dtypes (x_smem at M = 1 only; with
+    --xshared-only the shared-x ones)."""
     from glmq.kernels import w4a16_decode as DK
 
+    cfgs = ([(parse_tag(t), False) for t in tags] if tags else
+            [(DK.DecodeConfig(r, w, d, x_smem=xs, split=sp), pdl) for r, w, d, pdl, xs, sp in CHECK_CONFIGS])
     out = []
-    for (m, n, k), dt, (r, w, d, pdl, xs, sp) in itertools.product(CHECK_SHAPES, (torch.bfloat16, torch.float16),
-                                                                  CHECK_CONFIGS):
-        cfg = DK.DecodeConfig(r, w, d, x_smem=xs, split=sp)
-        stub = D.PackedW4(torch.zeros(k // 128, 8, 16, dtype=torch.int32), torch.ones(8, k // GROUP), GROUP, chunk=128,
-                          layout=D.Layout.PAIRS, chunk_major=True)
-        if (xs and m > 1) or (xshared_only and not sp) or not DK.supports(m, stub, cfg):
+    for (m, n, k), dt, (cfg, pdl) in itertools.product(CHECK_SHAPES, (torch.bfloat16, torch.float16), cfgs):
+        if (cfg.x_smem and m > 1) or (xshared_only and not cfg.split) or not DK.supports(m, _stub(n, k), cfg):
             continue
         out.append((m, n, k, dt, cfg, pdl))
     return out
 
 
-def check(dev, layout: str, xshared_only: bool = False) -> list[dict]:
+def check(dev, layout: str, xshared_only: bool = False, tags: tuple = ()) -> list[dict]:
     """Random shapes and dtypes against the float reference (output poisoned first)."""
     from glmq.kernels import reference as R
     from glmq.kernels import w4a16_dense as D
     from glmq.kernels import w4a16_decode as DK
 
     rows = []
-    for m, n, k, dt, cfg, pdl in check_cases(xshared_only):
+    for m, n, k, dt, cfg, pdl in check_cases(xshared_only, tags):
         r, w, d, xs, sp = cfg.rows, cfg.warps, cfg.depth, cfg.x_smem, cfg.split
         gen = torch.Generator(device=dev).manual_seed(m * 7 + n + k)
         wp = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device=dev, generator=gen)
@@ -237,6 +257,9 @@ def main() -> None:
                     help="probe: of the Gluon variants only the shared-x kernel's (DecodeConfig.split >= 1)")
     ap.add_argument("--plain", action="store_true", help="probe: the Gluon variants without PDL only")
     ap.add_argument("--tag-has", default="", help="probe: only the Gluon variants whose tag contains this")
+    ap.add_argument("--tags", nargs="+", default=[],
+                    help="probe: exactly these Gluon configs (`tag` names, e.g. R16W4D4S4G8B2), where the kernel takes "
+                         "them, instead of the VARIANTS / XSHARED tables; the correctness check runs them too")
     ap.add_argument("--compile-only", action="store_true",
                     help="probe: only compile its kernels (in --workers processes; fills Triton's cache for a bench)")
     ap.add_argument("--merge", action="store_true",
@@ -265,18 +288,18 @@ def main() -> None:
     for (n, k), m, lay in itertools.product(shapes.values(), a.m, a.layouts):
         tcfg = D.choose_config(m, n, k, GROUP, D.sm_count(dev), name, D.Layout.PAIRS)
         jobs += [(n, k, m, c, pdl, 0, lay) for c in (None, tcfg) for pdl in (False, True)]
-        for cfg, probe in ([] if a.triton_only else variants(n, k, m, a.xshared_only, a.tag_has)):
+        for cfg, probe in ([] if a.triton_only else variants(n, k, m, a.xshared_only, a.tag_has, a.tags)):
             jobs.append((n, k, m, cfg, False, probe, lay))
             if not probe and not a.plain:
                 jobs.append((n, k, m, cfg, True, probe, lay))
     if not a.triton_only:
-        jobs += [(n, k, m, cfg, pdl, 0, lay, dt) for m, n, k, dt, cfg, pdl in check_cases(a.xshared_only)
+        jobs += [(n, k, m, cfg, pdl, 0, lay, dt) for m, n, k, dt, cfg, pdl in check_cases(a.xshared_only, a.tags)
                  for lay in a.layouts]
     compile_all(jobs, a.workers)
     if a.compile_only:
         return
 
-    rows = [] if a.triton_only else [r for lay in a.layouts for r in check(dev, lay, a.xshared_only)]
+    rows = [] if a.triton_only else [r for lay in a.layouts for r in check(dev, lay, a.xshared_only, a.tags)]
 
     from bench_kernels import Bench, random_int4, packed_bytes, rel_err
     import torch.nn.functional as F
@@ -329,7 +352,7 @@ def main() -> None:
                               lambda i, pk=pk: D.w4a16_matmul_packed(x, pk[i], out=outs[i], config=tcfg, pdl=True))
                     finally:
                         D.SPANS_PERMUTE_IN_KERNEL_MAX_M = limit
-            for cfg, probe in ([] if a.triton_only else variants(n, k, m, a.xshared_only, a.tag_has)):
+            for cfg, probe in ([] if a.triton_only else variants(n, k, m, a.xshared_only, a.tag_has, a.tags)):
                 for lay, pk in packs_of.items():
                     label = tag(cfg) + (f"-{lay}" if len(packs_of) > 1 else "")
                     if probe:

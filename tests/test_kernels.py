@@ -740,7 +740,8 @@ def test_moe_config_validation():
     "kwargs, match",
     [(dict(rows=64), "rows must be 16 or 32"), (dict(warps=3), "warps must be 1, 2, 4 or 8"),
      (dict(depth=5), "depth must be 1-4"), (dict(split=-1), "split must be >= 0"),
-     (dict(ring=3), "ring must be 2, 4 or 8")],
+     (dict(ring=3), "ring must be 2, 4 or 8"), (dict(step=3), "step must be 1, 2 or 4"),
+     (dict(ring=2, step=2), "ring >= 2 step")],
 )  # fmt: skip
 def test_decode_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -829,7 +830,9 @@ def test_probe_decode_tags_round_trip():
     from glmq.scripts import probe_decode as P
 
     for cfg in (DK.DecodeConfig(16, 4, 3, split=4, ring=4), DK.DecodeConfig(16, 8, 2, pdl_early=True, x_smem=True),
-                DK.DecodeConfig(32, 4, 2), DK.DecodeConfig(16, 4, 4, split=1, ring=8)):
+                DK.DecodeConfig(32, 4, 2), DK.DecodeConfig(16, 4, 4, split=1, ring=8),
+                DK.DecodeConfig(16, 4, 4, split=3, ring=8, step=2), DK.DecodeConfig(16, 4, 1, split=4, ring=8, w_smem=True),
+                DK.DecodeConfig(16, 4, 1, split=1, ring=8, step=2, w_smem=True)):
         assert P.parse_tag(P.tag(cfg)) == cfg, cfg
     with pytest.raises(ValueError, match="not a decode config tag"):
         P.parse_tag("R16W4")
@@ -844,7 +847,7 @@ def test_decode_kernel_compiles_for_sm90():
     # fragments are four 16-byte shared loads; on SPANS weights without x_smem they are four 16-byte global loads per
     # chunk and 8-token tile (one tile's worth at M = 1). The shared-x kernel (split >= 1) copies x into a ring in
     # shared memory (cp.async) and reads it there with ldmatrix (PAIRS) or 16-byte loads (SPANS), one barrier per
-    # chunk.
+    # `step` chunks; with w_smem the words take the same way (cp.async, then 16-byte shared loads).
     code = """
 import json, sys
 from glmq.kernels import w4a16_decode as DK
@@ -861,14 +864,22 @@ for cfg, chunks, tok, bf16, xb, pdl, sp in [(DK.DecodeConfig(16, 4, 2), 64, 8, T
                                             (DK.DecodeConfig(16, 8, 2, split=4), 96, 16, True, False, False, True),
                                             (DK.DecodeConfig(16, 8, 2, split=6), 96, 16, False, False, True, False),
                                             (DK.DecodeConfig(16, 4, 3, split=1), 16, 8, True, False, False, False),
-                                            (DK.DecodeConfig(32, 4, 2, split=4), 96, 8, True, False, False, False)]:
+                                            (DK.DecodeConfig(32, 4, 2, split=4), 96, 8, True, False, False, False),
+                                            (DK.DecodeConfig(16, 4, 3, split=4, step=2), 64, 16, True, False, False,
+                                             False),
+                                            (DK.DecodeConfig(16, 4, 2, split=2, ring=8, step=4), 24, 8, False, False,
+                                             False, True),
+                                            (DK.DecodeConfig(16, 4, 1, split=4, ring=8, w_smem=True), 96, 16, True,
+                                             False, False, False),
+                                            (DK.DecodeConfig(32, 4, 1, split=2, ring=4, step=2, w_smem=True), 64, 8,
+                                             False, False, True, True)]:
     try:
         r = DK.compile_sm90(cfg, chunks, tok, bf16, xb, pdl, sp)
     except RuntimeError as exc:
         print("SKIP", exc); sys.exit(0)
     r.pop("sass")
     out.append(dict(r, rows=cfg.rows, warps=cfg.warps, cpw=chunks // (cfg.split or cfg.warps), tok=tok,
-                    xs=cfg.x_smem and xb, sp=sp, xb=xb, split=cfg.split))
+                    xs=cfg.x_smem and xb, sp=sp, xb=xb, split=cfg.split, step=cfg.step, ws=cfg.w_smem))
 print(json.dumps(out))
 """
     import os
@@ -885,7 +896,9 @@ print(json.dumps(out))
         assert r["spills"] == 0 and r["local"] == 0 and r["registers"] <= 255, r
         assert "STL" not in r["ops"] and "LDL" not in r["ops"], r
         assert r["ops"].get("HMMA") == r["cpw"] * 8 * (r["rows"] // 16) * (r["tok"] // 8), r
-        assert r["ldg_words"] == r["cpw"] * r["rows"] // 8, r  # two 16-byte word loads per 16 rows and chunk
+        words = r["cpw"] * r["rows"] // 8  # two 16-byte word loads (or copies) per 16 rows and chunk
+        # the words into registers (evict-first), or with w_smem copied into shared memory and read back 16 bytes a time
+        assert r["ldg_words"] == (0 if r["ws"] else words), r
         # the scales: one 8- or 16-byte load per row and 4 or 8 chunks, never a 2-byte load per chunk
         groups = -(-r["cpw"] // (8 if r["rows"] == 16 else 4))
         scale_max = groups * r["rows"] // 8
@@ -893,10 +906,13 @@ print(json.dumps(out))
             0 if r["split"] or not (r["sp"] or r["xs"]) else r["cpw"] * 4 * (1 if r["xb"] else r["tok"] // 8)), r
         if r["split"]:  # the shared-x kernel: x copied into shared memory once (cp.async, no registers), then per
             # chunk and token tile four ldmatrix (PAIRS, natural order) or four 16-byte shared loads (SPANS)
-            assert r["ops"].get("LDGSTS", 0) > 0, r
+            copies = r["cpw"] * r["tok"] * 16 // (32 * r["warps"])  # x: 16-byte copies per thread
+            assert r["ops"].get("LDGSTS", 0) == copies + (words if r["ws"] else 0), r
             tiles = r["cpw"] * 4 * (r["tok"] // 8)
-            assert (r["lds128"], r["ldsm"]) == ((tiles, 0) if r["sp"] else (0, tiles)), r
-            assert r["loop_lds_narrow"] == 0 and r["loop_barriers"] <= r["cpw"], r  # one barrier per chunk, no more
+            assert (r["lds128"], r["ldsm"]) == ((tiles, 0) if r["sp"] else (0, tiles)) if not r["ws"] else (
+                (tiles + words, 0) if r["sp"] else (words, tiles)), r
+            # one barrier per `step` chunks, no more
+            assert r["loop_lds_narrow"] == 0 and r["loop_barriers"] <= -(-r["cpw"] // r["step"]), r
         elif r["xs"]:  # x staged in shared memory: four 16-byte shared loads per chunk, x's global loads 16-byte too
             assert r["lds128"] >= r["cpw"] * 4 and r["loop_lds_narrow"] == 0 and r["ldg32"] == 0, r
         elif r["sp"]:  # then x: four 16-byte loads per chunk and token tile (at M = 1 one tile)
@@ -947,7 +963,11 @@ def test_decode_kernel_gpu(m, n, k, cfg, dtype, layout):
 
 XSHARED_CFGS = [DK.DecodeConfig(16, 4, 2, split=1), DK.DecodeConfig(16, 8, 3, split=3),
                 DK.DecodeConfig(32, 4, 2, split=2), DK.DecodeConfig(32, 8, 1, split=4, ring=8),
-                DK.DecodeConfig(16, 4, 3, split=2, ring=2)]
+                DK.DecodeConfig(16, 4, 3, split=2, ring=2), DK.DecodeConfig(16, 4, 3, split=2, ring=4, step=2),
+                DK.DecodeConfig(16, 4, 2, split=4, ring=8, step=4),  # K = 3072: 6 chunks, the last step short
+                DK.DecodeConfig(16, 4, 4, split=3, ring=8, step=2),
+                DK.DecodeConfig(16, 4, 1, split=2, ring=8, w_smem=True),
+                DK.DecodeConfig(32, 4, 1, split=3, ring=4, step=2, w_smem=True)]
 
 
 @pytest.mark.gpu
