@@ -45,8 +45,12 @@ chunk and token tile; on SPANS weights the ring holds the layout's fragment orde
 shared loads (a PAIRS ring in fragment order needed 4-byte copies, whose L1 traffic made the kernel L1-bound
 at M = 16; kernels/NOTES.md, session 15). Every warp of a program
 then uses the same x, so x's traffic is 1 / W of `_decode_kernel`'s, paid for with the ring's barrier and the
-split-K fix-up. On the H200 with PAIRS weights it is the fastest kernel at M = 4 and 8 on all five GLM shapes
-(1.2-1.3x the Triton wgmma kernel on the large ones) and at M = 16 on two (kernels/NOTES.md, sessions 14-15).
+split-K fix-up. Two options (kernels/NOTES.md, session 16): `step` waits and synchronises once per 2 or 4 chunks
+instead of every chunk, and `w_smem` copies the words into shared memory with x (cp.async, read back by the thread
+that copied them) instead of prefetching them into registers: 92 instead of 144 registers at M = 16 and
+`ring - step` chunks in flight. On the H200 with PAIRS weights it is the fastest kernel at M = 4 and 8 on all five
+GLM shapes (1.2-1.3x the Triton wgmma kernel on the large ones) and at M = 16 on two (kernels/NOTES.md, sessions
+14-15).
 
 Where it is used (kernels/NOTES.md, sessions 11-14, for the measurements). On PAIRS weights on the H200 it
 wins at M = 1-4 on some shapes (the expert-sized ones most: no split-K fix-up; with x_smem at M = 1 on all

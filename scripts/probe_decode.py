@@ -57,6 +57,7 @@ XSHARED = {1: [(16, 4, 3, 4), (16, 8, 3, 4)],
            8: [(16, 4, 3, 4), (16, 4, 4, 4), (16, 8, 3, 4), (32, 4, 2, 4), (16, 4, 4, 8)],
            16: [(16, 4, 2, 4), (16, 4, 3, 4), (16, 4, 4, 4), (16, 8, 3, 4), (32, 4, 2, 4), (16, 4, 3, 8)]}
 XSHARED_PROGRAMS = (96, 800)  # programs per launch the K splits are chosen for (132 SMs, 1-6 programs each)
+XSHARED_PROGRAMS_NEAR = 396  # and the split nearest this many programs (3 on each of the H200's 132 SMs)
 GROUP = 128
 TUNE_M = (1, 2, 4)
 TUNE_CANDIDATES = [(16, 8, 2), (16, 8, 3), (16, 4, 2), (16, 4, 3), (32, 4, 2), (32, 4, 3), (32, 8, 2), (16, 2, 3)]
@@ -65,7 +66,9 @@ TUNE_X_SMEM = [(16, 8, 2), (16, 8, 3), (16, 4, 2), (16, 4, 3), (16, 4, 4), (32, 
 # the shared-x kernel at M >= 2: (rows, warps, depth, ring, step, w_smem); the last three, new in session 16, won in
 # its probes on 6144->24576 and the expert w2 shape at M = 16 and 12288->6144 at M = 4 (kernels/NOTES.md)
 TUNE_XSHARED = [(16, 4, 3, 4, 1, False), (32, 4, 2, 4, 1, False), (16, 4, 4, 8, 1, False),
-                (16, 4, 4, 8, 2, False), (16, 4, 1, 4, 1, True), (16, 4, 1, 8, 2, True)]
+                (16, 4, 4, 8, 2, False), (16, 4, 1, 4, 1, True), (16, 4, 1, 8, 2, True), (16, 8, 1, 4, 1, True)]
+TUNE_DIRECT_MAX_M = 8  # above it `_decode_kernel` (warps split K) is not a candidate: it lost by >= 1.35x on every
+# GLM shape at M = 16 (session 15's tune, kernels/tuned_decode.json)
 TUNE_MARGIN = 0.97  # the Gluon kernel only where it took <= 97 % of the Triton kernel's time
 
 
@@ -78,7 +81,8 @@ def tune_candidates(n: int, k: int, m: int):
         cands += [DecodeConfig(r, w, d, x_smem=True) for r, w, d in TUNE_X_SMEM]
     if m >= 8:
         cands += [DecodeConfig(r, w, d) for r, w, d in TUNE_WIDE]
-    cands = [c for c in cands if chunks % c.warps == 0 and chunks // c.warps >= max(c.depth, 2)]
+    cands = [c for c in cands if chunks % c.warps == 0 and chunks // c.warps >= max(c.depth, 2)
+             and m <= TUNE_DIRECT_MAX_M]
     if m >= 2:  # the shared-x kernel, with the K splits xshared_splits picks for the shape
         cands += [DecodeConfig(r, w, d, split=s, ring=g, step=st, w_smem=ws) for r, w, d, g, st, ws in TUNE_XSHARED
                   for s in xshared_splits(n, k, r, w)]
@@ -87,11 +91,14 @@ def tune_candidates(n: int, k: int, m: int):
 
 def xshared_splits(n: int, k: int, rows: int, warps: int) -> list[int]:
     """The K splits of the shared-x kernel worth timing for this shape: those whose launch has XSHARED_PROGRAMS
-    programs with at least 4 chunks each, at most three (the smallest, the largest and one between)."""
+    programs with at least 4 chunks each, at most four (the smallest, the largest, one between and the one nearest
+    XSHARED_PROGRAMS_NEAR programs)."""
     chunks, blocks = k // 128, -(-n // (rows * warps))
     ok = [s for s in range(1, chunks // 4 + 1) if chunks % s == 0
           and XSHARED_PROGRAMS[0] <= blocks * s <= XSHARED_PROGRAMS[1]]
-    return sorted({ok[0], ok[len(ok) // 2], ok[-1]}) if ok else []
+    if not ok:
+        return []
+    return sorted({ok[0], ok[len(ok) // 2], ok[-1], min(ok, key=lambda s: abs(blocks * s - XSHARED_PROGRAMS_NEAR))})
 
 
 def tag(c) -> str:

@@ -825,6 +825,19 @@ def test_shipped_decode_tables_are_valid(layout):
                     assert DK.supports(int(m), w, DK.DecodeConfig(**entry[slot])), (key, m, slot, entry[slot])
 
 
+def test_probe_decode_tune_candidates():
+    # the tuner's K splits for the shared-x kernel: smallest, middle, largest and the one nearest 3 programs per SM on
+    # an H200 (12288->6144 with 128 rows a program: 48 row blocks, split 8 = 384 programs); above M = 8 the kernel
+    # whose warps split K is not a candidate
+    from glmq.scripts import probe_decode as P
+
+    assert P.xshared_splits(6144, 12288, 16, 8) == [2, 6, 8, 16]  # 2-16 programs a block (96-800 in all)
+    assert P.xshared_splits(6144, 12288, 16, 4) == [1, 4, 8]  # 96 blocks: split 4 = 384 programs is also nearest
+    assert P.xshared_splits(256, 512, 16, 4) == []  # 4 chunks and 4 blocks: no launch of >= 96 programs
+    assert all(c.split for c in P.tune_candidates(6144, 12288, 16))
+    assert any(not c.split for c in P.tune_candidates(6144, 12288, 8))
+
+
 def test_probe_decode_tags_round_trip():
     # scripts/profile_kernels.py --decode names configs by probe_decode's tags: parse_tag must invert tag
     from glmq.scripts import probe_decode as P
@@ -872,7 +885,9 @@ for cfg, chunks, tok, bf16, xb, pdl, sp in [(DK.DecodeConfig(16, 4, 2), 64, 8, T
                                             (DK.DecodeConfig(16, 4, 1, split=4, ring=8, w_smem=True), 96, 16, True,
                                              False, False, False),
                                             (DK.DecodeConfig(32, 4, 1, split=2, ring=4, step=2, w_smem=True), 64, 8,
-                                             False, False, True, True)]:
+                                             False, False, True, True),
+                                            (DK.DecodeConfig(16, 8, 1, split=8, w_smem=True), 96, 16, True, False, True,
+                                             False)]:
     try:
         r = DK.compile_sm90(cfg, chunks, tok, bf16, xb, pdl, sp)
     except RuntimeError as exc:
@@ -967,7 +982,8 @@ XSHARED_CFGS = [DK.DecodeConfig(16, 4, 2, split=1), DK.DecodeConfig(16, 8, 3, sp
                 DK.DecodeConfig(16, 4, 2, split=4, ring=8, step=4),  # K = 3072: 6 chunks, the last step short
                 DK.DecodeConfig(16, 4, 4, split=3, ring=8, step=2),
                 DK.DecodeConfig(16, 4, 1, split=2, ring=8, w_smem=True),
-                DK.DecodeConfig(32, 4, 1, split=3, ring=4, step=2, w_smem=True)]
+                DK.DecodeConfig(32, 4, 1, split=3, ring=4, step=2, w_smem=True),
+                DK.DecodeConfig(16, 8, 1, split=3, ring=4, w_smem=True)]
 
 
 @pytest.mark.gpu
