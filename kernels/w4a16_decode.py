@@ -49,8 +49,8 @@ split-K fix-up. Two options (kernels/NOTES.md, session 16): `step` waits and syn
 instead of every chunk, and `w_smem` copies the words into shared memory with x (cp.async, read back by the thread
 that copied them) instead of prefetching them into registers: 92 instead of 144 registers at M = 16 and
 `ring - step` chunks in flight. On the H200 with PAIRS weights it is the fastest kernel at M = 4 and 8 on all five
-GLM shapes (1.2-1.3x the Triton wgmma kernel on the large ones) and at M = 16 on two (kernels/NOTES.md, sessions
-14-15).
+GLM shapes (1.2-1.3x the Triton wgmma kernel on the large ones) and at M = 16 on four (kernels/NOTES.md, sessions
+14-16).
 
 Where it is used (kernels/NOTES.md, sessions 11-14, for the measurements). On PAIRS weights on the H200 it
 wins at M = 1-4 on some shapes (the expert-sized ones most: no split-K fix-up; with x_smem at M = 1 on all
