@@ -116,9 +116,9 @@ class DecodeConfig:
             `split` programs (it must divide K / 128), and a program's x goes through shared memory once, shared by
             its warps (x_smem and pdl_early do not apply).
         ring: the shared-x kernel's x ring in chunks, 2, 4 or 8 (ring - step chunks of x in flight).
-        step: the shared-x kernel's chunks per ring barrier, 1, 2 or 4 (ring >= 2 step): a wait and a barrier
-            per `step` chunks, and the chunks between two barriers are
-            independent work the compiler can interleave (their MMA chains, loads and dequantization).
+        step: the shared-x kernel's chunks per ring barrier, 1, 2 or 4 (ring >= 2 step): a wait and a barrier per
+            `step` chunks; the chunks between two barriers are independent work the compiler can interleave (their
+            MMA chains, loads and dequantization).
         w_smem: the shared-x kernel's words go global -> shared memory by cp.async with x, in the same ring
             (ring - step chunks in flight, holding no registers), instead of into registers `depth` chunks ahead.
     """
@@ -593,16 +593,16 @@ if _GLUON:
     @gluon.jit
     def _xshared_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, stride_wc, stride_sn,
                         stride_om, CPP: gl.constexpr, W: gl.constexpr, R: gl.constexpr, TOK: gl.constexpr,
-                        D: gl.constexpr, XR: gl.constexpr, STEP: gl.constexpr, WS: gl.constexpr,
-                        BF16: gl.constexpr,
+                        D: gl.constexpr, XR: gl.constexpr, STEP: gl.constexpr, WS: gl.constexpr, BF16: gl.constexpr,
                         SP: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr):
         """grid = (cdiv(N, W R), split). Program (p, k): rows [W R p, W R (p + 1)), chunks [CPP k, CPP (k + 1));
         warp w: its R of those rows over all the program's chunks, so the W warps share one copy of x: each chunk's x
-        goes global -> shared memory by cp.async into a ring of XR slots (XR - STEP chunks ahead, one barrier per STEP
-        chunks) and is read as B fragments right before the chunk's MMAs: PAIRS weights (MMA k position = column) keep x in
-        natural order, copied in 16-byte runs and read by ldmatrix (`_xs_nat_frag`), SPANS weights in fragment order
-        (`_xs_frag`); the words stream into registers as in `_decode_kernel` (depth D), the scales G chunks at a
-        time (`_scale_group`).
+        goes global -> shared memory by cp.async into a ring of XR slots (XR - STEP chunks ahead, one barrier per
+        STEP chunks) and is read as B fragments right before the chunk's MMAs: PAIRS weights (MMA k position =
+        column) keep x in natural order, copied in 16-byte runs and read by ldmatrix (`_xs_nat_frag`), SPANS weights
+        in fragment order (`_xs_frag`); the words stream into registers as in `_decode_kernel` (depth D) or, with WS,
+        through a second ring beside x's (each thread reads back the 16-byte runs it copied itself), the scales G
+        chunks at a time (`_scale_group`).
 
         SPLIT (split > 1): each program stores its fp32 partial to `ws_ptr` ([split, M, N]) and takes a ticket
         (`cnt_ptr`, one per row block, zero on entry and on exit); the last to arrive sums the partials in split
@@ -643,7 +643,9 @@ if _GLUON:
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         r0, r1, r2, r3, r4, r5, r6, r7 = _ring(x_ptr, TOK, SP, XR, False, W, R)  # x's ring
-        q0, q1, q2, q3, q4, q5, q6, q7 = _ring(x_ptr, TOK, SP, XR if WS else 2, True, W, R)  # the words' (WS)
+        q0, q1, q2, q3, q4, q5, q6, q7 = r0, r1, r2, r3, r4, r5, r6, r7  # the words' ring (WS), else unused
+        if WS:
+            q0, q1, q2, q3, q4, q5, q6, q7 = _ring(x_ptr, TOK, SP, XR, True, W, R)
         if SP:
             xp, x_mask = _xs_spans_pointers(x_ptr, c0, M, stride_xm, TOK, W)
         else:
@@ -850,12 +852,11 @@ def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True
     and cuobjdump) and summarise it.
 
     For CI and for reading the code a config produces: returns {"registers", "spills" (stack bytes),
-    "local" (bytes), "ops" (SASS opcode -> count), "ldg128" (16-byte global loads), "ldg_words" (the words':
-    16-byte, evict-first), "ldg_u16" and "ldg32" (2- and 4-byte global loads), "lds128" (16-byte shared loads),
-    "ldsm" (ldmatrix),
-    "loop_barriers" and "loop_lds_narrow" (barriers and shared loads of < 16 bytes other than ldmatrix between
-    the first and the last MMA), "sass"}; TTGIR that needed a real layout conversion fails
-    to compile (`assert_trivial`). Raises RuntimeError when this Triton cannot (no Gluon, no cuobjdump).
+    "local" (bytes), "shared" (bytes of shared memory a program allocates), "ops" (SASS opcode -> count), "ldg128"
+    (16-byte global loads), "ldg_words" (the words': 16-byte, evict-first), "ldg_u16" and "ldg32" (2- and 4-byte
+    global loads), "lds128" (16-byte shared loads), "ldsm" (ldmatrix), "loop_barriers" and "loop_lds_narrow"
+    (barriers and shared loads of < 16 bytes other than ldmatrix between the first and the last MMA), "sass"}; TTGIR
+    that needed a real layout conversion fails to compile (`assert_trivial`). Raises RuntimeError when this Triton cannot (no Gluon, no cuobjdump).
     """
     import collections
     import os
@@ -903,7 +904,8 @@ def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True
         r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass, re.M))  # fmt: skip
     wide = len(re.findall(r"LDG\.E(?:\.[A-Z]+)*\.128", sass))
     body = sass[sass.find("HMMA"):sass.rfind("HMMA")]  # the unrolled main loop: first to last MMA
-    return {"registers": usage.get("REG"), "spills": usage.get("STACK"), "local": usage.get("LOCAL"), "ops": dict(ops),
+    return {"registers": usage.get("REG"), "spills": usage.get("STACK"), "local": usage.get("LOCAL"),
+            "shared": kernel.metadata.shared, "ops": dict(ops),
             "ldg128": wide, "ldg_words": len(re.findall(r"LDG\.E\.EF\.128", sass)),
             "ldg_u16": len(re.findall(r"LDG\.E\.U16", sass)),
             "ldg32": len(re.findall(r"LDG\.E(?:\.STRONG\.GPU)? ", sass)), "lds128": len(re.findall(r"LDS\.128", sass)),
