@@ -3,14 +3,16 @@ against the Triton kernel, cuBLAS fp16 and the bandwidth floors, in one run (tim
 CUDA-graph replay over weight copies rotated past L2, median of 15 replays).
 
     python scripts/probe_decode.py --out DIR [--only 8192] [--m 1 4 16] [--layouts pairs spans] [--workers 12]
+    python scripts/probe_decode.py --out DIR --m 4 16 --plain --tags R16W4D4S4G8 R16W4D1S4G4M R16W4D4S1G8B2
     python scripts/probe_decode.py --tune --out DIR [--write kernels/tuned_decode.json] [--layouts spans] [--m 1 2 4]
 
 Probe mode writes DIR/probe_decode.json and prints a table: launch variants of the Gluon kernel, its timing
 probes (parts left out), the Triton kernel (the config `choose_config` picks, forced) and cuBLAS fp16, on
 weights prepacked in each of `--layouts` (labels end in the layout when there are several; above M = 16 only
-the Triton kernel runs). Tune mode times, on weights in the first of `--layouts`, for each shape and M in
-`--m` (default TUNE_M), the Triton kernel (the config `choose_config` picks) and TUNE_CANDIDATES of the Gluon
-kernel, plain and as PDL chains, each twice in alternation (the lower median is kept, against drift), and writes the
+the Triton kernel runs); with `--tags` the Gluon variants are exactly the named configs (`tag` names), each first
+checked against the float64 reference. Tune mode times, on weights in the first of `--layouts`, for each shape and M in
+`--m` (default TUNE_M), the Triton kernel (the config `choose_config` picks) and the Gluon kernel's candidates
+(`tune_candidates`: TUNE_CANDIDATES and the shared-x TUNE_XSHARED at the K splits `xshared_splits` picks), plain and as PDL chains, each twice in alternation (the lower median is kept, against drift), and writes the
 launch table that `w4a16_decode.tuned_config` reads: the Gluon config where it was at least TUNE_MARGIN
 faster, null where the Triton kernel won. The kernels are compiled first in `--workers` processes (Triton's
 cache is shared), so the timing pass finds them compiled.
