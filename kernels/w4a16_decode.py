@@ -39,7 +39,7 @@ A second kernel here, the shared-x kernel (`_xshared_kernel`, `DecodeConfig.spli
 its W warps split the program's rows (R each, so a program has W R rows) instead of K, K is split over `split`
 programs (their fp32 partials summed by the last to arrive, in split order, as the Triton kernel's ticket does),
 and x goes global -> shared memory once per program through a ring of `ring` chunks filled by cp.async (one
-barrier per chunk), from which every warp reads its B fragments: on PAIRS weights (MMA k position = column) x
+barrier per `step` chunks), from which every warp reads its B fragments: on PAIRS weights (MMA k position = column) x
 stays in natural order, copied in whole 16-byte runs into a swizzled slot and read with four ldmatrix per
 chunk and token tile; on SPANS weights the ring holds the layout's fragment order, read with four 16-byte
 shared loads (a PAIRS ring in fragment order needed 4-byte copies, whose L1 traffic made the kernel L1-bound
@@ -67,8 +67,7 @@ Gluon kernels cannot run under TRITON_INTERPRET=1 (Triton has no Gluon interpret
 False there and off-GPU, and the Triton kernels run instead. CPU CI compiles this kernel for sm_90 with
 the installed Triton (tests/test_kernels.py: the trivial layout conversion, 16-byte word loads, HMMA, no
 local memory, no per-chunk scale loads; for the shared-x kernel cp.async, ldmatrix or 16-byte shared loads, one
-barrier per chunk); their numerics are
-tested on the GPU against the float reference.
+barrier per `step` chunks); their numerics are tested on the GPU against the float reference.
 """
 
 from __future__ import annotations
@@ -634,9 +633,6 @@ if _GLUON:
 
         if WS:  # the words go through a ring in shared memory with x (below), not through registers
             w0 = gl.zeros([W, R, 16], gl.int32, layout=w_l)
-            w1 = w0
-            w2 = w0
-            w3 = w0
         else:
             w0, w1, w2, w3 = _prefetch_w(wp, stride_wc, D, CPP)
         sg0, sg1 = _prefetch_scales(sp, CPP)
@@ -684,7 +680,8 @@ if _GLUON:
             a = gl.convert_layout(_dequant(w0, W, R, BF16), a_l, assert_trivial=True)
             s0 = _pick(sg0, i % G, s_like)
             acc = acc + mma_v2(a, xb, zero) * gl.expand_dims(s0.to(gl.float32), 2)
-            w0, w1, w2, w3 = _rotate(w0, w1, w2, w3, wn, D)
+            if not WS:
+                w0, w1, w2, w3 = _rotate(w0, w1, w2, w3, wn, D)
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
@@ -856,7 +853,8 @@ def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True
     (16-byte global loads), "ldg_words" (the words': 16-byte, evict-first), "ldg_u16" and "ldg32" (2- and 4-byte
     global loads), "lds128" (16-byte shared loads), "ldsm" (ldmatrix), "loop_barriers" and "loop_lds_narrow"
     (barriers and shared loads of < 16 bytes other than ldmatrix between the first and the last MMA), "sass"}; TTGIR
-    that needed a real layout conversion fails to compile (`assert_trivial`). Raises RuntimeError when this Triton cannot (no Gluon, no cuobjdump).
+    that needed a real layout conversion fails to compile (`assert_trivial`). Raises RuntimeError when this Triton
+    cannot (no Gluon, no cuobjdump).
     """
     import collections
     import os

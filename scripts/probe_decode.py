@@ -10,9 +10,10 @@ Probe mode writes DIR/probe_decode.json and prints a table: launch variants of t
 probes (parts left out), the Triton kernel (the config `choose_config` picks, forced) and cuBLAS fp16, on
 weights prepacked in each of `--layouts` (labels end in the layout when there are several; above M = 16 only
 the Triton kernel runs); with `--tags` the Gluon variants are exactly the named configs (`tag` names), each first
-checked against the float64 reference. Tune mode times, on weights in the first of `--layouts`, for each shape and M in
-`--m` (default TUNE_M), the Triton kernel (the config `choose_config` picks) and the Gluon kernel's candidates
-(`tune_candidates`: TUNE_CANDIDATES and the shared-x TUNE_XSHARED at the K splits `xshared_splits` picks), plain and as PDL chains, each twice in alternation (the lower median is kept, against drift), and writes the
+checked against the float64 reference. Tune mode times, on weights in the first of `--layouts`, for each shape and
+M in `--m` (default TUNE_M), the Triton kernel (the config `choose_config` picks) and the Gluon kernel's candidates
+(`tune_candidates`: TUNE_CANDIDATES and the shared-x TUNE_XSHARED at the K splits `xshared_splits` picks), plain
+and as PDL chains, each twice in alternation (the lower median is kept, against drift), and writes the
 launch table that `w4a16_decode.tuned_config` reads: the Gluon config where it was at least TUNE_MARGIN
 faster, null where the Triton kernel won. The kernels are compiled first in `--workers` processes (Triton's
 cache is shared), so the timing pass finds them compiled.
@@ -78,13 +79,14 @@ def tune_candidates(n: int, k: int, m: int):
     from glmq.kernels.w4a16_decode import DecodeConfig
 
     chunks = k // 128
-    cands = [DecodeConfig(r, w, d) for r, w, d in TUNE_CANDIDATES]
-    if m == 1:
-        cands += [DecodeConfig(r, w, d, x_smem=True) for r, w, d in TUNE_X_SMEM]
-    if m >= 8:
-        cands += [DecodeConfig(r, w, d) for r, w, d in TUNE_WIDE]
-    cands = [c for c in cands if chunks % c.warps == 0 and chunks // c.warps >= max(c.depth, 2)
-             and m <= TUNE_DIRECT_MAX_M]
+    cands = []
+    if m <= TUNE_DIRECT_MAX_M:  # `_decode_kernel`, its warps splitting K
+        cands = [DecodeConfig(r, w, d) for r, w, d in TUNE_CANDIDATES]
+        if m == 1:
+            cands += [DecodeConfig(r, w, d, x_smem=True) for r, w, d in TUNE_X_SMEM]
+        if m >= 8:
+            cands += [DecodeConfig(r, w, d) for r, w, d in TUNE_WIDE]
+        cands = [c for c in cands if chunks % c.warps == 0 and chunks // c.warps >= max(c.depth, 2)]
     if m >= 2:  # the shared-x kernel, with the K splits xshared_splits picks for the shape
         cands += [DecodeConfig(r, w, d, split=s, ring=g, step=st, w_smem=ws) for r, w, d, g, st, ws in TUNE_XSHARED
                   for s in xshared_splits(n, k, r, w)]
@@ -112,7 +114,7 @@ def tag(c) -> str:
 
 
 def parse_tag(text: str):
-    """`tag`'s inverse: `R16W4D3[X][E][S4G4]` -> a DecodeConfig."""
+    """`tag`'s inverse: `R16W4D3[X][E][S4G4][B2][M]` -> a DecodeConfig."""
     import re
 
     from glmq.kernels.w4a16_decode import DecodeConfig

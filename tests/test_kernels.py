@@ -844,7 +844,8 @@ def test_probe_decode_tags_round_trip():
 
     for cfg in (DK.DecodeConfig(16, 4, 3, split=4, ring=4), DK.DecodeConfig(16, 8, 2, pdl_early=True, x_smem=True),
                 DK.DecodeConfig(32, 4, 2), DK.DecodeConfig(16, 4, 4, split=1, ring=8),
-                DK.DecodeConfig(16, 4, 4, split=3, ring=8, step=2), DK.DecodeConfig(16, 4, 1, split=4, ring=8, w_smem=True),
+                DK.DecodeConfig(16, 4, 4, split=3, ring=8, step=2),
+                DK.DecodeConfig(16, 4, 1, split=4, ring=8, w_smem=True),
                 DK.DecodeConfig(16, 4, 1, split=1, ring=8, step=2, w_smem=True)):
         assert P.parse_tag(P.tag(cfg)) == cfg, cfg
     with pytest.raises(ValueError, match="not a decode config tag"):
@@ -912,7 +913,8 @@ print(json.dumps(out))
         assert "STL" not in r["ops"] and "LDL" not in r["ops"], r
         assert r["ops"].get("HMMA") == r["cpw"] * 8 * (r["rows"] // 16) * (r["tok"] // 8), r
         words = r["cpw"] * r["rows"] // 8  # two 16-byte word loads (or copies) per 16 rows and chunk
-        # the words into registers (evict-first), or with w_smem copied into shared memory and read back 16 bytes a time
+        # the words into registers (evict-first), or with w_smem copied into shared memory and read back 16 bytes at
+        # a time
         assert r["ldg_words"] == (0 if r["ws"] else words), r
         # the scales: one 8- or 16-byte load per row and 4 or 8 chunks, never a 2-byte load per chunk
         groups = -(-r["cpw"] // (8 if r["rows"] == 16 else 4))
@@ -924,8 +926,8 @@ print(json.dumps(out))
             copies = r["cpw"] * r["tok"] * 16 // (32 * r["warps"])  # x: 16-byte copies per thread
             assert r["ops"].get("LDGSTS", 0) == copies + (words if r["ws"] else 0), r
             tiles = r["cpw"] * 4 * (r["tok"] // 8)
-            assert (r["lds128"], r["ldsm"]) == ((tiles, 0) if r["sp"] else (0, tiles)) if not r["ws"] else (
-                (tiles + words, 0) if r["sp"] else (words, tiles)), r
+            x_lds128, x_ldsm = (tiles, 0) if r["sp"] else (0, tiles)
+            assert (r["lds128"], r["ldsm"]) == (x_lds128 + (words if r["ws"] else 0), x_ldsm), r
             # one barrier per `step` chunks, no more
             assert r["loop_lds_narrow"] == 0 and r["loop_barriers"] <= -(-r["cpw"] // r["step"]), r
         elif r["xs"]:  # x staged in shared memory: four 16-byte shared loads per chunk, x's global loads 16-byte too
