@@ -85,6 +85,7 @@ try:  # Gluon ships with Triton >= 3.4 as triton.experimental.gluon; its API is 
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
     _GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
@@ -120,6 +121,10 @@ class DecodeConfig:
             MMA chains, loads and dequantization).
         w_smem: the shared-x kernel's words go global -> shared memory by cp.async with x, in the same ring
             (ring - step chunks in flight, holding no registers), instead of into registers `depth` chunks ahead.
+        wgmma: the shared-x kernel's MMAs as Hopper warpgroup MMAs (sm_90 only, PAIRS weights, 16 rows a warp, 4 or
+            8 warps): each warpgroup's 64 rows x TOK tokens per chunk as one asynchronous chain of 8
+            `wgmma.m64nTOKk16`, the dequantized words (A) from registers and x (B) read by the tensor cores straight
+            from the ring slot, instead of per warp 8-16 `mma.sync` on x fragments loaded by ldmatrix.
     """
 
     rows: int = 16
@@ -131,6 +136,7 @@ class DecodeConfig:
     ring: int = 4
     step: int = 1
     w_smem: bool = False
+    wgmma: bool = False
 
     def __post_init__(self) -> None:
         if self.rows not in (16, 32):
@@ -146,6 +152,9 @@ class DecodeConfig:
         if self.step not in (1, 2, 4) or self.ring < 2 * self.step:
             raise ValueError(f"DecodeConfig.step must be 1, 2 or 4 with ring >= 2 step, got step {self.step}, "
                              f"ring {self.ring}")
+        if self.wgmma and not (self.split and self.rows == 16 and self.warps in (4, 8)):
+            raise ValueError(f"DecodeConfig.wgmma takes the shared-x kernel (split >= 1) with 16 rows a warp and 4 or "
+                             f"8 warps (whole warpgroups), got {self}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -450,12 +459,12 @@ if _GLUON:
 
     @gluon.jit
     def _ring(x_ptr, TOK: gl.constexpr, SP: gl.constexpr, XR: gl.constexpr, WORDS: gl.constexpr, W: gl.constexpr,
-              R: gl.constexpr):
+              R: gl.constexpr, WG: gl.constexpr):
         """The XR slots of a ring (`_ring_slot` picks one; slots past XR repeat slot 0): x's chunks, or with WORDS the
         words' ([W, R, 16] int32). One allocation per slot, so that Triton's barrier analysis sees that a copy into
         one slot and the reads of another do not overlap (one buffer of XR slots drew a second barrier per chunk)."""
-        r0 = _ring_buffer(x_ptr, TOK, SP, WORDS, W, R)
-        r1 = _ring_buffer(x_ptr, TOK, SP, WORDS, W, R)
+        r0 = _ring_buffer(x_ptr, TOK, SP, WORDS, W, R, WG)
+        r1 = _ring_buffer(x_ptr, TOK, SP, WORDS, W, R, WG)
         r2 = r0
         r3 = r0
         r4 = r0
@@ -463,20 +472,23 @@ if _GLUON:
         r6 = r0
         r7 = r0
         if XR > 2:
-            r2 = _ring_buffer(x_ptr, TOK, SP, WORDS, W, R)
-            r3 = _ring_buffer(x_ptr, TOK, SP, WORDS, W, R)
+            r2 = _ring_buffer(x_ptr, TOK, SP, WORDS, W, R, WG)
+            r3 = _ring_buffer(x_ptr, TOK, SP, WORDS, W, R, WG)
         if XR > 4:
-            r4 = _ring_buffer(x_ptr, TOK, SP, WORDS, W, R)
-            r5 = _ring_buffer(x_ptr, TOK, SP, WORDS, W, R)
-            r6 = _ring_buffer(x_ptr, TOK, SP, WORDS, W, R)
-            r7 = _ring_buffer(x_ptr, TOK, SP, WORDS, W, R)
+            r4 = _ring_buffer(x_ptr, TOK, SP, WORDS, W, R, WG)
+            r5 = _ring_buffer(x_ptr, TOK, SP, WORDS, W, R, WG)
+            r6 = _ring_buffer(x_ptr, TOK, SP, WORDS, W, R, WG)
+            r7 = _ring_buffer(x_ptr, TOK, SP, WORDS, W, R, WG)
         return r0, r1, r2, r3, r4, r5, r6, r7
 
     @gluon.jit
     def _ring_buffer(x_ptr, TOK: gl.constexpr, SP: gl.constexpr, WORDS: gl.constexpr, W: gl.constexpr,
-                     R: gl.constexpr):
+                     R: gl.constexpr, WG: gl.constexpr):
         if WORDS:  # a chunk's words, row-major: thread (g, c)'s 16 bytes of a row are where it copied them from
             return gl.allocate_shared_memory(gl.int32, [W, R, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+        elif WG:  # natural order in the swizzle wgmma reads its B operand in (K-major, 128-byte swizzle)
+            return gl.allocate_shared_memory(x_ptr.dtype.element_ty, [TOK, 128],
+                                             gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
         elif SP:
             return gl.allocate_shared_memory(x_ptr.dtype.element_ty, [4, TOK, 4, 8],
                                              gl.SwizzledSharedLayout(1, 1, 1, order=[3, 2, 1, 0]))
@@ -590,10 +602,22 @@ if _GLUON:
         return s_ptr + k0 + gl.expand_dims(off, 2) + gl.expand_dims(gl.expand_dims(js, 0), 1)
 
     @gluon.jit
+    def _wg_retire(tk, a, a_next, n: gl.constexpr, s, mma: gl.constexpr, acc):
+        """acc + a chunk's warpgroup MMA result (`tk`, waited for until at most n are in flight; `a`, its A operand in
+        registers, kept alive until then) times the chunk's scales `s` [W, R], and `a_next` (the next chunk's A
+        operand, passed through the wait so that it is computed before it, while the MMA runs); the reshape of the
+        m64 result into the mma.sync accumulator's [W, R, TOK] layout is register renaming (checked)."""
+        part, a, a_next = warpgroup_mma_wait(n, deps=[tk, a, a_next])
+        W: gl.constexpr = s.shape[0]
+        R: gl.constexpr = s.shape[1]
+        part = gl.convert_layout(gl.reshape(part, [W, R, part.shape[1]]), mma, assert_trivial=True)
+        return acc + part * gl.expand_dims(s.to(gl.float32), 2), a_next
+
+    @gluon.jit
     def _xshared_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, stride_wc, stride_sn,
                         stride_om, CPP: gl.constexpr, W: gl.constexpr, R: gl.constexpr, TOK: gl.constexpr,
-                        D: gl.constexpr, XR: gl.constexpr, STEP: gl.constexpr, WS: gl.constexpr, BF16: gl.constexpr,
-                        SP: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr):
+                        D: gl.constexpr, XR: gl.constexpr, STEP: gl.constexpr, WS: gl.constexpr, WG: gl.constexpr,
+                        BF16: gl.constexpr, SP: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr):
         """grid = (cdiv(N, W R), split). Program (p, k): rows [W R p, W R (p + 1)), chunks [CPP k, CPP (k + 1));
         warp w: its R of those rows over all the program's chunks, so the W warps share one copy of x: each chunk's x
         goes global -> shared memory by cp.async into a ring of XR slots (XR - STEP chunks ahead, one barrier per
@@ -618,6 +642,10 @@ if _GLUON:
         ld_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4, 1, 1, 8], threads_per_warp=[1, 1, 8, 4, 1],
                                               warps_per_cta=[W, 1, 1, 1, 1], order=[4, 3, 2, 1, 0])
         s_l: gl.constexpr = gl.SliceLayout(2, mma)
+        # WG: the warpgroup MMA's layouts; warp w's 16 rows of an m64 tile are the rows its mma.sync fragments hold
+        wg_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
+                                                         instr_shape=[16, TOK, 16])
+        wg_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=wg_mma, k_width=2)
 
         wi = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_l)))
         ri = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_l)))
@@ -638,10 +666,10 @@ if _GLUON:
         sg0, sg1 = _prefetch_scales(sp, CPP)
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        r0, r1, r2, r3, r4, r5, r6, r7 = _ring(x_ptr, TOK, SP, XR, False, W, R)  # x's ring
+        r0, r1, r2, r3, r4, r5, r6, r7 = _ring(x_ptr, TOK, SP, XR, False, W, R, WG)  # x's ring
         q0, q1, q2, q3, q4, q5, q6, q7 = r0, r1, r2, r3, r4, r5, r6, r7  # the words' ring (WS), else unused
         if WS:
-            q0, q1, q2, q3, q4, q5, q6, q7 = _ring(x_ptr, TOK, SP, XR, True, W, R)
+            q0, q1, q2, q3, q4, q5, q6, q7 = _ring(x_ptr, TOK, SP, XR, True, W, R, WG)
         if SP:
             xp, x_mask = _xs_spans_pointers(x_ptr, c0, M, stride_xm, TOK, W)
         else:
@@ -652,36 +680,86 @@ if _GLUON:
                 if WS:
                     _cp_async(_ring_slot(q0, q1, q2, q3, q4, q5, q6, q7, j), wp + j * stride_wc)
                 async_copy.commit_group()
+        tk = acc  # WG: the previous chunk's warpgroup MMA (its token), its A operand and scales, once issued
+        a_prev = acc
+        s_prev = s_like
         for i in gl.static_range(CPP):  # unrolled: chunk i + D is requested before chunk i is computed
             wn = w0
             if i + D < CPP and not WS:
                 wn = _load_w(wp + (i + D) * stride_wc)
             sg0, sg1 = _advance_scales(sg0, sg1, sp, i, CPP)
-            if i % STEP == 0:
-                # chunks i .. i + STEP - 1 have landed (this thread's copies: wait, for all but the groups requested
-                # after them; everyone's: the barrier, which also tells that every warp is done with the slots of
-                # chunks i - STEP .. i - 1, where chunks i + XR - STEP .. i + XR - 1 go now)
-                async_copy.wait_group(max(0, min(i + XR - STEP - 1, CPP - 1) - (i + STEP - 1)))
-                _barrier()
-                for j in gl.static_range(XR - STEP, XR):
-                    if i + j < CPP:
-                        _cp_async(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, (i + j) % XR), xp + (i + j) * 128,
-                                  mask=x_mask)
-                        if WS:
+            if WG and WS:  # the ring as below, the words from it; each chunk's MMA retired right after it is issued
+                s0 = _pick(sg0, i % G, s_like)
+                if i % STEP == 0:
+                    async_copy.wait_group(max(0, min(i + XR - STEP - 1, CPP - 1) - (i + STEP - 1)))
+                    fence_async_shared()  # this thread's copies, complete, made visible to the async proxy's reads
+                    _barrier()
+                    for j in gl.static_range(XR - STEP, XR):
+                        if i + j < CPP:
+                            _cp_async(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, (i + j) % XR), xp + (i + j) * 128,
+                                      mask=x_mask)
                             _cp_async(_ring_slot(q0, q1, q2, q3, q4, q5, q6, q7, (i + j) % XR),
                                       wp + (i + j) * stride_wc)
-                        async_copy.commit_group()
-            if WS:  # this thread's own copies of chunk i's words, complete after the wait above
+                            async_copy.commit_group()
                 w0 = _ring_slot(q0, q1, q2, q3, q4, q5, q6, q7, i % XR).load(w_l)
-            if SP:
-                xb = _xs_frag(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i % XR), ld_l, b_like)
+                a = gl.convert_layout(gl.reshape(_dequant(w0, W, R, BF16), [W * R, 128]), wg_a, assert_trivial=True)
+                xs = _ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i % XR).permute((1, 0))  # [128, TOK], K-major
+                tk = warpgroup_mma(a, xs, gl.zeros([W * R, TOK], gl.float32, layout=wg_mma), use_acc=False,
+                                   is_async=True)
+                acc, a = _wg_retire(tk, a, a, 0, s0, mma, acc)
+            elif WG:
+                # chunk i's A operand is dequantized while chunk i - 1's warpgroup MMA runs; that MMA is retired
+                # (waited for, scaled into acc) before the ring's wait and barrier when they free its x slot, else
+                # right after chunk i's MMA is issued
+                s0 = _pick(sg0, i % G, s_like)
+                a = gl.convert_layout(gl.reshape(_dequant(w0, W, R, BF16), [W * R, 128]), wg_a, assert_trivial=True)
+                if i % STEP == 0:
+                    if i > 0:
+                        acc, a = _wg_retire(tk, a_prev, a, 0, s_prev, mma, acc)
+                    async_copy.wait_group(max(0, min(i + XR - STEP - 1, CPP - 1) - (i + STEP - 1)))
+                    fence_async_shared()  # this thread's copies, complete, made visible to the async proxy's reads
+                    _barrier()
+                    for j in gl.static_range(XR - STEP, XR):
+                        if i + j < CPP:
+                            _cp_async(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, (i + j) % XR), xp + (i + j) * 128,
+                                      mask=x_mask)
+                            async_copy.commit_group()
+                xs = _ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i % XR).permute((1, 0))  # [128, TOK], K-major
+                tk_i = warpgroup_mma(a, xs, gl.zeros([W * R, TOK], gl.float32, layout=wg_mma), use_acc=False,
+                                     is_async=True)
+                if i % STEP != 0:
+                    acc, a = _wg_retire(tk, a_prev, a, 1, s_prev, mma, acc)
+                tk = tk_i
+                a_prev = a
+                s_prev = s0
             else:
-                xb = _xs_nat_frag(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i % XR), b_like)
-            a = gl.convert_layout(_dequant(w0, W, R, BF16), a_l, assert_trivial=True)
-            s0 = _pick(sg0, i % G, s_like)
-            acc = acc + mma_v2(a, xb, zero) * gl.expand_dims(s0.to(gl.float32), 2)
+                if i % STEP == 0:
+                    # chunks i .. i + STEP - 1 have landed (this thread's copies: wait, for all but the groups
+                    # requested after them; everyone's: the barrier, which also tells that every warp is done with
+                    # the slots of chunks i - STEP .. i - 1, where chunks i + XR - STEP .. i + XR - 1 go now)
+                    async_copy.wait_group(max(0, min(i + XR - STEP - 1, CPP - 1) - (i + STEP - 1)))
+                    _barrier()
+                    for j in gl.static_range(XR - STEP, XR):
+                        if i + j < CPP:
+                            _cp_async(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, (i + j) % XR), xp + (i + j) * 128,
+                                      mask=x_mask)
+                            if WS:
+                                _cp_async(_ring_slot(q0, q1, q2, q3, q4, q5, q6, q7, (i + j) % XR),
+                                          wp + (i + j) * stride_wc)
+                            async_copy.commit_group()
+                if WS:  # this thread's own copies of chunk i's words, complete after the wait above
+                    w0 = _ring_slot(q0, q1, q2, q3, q4, q5, q6, q7, i % XR).load(w_l)
+                if SP:
+                    xb = _xs_frag(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i % XR), ld_l, b_like)
+                else:
+                    xb = _xs_nat_frag(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i % XR), b_like)
+                a = gl.convert_layout(_dequant(w0, W, R, BF16), a_l, assert_trivial=True)
+                s0 = _pick(sg0, i % G, s_like)
+                acc = acc + mma_v2(a, xb, zero) * gl.expand_dims(s0.to(gl.float32), 2)
             if not WS:
                 w0, w1, w2, w3 = _rotate(w0, w1, w2, w3, wn, D)
+        if WG and not WS:  # the last chunk's MMA
+            acc, a = _wg_retire(tk, a_prev, a, 0, s_prev, mma, acc)
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
@@ -730,8 +808,8 @@ def supports(m: int, w: PackedW4, cfg: DecodeConfig | None = None) -> bool:
     X_SMEM_MAX_BYTES."""
     if not (1 <= m <= MAX_M) or w.lead or not w.layout.mma or not w.chunk_major or w.chunk != MMA_CHUNK:
         return False
-    if cfg is not None and cfg.split:
-        return (w.k // MMA_CHUNK) % cfg.split == 0
+    if cfg is not None and cfg.split:  # wgmma reads x from the ring as it lies: natural order, PAIRS weights only
+        return (w.k // MMA_CHUNK) % cfg.split == 0 and not (cfg.wgmma and w.layout is not Layout.PAIRS)
     if cfg is not None and cfg.x_smem and m == 1 and x_smem_bytes(w.k, cfg.warps) > X_SMEM_MAX_BYTES:
         return False
     return (w.k // MMA_CHUNK) % (cfg.warps if cfg is not None else 1) == 0
@@ -800,6 +878,9 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
                          f"{cfg.warps} warps dividing K / {MMA_CHUNK}, and with x_smem at M = 1 at most "
                          f"{X_SMEM_MAX_BYTES >> 10} KB of staged x (`x_smem_bytes`); got M = {m}, weight "
                          f"{[*w.lead, w.n, w.k]} ({w.layout.value}, chunk_major={w.chunk_major}), {cfg}")
+    if cfg.wgmma and _cuda_info(x.device)[2] != (9, 0):
+        raise ValueError(f"DecodeConfig.wgmma needs an sm_90 GPU (Hopper's warpgroup MMA), got {cfg} on "
+                         f"{torch.cuda.get_device_name(x.device)}")
     n = w.n
     if n == 0:
         return out  # nothing to launch (a grid of zero programs is an error)
@@ -824,7 +905,7 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
 def _xshared_args(m: int, chunks: int, cfg: DecodeConfig, bf16: bool, spans: bool, pdl: bool) -> dict:
     cpp = chunks // cfg.split
     return dict(CPP=cpp, W=cfg.warps, R=cfg.rows, TOK=8 if m <= 8 else 16, D=min(cfg.depth, cpp), XR=cfg.ring,
-                STEP=cfg.step, WS=cfg.w_smem, BF16=bf16, SP=spans, SPLIT=cfg.split > 1, PDL=pdl)
+                STEP=cfg.step, WS=cfg.w_smem, WG=cfg.wgmma, BF16=bf16, SP=spans, SPLIT=cfg.split > 1, PDL=pdl)
 
 
 def _launch_xshared(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeConfig, pdl: bool, stride_wc: int,
@@ -901,7 +982,8 @@ def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True
     ops = collections.Counter(m.split(".")[0] for m in re.findall(
         r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass, re.M))  # fmt: skip
     wide = len(re.findall(r"LDG\.E(?:\.[A-Z]+)*\.128", sass))
-    body = sass[sass.find("HMMA"):sass.rfind("HMMA")]  # the unrolled main loop: first to last MMA
+    mma_op = "HMMA" if "HMMA" in sass else "HGMMA"
+    body = sass[sass.find(mma_op):sass.rfind(mma_op)]  # the unrolled main loop: first to last MMA
     return {"registers": usage.get("REG"), "spills": usage.get("STACK"), "local": usage.get("LOCAL"),
             "shared": kernel.metadata.shared, "ops": dict(ops),
             "ldg128": wide, "ldg_words": len(re.findall(r"LDG\.E\.EF\.128", sass)),

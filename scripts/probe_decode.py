@@ -66,16 +66,21 @@ TUNE_M = (1, 2, 4)
 TUNE_CANDIDATES = [(16, 8, 2), (16, 8, 3), (16, 4, 2), (16, 4, 3), (32, 4, 2), (32, 4, 3), (32, 8, 2), (16, 2, 3)]
 TUNE_WIDE = [(32, 4, 1), (32, 8, 1)]  # also at M >= 8 (two m16 tiles share each x fragment)
 TUNE_X_SMEM = [(16, 8, 2), (16, 8, 3), (16, 4, 2), (16, 4, 3), (16, 4, 4), (32, 8, 2)]  # also with x_smem at M = 1
-# the shared-x kernel at M >= 2: (rows, warps, depth, ring, step, w_smem); the last three, new in session 16, won in
-# its probes on 6144->24576 and the expert w2 shape at M = 16 and 12288->6144 at M = 4 (kernels/NOTES.md)
-TUNE_XSHARED = [(16, 4, 3, 4, 1, False), (32, 4, 2, 4, 1, False), (16, 4, 4, 8, 1, False),
-                (16, 4, 4, 8, 2, False), (16, 4, 1, 4, 1, True), (16, 4, 1, 8, 2, True), (16, 8, 1, 4, 1, True)]
+# the shared-x kernel at M >= 2: (rows, warps, depth, ring, step, w_smem, wgmma); the w_smem ones (session 16) won in
+# its probes on 6144->24576 and the expert w2 shape at M = 16 and 12288->6144 at M = 4, the wgmma ones (session 17,
+# M = 16 only) on 12288->6144 (kernels/NOTES.md)
+TUNE_XSHARED = [(16, 4, 3, 4, 1, False, False), (32, 4, 2, 4, 1, False, False), (16, 4, 4, 8, 1, False, False),
+                (16, 4, 4, 8, 2, False, False), (16, 4, 1, 4, 1, True, False), (16, 4, 1, 8, 2, True, False),
+                (16, 8, 1, 4, 1, True, False)]
+TUNE_XSHARED_WG = [(16, 4, 3, 4, 1, False, True), (16, 4, 2, 4, 1, False, True), (16, 4, 2, 2, 1, False, True),
+                   (16, 4, 1, 4, 1, True, True), (16, 4, 1, 2, 1, True, True)]
+TUNE_WG_MIN_M = 9  # wgmma candidates only at 16 tokens (at M = 4 the session-17 probe had them 4-40 % behind)
 TUNE_DIRECT_MAX_M = 8  # above it `_decode_kernel` (warps split K) is not a candidate: it lost by >= 1.35x on every
 # GLM shape at M = 16 (session 15's tune, kernels/tuned_decode.json)
 TUNE_MARGIN = 0.97  # the Gluon kernel only where it took <= 97 % of the Triton kernel's time
 
 
-def tune_candidates(n: int, k: int, m: int):
+def tune_candidates(n: int, k: int, m: int, layout: str = "pairs"):
     from glmq.kernels.w4a16_decode import DecodeConfig
 
     chunks = k // 128
@@ -88,7 +93,9 @@ def tune_candidates(n: int, k: int, m: int):
             cands += [DecodeConfig(r, w, d) for r, w, d in TUNE_WIDE]
         cands = [c for c in cands if chunks % c.warps == 0 and chunks // c.warps >= max(c.depth, 2)]
     if m >= 2:  # the shared-x kernel, with the K splits xshared_splits picks for the shape
-        cands += [DecodeConfig(r, w, d, split=s, ring=g, step=st, w_smem=ws) for r, w, d, g, st, ws in TUNE_XSHARED
+        cands += [DecodeConfig(r, w, d, split=s, ring=g, step=st, w_smem=ws, wgmma=wg)
+                  for r, w, d, g, st, ws, wg in TUNE_XSHARED + (TUNE_XSHARED_WG if m >= TUNE_WG_MIN_M and
+                                                                layout == "pairs" else [])  # wgmma: PAIRS only
                   for s in xshared_splits(n, k, r, w)]
     return cands
 
@@ -107,25 +114,25 @@ def xshared_splits(n: int, k: int, rows: int, warps: int) -> list[int]:
 
 def tag(c) -> str:
     """R{rows}W{warps}D{depth}, X with x_smem, E with pdl_early, S{split}G{ring} for the shared-x kernel, then
-    B{step} where step > 1 and M with w_smem."""
+    B{step} where step > 1, M with w_smem and H with wgmma."""
     return (f"R{c.rows}W{c.warps}D{c.depth}{'X' if c.x_smem else ''}{'E' if c.pdl_early else ''}"
             f"{f'S{c.split}G{c.ring}' if c.split else ''}{f'B{c.step}' if c.step > 1 else ''}"
-            f"{'M' if c.w_smem else ''}")
+            f"{'M' if c.w_smem else ''}{'H' if c.wgmma else ''}")
 
 
 def parse_tag(text: str):
-    """`tag`'s inverse: `R16W4D3[X][E][S4G4][B2][M]` -> a DecodeConfig."""
+    """`tag`'s inverse: `R16W4D3[X][E][S4G4][B2][M][H]` -> a DecodeConfig."""
     import re
 
     from glmq.kernels.w4a16_decode import DecodeConfig
 
-    m = re.fullmatch(r"R(\d+)W(\d+)D(\d+)(X?)(E?)(?:S(\d+)G(\d+))?(?:B(\d+))?(M?)", text)
+    m = re.fullmatch(r"R(\d+)W(\d+)D(\d+)(X?)(E?)(?:S(\d+)G(\d+))?(?:B(\d+))?(M?)(H?)", text)
     if not m:
         raise ValueError(f"not a decode config tag: {text!r} "
-                         "(R<rows>W<warps>D<depth>[X][E][S<split>G<ring>][B<step>][M])")
-    r, w, d, xs, early, split, ring, step, ws = m.groups()
+                         "(R<rows>W<warps>D<depth>[X][E][S<split>G<ring>][B<step>][M][H])")
+    r, w, d, xs, early, split, ring, step, ws, wg = m.groups()
     return DecodeConfig(int(r), int(w), int(d), pdl_early=bool(early), x_smem=bool(xs), split=int(split or 0),
-                        ring=int(ring or 4), step=int(step or 1), w_smem=bool(ws))
+                        ring=int(ring or 4), step=int(step or 1), w_smem=bool(ws), wgmma=bool(wg))
 
 
 def variants(n: int, k: int, m: int, xshared_only: bool = False, tag_has: str = "", tags: tuple = ()):
@@ -411,7 +418,7 @@ def tune(shapes: dict, dev, a, out_dir: Path) -> None:
 
     layout, tune_m = a.layouts[0], a.m or TUNE_M
     jobs = [(n, k, m, dataclasses.replace(c, pdl_early=early), pdl, 0, layout) for (n, k) in shapes.values()
-            for m in tune_m for c in tune_candidates(n, k, m)
+            for m in tune_m for c in tune_candidates(n, k, m, layout)
             for pdl, early in ((False, False), (True, False), (True, True)) if not (early and c.split)]
     compile_all(jobs, a.workers)
     b = Bench(dev, a.budget_s, smoke=False)
@@ -437,7 +444,7 @@ def tune(shapes: dict, dev, a, out_dir: Path) -> None:
             ref = x.float() @ w32.T
             outs = [torch.empty(m, n, dtype=x.dtype, device=dev) for _ in packs]
             tcfg = D.choose_config(m, n, k, GROUP, D.sm_count(dev), name, D.Layout.PAIRS)
-            cands = [("triton", tcfg)] + [(tag(c), c) for c in tune_candidates(n, k, m)]
+            cands = [("triton", tcfg)] + [(tag(c), c) for c in tune_candidates(n, k, m, layout)]
             cands += [(label + "E", dataclasses.replace(c, pdl_early=True)) for label, c in cands[1:] if not c.split]
             times = {}
             for _ in range(2):

@@ -741,7 +741,8 @@ def test_moe_config_validation():
     [(dict(rows=64), "rows must be 16 or 32"), (dict(warps=3), "warps must be 1, 2, 4 or 8"),
      (dict(depth=5), "depth must be 1-4"), (dict(split=-1), "split must be >= 0"),
      (dict(ring=3), "ring must be 2, 4 or 8"), (dict(step=3), "step must be 1, 2 or 4"),
-     (dict(ring=2, step=2), "ring >= 2 step")],
+     (dict(ring=2, step=2), "ring >= 2 step"), (dict(wgmma=True), "wgmma takes the shared-x kernel"),
+     (dict(split=2, rows=32, wgmma=True), "wgmma takes"), (dict(split=2, warps=2, wgmma=True), "wgmma takes")],
 )  # fmt: skip
 def test_decode_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -836,6 +837,9 @@ def test_probe_decode_tune_candidates():
     assert P.xshared_splits(256, 512, 16, 4) == []  # 4 chunks and 4 blocks: no launch of >= 96 programs
     assert all(c.split for c in P.tune_candidates(6144, 12288, 16))
     assert any(not c.split for c in P.tune_candidates(6144, 12288, 8))
+    # the warpgroup-MMA configs: at 16 tokens on PAIRS weights only
+    assert any(c.wgmma for c in P.tune_candidates(6144, 12288, 16))
+    assert not any(c.wgmma for c in P.tune_candidates(6144, 12288, 8) + P.tune_candidates(6144, 12288, 16, "spans"))
 
 
 def test_probe_decode_tags_round_trip():
@@ -846,7 +850,8 @@ def test_probe_decode_tags_round_trip():
                 DK.DecodeConfig(32, 4, 2), DK.DecodeConfig(16, 4, 4, split=1, ring=8),
                 DK.DecodeConfig(16, 4, 4, split=3, ring=8, step=2),
                 DK.DecodeConfig(16, 4, 1, split=4, ring=8, w_smem=True),
-                DK.DecodeConfig(16, 4, 1, split=1, ring=8, step=2, w_smem=True)):
+                DK.DecodeConfig(16, 4, 1, split=1, ring=8, step=2, w_smem=True),
+                DK.DecodeConfig(16, 8, 3, split=4, ring=8, step=2, wgmma=True)):
         assert P.parse_tag(P.tag(cfg)) == cfg, cfg
     with pytest.raises(ValueError, match="not a decode config tag"):
         P.parse_tag("R16W4")
@@ -888,14 +893,20 @@ for cfg, chunks, tok, bf16, xb, pdl, sp in [(DK.DecodeConfig(16, 4, 2), 64, 8, T
                                             (DK.DecodeConfig(32, 4, 1, split=2, ring=4, step=2, w_smem=True), 64, 8,
                                              False, False, True, True),
                                             (DK.DecodeConfig(16, 8, 1, split=8, w_smem=True), 96, 16, True, False, True,
-                                             False)]:
+                                             False),
+                                            (DK.DecodeConfig(16, 4, 3, split=4, wgmma=True), 96, 16, True, False, False,
+                                             False),
+                                            (DK.DecodeConfig(16, 8, 2, split=4, ring=8, step=2, wgmma=True), 64, 8,
+                                             False, False, True, False),
+                                            (DK.DecodeConfig(16, 4, 1, split=4, w_smem=True, wgmma=True), 96, 16, True,
+                                             False, False, False)]:
     try:
         r = DK.compile_sm90(cfg, chunks, tok, bf16, xb, pdl, sp)
     except RuntimeError as exc:
         print("SKIP", exc); sys.exit(0)
     r.pop("sass")
     out.append(dict(r, rows=cfg.rows, warps=cfg.warps, cpw=chunks // (cfg.split or cfg.warps), tok=tok,
-                    xs=cfg.x_smem and xb, sp=sp, xb=xb, split=cfg.split, step=cfg.step, ws=cfg.w_smem))
+                    xs=cfg.x_smem and xb, sp=sp, xb=xb, split=cfg.split, step=cfg.step, ws=cfg.w_smem, wg=cfg.wgmma))
 print(json.dumps(out))
 """
     import os
@@ -911,7 +922,10 @@ print(json.dumps(out))
     for r in json.loads(last):
         assert r["spills"] == 0 and r["local"] == 0 and r["registers"] <= 255, r
         assert "STL" not in r["ops"] and "LDL" not in r["ops"], r
-        assert r["ops"].get("HMMA") == r["cpw"] * 8 * (r["rows"] // 16) * (r["tok"] // 8), r
+        if r["wg"]:  # a warpgroup MMA per k16 step and chunk (m64 x TOK), nothing by mma.sync
+            assert r["ops"].get("HGMMA") == r["cpw"] * 8 and "HMMA" not in r["ops"], r
+        else:
+            assert r["ops"].get("HMMA") == r["cpw"] * 8 * (r["rows"] // 16) * (r["tok"] // 8), r
         words = r["cpw"] * r["rows"] // 8  # two 16-byte word loads (or copies) per 16 rows and chunk
         # the words into registers (evict-first), or with w_smem copied into shared memory and read back 16 bytes at
         # a time
@@ -923,13 +937,18 @@ print(json.dumps(out))
             0 if r["split"] or not (r["sp"] or r["xs"]) else r["cpw"] * 4 * (1 if r["xb"] else r["tok"] // 8)), r
         if r["split"]:  # the shared-x kernel: x copied into shared memory once (cp.async, no registers), then per
             # chunk and token tile four ldmatrix (PAIRS, natural order) or four 16-byte shared loads (SPANS)
-            copies = r["cpw"] * r["tok"] * 16 // (32 * r["warps"])  # x: 16-byte copies per thread
+            # x: 16-byte copies per thread (8 warps at 8 tokens: 128 copies a chunk, each made by two threads)
+            copies = r["cpw"] * -(-r["tok"] * 16 // (32 * r["warps"]))
             assert r["ops"].get("LDGSTS", 0) == copies + (words if r["ws"] else 0), r
             tiles = r["cpw"] * 4 * (r["tok"] // 8)
-            x_lds128, x_ldsm = (tiles, 0) if r["sp"] else (0, tiles)
+            x_lds128, x_ldsm = (0, 0) if r["wg"] else (tiles, 0) if r["sp"] else (0, tiles)  # wgmma: x read by the MMA
             assert (r["lds128"], r["ldsm"]) == (x_lds128 + (words if r["ws"] else 0), x_ldsm), r
-            # one barrier per `step` chunks, no more
-            assert r["loop_lds_narrow"] == 0 and r["loop_barriers"] <= -(-r["cpw"] // r["step"]), r
+            # one barrier per `step` chunks, no more; with wgmma up to three (Triton's barrier analysis adds one
+            # before the proxy fence that orders the copies before the tensor cores' reads and, under Triton 3.9, one
+            # after a mid-step MMA wait) and that fence, once per step
+            steps = -(-r["cpw"] // r["step"])
+            assert r["loop_lds_narrow"] == 0 and r["loop_barriers"] <= steps * (3 if r["wg"] else 1), r
+            assert r["ops"].get("FENCE", 0) == (steps if r["wg"] else 0), r
         elif r["xs"]:  # x staged in shared memory: four 16-byte shared loads per chunk, x's global loads 16-byte too
             assert r["lds128"] >= r["cpw"] * 4 and r["loop_lds_narrow"] == 0 and r["ldg32"] == 0, r
         elif r["sp"]:  # then x: four 16-byte loads per chunk and token tile (at M = 1 one tile)
@@ -1001,6 +1020,33 @@ def test_xshared_kernel_gpu(m, n, k, cfg, dtype, layout):
     if (k // 128) % cfg.split:
         pytest.skip("the split must divide the chunks")
     _decode_case(m, n, k, dtype, cfg, scale_dtype=torch.float32 if n == 264 else torch.bfloat16, layout=layout)
+
+
+XSHARED_WG_CFGS = [DK.DecodeConfig(16, 4, 3, split=4, wgmma=True), DK.DecodeConfig(16, 8, 2, split=3, wgmma=True),
+                   DK.DecodeConfig(16, 4, 1, split=1, ring=2, wgmma=True),
+                   DK.DecodeConfig(16, 4, 3, split=2, ring=4, step=2, wgmma=True),
+                   DK.DecodeConfig(16, 8, 2, split=6, ring=8, step=4, wgmma=True),  # K = 3072: one short step
+                   DK.DecodeConfig(16, 4, 1, split=2, ring=4, w_smem=True, wgmma=True),
+                   DK.DecodeConfig(16, 8, 1, split=3, ring=8, step=2, w_smem=True, wgmma=True)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="warpgroup MMA: sm_90 only")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cfg", XSHARED_WG_CFGS, ids=str)
+@pytest.mark.parametrize("m, n, k", [(1, 200, 1024), (3, 96, 1024), (9, 264, 3072), (16, 128, 1024),
+                                     (13, 4096, 6144), (16, 6144, 12288)])  # fmt: skip
+def test_xshared_wgmma_gpu(m, n, k, cfg, dtype):
+    # the shared-x kernel with warpgroup MMAs (A from registers, x from the ring by the tensor cores; PAIRS only)
+    if (k // 128) % cfg.split:
+        pytest.skip("the split must divide the chunks")
+    x, packed, y = _decode_case(m, n, k, dtype, cfg, scale_dtype=torch.float32 if n == 264 else torch.bfloat16,
+                                layout=D.Layout.PAIRS)
+    for pdl in (False, True):  # the same bits on every launch, plain or PDL
+        again = D.w4a16_matmul_packed(x, packed, out=poisoned(m, n, dtype), config=cfg, pdl=pdl)
+        assert torch.equal(again + 0, y + 0)
 
 
 @pytest.mark.gpu
