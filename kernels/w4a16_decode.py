@@ -48,9 +48,13 @@ then uses the same x, so x's traffic is 1 / W of `_decode_kernel`'s, paid for wi
 split-K fix-up. Two options (kernels/NOTES.md, session 16): `step` waits and synchronises once per 2 or 4 chunks
 instead of every chunk, and `w_smem` copies the words into shared memory with x (cp.async, read back by the thread
 that copied them) instead of prefetching them into registers: 92 instead of 144 registers at M = 16 and
-`ring - step` chunks in flight. On the H200 with PAIRS weights it is the fastest kernel at M = 4 and 8 on all five
-GLM shapes (1.2-1.3x the Triton wgmma kernel on the large ones) and at M = 16 on four (kernels/NOTES.md, sessions
-14-16).
+`ring - step` chunks in flight. A third, `wgmma` (sm_90, PAIRS weights, 16 rows a warp, whole warpgroups), replaces
+each warp's mma.sync by one warpgroup MMA chain per chunk (`wgmma.m64nTOKk16`, A = the dequantized words from
+registers, B = x read by the tensor cores straight from the ring slot, NVMMA-swizzled; each thread fences its copies
+for the async proxy before the barrier): no ldmatrix, a third less L1 traffic; with the words in registers chunk i is
+dequantized while chunk i - 1's MMA runs. On the H200 with PAIRS weights it is the fastest kernel at M = 4 and 8 on
+all five GLM shapes (1.2-1.3x the Triton wgmma kernel on the large ones) and at M = 16 on all five, with wgmma on
+three (kernels/NOTES.md, sessions 14-17).
 
 Where it is used (kernels/NOTES.md, sessions 11-14, for the measurements). On PAIRS weights on the H200 it
 wins at M = 1-4 on some shapes (the expert-sized ones most: no split-K fix-up; with x_smem at M = 1 on all
