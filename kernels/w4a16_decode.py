@@ -629,7 +629,10 @@ if _GLUON:
         column) keep x in natural order, copied in 16-byte runs and read by ldmatrix (`_xs_nat_frag`), SPANS weights
         in fragment order (`_xs_frag`); the words stream into registers as in `_decode_kernel` (depth D) or, with WS,
         through a second ring beside x's (each thread reads back the 16-byte runs it copied itself), the scales G
-        chunks at a time (`_scale_group`).
+        chunks at a time (`_scale_group`). WG (PAIRS, sm_90): each warpgroup's chunk is one asynchronous warpgroup
+        MMA chain reading x from the ring slot itself (no B fragments in registers); with the words in registers chunk
+        i is dequantized while chunk i - 1's MMA runs, which is retired (`_wg_retire`) before the barrier that frees
+        its slot, or, inside a step, right after chunk i's is issued; with WS each MMA is retired at once.
 
         SPLIT (split > 1): each program stores its fp32 partial to `ws_ptr` ([split, M, N]) and takes a ticket
         (`cnt_ptr`, one per row block, zero on entry and on exit); the last to arrive sums the partials in split
