@@ -695,26 +695,7 @@ if _GLUON:
             if i + D < CPP and not WS:
                 wn = _load_w(wp + (i + D) * stride_wc)
             sg0, sg1 = _advance_scales(sg0, sg1, sp, i, CPP)
-            if WG and WS:  # the ring as below, the words from it; each chunk's MMA retired right after it is issued
-                s0 = _pick(sg0, i % G, s_like)
-                if i % STEP == 0:
-                    async_copy.wait_group(max(0, min(i + XR - STEP - 1, CPP - 1) - (i + STEP - 1)))
-                    fence_async_shared()  # this thread's copies, complete, made visible to the async proxy's reads
-                    _barrier()
-                    for j in gl.static_range(XR - STEP, XR):
-                        if i + j < CPP:
-                            _cp_async(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, (i + j) % XR), xp + (i + j) * 128,
-                                      mask=x_mask)
-                            _cp_async(_ring_slot(q0, q1, q2, q3, q4, q5, q6, q7, (i + j) % XR),
-                                      wp + (i + j) * stride_wc)
-                            async_copy.commit_group()
-                w0 = _ring_slot(q0, q1, q2, q3, q4, q5, q6, q7, i % XR).load(w_l)
-                a = gl.convert_layout(gl.reshape(_dequant(w0, W, R, BF16), [W * R, 128]), wg_a, assert_trivial=True)
-                xs = _ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i % XR).permute((1, 0))  # [128, TOK], K-major
-                tk = warpgroup_mma(a, xs, gl.zeros([W * R, TOK], gl.float32, layout=wg_mma), use_acc=False,
-                                   is_async=True)
-                acc, a = _wg_retire(tk, a, a, 0, s0, mma, acc)
-            elif WG:
+            if WG and not WS:
                 # chunk i's A operand is dequantized while chunk i - 1's warpgroup MMA runs; that MMA is retired
                 # (waited for, scaled into acc) before the ring's wait and barrier when they free its x slot, else
                 # right after chunk i's MMA is issued
@@ -739,12 +720,14 @@ if _GLUON:
                 tk = tk_i
                 a_prev = a
                 s_prev = s0
-            else:
+            else:  # mma.sync, or with WG and WS each chunk's warpgroup MMA retired right after it is issued
                 if i % STEP == 0:
                     # chunks i .. i + STEP - 1 have landed (this thread's copies: wait, for all but the groups
                     # requested after them; everyone's: the barrier, which also tells that every warp is done with
                     # the slots of chunks i - STEP .. i - 1, where chunks i + XR - STEP .. i + XR - 1 go now)
                     async_copy.wait_group(max(0, min(i + XR - STEP - 1, CPP - 1) - (i + STEP - 1)))
+                    if WG:  # this thread's copies, complete, made visible to the async proxy's reads
+                        fence_async_shared()
                     _barrier()
                     for j in gl.static_range(XR - STEP, XR):
                         if i + j < CPP:
@@ -756,13 +739,22 @@ if _GLUON:
                             async_copy.commit_group()
                 if WS:  # this thread's own copies of chunk i's words, complete after the wait above
                     w0 = _ring_slot(q0, q1, q2, q3, q4, q5, q6, q7, i % XR).load(w_l)
-                if SP:
-                    xb = _xs_frag(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i % XR), ld_l, b_like)
+                if WG:
+                    s0 = _pick(sg0, i % G, s_like)
+                    a = gl.convert_layout(gl.reshape(_dequant(w0, W, R, BF16), [W * R, 128]), wg_a,
+                                          assert_trivial=True)
+                    xs = _ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i % XR).permute((1, 0))  # [128, TOK], K-major
+                    tk = warpgroup_mma(a, xs, gl.zeros([W * R, TOK], gl.float32, layout=wg_mma), use_acc=False,
+                                       is_async=True)
+                    acc, a = _wg_retire(tk, a, a, 0, s0, mma, acc)
                 else:
-                    xb = _xs_nat_frag(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i % XR), b_like)
-                a = gl.convert_layout(_dequant(w0, W, R, BF16), a_l, assert_trivial=True)
-                s0 = _pick(sg0, i % G, s_like)
-                acc = acc + mma_v2(a, xb, zero) * gl.expand_dims(s0.to(gl.float32), 2)
+                    if SP:
+                        xb = _xs_frag(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i % XR), ld_l, b_like)
+                    else:
+                        xb = _xs_nat_frag(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i % XR), b_like)
+                    a = gl.convert_layout(_dequant(w0, W, R, BF16), a_l, assert_trivial=True)
+                    s0 = _pick(sg0, i % G, s_like)
+                    acc = acc + mma_v2(a, xb, zero) * gl.expand_dims(s0.to(gl.float32), 2)
             if not WS:
                 w0, w1, w2, w3 = _rotate(w0, w1, w2, w3, wn, D)
         if WG and not WS:  # the last chunk's MMA
