@@ -81,6 +81,9 @@ TUNE_MARGIN = 0.97  # the Gluon kernel only where it took <= 97 % of the Triton 
 
 
 def tune_candidates(n: int, k: int, m: int, layout: str = "pairs"):
+    """The Gluon configs the tuner times at this shape and M on weights of `layout`: those of the candidate lists
+    above that the kernel takes there (`w4a16_decode.supports`: wgmma on PAIRS weights only)."""
+    from glmq.kernels import w4a16_decode as DK
     from glmq.kernels.w4a16_decode import DecodeConfig
 
     chunks = k // 128
@@ -94,10 +97,10 @@ def tune_candidates(n: int, k: int, m: int, layout: str = "pairs"):
         cands = [c for c in cands if chunks % c.warps == 0 and chunks // c.warps >= max(c.depth, 2)]
     if m >= 2:  # the shared-x kernel, with the K splits xshared_splits picks for the shape
         cands += [DecodeConfig(r, w, d, split=s, ring=g, step=st, w_smem=ws, wgmma=wg)
-                  for r, w, d, g, st, ws, wg in TUNE_XSHARED + (TUNE_XSHARED_WG if m >= TUNE_WG_MIN_M and
-                                                                layout == "pairs" else [])  # wgmma: PAIRS only
+                  for r, w, d, g, st, ws, wg in TUNE_XSHARED + (TUNE_XSHARED_WG if m >= TUNE_WG_MIN_M else [])
                   for s in xshared_splits(n, k, r, w)]
-    return cands
+    stub = _stub(n, k, layout)
+    return [c for c in cands if DK.supports(m, stub, c)]
 
 
 def xshared_splits(n: int, k: int, rows: int, warps: int) -> list[int]:
@@ -135,13 +138,14 @@ def parse_tag(text: str):
                         ring=int(ring or 4), step=int(step or 1), w_smem=bool(ws), wgmma=bool(wg))
 
 
-def variants(n: int, k: int, m: int, xshared_only: bool = False, tag_has: str = "", tags: tuple = ()):
+def variants(n: int, k: int, m: int, xshared_only: bool = False, tag_has: str = "", tags: tuple = (),
+             layout: str = "pairs"):
     """The Gluon configs (and timing probes) to time at this shape and M: `tags` where given (those the kernel
-    takes here), else VARIANTS and XSHARED."""
+    takes here on weights of `layout`), else VARIANTS and XSHARED."""
     if tags:
         from glmq.kernels import w4a16_decode as DK
 
-        stub = _stub(n, k)
+        stub = _stub(n, k, layout)
         yield from ((c, 0) for c in map(parse_tag, tags) if DK.supports(m, stub, c) and not (c.x_smem and m > 1))
         return
     for cfg, probe in _variants(n, k, m, xshared_only):
@@ -149,12 +153,12 @@ def variants(n: int, k: int, m: int, xshared_only: bool = False, tag_has: str = 
             yield cfg, probe
 
 
-def _stub(n: int, k: int):
-    """A chunk-major PAIRS PackedW4 of this shape with no real data (for `supports`)."""
+def _stub(n: int, k: int, layout: str = "pairs"):
+    """A chunk-major PackedW4 of this shape and layout with no real data (for `supports`)."""
     from glmq.kernels import w4a16_dense as D
 
     return D.PackedW4(torch.zeros(k // 128, 8, 16, dtype=torch.int32), torch.ones(8, k // GROUP), GROUP, chunk=128,
-                      layout=D.Layout.PAIRS, chunk_major=True)
+                      layout=D.Layout(layout), chunk_major=True)
 
 
 def _variants(n: int, k: int, m: int, xshared_only: bool):
@@ -220,17 +224,17 @@ CHECK_CONFIGS = [(16, 1, 1, False, False, 0), (32, 2, 2, True, False, 0), (16, 4
                  (32, 8, 1, True, False, 4)]  # (rows, warps, depth, pdl, x_smem, split)
 
 
-def check_cases(xshared_only: bool = False, tags: tuple = ()) -> list[tuple]:
+def check_cases(xshared_only: bool = False, tags: tuple = (), layout: str = "pairs") -> list[tuple]:
     """(m, n, k, dtype, DecodeConfig, pdl) of `check`: every config of CHECK_CONFIGS (or, given, of `tags`, without
-    PDL) the kernel takes at each CHECK_SHAPES shape, in both activation dtypes (x_smem at M = 1 only; with
-    --xshared-only the shared-x ones)."""
+    PDL) the kernel takes at each CHECK_SHAPES shape on weights of `layout`, in both activation dtypes (x_smem at
+    M = 1 only; with --xshared-only the shared-x ones)."""
     from glmq.kernels import w4a16_decode as DK
 
     cfgs = ([(parse_tag(t), False) for t in tags] if tags else
             [(DK.DecodeConfig(r, w, d, x_smem=xs, split=sp), pdl) for r, w, d, pdl, xs, sp in CHECK_CONFIGS])
     out = []
     for (m, n, k), dt, (cfg, pdl) in itertools.product(CHECK_SHAPES, (torch.bfloat16, torch.float16), cfgs):
-        if (cfg.x_smem and m > 1) or (xshared_only and not cfg.split) or not DK.supports(m, _stub(n, k), cfg):
+        if (cfg.x_smem and m > 1) or (xshared_only and not cfg.split) or not DK.supports(m, _stub(n, k, layout), cfg):
             continue
         out.append((m, n, k, dt, cfg, pdl))
     return out
@@ -243,7 +247,7 @@ def check(dev, layout: str, xshared_only: bool = False, tags: tuple = ()) -> lis
     from glmq.kernels import w4a16_decode as DK
 
     rows = []
-    for m, n, k, dt, cfg, pdl in check_cases(xshared_only, tags):
+    for m, n, k, dt, cfg, pdl in check_cases(xshared_only, tags, layout):
         r, w, d, xs, sp = cfg.rows, cfg.warps, cfg.depth, cfg.x_smem, cfg.split
         gen = torch.Generator(device=dev).manual_seed(m * 7 + n + k)
         wp = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device=dev, generator=gen)
@@ -306,13 +310,13 @@ def main() -> None:
     for (n, k), m, lay in itertools.product(shapes.values(), a.m, a.layouts):
         tcfg = D.choose_config(m, n, k, GROUP, D.sm_count(dev), name, D.Layout.PAIRS)
         jobs += [(n, k, m, c, pdl, 0, lay) for c in (None, tcfg) for pdl in (False, True)]
-        for cfg, probe in ([] if a.triton_only else variants(n, k, m, a.xshared_only, a.tag_has, a.tags)):
+        for cfg, probe in ([] if a.triton_only else variants(n, k, m, a.xshared_only, a.tag_has, a.tags, lay)):
             jobs.append((n, k, m, cfg, False, probe, lay))
             if not probe and not a.plain:
                 jobs.append((n, k, m, cfg, True, probe, lay))
     if not a.triton_only:
-        jobs += [(n, k, m, cfg, pdl, 0, lay, dt) for m, n, k, dt, cfg, pdl in check_cases(a.xshared_only, a.tags)
-                 for lay in a.layouts]
+        jobs += [(n, k, m, cfg, pdl, 0, lay, dt) for lay in a.layouts
+                 for m, n, k, dt, cfg, pdl in check_cases(a.xshared_only, a.tags, lay)]
     compile_all(jobs, a.workers)
     if a.compile_only:
         return
@@ -372,6 +376,8 @@ def main() -> None:
                         D.SPANS_PERMUTE_IN_KERNEL_MAX_M = limit
             for cfg, probe in ([] if a.triton_only else variants(n, k, m, a.xshared_only, a.tag_has, a.tags)):
                 for lay, pk in packs_of.items():
+                    if not DK.supports(m, pk[0], cfg):  # e.g. a wgmma tag on SPANS weights
+                        continue
                     label = tag(cfg) + (f"-{lay}" if len(packs_of) > 1 else "")
                     if probe:
                         DK.decode_matmul(x, pk[0], outs[0], cfg, probe=probe)
