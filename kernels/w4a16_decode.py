@@ -172,11 +172,19 @@ if _GLUON:
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
     @gluon.jit
-    def _dequant(words, W: gl.constexpr, R: gl.constexpr, BF16: gl.constexpr):
+    def _dequant(words, W: gl.constexpr, R: gl.constexpr, BF16: gl.constexpr, RAW: gl.constexpr = False):
         """`[W, R, 16]` PAIRS words (thread (g, c) of warp w: rows g + 8j, words 4c .. 4c + 3) -> `[W, R, 128]`
         q = u - 8 in natural k order, each thread holding its own A-fragment elements (as
-        `w4a16_dense._dequant_pairs`, with the warps' K ranges as the leading axis)."""
-        if BF16:
+        `w4a16_dense._dequant_pairs`, with the warps' K ranges as the leading axis). RAW (a timing probe, wrong
+        results): each word's two 16-bit halves as they are, four times over (no dequantization instructions)."""
+        if RAW:
+            e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
+                "mov.b32 {$0, $4}, $8; mov.b32 {$1, $5}, $8; mov.b32 {$2, $6}, $8; mov.b32 {$3, $7}, $8;",
+                "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
+                dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16,
+                       gl.bfloat16) if BF16 else (gl.float16, gl.float16, gl.float16, gl.float16, gl.float16,
+                                                  gl.float16, gl.float16, gl.float16), is_pure=True, pack=1)
+        elif BF16:
             e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
                 _PAIRS_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
                 dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16,
@@ -621,7 +629,8 @@ if _GLUON:
     def _xshared_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, stride_wc, stride_sn,
                         stride_om, CPP: gl.constexpr, W: gl.constexpr, R: gl.constexpr, TOK: gl.constexpr,
                         D: gl.constexpr, XR: gl.constexpr, STEP: gl.constexpr, WS: gl.constexpr, WG: gl.constexpr,
-                        BF16: gl.constexpr, SP: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr):
+                        BF16: gl.constexpr, SP: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr,
+                        PROBE: gl.constexpr = 0):
         """grid = (cdiv(N, W R), split). Program (p, k): rows [W R p, W R (p + 1)), chunks [CPP k, CPP (k + 1));
         warp w: its R of those rows over all the program's chunks, so the W warps share one copy of x: each chunk's x
         goes global -> shared memory by cp.async into a ring of XR slots (XR - STEP chunks ahead, one barrier per
@@ -638,7 +647,11 @@ if _GLUON:
         (`cnt_ptr`, one per row block, zero on entry and on exit); the last to arrive sums the partials in split
         order (the same bits every run) and stores the output, as `w4a16_dense._write_tile` does.
         PDL: the first chunks' words and scales are requested before the wait for the previous kernel, x after
-        it; the next launch is let in after the main loop."""
+        it; the next launch is let in after the main loop.
+        PROBE (timing probes for scripts/probe_decode.py, wrong results): 1 = no split-K fix-up (each program
+        stores its partial and exits); 2 = the memory pipeline only (words, scales and x's ring as in the GEMM,
+        the words xor-ed instead of dequantized and multiplied; with WG the mma.sync loop's structure); 3 = no
+        dequantization (the words' raw halves into the MMA)."""
         pid = gl.program_id(0)
         c0 = gl.program_id(1) * CPP
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
@@ -687,6 +700,7 @@ if _GLUON:
                 if WS:
                     _cp_async(_ring_slot(q0, q1, q2, q3, q4, q5, q6, q7, j), wp + j * stride_wc)
                 async_copy.commit_group()
+        acc_w = gl.zeros([W, R, 16], gl.int32, layout=w_l)  # PROBE 2: the words, xor-ed
         tk = acc  # WG: the previous chunk's warpgroup MMA (its token), its A operand and scales, once issued
         a_prev = acc
         s_prev = s_like
@@ -695,12 +709,13 @@ if _GLUON:
             if i + D < CPP and not WS:
                 wn = _load_w(wp + (i + D) * stride_wc)
             sg0, sg1 = _advance_scales(sg0, sg1, sp, i, CPP)
-            if WG and not WS:
+            if WG and not WS and PROBE != 2:
                 # chunk i's A operand is dequantized while chunk i - 1's warpgroup MMA runs; that MMA is retired
                 # (waited for, scaled into acc) before the ring's wait and barrier when they free its x slot, else
                 # right after chunk i's MMA is issued
                 s0 = _pick(sg0, i % G, s_like)
-                a = gl.convert_layout(gl.reshape(_dequant(w0, W, R, BF16), [W * R, 128]), wg_a, assert_trivial=True)
+                a = gl.convert_layout(gl.reshape(_dequant(w0, W, R, BF16, PROBE == 3), [W * R, 128]), wg_a,
+                                      assert_trivial=True)
                 if i % STEP == 0:
                     if i > 0:
                         acc, a = _wg_retire(tk, a_prev, a, 0, s_prev, mma, acc)
@@ -739,9 +754,11 @@ if _GLUON:
                             async_copy.commit_group()
                 if WS:  # this thread's own copies of chunk i's words, complete after the wait above
                     w0 = _ring_slot(q0, q1, q2, q3, q4, q5, q6, q7, i % XR).load(w_l)
-                if WG:
+                if PROBE == 2:
+                    acc_w = acc_w ^ w0
+                elif WG:
                     s0 = _pick(sg0, i % G, s_like)
-                    a = gl.convert_layout(gl.reshape(_dequant(w0, W, R, BF16), [W * R, 128]), wg_a,
+                    a = gl.convert_layout(gl.reshape(_dequant(w0, W, R, BF16, PROBE == 3), [W * R, 128]), wg_a,
                                           assert_trivial=True)
                     xs = _ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i % XR).permute((1, 0))  # [128, TOK], K-major
                     tk = warpgroup_mma(a, xs, gl.zeros([W * R, TOK], gl.float32, layout=wg_mma), use_acc=False,
@@ -752,13 +769,16 @@ if _GLUON:
                         xb = _xs_frag(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i % XR), ld_l, b_like)
                     else:
                         xb = _xs_nat_frag(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i % XR), b_like)
-                    a = gl.convert_layout(_dequant(w0, W, R, BF16), a_l, assert_trivial=True)
+                    a = gl.convert_layout(_dequant(w0, W, R, BF16, PROBE == 3), a_l, assert_trivial=True)
                     s0 = _pick(sg0, i % G, s_like)
                     acc = acc + mma_v2(a, xb, zero) * gl.expand_dims(s0.to(gl.float32), 2)
             if not WS:
                 w0, w1, w2, w3 = _rotate(w0, w1, w2, w3, wn, D)
-        if WG and not WS:  # the last chunk's MMA
+        if WG and not WS and PROBE != 2:  # the last chunk's MMA
             acc, a = _wg_retire(tk, a_prev, a, 0, s_prev, mma, acc)
+        if PROBE == 2:  # the scales of the last chunk, so that their loads are not dropped
+            acc_s = gl.convert_layout(gl.sum(acc_w, axis=2).to(gl.float32), s_l) + _pick(sg0, (CPP - 1) % G, s_like)
+            acc = acc + gl.expand_dims(acc_s, 2)
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
@@ -773,6 +793,8 @@ if _GLUON:
             mn = M * N
             part = ws_ptr + row + tok * N
             gl.store(part + gl.program_id(1).to(gl.int64) * mn, acc, mask=o_mask)
+            if PROBE == 1:
+                return
             _barrier()  # every thread's partial precedes the one-thread release below (as `_write_tile`)
             ticket = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
             if ticket == gl.num_programs(1) - 1:  # the last split of this row block: sum in split order
@@ -870,7 +892,8 @@ def choose(m: int, w: PackedW4, device: torch.device, device_name: str, pdl: boo
 def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeConfig, pdl: bool = False,
                   probe: int = 0) -> torch.Tensor:
     """out = x @ dequant(w).T with the Gluon kernel. The caller (`w4a16_matmul_packed`) has checked x, w and out;
-    here `supports(m, w, cfg)` must hold. probe: `_decode_kernel`'s timing probes (wrong results), 0 for the GEMM."""
+    here `supports(m, w, cfg)` must hold. probe: the kernels' timing probes (`_decode_kernel`'s, or with `cfg.split`
+    `_xshared_kernel`'s PROBE; wrong results), 0 for the GEMM."""
     m, k = x.shape
     if not supports(m, w, cfg):
         raise ValueError(f"the decode kernel takes 1 <= M <= {MAX_M} on 2-D chunk-major pairs or spans weights with "
@@ -889,7 +912,7 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
         raise ValueError("the decode kernel needs contiguous chunk-major words (as `prepack` makes them) and scales")
     launch = {"launch_pdl": True} if pdl else {}
     if cfg.split:
-        _launch_xshared(x, w, out, cfg, pdl, stride_wc, launch)
+        _launch_xshared(x, w, out, cfg, pdl, stride_wc, launch, probe)
         return out
     _decode_kernel[(-(-n // cfg.rows),)](
         x, w.qweight, w.scale, out, m, n, x.stride(0), stride_wc, w.scale.stride(0), out.stride(0),
@@ -901,14 +924,15 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
     return out
 
 
-def _xshared_args(m: int, chunks: int, cfg: DecodeConfig, bf16: bool, spans: bool, pdl: bool) -> dict:
+def _xshared_args(m: int, chunks: int, cfg: DecodeConfig, bf16: bool, spans: bool, pdl: bool, probe: int = 0) -> dict:
     cpp = chunks // cfg.split
     return dict(CPP=cpp, W=cfg.warps, R=cfg.rows, TOK=8 if m <= 8 else 16, D=min(cfg.depth, cpp), XR=cfg.ring,
-                STEP=cfg.step, WS=cfg.w_smem, WG=cfg.wgmma, BF16=bf16, SP=spans, SPLIT=cfg.split > 1, PDL=pdl)
+                STEP=cfg.step, WS=cfg.w_smem, WG=cfg.wgmma, BF16=bf16, SP=spans, SPLIT=cfg.split > 1, PDL=pdl,
+                PROBE=probe)
 
 
 def _launch_xshared(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeConfig, pdl: bool, stride_wc: int,
-                    launch: dict) -> None:
+                    launch: dict, probe: int = 0) -> None:
     m, k = x.shape
     blocks = -(-w.n // (cfg.warps * cfg.rows))
     if cfg.split > 1:
@@ -918,13 +942,13 @@ def _launch_xshared(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: Decode
         scratch = tickets = out  # not dereferenced without SPLIT
     _xshared_kernel[(blocks, cfg.split)](
         x, w.qweight, w.scale, out, scratch, tickets, m, w.n, x.stride(0), stride_wc, w.scale.stride(0), out.stride(0),
-        **_xshared_args(m, k // MMA_CHUNK, cfg, x.dtype == torch.bfloat16, w.layout is Layout.SPANS, pdl),
+        **_xshared_args(m, k // MMA_CHUNK, cfg, x.dtype == torch.bfloat16, w.layout is Layout.SPANS, pdl, probe),
         num_warps=cfg.warps, **launch,
     )  # fmt: skip
 
 
 def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True, xb: bool = True,
-                 pdl: bool = False, spans: bool = False) -> dict:
+                 pdl: bool = False, spans: bool = False, probe: int = 0) -> dict:
     """Compile `_decode_kernel` (with `cfg.split`: `_xshared_kernel`) for sm_90 without a GPU (Triton's own ptxas
     and cuobjdump) and summarise it.
 
@@ -957,12 +981,12 @@ def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True
     if cfg.split:  # the shared-x kernel: two more pointers (the split-K scratch and tickets)
         sig = {**{k: v for k, v in sig.items() if k.endswith("_ptr")}, "ws_ptr": "*fp32", "cnt_ptr": "*i32",
                **{k: v for k, v in sig.items() if not k.endswith("_ptr")}}
-        consts = _xshared_args(tok, chunks, cfg, bf16, spans, pdl)
+        consts = _xshared_args(tok, chunks, cfg, bf16, spans, pdl, probe)
         kernel_fn, ptrs = _xshared_kernel, (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11)
     else:
         consts = dict(CPW=chunks // cfg.warps, W=cfg.warps, R=cfg.rows, TOK=tok, D=min(cfg.depth, chunks // cfg.warps),
                       BF16=bf16, XB=xb, XS=xb and cfg.x_smem, SP=spans, PDL=pdl, PDL_EARLY=pdl and cfg.pdl_early,
-                      PROBE=0)
+                      PROBE=probe)
         kernel_fn, ptrs = _decode_kernel, (0, 1, 2, 3, 5, 6, 7, 8, 9)
     sig.update({name: "constexpr" for name in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in ptrs}  # as the JIT specialises them

@@ -66,9 +66,9 @@ TUNE_M = (1, 2, 4)
 TUNE_CANDIDATES = [(16, 8, 2), (16, 8, 3), (16, 4, 2), (16, 4, 3), (32, 4, 2), (32, 4, 3), (32, 8, 2), (16, 2, 3)]
 TUNE_WIDE = [(32, 4, 1), (32, 8, 1)]  # also at M >= 8 (two m16 tiles share each x fragment)
 TUNE_X_SMEM = [(16, 8, 2), (16, 8, 3), (16, 4, 2), (16, 4, 3), (16, 4, 4), (32, 8, 2)]  # also with x_smem at M = 1
-# the shared-x kernel at M >= 2: (rows, warps, depth, ring, step, w_smem, wgmma); the w_smem ones (session 16) won in
-# its probes on 6144->24576 and the expert w2 shape at M = 16 and 12288->6144 at M = 4, the wgmma ones (session 17,
-# M = 16 only) on 12288->6144 (kernels/NOTES.md)
+# the shared-x kernel at every M (at M = 1 since session 18): (rows, warps, depth, ring, step, w_smem, wgmma); the
+# w_smem ones (session 16) won in its probes on 6144->24576 and the expert w2 shape at M = 16 and 12288->6144 at
+# M = 4, the wgmma ones (session 17, M = 16 only) on 12288->6144 (kernels/NOTES.md)
 TUNE_XSHARED = [(16, 4, 3, 4, 1, False, False), (32, 4, 2, 4, 1, False, False), (16, 4, 4, 8, 1, False, False),
                 (16, 4, 4, 8, 2, False, False), (16, 4, 1, 4, 1, True, False), (16, 4, 1, 8, 2, True, False),
                 (16, 8, 1, 4, 1, True, False)]
@@ -95,10 +95,11 @@ def tune_candidates(n: int, k: int, m: int, layout: str = "pairs"):
         if m >= 8:
             cands += [DecodeConfig(r, w, d) for r, w, d in TUNE_WIDE]
         cands = [c for c in cands if chunks % c.warps == 0 and chunks // c.warps >= max(c.depth, 2)]
-    if m >= 2:  # the shared-x kernel, with the K splits xshared_splits picks for the shape
-        cands += [DecodeConfig(r, w, d, split=s, ring=g, step=st, w_smem=ws, wgmma=wg)
-                  for r, w, d, g, st, ws, wg in TUNE_XSHARED + (TUNE_XSHARED_WG if m >= TUNE_WG_MIN_M else [])
-                  for s in xshared_splits(n, k, r, w)]
+    # the shared-x kernel, with the K splits xshared_splits picks for the shape (also at M = 1: its table entries at
+    # M = 4 were 3-7 % ahead of the M = 1 ones on the large shapes, where it had never been timed; session 18)
+    cands += [DecodeConfig(r, w, d, split=s, ring=g, step=st, w_smem=ws, wgmma=wg)
+              for r, w, d, g, st, ws, wg in TUNE_XSHARED + (TUNE_XSHARED_WG if m >= TUNE_WG_MIN_M else [])
+              for s in xshared_splits(n, k, r, w)]
     stub = _stub(n, k, layout)
     return [c for c in cands if DK.supports(m, stub, c)]
 
@@ -146,7 +147,10 @@ def variants(n: int, k: int, m: int, xshared_only: bool = False, tag_has: str = 
         from glmq.kernels import w4a16_decode as DK
 
         stub = _stub(n, k, layout)
-        yield from ((c, 0) for c in map(parse_tag, tags) if DK.supports(m, stub, c) and not (c.x_smem and m > 1))
+        for t in tags:  # TAG or TAG/P<n>: the config's timing probe n (the kernels' PROBE)
+            c, probe = parse_tag(t.split("/P")[0]), int(t.split("/P")[1]) if "/P" in t else 0
+            if DK.supports(m, stub, c) and not (c.x_smem and m > 1):
+                yield c, probe
         return
     for cfg, probe in _variants(n, k, m, xshared_only):
         if tag_has in tag(cfg):
@@ -230,7 +234,7 @@ def check_cases(xshared_only: bool = False, tags: tuple = (), layout: str = "pai
     M = 1 only; with --xshared-only the shared-x ones)."""
     from glmq.kernels import w4a16_decode as DK
 
-    cfgs = ([(parse_tag(t), False) for t in tags] if tags else
+    cfgs = ([(parse_tag(t), False) for t in dict.fromkeys(t.split("/P")[0] for t in tags)] if tags else
             [(DK.DecodeConfig(r, w, d, x_smem=xs, split=sp), pdl) for r, w, d, pdl, xs, sp in CHECK_CONFIGS])
     out = []
     for (m, n, k), dt, (cfg, pdl) in itertools.product(CHECK_SHAPES, (torch.bfloat16, torch.float16), cfgs):
@@ -281,7 +285,8 @@ def main() -> None:
     ap.add_argument("--tag-has", default="", help="probe: only the Gluon variants whose tag contains this")
     ap.add_argument("--tags", nargs="+", default=[],
                     help="probe: exactly these Gluon configs (`tag` names, e.g. R16W4D4S4G8B2), where the kernel takes "
-                         "them, instead of the VARIANTS / XSHARED tables; the correctness check runs them too")
+                         "them, instead of the VARIANTS / XSHARED tables; the correctness check runs them too; "
+                         "TAG/P<n> times the config's timing probe n instead (kernels' PROBE: parts left out)")
     ap.add_argument("--compile-only", action="store_true",
                     help="probe: only compile its kernels (in --workers processes; fills Triton's cache for a bench)")
     ap.add_argument("--merge", action="store_true",

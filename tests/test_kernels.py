@@ -837,6 +837,9 @@ def test_probe_decode_tune_candidates():
     assert P.xshared_splits(256, 512, 16, 4) == []  # 4 chunks and 4 blocks: no launch of >= 96 programs
     assert all(c.split for c in P.tune_candidates(6144, 12288, 16))
     assert any(not c.split for c in P.tune_candidates(6144, 12288, 8))
+    # at M = 1 both kernels are candidates (the shared-x one since session 18)
+    m1 = P.tune_candidates(6144, 12288, 1)
+    assert any(c.split for c in m1) and any(not c.split for c in m1) and any(c.x_smem for c in m1)
     # the warpgroup-MMA configs: at 16 tokens on PAIRS weights only
     assert any(c.wgmma for c in P.tune_candidates(6144, 12288, 16))
     assert not any(c.wgmma for c in P.tune_candidates(6144, 12288, 8) + P.tune_candidates(6144, 12288, 16, "spans"))
@@ -954,6 +957,53 @@ print(json.dumps(out))
         elif r["sp"]:  # then x: four 16-byte loads per chunk and token tile (at M = 1 one tile)
             assert r["ldg128"] - r["ldg_words"] >= r["cpw"] * 4 * (1 if r["xb"] else r["tok"] // 8), r
         assert r["split"] or r["loop_barriers"] == 0, r
+
+
+def test_xshared_probes_compile_for_sm90():
+    # the shared-x kernel's timing probes leave out what they say (scripts/probe_decode.py times them as TAG/P<n>):
+    # 1 the split-K fix-up (no ticket atomic), 2 the dequantization and MMAs (the copies, waits and barriers stay),
+    # 3 the dequantization only (no fma of the -8 offset, the MMAs stay)
+    code = """
+import json, sys
+from glmq.kernels import w4a16_decode as DK
+out = []
+for cfg in (DK.DecodeConfig(16, 4, 3, split=4), DK.DecodeConfig(16, 4, 2, split=4, wgmma=True)):
+    for probe in (0, 1, 2, 3):
+        try:
+            r = DK.compile_sm90(cfg, 32, 16, True, False, False, False, probe)
+        except RuntimeError as exc:
+            print("SKIP", exc); sys.exit(0)
+        out.append(dict(probe=probe, wg=cfg.wgmma, ops=r["ops"]))
+print(json.dumps(out))
+"""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    if last.startswith("SKIP"):
+        pytest.skip(f"this Triton cannot compile Gluon for sm_90 here: {last}")
+    res = {(r["wg"], r["probe"]): r["ops"] for r in json.loads(last)}
+    for wg in (False, True):
+        mma = "HGMMA" if wg else "HMMA"
+        full, nofix, loads, nodeq = (res[wg, p] for p in range(4))
+        assert full.get("ATOMG") == 1 and "ATOMG" not in nofix and nofix.get(mma) == full[mma], (full, nofix)
+        assert mma not in loads and loads.get("HFMA2", 0) < full["HFMA2"] // 4, loads  # 2: no dequantization, no MMA
+        assert loads["LDGSTS"] == full["LDGSTS"] and loads["BAR"] == full["BAR"], (full, loads)  # the ring as it was
+        assert nodeq.get(mma) == full[mma] and "HFMA2" not in nodeq and nodeq.get("LOP3", 0) < full["LOP3"] // 4, nodeq
+
+
+def test_probe_decode_probe_tags():
+    # TAG/P<n> names a config's timing probe; the correctness check runs the config itself, once
+    from glmq.scripts import probe_decode as P
+
+    got = list(P.variants(6144, 12288, 16, tags=("R16W4D3S4G4", "R16W4D3S4G4/P2", "R16W4D3S4G4H/P1")))
+    assert [(P.tag(c), p) for c, p in got] == [("R16W4D3S4G4", 0), ("R16W4D3S4G4", 2), ("R16W4D3S4G4H", 1)]
+    cfgs = {P.tag(c) for *_, c, _pdl in P.check_cases(tags=("R16W4D3S4G4", "R16W4D3S4G4/P2"))}
+    assert cfgs == {"R16W4D3S4G4"}
 
 
 def _graph_of(fn) -> torch.cuda.CUDAGraph:
