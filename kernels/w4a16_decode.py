@@ -194,6 +194,9 @@ def _mailbox_asm(g: int) -> str:
 
 
 if _GLUON:
+    _MAILBOX1 = gl.constexpr(_mailbox_asm(1))
+    _MAILBOX2 = gl.constexpr(_mailbox_asm(2))
+    _MAILBOX3 = gl.constexpr(_mailbox_asm(3))
     _MAILBOX4 = gl.constexpr(_mailbox_asm(4))
     _PAIRS_BF16 = gl.constexpr(_pairs_asm(True))
     _PAIRS_F16 = gl.constexpr(_pairs_asm(False))
@@ -674,11 +677,12 @@ if _GLUON:
 
     @gluon.jit
     def _mb_load(mb_ptr, off, mask, mn, s: gl.constexpr, pk, nsp: gl.constexpr):
-        """The mailbox words of split s at `off` (volatile: from L2), zeros where s is the reducer's or past nsp."""
+        """The mailbox words of split s at `off` (volatile: from L2); zeros where s is the reducer's, and past nsp
+        anything (`off` itself: a constant here broke the inline asm's lowering, Triton 3.6), never read."""
         if s < nsp:
             return gl.load(mb_ptr + s * mn + off, mask=mask & (pk != s), other=0, volatile=True)
         else:
-            return off * 0
+            return off
 
     @gluon.jit
     def _mb_group(total, part, mb_ptr, off, mask, mn, s0: gl.constexpr, pk, nsp: gl.constexpr):
@@ -690,11 +694,24 @@ if _GLUON:
         b2 = _mb_load(mb_ptr, off, mask, mn, s0 + 2, pk, nsp)
         b3 = _mb_load(mb_ptr, off, mask, mn, s0 + 3, pk, nsp)
         z = off * 0
-        b0, b1, b2, b3 = gl.inline_asm_elementwise(
-            _MAILBOX4, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,l",
-            [b0, b1, b2, b3, off, mask.to(gl.int32), z + s0, z + pk, z + nsp, z + mn,
-             (z + 0).to(gl.int64) + mb_ptr.to(gl.int64, bitcast=True)],
-            dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=False, pack=1)  # fmt: skip
+        args = [off, mask.to(gl.int32), z + s0, z + pk, z + nsp, z + mn,
+                (z + 0).to(gl.int64) + mb_ptr.to(gl.int64, bitcast=True)]
+        # as many words as there are splits left (the lowering of an asm output left unused fails, Triton 3.6)
+        if nsp - s0 >= 4:
+            b0, b1, b2, b3 = gl.inline_asm_elementwise(
+                _MAILBOX4, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,l", [b0, b1, b2, b3] + args,
+                dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=False, pack=1)
+        elif nsp - s0 == 3:
+            b0, b1, b2 = gl.inline_asm_elementwise(
+                _MAILBOX3, "=r,=r,=r,r,r,r,r,r,r,r,r,r,l", [b0, b1, b2] + args,
+                dtype=(gl.int32, gl.int32, gl.int32), is_pure=False, pack=1)
+        elif nsp - s0 == 2:
+            b0, b1 = gl.inline_asm_elementwise(
+                _MAILBOX2, "=r,=r,r,r,r,r,r,r,r,r,l", [b0, b1] + args, dtype=(gl.int32, gl.int32), is_pure=False,
+                pack=1)
+        else:
+            b0 = gl.inline_asm_elementwise(_MAILBOX1, "=r,r,r,r,r,r,r,r,l", [b0] + args, dtype=gl.int32,
+                                           is_pure=False, pack=1)
         total = _mb_add(total, part, b0, s0, pk, nsp)
         total = _mb_add(total, part, b1, s0 + 1, pk, nsp)
         total = _mb_add(total, part, b2, s0 + 2, pk, nsp)
@@ -882,8 +899,8 @@ if _GLUON:
             mn = M * N
             off = row + tok * N
             pk = gl.program_id(1)
-            nsp = NSP  # compile-time loops below: a runtime loop here took the kernel to 255 registers (Triton 3.6)
-            if gl.max(gl.where(ti == 0, tkt, -1), axis=0) != nsp - 1:  # publish the partial's bits and exit
+            # compile-time split count and loops: a runtime loop here took the kernel to 255 registers (Triton 3.6)
+            if gl.max(gl.where(ti == 0, tkt, -1), axis=0) != NSP - 1:  # publish the partial's bits and exit
                 # never the empty word 0xFFFFFFFF (it becomes 0xFFFFFFFE, a NaN either way); inline PTX, since a
                 # comparison on the accumulator took this kernel from 164 to 255 registers (Triton 3.6, sm_90)
                 bits = gl.inline_asm_elementwise("min.u32 $0, $1, 0xFFFFFFFE;", "=r,r", [acc.to(gl.int32, bitcast=True)],
@@ -892,11 +909,11 @@ if _GLUON:
             else:  # the last to start: every other split is running or done
                 total = gl.zeros_like(acc)
                 for sb in gl.static_range(0, NSP, 4):
-                    total = _mb_group(total, acc, ws_ptr, off, o_mask, mn, sb, pk, nsp)
+                    total = _mb_group(total, acc, ws_ptr, off, o_mask, mn, sb, pk, NSP)
                 gl.store(o_ptr, total.to(out_ptr.dtype.element_ty), mask=o_mask)
                 empty = gl.full([W, R, TOK], -1, gl.int32, layout=mma)
                 for se in gl.static_range(NSP):
-                    gl.store(ws_ptr + se * mn + off, empty, mask=_mb_live(o_mask, se, pk, nsp))
+                    gl.store(ws_ptr + se * mn + off, empty, mask=_mb_live(o_mask, se, pk, NSP))
                 gl.store(cnt_ptr + pid, 0)  # re-arm for the next launch
         elif SPLIT:
             mn = M * N
