@@ -83,8 +83,7 @@ from pathlib import Path
 
 import torch
 
-from glmq.kernels.w4a16_dense import (_INTERPRETED, MMA_CHUNK, Layout, PackedW4, _cuda_info, _mailbox_words, _pairs_asm,
-                                      _tickets)
+from glmq.kernels.w4a16_dense import _INTERPRETED, MMA_CHUNK, Layout, PackedW4, _cuda_info, _pairs_asm, _tickets
 
 try:  # Gluon ships with Triton >= 3.4 as triton.experimental.gluon; its API is still moving
     from triton.experimental import gluon
@@ -130,10 +129,6 @@ class DecodeConfig:
             8 warps): each warpgroup's 64 rows x TOK tokens per chunk as one asynchronous chain of 8
             `wgmma.m64nTOKk16`, the dequantized words (A) from registers and x (B) read by the tensor cores straight
             from the ring slot, instead of per warp 8-16 `mma.sync` on x fragments loaded by ldmatrix.
-        mailbox: the shared-x kernel's split-K fix-up through a mailbox (as `w4a16_dense._mailbox_tile`) instead of
-            a ticket taken at the end: each program takes its ticket when it starts (relaxed; read at the end), the
-            last to start sums, the others store their partial's bits and exit (no fence, no atomic at the end).
-            The ticket fix-up cost 1.2-1.7 us of a 12-15 us GEMM (PROBE 1, kernels/NOTES.md session 18).
     """
 
     rows: int = 16
@@ -146,7 +141,6 @@ class DecodeConfig:
     step: int = 1
     w_smem: bool = False
     wgmma: bool = False
-    mailbox: bool = False
 
     def __post_init__(self) -> None:
         if self.rows not in (16, 32):
@@ -165,39 +159,12 @@ class DecodeConfig:
         if self.wgmma and not (self.split and self.rows == 16 and self.warps in (4, 8)):
             raise ValueError(f"DecodeConfig.wgmma takes the shared-x kernel (split >= 1) with 16 rows a warp and 4 or "
                              f"8 warps (whole warpgroups), got {self}")
-        if self.mailbox and not self.split:
-            raise ValueError(f"DecodeConfig.mailbox is the shared-x kernel's split-K fix-up (split >= 1), got {self}")
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def _mailbox_asm(g: int) -> str:
-    """PTX for `_mb_group`: the mailbox words of splits s0 .. s0 + g - 1 at one element, as loaded ($g..$2g-1) ->
-    $0..$g-1, each live one (a split other than the reducer's, below the count, mask set) re-read (ld.relaxed.gpu:
-    from L2) while it is still MAILBOX_EMPTY, i.e. until its split has published it.
-
-    Inputs after the words: $2g the element's offset in a split's words, $2g+1 its mask (int32), $2g+2 s0, $2g+3 the
-    reducing program's split, $2g+4 the number of splits, $2g+5 the words per split, $2g+6 the words' base address.
-    Addresses are formed here, on the rare path, so that the caller keeps one 32-bit offset per element instead of g
-    64-bit pointers (`w4a16_dense._spin_asm` takes those: at 16 tokens they pushed the shared-x kernel to 255
-    registers)."""
-    o = 2 * g
-    s = "{ .reg .pred p, q; .reg .b32 s, i, w; .reg .b64 a; "
-    for j in range(g):
-        s += (f"mov.b32 w, ${g + j}; add.s32 s, ${o + 2}, {j}; setp.ne.s32 p, ${o + 1}, 0; "
-              f"setp.ne.and.s32 p, s, ${o + 3}, p; setp.lt.and.s32 p, s, ${o + 4}, p; @!p bra D{j}; "
-              f"mad.lo.s32 i, s, ${o + 5}, ${o}; mul.wide.s32 a, i, 4; add.s64 a, a, ${o + 6}; "
-              f"L{j}: setp.ne.s32 q, w, -1; @q bra D{j}; ld.relaxed.gpu.global.b32 w, [a]; bra L{j}; "
-              f"D{j}: mov.b32 ${j}, w; ")
-    return s + "}"
-
-
 if _GLUON:
-    _MAILBOX1 = gl.constexpr(_mailbox_asm(1))
-    _MAILBOX2 = gl.constexpr(_mailbox_asm(2))
-    _MAILBOX3 = gl.constexpr(_mailbox_asm(3))
-    _MAILBOX4 = gl.constexpr(_mailbox_asm(4))
     _PAIRS_BF16 = gl.constexpr(_pairs_asm(True))
     _PAIRS_F16 = gl.constexpr(_pairs_asm(False))
     _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier  # renamed in Triton 3.7
@@ -659,71 +626,11 @@ if _GLUON:
         return acc + part * gl.expand_dims(s.to(gl.float32), 2), a_next
 
     @gluon.jit
-    def _split_part(part, acc, mask, mn, s: gl.constexpr, pk):
-        """Split s's fp32 partial ([M, N] at part + s M N, from L2), or at s == pk this program's own, acc (the bits
-        it stored)."""
-        return gl.where(pk == s, acc, gl.load(part + s * mn, mask=mask & (pk != s), other=0.0, cache_modifier=".cg"))
-
-    @gluon.jit
-    def _mb_live(mask, s, pk, nsp):
-        return mask & (s != pk) & (s < nsp)
-
-    @gluon.jit
-    def _mb_add(total, part, bits, s: gl.constexpr, pk, nsp: gl.constexpr):
-        """total + the partial of split s: this program's own (part) at s == pk, nothing past the last split."""
-        if s < nsp:
-            total = total + gl.where(pk == s, part, bits.to(gl.float32, bitcast=True))
-        return total
-
-    @gluon.jit
-    def _mb_load(mb_ptr, off, mask, mn, s: gl.constexpr, pk, nsp: gl.constexpr):
-        """The mailbox words of split s at `off` (volatile: from L2); zeros where s is the reducer's, and past nsp
-        anything (`off` itself: a constant here broke the inline asm's lowering, Triton 3.6), never read."""
-        if s < nsp:
-            return gl.load(mb_ptr + s * mn + off, mask=mask & (pk != s), other=0, volatile=True)
-        else:
-            return off
-
-    @gluon.jit
-    def _mb_group(total, part, mb_ptr, off, mask, mn, s0: gl.constexpr, pk, nsp: gl.constexpr):
-        """Add the partials of splits s0 .. s0 + 3 to total in split order, as `w4a16_dense._mailbox_group`: the
-        four splits' words are loaded before any is checked (one round trip when they have been published), then a
-        word still empty is polled (`_mailbox_asm`)."""
-        b0 = _mb_load(mb_ptr, off, mask, mn, s0, pk, nsp)
-        b1 = _mb_load(mb_ptr, off, mask, mn, s0 + 1, pk, nsp)
-        b2 = _mb_load(mb_ptr, off, mask, mn, s0 + 2, pk, nsp)
-        b3 = _mb_load(mb_ptr, off, mask, mn, s0 + 3, pk, nsp)
-        z = off * 0
-        args = [off, mask.to(gl.int32), z + s0, z + pk, z + nsp, z + mn,
-                (z + 0).to(gl.int64) + mb_ptr.to(gl.int64, bitcast=True)]
-        # as many words as there are splits left (the lowering of an asm output left unused fails, Triton 3.6)
-        if nsp - s0 >= 4:
-            b0, b1, b2, b3 = gl.inline_asm_elementwise(
-                _MAILBOX4, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,l", [b0, b1, b2, b3] + args,
-                dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=False, pack=1)
-        elif nsp - s0 == 3:
-            b0, b1, b2 = gl.inline_asm_elementwise(
-                _MAILBOX3, "=r,=r,=r,r,r,r,r,r,r,r,r,r,l", [b0, b1, b2] + args,
-                dtype=(gl.int32, gl.int32, gl.int32), is_pure=False, pack=1)
-        elif nsp - s0 == 2:
-            b0, b1 = gl.inline_asm_elementwise(
-                _MAILBOX2, "=r,=r,r,r,r,r,r,r,r,r,l", [b0, b1] + args, dtype=(gl.int32, gl.int32), is_pure=False,
-                pack=1)
-        else:
-            b0 = gl.inline_asm_elementwise(_MAILBOX1, "=r,r,r,r,r,r,r,r,l", [b0] + args, dtype=gl.int32,
-                                           is_pure=False, pack=1)
-        total = _mb_add(total, part, b0, s0, pk, nsp)
-        total = _mb_add(total, part, b1, s0 + 1, pk, nsp)
-        total = _mb_add(total, part, b2, s0 + 2, pk, nsp)
-        total = _mb_add(total, part, b3, s0 + 3, pk, nsp)
-        return total
-
-    @gluon.jit
     def _xshared_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, stride_wc, stride_sn,
                         stride_om, CPP: gl.constexpr, W: gl.constexpr, R: gl.constexpr, TOK: gl.constexpr,
                         D: gl.constexpr, XR: gl.constexpr, STEP: gl.constexpr, WS: gl.constexpr, WG: gl.constexpr,
                         BF16: gl.constexpr, SP: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr,
-                        PROBE: gl.constexpr = 0, NSP: gl.constexpr = 0, MB: gl.constexpr = False):
+                        PROBE: gl.constexpr = 0):
         """grid = (cdiv(N, W R), split). Program (p, k): rows [W R p, W R (p + 1)), chunks [CPP k, CPP (k + 1));
         warp w: its R of those rows over all the program's chunks, so the W warps share one copy of x: each chunk's x
         goes global -> shared memory by cp.async into a ring of XR slots (XR - STEP chunks ahead, one barrier per
@@ -736,13 +643,9 @@ if _GLUON:
         i is dequantized while chunk i - 1's MMA runs, which is retired (`_wg_retire`) before the barrier that frees
         its slot, or, inside a step, right after chunk i's is issued; with WS each MMA is retired at once.
 
-        SPLIT (NSP = split > 1): each program stores its fp32 partial to `ws_ptr` ([split, M, N]) and takes a ticket
+        SPLIT (split > 1): each program stores its fp32 partial to `ws_ptr` ([split, M, N]) and takes a ticket
         (`cnt_ptr`, one per row block, zero on entry and on exit); the last to arrive sums the partials in split
-        order (the same bits every run; the other splits' loads all in flight at once, its own from registers) and
-        stores the output, as `w4a16_dense._write_tile` does. With MB (the mailbox, `DecodeConfig.mailbox`) the ticket is taken when the program starts (after the PDL wait, so that a
-        launch never counts with the previous one's tickets); the last to start sums, in split order, the int32
-        partial bits the others stored into `ws_ptr` (MAILBOX_EMPTY between launches, polled until published) and
-        its own partial from registers, then empties the words and the ticket; the others store and exit.
+        order (the same bits every run) and stores the output, as `w4a16_dense._write_tile` does.
         PDL: the first chunks' words and scales are requested before the wait for the previous kernel, x after
         it; the next launch is let in after the main loop.
         PROBE (timing probes for scripts/probe_decode.py, wrong results): 1 = no split-K fix-up (each program
@@ -783,15 +686,6 @@ if _GLUON:
         sg0, sg1 = _prefetch_scales(sp, CPP)
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        t_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[W], order=[0])
-        ti = gl.arange(0, 32 * W, layout=t_l)
-        tkt = ti
-        if SPLIT and MB:  # thread 0 takes the program's start ticket; its value is read after the main loop (inline
-            # PTX: gl.atomic_add on one address from every lane is aggregated over the warp by the compiler, whose
-            # shuffles then wait for the atomic's round trip right here)
-            tkt = gl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.eq.s32 p, $2, 0; mov.b32 $0, 0; @p atom.relaxed.gpu.global.add.u32 $0, [$1], 1; }",
-                "=r,l,r", [cnt_ptr + pid + ti * 0, ti], dtype=gl.int32, is_pure=False, pack=1)
         r0, r1, r2, r3, r4, r5, r6, r7 = _ring(x_ptr, TOK, SP, XR, False, W, R, WG)  # x's ring
         q0, q1, q2, q3, q4, q5, q6, q7 = r0, r1, r2, r3, r4, r5, r6, r7  # the words' ring (WS), else unused
         if WS:
@@ -895,27 +789,7 @@ if _GLUON:
         tok = gl.expand_dims(gl.expand_dims(to, 0), 1)
         o_mask = (row < N) & (tok < M)
         o_ptr = out_ptr + row + tok * stride_om
-        if SPLIT and MB and PROBE != 1:
-            mn = M * N
-            off = row + tok * N
-            pk = gl.program_id(1)
-            # compile-time split count and loops: a runtime loop here took the kernel to 255 registers (Triton 3.6)
-            if gl.max(gl.where(ti == 0, tkt, -1), axis=0) != NSP - 1:  # publish the partial's bits and exit
-                # never the empty word 0xFFFFFFFF (it becomes 0xFFFFFFFE, a NaN either way); inline PTX, since a
-                # comparison on the accumulator took this kernel from 164 to 255 registers (Triton 3.6, sm_90)
-                bits = gl.inline_asm_elementwise("min.u32 $0, $1, 0xFFFFFFFE;", "=r,r", [acc.to(gl.int32, bitcast=True)],
-                                                 dtype=gl.int32, is_pure=True, pack=1)
-                gl.store(ws_ptr + pk.to(gl.int64) * mn + off, bits, mask=o_mask)
-            else:  # the last to start: every other split is running or done
-                total = gl.zeros_like(acc)
-                for sb in gl.static_range(0, NSP, 4):
-                    total = _mb_group(total, acc, ws_ptr, off, o_mask, mn, sb, pk, NSP)
-                gl.store(o_ptr, total.to(out_ptr.dtype.element_ty), mask=o_mask)
-                empty = gl.full([W, R, TOK], -1, gl.int32, layout=mma)
-                for se in gl.static_range(NSP):
-                    gl.store(ws_ptr + se * mn + off, empty, mask=_mb_live(o_mask, se, pk, NSP))
-                gl.store(cnt_ptr + pid, 0)  # re-arm for the next launch
-        elif SPLIT:
+        if SPLIT:
             mn = M * N
             part = ws_ptr + row + tok * N
             gl.store(part + gl.program_id(1).to(gl.int64) * mn, acc, mask=o_mask)
@@ -923,11 +797,10 @@ if _GLUON:
                 return
             _barrier()  # every thread's partial precedes the one-thread release below (as `_write_tile`)
             ticket = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-            if ticket == NSP - 1:  # the last split of this row block: sum in split order
-                pk = gl.program_id(1)
-                total = _split_part(part, acc, o_mask, mn, 0, pk)
-                for s in gl.static_range(1, NSP):  # unrolled: every load in flight before the first add
-                    total += _split_part(part, acc, o_mask, mn, s, pk)
+            if ticket == gl.num_programs(1) - 1:  # the last split of this row block: sum in split order
+                total = gl.load(part, mask=o_mask, other=0.0, cache_modifier=".cg")
+                for s in range(1, gl.num_programs(1)):
+                    total += gl.load(part + s * mn, mask=o_mask, other=0.0, cache_modifier=".cg")
                 gl.store(o_ptr, total.to(out_ptr.dtype.element_ty), mask=o_mask)
                 gl.store(cnt_ptr + pid, 0)  # re-arm for the next launch
         else:
@@ -1055,17 +928,14 @@ def _xshared_args(m: int, chunks: int, cfg: DecodeConfig, bf16: bool, spans: boo
     cpp = chunks // cfg.split
     return dict(CPP=cpp, W=cfg.warps, R=cfg.rows, TOK=8 if m <= 8 else 16, D=min(cfg.depth, cpp), XR=cfg.ring,
                 STEP=cfg.step, WS=cfg.w_smem, WG=cfg.wgmma, BF16=bf16, SP=spans, SPLIT=cfg.split > 1, PDL=pdl,
-                PROBE=probe, NSP=cfg.split if cfg.split > 1 else 0, MB=cfg.mailbox)
+                PROBE=probe)
 
 
 def _launch_xshared(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeConfig, pdl: bool, stride_wc: int,
                     launch: dict, probe: int = 0) -> None:
     m, k = x.shape
     blocks = -(-w.n // (cfg.warps * cfg.rows))
-    if cfg.split > 1 and cfg.mailbox:  # int32 partial bits, MAILBOX_EMPTY between launches
-        scratch = _mailbox_words(x.device, cfg.split * m * w.n)
-        tickets = _tickets(x.device, blocks)
-    elif cfg.split > 1:
+    if cfg.split > 1:
         scratch = torch.empty(cfg.split, m, w.n, dtype=torch.float32, device=x.device)  # fp32 partials
         tickets = _tickets(x.device, blocks)
     else:
@@ -1109,8 +979,7 @@ def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True
     sig = {"x_ptr": act, "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": act, "M": "i32", "N": "i32",
            "stride_xm": "i32", "stride_wc": "i32", "stride_sn": "i32", "stride_om": "i32"}
     if cfg.split:  # the shared-x kernel: two more pointers (the split-K scratch and tickets)
-        sig = {**{k: v for k, v in sig.items() if k.endswith("_ptr")}, "ws_ptr": "*i32" if cfg.mailbox else "*fp32",
-               "cnt_ptr": "*i32",
+        sig = {**{k: v for k, v in sig.items() if k.endswith("_ptr")}, "ws_ptr": "*fp32", "cnt_ptr": "*i32",
                **{k: v for k, v in sig.items() if not k.endswith("_ptr")}}
         consts = _xshared_args(tok, chunks, cfg, bf16, spans, pdl, probe)
         kernel_fn, ptrs = _xshared_kernel, (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11)

@@ -742,8 +742,7 @@ def test_moe_config_validation():
      (dict(depth=5), "depth must be 1-4"), (dict(split=-1), "split must be >= 0"),
      (dict(ring=3), "ring must be 2, 4 or 8"), (dict(step=3), "step must be 1, 2 or 4"),
      (dict(ring=2, step=2), "ring >= 2 step"), (dict(wgmma=True), "wgmma takes the shared-x kernel"),
-     (dict(split=2, rows=32, wgmma=True), "wgmma takes"), (dict(split=2, warps=2, wgmma=True), "wgmma takes"),
-     (dict(mailbox=True), "mailbox is the shared-x kernel's")],
+     (dict(split=2, rows=32, wgmma=True), "wgmma takes"), (dict(split=2, warps=2, wgmma=True), "wgmma takes")],
 )  # fmt: skip
 def test_decode_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -855,8 +854,7 @@ def test_probe_decode_tags_round_trip():
                 DK.DecodeConfig(16, 4, 4, split=3, ring=8, step=2),
                 DK.DecodeConfig(16, 4, 1, split=4, ring=8, w_smem=True),
                 DK.DecodeConfig(16, 4, 1, split=1, ring=8, step=2, w_smem=True),
-                DK.DecodeConfig(16, 8, 3, split=4, ring=8, step=2, wgmma=True),
-                DK.DecodeConfig(16, 4, 1, split=4, w_smem=True, wgmma=True, mailbox=True)):
+                DK.DecodeConfig(16, 8, 3, split=4, ring=8, step=2, wgmma=True)):
         assert P.parse_tag(P.tag(cfg)) == cfg, cfg
     with pytest.raises(ValueError, match="not a decode config tag"):
         P.parse_tag("R16W4")
@@ -1056,9 +1054,7 @@ XSHARED_CFGS = [DK.DecodeConfig(16, 4, 2, split=1), DK.DecodeConfig(16, 8, 3, sp
                 DK.DecodeConfig(16, 4, 4, split=3, ring=8, step=2),
                 DK.DecodeConfig(16, 4, 1, split=2, ring=8, w_smem=True),
                 DK.DecodeConfig(32, 4, 1, split=3, ring=4, step=2, w_smem=True),
-                DK.DecodeConfig(16, 8, 1, split=3, ring=4, w_smem=True),
-                DK.DecodeConfig(16, 4, 3, split=4, mailbox=True), DK.DecodeConfig(16, 8, 2, split=6, mailbox=True),
-                DK.DecodeConfig(16, 4, 1, split=2, w_smem=True, mailbox=True)]
+                DK.DecodeConfig(16, 8, 1, split=3, ring=4, w_smem=True)]
 
 
 @pytest.mark.gpu
@@ -1081,8 +1077,7 @@ XSHARED_WG_CFGS = [DK.DecodeConfig(16, 4, 3, split=4, wgmma=True), DK.DecodeConf
                    DK.DecodeConfig(16, 4, 3, split=2, ring=4, step=2, wgmma=True),
                    DK.DecodeConfig(16, 8, 2, split=6, ring=8, step=4, wgmma=True),  # K = 3072: one short step
                    DK.DecodeConfig(16, 4, 1, split=2, ring=4, w_smem=True, wgmma=True),
-                   DK.DecodeConfig(16, 8, 1, split=3, ring=8, step=2, w_smem=True, wgmma=True),
-                   DK.DecodeConfig(16, 4, 3, split=4, wgmma=True, mailbox=True)]
+                   DK.DecodeConfig(16, 8, 1, split=3, ring=8, step=2, w_smem=True, wgmma=True)]
 
 
 @pytest.mark.gpu
@@ -1102,25 +1097,6 @@ def test_xshared_wgmma_gpu(m, n, k, cfg, dtype):
     for pdl in (False, True):  # the same bits on every launch, plain or PDL
         again = D.w4a16_matmul_packed(x, packed, out=poisoned(m, n, dtype), config=cfg, pdl=pdl)
         assert torch.equal(again + 0, y + 0)
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("m", [1, 16])
-@pytest.mark.parametrize("split", [3, 12])
-def test_xshared_mailbox_gpu(m, split):
-    # the mailbox fix-up: the same bits as the ticket fix-up on every launch, plain or PDL, whichever program
-    # reduces (12 splits: three groups of four words); it leaves the words empty and the tickets at zero
-    n, k = 4096, 6144
-    x, packed, y = _decode_case(m, n, k, torch.bfloat16, DK.DecodeConfig(16, 4, 2, split=split))
-    cfg = DK.DecodeConfig(16, 4, 2, split=split, mailbox=True)
-    for pdl in (False, True, False, True):
-        again = D.w4a16_matmul_packed(x, packed, out=poisoned(m, n, torch.bfloat16), config=cfg, pdl=pdl)
-        assert torch.equal(again + 0, y + 0)
-    torch.cuda.synchronize()
-    assert int(D._tickets(x.device, 1).count_nonzero()) == 0
-    words = D._mailbox_words(x.device, split * m * n)
-    assert bool((words == D.MAILBOX_EMPTY).all())
 
 
 @pytest.mark.gpu
