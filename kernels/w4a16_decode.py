@@ -57,14 +57,14 @@ all five GLM shapes (1.2-1.3x the Triton wgmma kernel on the large ones), at M =
 three, and at M = 1-2 on the three large ones (kernels/NOTES.md, sessions 14-18). Its timing probes (`PROBE`: no
 split-K fix-up, the memory pipeline only, no dequantization) say where the time goes (session 18).
 
-Where it is used (kernels/NOTES.md, sessions 11-14 and 18, for the measurements). On PAIRS weights on the H200
-it wins at M = 1-4 on some shapes (the expert-sized ones most: no split-K fix-up; with x_smem at M = 1; since
-session 18 the shared-x kernel takes the three large GLM shapes at M = 1-2) and loses on others, and above M = 4 the x fragment loads (16 per chunk and token tile, per
-16 rows) make it slower than the wgmma kernel everywhere (x_smem is M = 1 only: a program's x at M <= 16
-would need up to K * 32 bytes of shared memory). On SPANS weights it won against the Triton kernel (which
-permutes x for them) at M <= 4 on all five GLM shapes, at M = 8 on three plain and all five as PDL chains,
-and at M = 16 on one. So `w4a16_matmul_packed` takes it only where the launch table of the weight's layout
-(`TUNED_PATHS`: `tuned_decode.json` for PAIRS, `tuned_decode_spans.json` for SPANS; written by
+Where it is used (kernels/NOTES.md, sessions 11-14 and 18, for the measurements). On PAIRS weights on the H200 it
+wins at M = 1-4 on some shapes (the expert-sized ones most: no split-K fix-up; with x_smem at M = 1; since session
+18 the shared-x kernel takes the three large GLM shapes at M = 1-2) and loses on others, and above M = 4 the x
+fragment loads (16 per chunk and token tile, per 16 rows) make it slower than the wgmma kernel everywhere (x_smem
+is M = 1 only: a program's x at M <= 16 would need up to K * 32 bytes of shared memory). On SPANS weights it won
+against the Triton kernel (which permutes x for them) at M <= 4 on all five GLM shapes, at M = 8 on three plain
+and all five as PDL chains, and at M = 16 on one. So `w4a16_matmul_packed` takes it only where the launch table of
+the weight's layout (`TUNED_PATHS`: `tuned_decode.json` for PAIRS, `tuned_decode_spans.json` for SPANS; written by
 scripts/probe_decode.py --tune on the GPU it names) says it was faster, or, on other sm_90 GPUs, by
 `heuristic_config`'s rule; an explicit `DecodeConfig` always takes it.
 
