@@ -6,7 +6,7 @@ OUT=${OUT:-ncu-out}; mkdir -p "$OUT"
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 [[ -n $NCU ]] || { echo "no ncu on this machine"; exit 2; }
 for case in "$@"; do
-  f="$OUT/ncu_${case//,/_}.txt"
+  name=${case//,/_}; f="$OUT/ncu_${name//\//_}.txt"  # TAG/P1 (a timing probe): no slash in the file name
   "$NCU" --clock-control none -k 'regex:(xshared_kernel|decode_kernel|mma_swap_kernel)' -s 2 -c 1 \
     --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
     --section SchedulerStats --section InstructionStats --section MemoryWorkloadAnalysis --section SourceCounters \

@@ -124,6 +124,12 @@ def tag(c) -> str:
             f"{'M' if c.w_smem else ''}{'H' if c.wgmma else ''}")
 
 
+def parse_probe_tag(text: str):
+    """`TAG` or `TAG/P<n>` -> (DecodeConfig, n): the config and its timing probe (the kernels' PROBE; 0 for the GEMM)."""
+    tag_, _, probe = text.partition("/P")
+    return parse_tag(tag_), int(probe or 0)
+
+
 def parse_tag(text: str):
     """`tag`'s inverse: `R16W4D3[X][E][S4G4][B2][M][H]` -> a DecodeConfig."""
     import re
@@ -147,8 +153,8 @@ def variants(n: int, k: int, m: int, xshared_only: bool = False, tag_has: str = 
         from glmq.kernels import w4a16_decode as DK
 
         stub = _stub(n, k, layout)
-        for t in tags:  # TAG or TAG/P<n>: the config's timing probe n (the kernels' PROBE)
-            c, probe = parse_tag(t.split("/P")[0]), int(t.split("/P")[1]) if "/P" in t else 0
+        for t in tags:
+            c, probe = parse_probe_tag(t)
             if DK.supports(m, stub, c) and not (c.x_smem and m > 1):
                 yield c, probe
         return
@@ -234,7 +240,7 @@ def check_cases(xshared_only: bool = False, tags: tuple = (), layout: str = "pai
     M = 1 only; with --xshared-only the shared-x ones)."""
     from glmq.kernels import w4a16_decode as DK
 
-    cfgs = ([(parse_tag(t), False) for t in dict.fromkeys(t.split("/P")[0] for t in tags)] if tags else
+    cfgs = ([(c, False) for c in dict.fromkeys(parse_probe_tag(t)[0] for t in tags)] if tags else
             [(DK.DecodeConfig(r, w, d, x_smem=xs, split=sp), pdl) for r, w, d, pdl, xs, sp in CHECK_CONFIGS])
     out = []
     for (m, n, k), dt, (cfg, pdl) in itertools.product(CHECK_SHAPES, (torch.bfloat16, torch.float16), cfgs):

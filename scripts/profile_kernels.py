@@ -22,8 +22,8 @@ replay over weight copies rotated past L2), so that differences place the time w
 
 --decode CASE [CASE ...] (session 15): launch the Gluon decode kernels (kernels/w4a16_decode.py) for ncu, each
 case `N,K,M,TAG` three times on PAIRS weights (the first compiles), TAG a probe_decode tag (`R16W4D3S4G4`: the
-shared-x kernel with split 4, ring 4; `R16W4D3X`: `_decode_kernel` with x_smem) or `triton` for the Triton
-kernel on the config `choose_config` picks:
+shared-x kernel with split 4, ring 4; `R16W4D3X`: `_decode_kernel` with x_smem; `R16W4D3S4G4/P1`: its timing probe 1,
+no split-K fix-up) or `triton` for the Triton kernel on the config `choose_config` picks:
     ncu --clock-control none -k regex:kernel -s 2 -c 1 --section WarpStateStats ... \
         python scripts/profile_kernels.py --decode 6144,12288,16,R16W4D3S4G4
 
@@ -75,7 +75,7 @@ def ncu_cases() -> int:
 
 def ncu_decode(cases: list[str]) -> int:
     from glmq.kernels import w4a16_decode as DK
-    from probe_decode import parse_tag  # scripts/ is on sys.path when this runs as a script
+    from probe_decode import parse_probe_tag  # scripts/ is on sys.path when this runs as a script
 
     dev = torch.device("cuda")
     for case in cases:
@@ -88,8 +88,8 @@ def ncu_decode(cases: list[str]) -> int:
             cfg = D.choose_config(m, n, k, 128, D.sm_count(dev), D.device_name(dev), D.Layout.PAIRS)
             fn = lambda: D.w4a16_matmul_packed(x, w, config=cfg)  # noqa: E731
         else:
-            cfg = parse_tag(tag)
-            fn = lambda: DK.decode_matmul(x, w, out, cfg)  # noqa: E731
+            cfg, probe = parse_probe_tag(tag)
+            fn = lambda: DK.decode_matmul(x, w, out, cfg, probe=probe)  # noqa: E731
         print(f"N={n} K={k} M={m} {tag}: {cfg}", file=sys.stderr, flush=True)
         for _ in range(3):
             fn()

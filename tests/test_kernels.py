@@ -1004,6 +1004,8 @@ def test_probe_decode_probe_tags():
     assert [(P.tag(c), p) for c, p in got] == [("R16W4D3S4G4", 0), ("R16W4D3S4G4", 2), ("R16W4D3S4G4H", 1)]
     cfgs = {P.tag(c) for *_, c, _pdl in P.check_cases(tags=("R16W4D3S4G4", "R16W4D3S4G4/P2"))}
     assert cfgs == {"R16W4D3S4G4"}
+    assert P.parse_probe_tag("R16W4D3S4G4H/P3") == (DK.DecodeConfig(16, 4, 3, split=4, wgmma=True), 3)
+    assert P.parse_probe_tag("R16W4D2") == (DK.DecodeConfig(16, 4, 2), 0)
 
 
 def _graph_of(fn) -> torch.cuda.CUDAGraph:
