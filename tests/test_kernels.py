@@ -860,6 +860,22 @@ def test_probe_decode_tags_round_trip():
         P.parse_tag("R16W4")
 
 
+def _compile_sm90_in_subprocess(code: str) -> list:
+    """Run `code` (which compiles with `w4a16_decode.compile_sm90` and prints a JSON list last, or "SKIP ...") in a
+    fresh process without TRITON_INTERPRET; the list, or a pytest skip where this Triton cannot compile Gluon."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    if last.startswith("SKIP"):
+        pytest.skip(f"this Triton cannot compile Gluon for sm_90 here: {last}")
+    return json.loads(last)
+
+
 def test_decode_kernel_compiles_for_sm90():
     # Compiled ahead of time with the installed Triton's ptxas (no GPU needed), in a fresh process: the
     # dequantized words must become the MMA's A fragments without any data movement (assert_trivial), the
@@ -912,17 +928,7 @@ for cfg, chunks, tok, bf16, xb, pdl, sp in [(DK.DecodeConfig(16, 4, 2), 64, 8, T
                     xs=cfg.x_smem and xb, sp=sp, xb=xb, split=cfg.split, step=cfg.step, ws=cfg.w_smem, wg=cfg.wgmma))
 print(json.dumps(out))
 """
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    last = proc.stdout.strip().splitlines()[-1]
-    if last.startswith("SKIP"):
-        pytest.skip(f"this Triton cannot compile Gluon for sm_90 here: {last}")
-    for r in json.loads(last):
+    for r in _compile_sm90_in_subprocess(code):
         assert r["spills"] == 0 and r["local"] == 0 and r["registers"] <= 255, r
         assert "STL" not in r["ops"] and "LDL" not in r["ops"], r
         if r["wg"]:  # a warpgroup MMA per k16 step and chunk (m64 x TOK), nothing by mma.sync
@@ -976,17 +982,7 @@ for cfg in (DK.DecodeConfig(16, 4, 3, split=4), DK.DecodeConfig(16, 4, 2, split=
         out.append(dict(probe=probe, wg=cfg.wgmma, ops=r["ops"]))
 print(json.dumps(out))
 """
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    last = proc.stdout.strip().splitlines()[-1]
-    if last.startswith("SKIP"):
-        pytest.skip(f"this Triton cannot compile Gluon for sm_90 here: {last}")
-    res = {(r["wg"], r["probe"]): r["ops"] for r in json.loads(last)}
+    res = {(r["wg"], r["probe"]): r["ops"] for r in _compile_sm90_in_subprocess(code)}
     for wg in (False, True):
         mma = "HGMMA" if wg else "HMMA"
         full, nofix, loads, nodeq = (res[wg, p] for p in range(4))
