@@ -84,7 +84,8 @@ from pathlib import Path
 
 import torch
 
-from glmq.kernels.w4a16_dense import _INTERPRETED, MMA_CHUNK, Layout, PackedW4, _cuda_info, _pairs_asm, _tickets
+from glmq.kernels.w4a16_dense import (_INTERPRETED, MMA_CHUNK, Layout, PackedW4, _cuda_info, _pairs_asm,
+                                      _raw_words_asm, _tickets)
 
 try:  # Gluon ships with Triton >= 3.4 as triton.experimental.gluon; its API is still moving
     from triton.experimental import gluon
@@ -168,6 +169,7 @@ class DecodeConfig:
 if _GLUON:
     _PAIRS_BF16 = gl.constexpr(_pairs_asm(True))
     _PAIRS_F16 = gl.constexpr(_pairs_asm(False))
+    _RAW_WORDS = gl.constexpr(_raw_words_asm())
     _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier  # renamed in Triton 3.7
     # cp.async global -> shared: async_copy_global_to_shared up to Triton 3.6, async_load from 3.7 (the old name raises)
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -179,20 +181,19 @@ if _GLUON:
         `w4a16_dense._dequant_pairs`, with the warps' K ranges as the leading axis). RAW (a timing probe, wrong
         results): each word's two 16-bit halves as they are, four times over (no dequantization instructions)."""
         if RAW:
-            e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
-                "mov.b32 {$0, $4}, $8; mov.b32 {$1, $5}, $8; mov.b32 {$2, $6}, $8; mov.b32 {$3, $7}, $8;",
-                "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
-                dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16,
-                       gl.bfloat16) if BF16 else (gl.float16, gl.float16, gl.float16, gl.float16, gl.float16,
-                                                  gl.float16, gl.float16, gl.float16), is_pure=True, pack=1)
+            asm: gl.constexpr = _RAW_WORDS
         elif BF16:
+            asm: gl.constexpr = _PAIRS_BF16
+        else:
+            asm: gl.constexpr = _PAIRS_F16
+        if BF16:
             e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
-                _PAIRS_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
+                asm, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
                 dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16,
                        gl.bfloat16), is_pure=True, pack=1)  # fmt: skip
         else:
             e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
-                _PAIRS_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
+                asm, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
                 dtype=(gl.float16, gl.float16, gl.float16, gl.float16, gl.float16, gl.float16, gl.float16,
                        gl.float16), is_pure=True, pack=1)  # fmt: skip
         s: gl.constexpr = [W, R, 4, 4]

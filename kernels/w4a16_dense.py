@@ -647,6 +647,13 @@ def _pairs_asm(bf16: bool) -> str:
     return s + "mov.b32 {$0, $4}, t0; mov.b32 {$1, $5}, t1; mov.b32 {$2, $6}, t2; mov.b32 {$3, $7}, t3; }"
 
 
+def _raw_words_asm() -> str:
+    """`_pairs_asm`'s data flow without its arithmetic: each word handed on as its own eight 'elements' (for the
+    timing probes that leave the dequantization out: scripts/profile_kernels.py, `w4a16_decode`'s PROBE 3)."""
+    s = "{ .reg .b32 t0, t1, t2, t3; mov.b32 t0, $8; mov.b32 t1, $8; mov.b32 t2, $8; mov.b32 t3, $8; "
+    return s + "mov.b32 {$0, $4}, t0; mov.b32 {$1, $5}, t1; mov.b32 {$2, $6}, t2; mov.b32 {$3, $7}, t3; }"
+
+
 _PAIRS_BF16 = tl.constexpr(_pairs_asm(True))
 _PAIRS_F16 = tl.constexpr(_pairs_asm(False))
 

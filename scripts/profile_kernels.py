@@ -100,13 +100,7 @@ def ncu_decode(cases: list[str]) -> int:
 # ---- decomposition variants (diagnostics only: not library code paths) -------------------------------
 
 
-def _raw_words_asm() -> str:
-    """`_pairs_asm`'s data flow without its arithmetic: each word handed on as its own eight 'elements'."""
-    s = "{ .reg .b32 t0, t1, t2, t3; mov.b32 t0, $8; mov.b32 t1, $8; mov.b32 t2, $8; mov.b32 t3, $8; "
-    return s + "mov.b32 {$0, $4}, t0; mov.b32 {$1, $5}, t1; mov.b32 {$2, $6}, t2; mov.b32 {$3, $7}, t3; }"
-
-
-_RAW = tl.constexpr(_raw_words_asm())
+_RAW = tl.constexpr(D._raw_words_asm())
 
 
 @triton.jit
