@@ -131,11 +131,6 @@ class DecodeConfig:
             8 warps): each warpgroup's 64 rows x TOK tokens per chunk as one asynchronous chain of 8
             `wgmma.m64nTOKk16`, the dequantized words (A) from registers and x (B) read by the tensor cores straight
             from the ring slot, instead of per warp 8-16 `mma.sync` on x fragments loaded by ldmatrix.
-        cluster: the shared-x kernel's `split` programs of a row block run as one thread-block cluster (sm_90;
-            split 2-8) and sum their fp32 partials through distributed shared memory instead of global
-            scratch and a ticket: after a cluster barrier each program but the first stores its partial into the
-            first's shared memory (where its x ring was), and after a second barrier the first sums them in split
-            order (the same bits as the ticket's fix-up) and stores the output.
     """
 
     rows: int = 16
@@ -148,7 +143,6 @@ class DecodeConfig:
     step: int = 1
     w_smem: bool = False
     wgmma: bool = False
-    cluster: bool = False
 
     def __post_init__(self) -> None:
         if self.rows not in (16, 32):
@@ -167,9 +161,6 @@ class DecodeConfig:
         if self.wgmma and not (self.split and self.rows == 16 and self.warps in (4, 8)):
             raise ValueError(f"DecodeConfig.wgmma takes the shared-x kernel (split >= 1) with 16 rows a warp and 4 or "
                              f"8 warps (whole warpgroups), got {self}")
-        if self.cluster and not 2 <= self.split <= 8:
-            raise ValueError(f"DecodeConfig.cluster takes the shared-x kernel with split 2-8 (a portable cluster), "
-                             f"got {self}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -637,53 +628,11 @@ if _GLUON:
         return acc + part * gl.expand_dims(s.to(gl.float32), 2), a_next
 
     @gluon.jit
-    def _cluster_sync(RELEASE: gl.constexpr):
-        """A barrier of every thread of the cluster's programs. RELEASE: what each wrote to shared memory (its own or
-        another program's) before it is visible to all after it (ptxas: a MEMBAR.GPU before the arrive); without,
-        only that everyone has got there (what each read before it, it has consumed)."""
-        if RELEASE:
-            gl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned; "
-                                      "// $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        else:
-            gl.inline_asm_elementwise("barrier.cluster.arrive.relaxed.aligned; barrier.cluster.wait.aligned; // $0",
-                                      "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _cluster_sum(acc, off, rank, CL: gl.constexpr):
-        """The sum over the cluster's CL programs of `acc` (fp32 [W, ...], each thread's elements at byte offsets `off`
-        of a partial's block of shared memory), in rank order, valid in rank 0: after a cluster barrier (every
-        program done with its shared memory) rank k > 0 stores its partial at block k - 1 of rank 0's shared memory,
-        and after a second barrier rank 0 adds the blocks to its own. The blocks lie from offset 0 of Triton's dynamic
-        allocation (`global_smem`), which an exchange buffer of at least CL - 1 blocks, zeroed here, makes large
-        enough whatever the ring's size (a ring of fewer used slots than blocks had faulted). Hand-written PTX: Gluon
-        has no distributed shared memory and gives no address of its buffers."""
-        W: gl.constexpr = acc.shape[0]
-        n: gl.constexpr = acc.numel
-        CLB: gl.constexpr = 1 if CL <= 2 else (2 if CL <= 3 else (4 if CL <= 5 else 8))  # CL - 1, a power of 2 up
-        ex = gl.allocate_shared_memory(gl.float32, [CLB, n], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-        ex.store(gl.zeros([CLB, n], gl.float32, layout=gl.BlockedLayout([1, 4], [1, 32], [1, W], [1, 0])))
-        base = gl.inline_asm_elementwise("mov.u32 $0, global_smem;", "=r", [], dtype=gl.int32, is_pure=True, pack=1)
-        remote = gl.inline_asm_elementwise("mapa.shared::cluster.u32 $0, $1, 0;", "=r,r", [base], dtype=gl.int32,
-                                           is_pure=True, pack=1)
-        _cluster_sync(False)  # every program done with its ring: the MMAs that read it retired, its copies waited for
-        # predicated in the asm, not branched on: an `if` around the loads below raised ptxas's register
-        # allocation for the whole kernel (112 -> 192 at M = 16), as the mailbox's epilogue did (session 18)
-        gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.u32 p, $3, 0; @p st.shared::cluster.f32 [$1], $2; } // $0",
-                                  "=r,r,f,r", [remote + (rank - 1) * (n * 4) + off, acc, rank + off * 0],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-        _cluster_sync(True)
-        total = acc  # rank 0's sum; the other ranks add what their own shared memory holds and store nothing
-        for k in gl.static_range(1, CL):
-            total += gl.inline_asm_elementwise("ld.shared.f32 $0, [$1];", "=f,r", [base + (k - 1) * (n * 4) + off],
-                                               dtype=gl.float32, is_pure=False, pack=1)
-        return total
-
-    @gluon.jit
     def _xshared_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, stride_wc, stride_sn,
                         stride_om, CPP: gl.constexpr, W: gl.constexpr, R: gl.constexpr, TOK: gl.constexpr,
                         D: gl.constexpr, XR: gl.constexpr, STEP: gl.constexpr, WS: gl.constexpr, WG: gl.constexpr,
                         BF16: gl.constexpr, SP: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr,
-                        PROBE: gl.constexpr = 0, CL: gl.constexpr = 0):
+                        PROBE: gl.constexpr = 0):
         """grid = (cdiv(N, W R), split). Program (p, k): rows [W R p, W R (p + 1)), chunks [CPP k, CPP (k + 1));
         warp w: its R of those rows over all the program's chunks, so the W warps share one copy of x: each chunk's x
         goes global -> shared memory by cp.async into a ring of XR slots (XR - STEP chunks ahead, one barrier per
@@ -699,21 +648,14 @@ if _GLUON:
         SPLIT (split > 1): each program stores its fp32 partial to `ws_ptr` ([split, M, N]) and takes a ticket
         (`cnt_ptr`, one per row block, zero on entry and on exit); the last to arrive sums the partials in split
         order (the same bits every run) and stores the output, as `w4a16_dense._write_tile` does.
-        CL (`DecodeConfig.cluster`; grid = (CL cdiv(N, W R),) launched as clusters of CL programs, one row block's
-        K splits, program (CL p + k)): the partials meet in the first program's shared memory instead
-        (`_cluster_sum`); without SPLIT.
         PDL: the first chunks' words and scales are requested before the wait for the previous kernel, x after
         it; the next launch is let in after the main loop.
         PROBE (timing probes for scripts/probe_decode.py, wrong results): 1 = no split-K fix-up (each program
         stores its partial and exits); 2 = the memory pipeline only (words, scales and x's ring as in the GEMM,
         the words xor-ed instead of dequantized and multiplied; with WG the mma.sync loop's structure); 3 = no
         dequantization (the words' raw halves into the MMA)."""
-        if CL:  # a cluster of CL programs per row block, its rank = the K split
-            pid = gl.program_id(0) // CL
-            c0 = (gl.program_id(0) % CL) * CPP
-        else:
-            pid = gl.program_id(0)
-            c0 = gl.program_id(1) * CPP
+        pid = gl.program_id(0)
+        c0 = gl.program_id(1) * CPP
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -863,10 +805,6 @@ if _GLUON:
                     total += gl.load(part + s * mn, mask=o_mask, other=0.0, cache_modifier=".cg")
                 gl.store(o_ptr, total.to(out_ptr.dtype.element_ty), mask=o_mask)
                 gl.store(cnt_ptr + pid, 0)  # re-arm for the next launch
-        elif CL and PROBE != 1:
-            total = _cluster_sum(acc, (gl.expand_dims(gl.expand_dims(wo * R, 1) + gl.expand_dims(ro, 0), 2) * TOK
-                                       + tok) * 4, gl.program_id(0) % CL, CL)
-            gl.store(o_ptr, total.to(out_ptr.dtype.element_ty), mask=o_mask & (gl.program_id(0) % CL == 0))
         else:
             gl.store(o_ptr, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
@@ -967,9 +905,6 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
     if cfg.wgmma and _cuda_info(x.device)[2] != (9, 0):
         raise ValueError(f"DecodeConfig.wgmma needs an sm_90 GPU (Hopper's warpgroup MMA), got {cfg} on "
                          f"{torch.cuda.get_device_name(x.device)}")
-    if cfg.cluster and _cuda_info(x.device)[2] < (9, 0):
-        raise ValueError(f"DecodeConfig.cluster needs an sm_90 or later GPU (thread-block clusters), got {cfg} on "
-                         f"{torch.cuda.get_device_name(x.device)}")
     n = w.n
     if n == 0:
         return out  # nothing to launch (a grid of zero programs is an error)
@@ -994,49 +929,24 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
 def _xshared_args(m: int, chunks: int, cfg: DecodeConfig, bf16: bool, spans: bool, pdl: bool, probe: int = 0) -> dict:
     cpp = chunks // cfg.split
     return dict(CPP=cpp, W=cfg.warps, R=cfg.rows, TOK=8 if m <= 8 else 16, D=min(cfg.depth, cpp), XR=cfg.ring,
-                STEP=cfg.step, WS=cfg.w_smem, WG=cfg.wgmma, BF16=bf16, SP=spans,
-                SPLIT=cfg.split > 1 and not cfg.cluster, PDL=pdl, PROBE=probe, CL=cfg.split if cfg.cluster else 0)
+                STEP=cfg.step, WS=cfg.w_smem, WG=cfg.wgmma, BF16=bf16, SP=spans, SPLIT=cfg.split > 1, PDL=pdl,
+                PROBE=probe)
 
 
 def _launch_xshared(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeConfig, pdl: bool, stride_wc: int,
                     launch: dict, probe: int = 0) -> None:
     m, k = x.shape
     blocks = -(-w.n // (cfg.warps * cfg.rows))
-    if cfg.split > 1 and not cfg.cluster:
+    if cfg.split > 1:
         scratch = torch.empty(cfg.split, m, w.n, dtype=torch.float32, device=x.device)  # fp32 partials
         tickets = _tickets(x.device, blocks)
     else:
         scratch = tickets = out  # not dereferenced without SPLIT
-    args = (x, w.qweight, w.scale, out, scratch, tickets, m, w.n, x.stride(0), stride_wc, w.scale.stride(0),
-            out.stride(0))
-    kwargs = dict(**_xshared_args(m, k // MMA_CHUNK, cfg, x.dtype == torch.bfloat16, w.layout is Layout.SPANS, pdl,
-                                  probe), num_warps=cfg.warps, **launch)
-    if cfg.cluster:  # the exchange needs split - 1 partials' room in shared memory (`_cluster_sum`)
-        _as_cluster(_xshared_kernel.warmup(*args, grid=(blocks,), **kwargs), cfg.split,
-                    (cfg.split - 1) * cfg.warps * cfg.rows * kwargs["TOK"] * 4)
-        _xshared_kernel[(blocks,)](*args, **kwargs)  # blocks clusters of cfg.split programs
-    else:
-        _xshared_kernel[(blocks, cfg.split)](*args, **kwargs)
-
-
-def _as_cluster(kernel, ctas: int, exchange_bytes: int) -> None:
-    """Make every launch of the compiled `kernel` one of clusters of `ctas` programs (grid x times `ctas` CTAs).
-
-    Triton launches clusters for kernels compiled with num_ctas > 1, but then lays every tensor out over the
-    cluster's CTAs (Gluon asks each layout for a CGA layout); the shared-x kernel's programs are independent until
-    they meet in `_cluster_sum`, so it is compiled for one CTA and launched with the cluster dimension the launcher
-    reads from the kernel's packed metadata (num_warps, num_ctas, shared memory; Triton 3.6-3.9). Only kernels
-    compiled with CL = `ctas` come here, so the cached kernel is never launched otherwise."""
-    if kernel.metadata.shared < exchange_bytes:  # `_cluster_sum`'s exchange buffer guarantees it; checked, not assumed
-        raise RuntimeError(f"the shared-x kernel allocates {kernel.metadata.shared} bytes of shared memory, less than "
-                           f"the {exchange_bytes} its cluster's partials need")
-    packed = kernel.packed_metadata
-    if packed[1] == ctas:
-        return
-    if tuple(packed) != (kernel.metadata.num_warps, kernel.metadata.num_ctas, kernel.metadata.shared):
-        raise RuntimeError(f"this Triton packs its launch metadata as {packed!r}, not (num_warps, num_ctas, shared): "
-                           "DecodeConfig.cluster cannot be launched; use a config without it")
-    kernel.packed_metadata = (kernel.metadata.num_warps, ctas, kernel.metadata.shared)
+    _xshared_kernel[(blocks, cfg.split)](
+        x, w.qweight, w.scale, out, scratch, tickets, m, w.n, x.stride(0), stride_wc, w.scale.stride(0), out.stride(0),
+        **_xshared_args(m, k // MMA_CHUNK, cfg, x.dtype == torch.bfloat16, w.layout is Layout.SPANS, pdl, probe),
+        num_warps=cfg.warps, **launch,
+    )  # fmt: skip
 
 
 def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True, xb: bool = True,

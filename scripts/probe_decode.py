@@ -100,8 +100,6 @@ def tune_candidates(n: int, k: int, m: int, layout: str = "pairs"):
     cands += [DecodeConfig(r, w, d, split=s, ring=g, step=st, w_smem=ws, wgmma=wg)
               for r, w, d, g, st, ws, wg in TUNE_XSHARED + (TUNE_XSHARED_WG if m >= TUNE_WG_MIN_M else [])
               for s in xshared_splits(n, k, r, w)]
-    # each split-K one also with its partials summed in a cluster (session 19)
-    cands += [dataclasses.replace(c, cluster=True) for c in cands if 2 <= c.split <= 8]
     stub = _stub(n, k, layout)
     return [c for c in cands if DK.supports(m, stub, c)]
 
@@ -120,10 +118,10 @@ def xshared_splits(n: int, k: int, rows: int, warps: int) -> list[int]:
 
 def tag(c) -> str:
     """R{rows}W{warps}D{depth}, X with x_smem, E with pdl_early, S{split}G{ring} for the shared-x kernel, then
-    B{step} where step > 1, M with w_smem, H with wgmma and C with cluster."""
+    B{step} where step > 1, M with w_smem and H with wgmma."""
     return (f"R{c.rows}W{c.warps}D{c.depth}{'X' if c.x_smem else ''}{'E' if c.pdl_early else ''}"
             f"{f'S{c.split}G{c.ring}' if c.split else ''}{f'B{c.step}' if c.step > 1 else ''}"
-            f"{'M' if c.w_smem else ''}{'H' if c.wgmma else ''}{'C' if c.cluster else ''}")
+            f"{'M' if c.w_smem else ''}{'H' if c.wgmma else ''}")
 
 
 def parse_probe_tag(text: str):
@@ -133,18 +131,18 @@ def parse_probe_tag(text: str):
 
 
 def parse_tag(text: str):
-    """`tag`'s inverse: `R16W4D3[X][E][S4G4][B2][M][H][C]` -> a DecodeConfig."""
+    """`tag`'s inverse: `R16W4D3[X][E][S4G4][B2][M][H]` -> a DecodeConfig."""
     import re
 
     from glmq.kernels.w4a16_decode import DecodeConfig
 
-    m = re.fullmatch(r"R(\d+)W(\d+)D(\d+)(X?)(E?)(?:S(\d+)G(\d+))?(?:B(\d+))?(M?)(H?)(C?)", text)
+    m = re.fullmatch(r"R(\d+)W(\d+)D(\d+)(X?)(E?)(?:S(\d+)G(\d+))?(?:B(\d+))?(M?)(H?)", text)
     if not m:
         raise ValueError(f"not a decode config tag: {text!r} "
-                         "(R<rows>W<warps>D<depth>[X][E][S<split>G<ring>][B<step>][M][H][C])")
-    r, w, d, xs, early, split, ring, step, ws, wg, cl = m.groups()
+                         "(R<rows>W<warps>D<depth>[X][E][S<split>G<ring>][B<step>][M][H])")
+    r, w, d, xs, early, split, ring, step, ws, wg = m.groups()
     return DecodeConfig(int(r), int(w), int(d), pdl_early=bool(early), x_smem=bool(xs), split=int(split or 0),
-                        ring=int(ring or 4), step=int(step or 1), w_smem=bool(ws), wgmma=bool(wg), cluster=bool(cl))
+                        ring=int(ring or 4), step=int(step or 1), w_smem=bool(ws), wgmma=bool(wg))
 
 
 def variants(n: int, k: int, m: int, xshared_only: bool = False, tag_has: str = "", tags: tuple = (),

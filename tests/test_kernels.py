@@ -992,37 +992,6 @@ print(json.dumps(out))
         assert nodeq.get(mma) == full[mma] and "HFMA2" not in nodeq and nodeq.get("LOP3", 0) < full["LOP3"] // 4, nodeq
 
 
-def test_xshared_cluster_compiles_for_sm90():
-    # DecodeConfig.cluster: the split-K fix-up through distributed shared memory compiles to two cluster barriers
-    # (only the second with a GPU-scope fence, which orders the remote stores), one remote store per accumulator
-    # element and no ticket atomic, within a few registers of the ticket's version (a branch around the leader's
-    # loads had cost 80 registers)
-    code = """
-import dataclasses, json, re, sys
-from glmq.kernels import w4a16_decode as DK
-out = []
-for cfg, chunks, tok in ((DK.DecodeConfig(16, 4, 3, split=4, cluster=True), 64, 16),
-                         (DK.DecodeConfig(16, 4, 3, split=4, wgmma=True, cluster=True), 96, 16),
-                         (DK.DecodeConfig(16, 4, 1, split=2, ring=4, w_smem=True, cluster=True), 32, 8),
-                         (DK.DecodeConfig(16, 4, 3, split=8, ring=2, cluster=True), 16, 8)):  # 7 partials, 2 slots
-    try:
-        cl = DK.compile_sm90(cfg, chunks, tok, True, False)
-        ticket = DK.compile_sm90(dataclasses.replace(cfg, cluster=False), chunks, tok, True, False)
-    except RuntimeError as exc:
-        print("SKIP", exc); sys.exit(0)
-    out.append(dict(ops=cl["ops"], regs=cl["registers"], spills=cl["spills"], ticket_regs=ticket["registers"],
-                    gpu_fences=len(re.findall(r"MEMBAR\\.ALL\\.GPU", cl["sass"])), elems=cfg.rows * tok // 32,
-                    shared=cl["shared"], exchange=(cfg.split - 1) * cfg.warps * cfg.rows * tok * 4))
-print(json.dumps(out))
-"""
-    for r in _compile_sm90_in_subprocess(code):
-        ops = r["ops"]
-        assert "ATOMG" not in ops and ops.get("UCGABAR_ARV") == 2 and ops.get("UCGABAR_WAIT") == 2, r
-        assert r["gpu_fences"] == 1 and ops.get("ST") == r["elems"], r
-        assert r["spills"] == 0 and r["regs"] <= r["ticket_regs"] + 8, r
-        assert r["shared"] >= r["exchange"], r  # room for the other programs' partials from offset 0
-
-
 def test_probe_decode_probe_tags():
     # TAG/P<n> names a config's timing probe; the correctness check runs the config itself, once
     from glmq.scripts import probe_decode as P
@@ -1033,10 +1002,6 @@ def test_probe_decode_probe_tags():
     assert cfgs == {"R16W4D3S4G4"}
     assert P.parse_probe_tag("R16W4D3S4G4H/P3") == (DK.DecodeConfig(16, 4, 3, split=4, wgmma=True), 3)
     assert P.parse_probe_tag("R16W4D2") == (DK.DecodeConfig(16, 4, 2), 0)
-    cl = DK.DecodeConfig(16, 4, 2, split=6, ring=8, step=2, wgmma=True, cluster=True)
-    assert P.parse_tag(P.tag(cl)) == cl and P.tag(cl) == "R16W4D2S6G8B2HC"
-    with pytest.raises(ValueError, match="split 2-8"):  # a portable cluster has at most 8 programs
-        DK.DecodeConfig(16, 4, 2, split=12, cluster=True)
 
 
 def _graph_of(fn) -> torch.cuda.CUDAGraph:
@@ -1130,47 +1095,6 @@ def test_xshared_wgmma_gpu(m, n, k, cfg, dtype):
     for pdl in (False, True):  # the same bits on every launch, plain or PDL
         again = D.w4a16_matmul_packed(x, packed, out=poisoned(m, n, dtype), config=cfg, pdl=pdl)
         assert torch.equal(again + 0, y + 0)
-
-
-XSHARED_CLUSTER_CFGS = [DK.DecodeConfig(16, 4, 3, split=4, cluster=True), DK.DecodeConfig(16, 4, 2, split=2, ring=2,
-                                                                                     cluster=True),
-                        DK.DecodeConfig(32, 4, 2, split=3, ring=8, cluster=True),
-                        DK.DecodeConfig(16, 8, 1, split=2, ring=4, step=2, w_smem=True, cluster=True),
-                        DK.DecodeConfig(16, 4, 1, split=8, ring=8, w_smem=True, cluster=True),
-                        DK.DecodeConfig(16, 4, 3, split=4, wgmma=True, cluster=True),
-                        DK.DecodeConfig(16, 4, 2, split=6, ring=8, step=2, wgmma=True, cluster=True),
-                        DK.DecodeConfig(16, 4, 3, split=8, ring=2, cluster=True)]  # 7 partials, a ring of 2 slots
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="thread-block clusters: sm_90 or later")
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("cfg", XSHARED_CLUSTER_CFGS, ids=str)
-@pytest.mark.parametrize("m, n, k", [(1, 200, 3072), (3, 96, 1024), (9, 264, 3072), (16, 128, 6144),
-                                     (13, 4096, 6144), (16, 6144, 12288)])  # fmt: skip
-@both_mma_layouts
-def test_xshared_cluster_gpu(m, n, k, cfg, dtype, layout):
-    # the split-K partials summed through the first program's shared memory in a cluster: within the bound of the
-    # reference, and the same bits as the global ticket's fix-up (both sum in split order), on every launch, plain,
-    # PDL or replayed from a CUDA graph
-    if (k // 128) % cfg.split:
-        pytest.skip("the split must divide the chunks")
-    if cfg.wgmma and (layout is D.Layout.SPANS or torch.cuda.get_device_capability() != (9, 0)):
-        pytest.skip("warpgroup MMA: PAIRS weights on sm_90")
-    x, packed, y = _decode_case(m, n, k, dtype, cfg, scale_dtype=torch.float32 if n == 264 else torch.bfloat16,
-                                layout=layout)
-    ticket = D.w4a16_matmul_packed(x, packed, out=poisoned(m, n, dtype), config=dataclasses.replace(cfg, cluster=False))
-    assert torch.equal(ticket + 0, y + 0)
-    for pdl in (False, True):
-        again = D.w4a16_matmul_packed(x, packed, out=poisoned(m, n, dtype), config=cfg, pdl=pdl)
-        assert torch.equal(again + 0, y + 0)
-    out = poisoned(m, n, dtype)
-    graph = _graph_of(lambda: D.w4a16_matmul_packed(x, packed, out=out, config=cfg, pdl=True))
-    out.fill_(float("nan"))
-    graph.replay()
-    assert torch.equal(out + 0, y + 0)
 
 
 @pytest.mark.gpu
