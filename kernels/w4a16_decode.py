@@ -131,11 +131,6 @@ class DecodeConfig:
             8 warps): each warpgroup's 64 rows x TOK tokens per chunk as one asynchronous chain of 8
             `wgmma.m64nTOKk16`, the dequantized words (A) from registers and x (B) read by the tensor cores straight
             from the ring slot, instead of per warp 8-16 `mma.sync` on x fragments loaded by ldmatrix.
-        x_ca: the shared-x kernel's x copies allocate in L1 (cp.async.ca) instead of bypassing it, so that the
-            programs an SM holds at once that read the same K range share one L2 read of x.
-        grid_k: the shared-x kernel's grid is (split, blocks) instead of (blocks, split): the programs of a row block
-            are launch-adjacent, so that programs `SMs` apart in launch order (which a breadth-first block scheduler
-            puts on one SM) read the same K range where split divides the SM count.
     """
 
     rows: int = 16
@@ -148,8 +143,6 @@ class DecodeConfig:
     step: int = 1
     w_smem: bool = False
     wgmma: bool = False
-    x_ca: bool = False
-    grid_k: bool = False
 
     def __post_init__(self) -> None:
         if self.rows not in (16, 32):
@@ -168,8 +161,6 @@ class DecodeConfig:
         if self.wgmma and not (self.split and self.rows == 16 and self.warps in (4, 8)):
             raise ValueError(f"DecodeConfig.wgmma takes the shared-x kernel (split >= 1) with 16 rows a warp and 4 or "
                              f"8 warps (whole warpgroups), got {self}")
-        if (self.x_ca or self.grid_k) and not self.split:
-            raise ValueError(f"DecodeConfig.x_ca and grid_k take the shared-x kernel (split >= 1), got {self}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -467,18 +458,13 @@ if _GLUON:
         return x_ptr + c0 * 128 + off, mask
 
     @gluon.jit
-    def _xs_nat_pointers(x_ptr, c0, M, stride_xm, TOK: gl.constexpr, W: gl.constexpr, V: gl.constexpr = 8):
+    def _xs_nat_pointers(x_ptr, c0, M, stride_xm, TOK: gl.constexpr, W: gl.constexpr):
         """Pointers and mask of chunk c0's x as a natural-order ring slot `[TOK, 128]` (PAIRS weights, whose MMA k
         position p is column p): 16-byte runs, a warp's copies two whole token rows, coalesced. Token rows past M
         are masked (cp.async fills them with zeros without reading)."""
-        if V == 8:
-            WT: gl.constexpr = W if 2 * W <= TOK else TOK // 2  # warps along the tokens; the rest along the columns
-            cp_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
-                                                  warps_per_cta=[WT, W // WT], order=[1, 0])
-        else:  # 8-byte runs, a warp's copies 8 token rows x 32 bytes; repeated along the columns (immediate offsets)
-            WT: gl.constexpr = min(W, TOK // 8)
-            cp_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4],
-                                                  warps_per_cta=[WT, W // WT], order=[1, 0])
+        WT: gl.constexpr = W if 2 * W <= TOK else TOK // 2  # warps along the tokens; the rest along the columns
+        cp_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
+                                              warps_per_cta=[WT, W // WT], order=[1, 0])
         ti = gl.arange(0, TOK, layout=gl.SliceLayout(1, cp_l))
         ki = gl.arange(0, 128, layout=gl.SliceLayout(0, cp_l))
         off = gl.expand_dims(ti * stride_xm, 1) + gl.expand_dims(ki, 0)
@@ -646,7 +632,7 @@ if _GLUON:
                         stride_om, CPP: gl.constexpr, W: gl.constexpr, R: gl.constexpr, TOK: gl.constexpr,
                         D: gl.constexpr, XR: gl.constexpr, STEP: gl.constexpr, WS: gl.constexpr, WG: gl.constexpr,
                         BF16: gl.constexpr, SP: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr,
-                        XCA: gl.constexpr = False, GK: gl.constexpr = False, PROBE: gl.constexpr = 0):
+                        PROBE: gl.constexpr = 0):
         """grid = (cdiv(N, W R), split). Program (p, k): rows [W R p, W R (p + 1)), chunks [CPP k, CPP (k + 1));
         warp w: its R of those rows over all the program's chunks, so the W warps share one copy of x: each chunk's x
         goes global -> shared memory by cp.async into a ring of XR slots (XR - STEP chunks ahead, one barrier per
@@ -669,11 +655,8 @@ if _GLUON:
         the words xor-ed instead of dequantized and multiplied; with WG the mma.sync loop's structure); 3 = no
         dequantization (the words' raw halves into the MMA); 4 = x copied only into the ring's first slots (no L2
         reads of x after the start: what x's traffic costs)."""
-        pid = gl.program_id(1 if GK else 0)  # the row block
-        ks = gl.program_id(0 if GK else 1)  # the K split
-        nks = gl.num_programs(0 if GK else 1)
-        c0 = ks * CPP
-        XC: gl.constexpr = ".ca" if XCA else ""
+        pid = gl.program_id(0)
+        c0 = gl.program_id(1) * CPP
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -713,10 +696,10 @@ if _GLUON:
         if SP:
             xp, x_mask = _xs_spans_pointers(x_ptr, c0, M, stride_xm, TOK, W)
         else:
-            xp, x_mask = _xs_nat_pointers(x_ptr, c0, M, stride_xm, TOK, W, 4 if XCA else 8)
+            xp, x_mask = _xs_nat_pointers(x_ptr, c0, M, stride_xm, TOK, W)
         for j in gl.static_range(XR - STEP):  # chunks 0 .. XR - STEP - 1 in flight, one cp.async group each
             if j < CPP:
-                _cp_async(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, j), xp + j * 128, mask=x_mask, cache_modifier=XC)
+                _cp_async(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, j), xp + j * 128, mask=x_mask)
                 if WS:
                     _cp_async(_ring_slot(q0, q1, q2, q3, q4, q5, q6, q7, j), wp + j * stride_wc)
                 async_copy.commit_group()
@@ -746,7 +729,7 @@ if _GLUON:
                         if i + j < CPP:
                             if PROBE != 4:
                                 _cp_async(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, (i + j) % XR),
-                                          xp + (i + j) * 128, mask=x_mask, cache_modifier=XC)
+                                          xp + (i + j) * 128, mask=x_mask)
                             async_copy.commit_group()
                 xs = _ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i % XR).permute((1, 0))  # [128, TOK], K-major
                 tk_i = warpgroup_mma(a, xs, gl.zeros([W * R, TOK], gl.float32, layout=wg_mma), use_acc=False,
@@ -769,7 +752,7 @@ if _GLUON:
                         if i + j < CPP:
                             if PROBE != 4:
                                 _cp_async(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, (i + j) % XR),
-                                          xp + (i + j) * 128, mask=x_mask, cache_modifier=XC)
+                                          xp + (i + j) * 128, mask=x_mask)
                             if WS:
                                 _cp_async(_ring_slot(q0, q1, q2, q3, q4, q5, q6, q7, (i + j) % XR),
                                           wp + (i + j) * stride_wc)
@@ -814,14 +797,14 @@ if _GLUON:
         if SPLIT:
             mn = M * N
             part = ws_ptr + row + tok * N
-            gl.store(part + ks.to(gl.int64) * mn, acc, mask=o_mask)
+            gl.store(part + gl.program_id(1).to(gl.int64) * mn, acc, mask=o_mask)
             if PROBE == 1:
                 return
             _barrier()  # every thread's partial precedes the one-thread release below (as `_write_tile`)
             ticket = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-            if ticket == nks - 1:  # the last split of this row block: sum in split order
+            if ticket == gl.num_programs(1) - 1:  # the last split of this row block: sum in split order
                 total = gl.load(part, mask=o_mask, other=0.0, cache_modifier=".cg")
-                for s in range(1, nks):
+                for s in range(1, gl.num_programs(1)):
                     total += gl.load(part + s * mn, mask=o_mask, other=0.0, cache_modifier=".cg")
                 gl.store(o_ptr, total.to(out_ptr.dtype.element_ty), mask=o_mask)
                 gl.store(cnt_ptr + pid, 0)  # re-arm for the next launch
@@ -950,7 +933,7 @@ def _xshared_args(m: int, chunks: int, cfg: DecodeConfig, bf16: bool, spans: boo
     cpp = chunks // cfg.split
     return dict(CPP=cpp, W=cfg.warps, R=cfg.rows, TOK=8 if m <= 8 else 16, D=min(cfg.depth, cpp), XR=cfg.ring,
                 STEP=cfg.step, WS=cfg.w_smem, WG=cfg.wgmma, BF16=bf16, SP=spans, SPLIT=cfg.split > 1, PDL=pdl,
-                XCA=cfg.x_ca, GK=cfg.grid_k, PROBE=probe)
+                PROBE=probe)
 
 
 def _launch_xshared(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeConfig, pdl: bool, stride_wc: int,
@@ -962,7 +945,7 @@ def _launch_xshared(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: Decode
         tickets = _tickets(x.device, blocks)
     else:
         scratch = tickets = out  # not dereferenced without SPLIT
-    _xshared_kernel[(cfg.split, blocks) if cfg.grid_k else (blocks, cfg.split)](
+    _xshared_kernel[(blocks, cfg.split)](
         x, w.qweight, w.scale, out, scratch, tickets, m, w.n, x.stride(0), stride_wc, w.scale.stride(0), out.stride(0),
         **_xshared_args(m, k // MMA_CHUNK, cfg, x.dtype == torch.bfloat16, w.layout is Layout.SPANS, pdl, probe),
         num_warps=cfg.warps, **launch,

@@ -968,13 +968,14 @@ print(json.dumps(out))
 def test_xshared_probes_compile_for_sm90():
     # the shared-x kernel's timing probes leave out what they say (scripts/probe_decode.py times them as TAG/P<n>):
     # 1 the split-K fix-up (no ticket atomic), 2 the dequantization and MMAs (the copies, waits and barriers stay),
-    # 3 the dequantization only (no fma of the -8 offset, the MMAs stay)
+    # 3 the dequantization only (no fma of the -8 offset, the MMAs stay), 4 x's refills (only the ring's first
+    # XR - 1 = 3 of the program's 8 chunks are copied; the MMAs stay)
     code = """
 import json, sys
 from glmq.kernels import w4a16_decode as DK
 out = []
 for cfg in (DK.DecodeConfig(16, 4, 3, split=4), DK.DecodeConfig(16, 4, 2, split=4, wgmma=True)):
-    for probe in (0, 1, 2, 3):
+    for probe in (0, 1, 2, 3, 4):
         try:
             r = DK.compile_sm90(cfg, 32, 16, True, False, False, False, probe)
         except RuntimeError as exc:
@@ -985,11 +986,12 @@ print(json.dumps(out))
     res = {(r["wg"], r["probe"]): r["ops"] for r in _compile_sm90_in_subprocess(code)}
     for wg in (False, True):
         mma = "HGMMA" if wg else "HMMA"
-        full, nofix, loads, nodeq = (res[wg, p] for p in range(4))
+        full, nofix, loads, nodeq, nox = (res[wg, p] for p in range(5))
         assert full.get("ATOMG") == 1 and "ATOMG" not in nofix and nofix.get(mma) == full[mma], (full, nofix)
         assert mma not in loads and loads.get("HFMA2", 0) < full["HFMA2"] // 4, loads  # 2: no dequantization, no MMA
         assert loads["LDGSTS"] == full["LDGSTS"] and loads["BAR"] == full["BAR"], (full, loads)  # the ring as it was
         assert nodeq.get(mma) == full[mma] and "HFMA2" not in nodeq and nodeq.get("LOP3", 0) < full["LOP3"] // 4, nodeq
+        assert nox.get(mma) == full[mma] and nox["LDGSTS"] * 8 == full["LDGSTS"] * 3, (full, nox)
 
 
 def test_probe_decode_probe_tags():
