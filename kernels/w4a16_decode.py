@@ -1,7 +1,6 @@
 """Decode W4A16 GEMM in Gluon: warp-independent streaming, tensor cores fed from registers, no split-K fix-up.
 
-    y[M, N] = x[M, K] @ dequant(W).T,  M <= 16 (<= 64 with `wgmma`), on `prepack`ed PAIRS or SPANS weights
-    (group 128, chunk-major)
+    y[M, N] = x[M, K] @ dequant(W).T,  M <= 16, on `prepack`ed PAIRS or SPANS weights (group 128, chunk-major)
 
 Why a second kernel, and why Gluon. At decode the Triton kernel in w4a16_dense.py (`_mma_swap_kernel`)
 runs 128-row wgmma tiles: a shape has only N / 128 of them, so K is split over programs and the fp32
@@ -99,7 +98,6 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     _GLUON = False
 
 MAX_M = 16  # token rows this kernel takes (two n8 MMA tiles)
-MAX_M_WGMMA = 64  # with `DecodeConfig.wgmma` the shared-x kernel takes up to this many (wgmma.m64n64k16)
 X_SMEM_MAX_BYTES = 96 << 10  # x_smem's staged copy of x per program (an sm_90 SM has 227 KB); larger is refused
 HEURISTIC_MAX_WEIGHTS = 80 << 20  # N * K up to which `heuristic_config` takes this kernel at M = 1 (module doc)
 TUNED_PATHS = {Layout.PAIRS: Path(__file__).with_name("tuned_decode.json"),  # one launch table per weight layout
@@ -132,9 +130,7 @@ class DecodeConfig:
         wgmma: the shared-x kernel's MMAs as Hopper warpgroup MMAs (sm_90 only, PAIRS weights, 16 rows a warp, 4 or
             8 warps): each warpgroup's 64 rows x TOK tokens per chunk as one asynchronous chain of 8
             `wgmma.m64nTOKk16`, the dequantized words (A) from registers and x (B) read by the tensor cores straight
-            from the ring slot, instead of per warp 8-16 `mma.sync` on x fragments loaded by ldmatrix. Only wgmma
-            configs take 16 < M <= 64 (MAX_M_WGMMA; `xshared_tokens`: 32 or 64 tokens per chunk, one n32 or n64 MMA
-            per k16 step, where mma.sync's B fragments would need 32-64 more registers).
+            from the ring slot, instead of per warp 8-16 `mma.sync` on x fragments loaded by ldmatrix.
     """
 
     rows: int = 16
@@ -832,13 +828,11 @@ def x_smem_bytes(k: int, warps: int) -> int:
 
 
 def supports(m: int, w: PackedW4, cfg: DecodeConfig | None = None) -> bool:
-    """Whether a call fits the kernel: 1 <= M <= 16 (up to MAX_M_WGMMA = 64 with `cfg.wgmma`; without a config,
-    whether some config takes it), a 2-D PAIRS or SPANS weight stored chunk-major (what `prepack` gives group-128
-    weights), `cfg.warps` dividing the K / 128 chunks (with `cfg.split`, the shared-x kernel's warps split rows:
-    `cfg.split` dividing them instead), and with x_smem at M = 1 the staged x within X_SMEM_MAX_BYTES."""
-    if not (1 <= m <= MAX_M_WGMMA) or w.lead or not w.layout.mma or not w.chunk_major or w.chunk != MMA_CHUNK:
-        return False
-    if m > MAX_M and not (w.layout is Layout.PAIRS and (cfg is None or cfg.wgmma)):
+    """Whether a call fits the kernel: 1 <= M <= 16, a 2-D PAIRS or SPANS weight stored chunk-major (what
+    `prepack` gives group-128 weights), `cfg.warps` dividing the K / 128 chunks (with `cfg.split`, the shared-x
+    kernel's warps split rows: `cfg.split` dividing them instead), and with x_smem at M = 1 the staged x within
+    X_SMEM_MAX_BYTES."""
+    if not (1 <= m <= MAX_M) or w.lead or not w.layout.mma or not w.chunk_major or w.chunk != MMA_CHUNK:
         return False
     if cfg is not None and cfg.split:  # wgmma reads x from the ring as it lies: natural order, PAIRS weights only
         return (w.k // MMA_CHUNK) % cfg.split == 0 and not (cfg.wgmma and w.layout is not Layout.PAIRS)
@@ -907,8 +901,7 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
     `_xshared_kernel`'s PROBE; wrong results), 0 for the GEMM."""
     m, k = x.shape
     if not supports(m, w, cfg):
-        raise ValueError(f"the decode kernel takes 1 <= M <= {MAX_M} (<= {MAX_M_WGMMA} with wgmma, on pairs weights) "
-                         f"on 2-D chunk-major pairs or spans weights with "
+        raise ValueError(f"the decode kernel takes 1 <= M <= {MAX_M} on 2-D chunk-major pairs or spans weights with "
                          f"{cfg.warps} warps dividing K / {MMA_CHUNK}, and with x_smem at M = 1 at most "
                          f"{X_SMEM_MAX_BYTES >> 10} KB of staged x (`x_smem_bytes`); got M = {m}, weight "
                          f"{[*w.lead, w.n, w.k]} ({w.layout.value}, chunk_major={w.chunk_major}), {cfg}")
@@ -936,14 +929,9 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
     return out
 
 
-def xshared_tokens(m: int) -> int:
-    """The shared-x kernel's token tile for M tokens: 8, 16, 32 or 64 (above 16 only with wgmma)."""
-    return 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
-
-
 def _xshared_args(m: int, chunks: int, cfg: DecodeConfig, bf16: bool, spans: bool, pdl: bool, probe: int = 0) -> dict:
     cpp = chunks // cfg.split
-    return dict(CPP=cpp, W=cfg.warps, R=cfg.rows, TOK=xshared_tokens(m), D=min(cfg.depth, cpp), XR=cfg.ring,
+    return dict(CPP=cpp, W=cfg.warps, R=cfg.rows, TOK=8 if m <= 8 else 16, D=min(cfg.depth, cpp), XR=cfg.ring,
                 STEP=cfg.step, WS=cfg.w_smem, WG=cfg.wgmma, BF16=bf16, SP=spans, SPLIT=cfg.split > 1, PDL=pdl,
                 PROBE=probe)
 

@@ -75,9 +75,6 @@ TUNE_XSHARED = [(16, 4, 3, 4, 1, False, False), (32, 4, 2, 4, 1, False, False), 
 TUNE_XSHARED_WG = [(16, 4, 3, 4, 1, False, True), (16, 4, 2, 4, 1, False, True), (16, 4, 2, 2, 1, False, True),
                    (16, 4, 1, 4, 1, True, True), (16, 4, 1, 2, 1, True, True)]
 TUNE_WG_MIN_M = 9  # wgmma candidates only at 16 tokens (at M = 4 the session-17 probe had them 4-40 % behind)
-# above M = 16 (32 or 64 tokens a chunk) only wgmma configs run, and those with the words in registers spill at 64
-# (255 registers; the w_smem ones 192-212 without spills under Triton 3.6; session 20)
-TUNE_XSHARED_WIDE = [(16, 4, 1, 4, 1, True, True), (16, 4, 1, 2, 1, True, True), (16, 8, 1, 4, 1, True, True)]
 TUNE_DIRECT_MAX_M = 8  # above it `_decode_kernel` (warps split K) is not a candidate: it lost by >= 1.35x on every
 # GLM shape at M = 16 (session 15's tune, kernels/tuned_decode.json)
 TUNE_MARGIN = 0.97  # the Gluon kernel only where it took <= 97 % of the Triton kernel's time
@@ -100,9 +97,9 @@ def tune_candidates(n: int, k: int, m: int, layout: str = "pairs"):
         cands = [c for c in cands if chunks % c.warps == 0 and chunks // c.warps >= max(c.depth, 2)]
     # the shared-x kernel, with the K splits xshared_splits picks for the shape (also at M = 1: its table entries at
     # M = 4 were 3-7 % ahead of the M = 1 ones on the large shapes, where it had never been timed; session 18)
-    listed = TUNE_XSHARED_WIDE if m > DK.MAX_M else TUNE_XSHARED + (TUNE_XSHARED_WG if m >= TUNE_WG_MIN_M else [])
     cands += [DecodeConfig(r, w, d, split=s, ring=g, step=st, w_smem=ws, wgmma=wg)
-              for r, w, d, g, st, ws, wg in listed for s in xshared_splits(n, k, r, w)]
+              for r, w, d, g, st, ws, wg in TUNE_XSHARED + (TUNE_XSHARED_WG if m >= TUNE_WG_MIN_M else [])
+              for s in xshared_splits(n, k, r, w)]
     stub = _stub(n, k, layout)
     return [c for c in cands if DK.supports(m, stub, c)]
 

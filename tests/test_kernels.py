@@ -759,20 +759,13 @@ def test_decode_supports_and_heuristic():
     assert not DK.supports(1, wide, DK.DecodeConfig(warps=8, x_smem=True))
     assert DK.supports(1, pairs, DK.DecodeConfig(warps=2, x_smem=True))
     assert pairs.layout is D.Layout.PAIRS and pairs.chunk_major
-    assert DK.supports(1, pairs) and DK.supports(16, pairs) and not DK.supports(0, pairs)
-    # 16 < M <= 64: wgmma configs of the shared-x kernel only (on PAIRS weights)
-    assert DK.supports(17, pairs) and DK.supports(64, pairs) and not DK.supports(65, pairs)
-    assert DK.supports(64, pairs, DK.DecodeConfig(depth=1, split=2, w_smem=True, wgmma=True))
-    assert not DK.supports(65, pairs, DK.DecodeConfig(depth=1, split=2, w_smem=True, wgmma=True))
-    assert not DK.supports(17, pairs, DK.DecodeConfig(split=2)) and not DK.supports(17, pairs, DK.DecodeConfig(warps=2))
-    assert [DK.xshared_tokens(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [8, 8, 16, 16, 32, 32, 64, 64]
+    assert DK.supports(1, pairs) and DK.supports(16, pairs) and not DK.supports(17, pairs) and not DK.supports(0, pairs)
     assert DK.supports(5, pairs, DK.DecodeConfig(warps=2)) and not DK.supports(5, pairs, DK.DecodeConfig(warps=4))
     # the shared-x kernel: its warps split rows, so only the K split must divide the chunks (6 here)
     assert DK.supports(5, pairs, DK.DecodeConfig(warps=4, split=3)) and DK.supports(16, pairs, DK.DecodeConfig(split=6))
     assert not DK.supports(5, pairs, DK.DecodeConfig(warps=4, split=4))
     assert not DK.supports(17, pairs, DK.DecodeConfig(split=1))
     assert not DK.supports(1, D.prepack(wp, ws, 128, layout="planes", chunk_major=False))
-    assert not DK.supports(17, D.prepack(wp, ws, 128, layout="spans")) and DK.supports(16, D.prepack(wp, ws, 128, layout="spans"))
     wp32, ws32 = quantized(48, 768, group_size=32)
     assert not DK.supports(1, D.prepack(wp32, ws32, 32))  # group 32: PLANES words
     # the rule measured on the H200: M = 1, up to ~80 M weights, 8 warps unless that leaves < 4 chunks each
@@ -843,8 +836,6 @@ def test_probe_decode_tune_candidates():
     assert P.xshared_splits(6144, 12288, 16, 4) == [1, 4, 8]  # 96 blocks: split 4 = 384 programs is also nearest
     assert P.xshared_splits(256, 512, 16, 4) == []  # 4 chunks and 4 blocks: no launch of >= 96 programs
     assert all(c.split for c in P.tune_candidates(6144, 12288, 16))
-    wide = P.tune_candidates(6144, 2048, 64)  # above M = 16: the shared-x kernel's wgmma configs only
-    assert wide and all(c.wgmma and c.w_smem for c in wide) and not P.tune_candidates(6144, 2048, 64, "spans")
     assert any(not c.split for c in P.tune_candidates(6144, 12288, 8))
     # at M = 1 both kernels are candidates (the shared-x one since session 18)
     m1 = P.tune_candidates(6144, 12288, 1)
@@ -927,11 +918,7 @@ for cfg, chunks, tok, bf16, xb, pdl, sp in [(DK.DecodeConfig(16, 4, 2), 64, 8, T
                                             (DK.DecodeConfig(16, 8, 2, split=4, ring=8, step=2, wgmma=True), 64, 8,
                                              False, False, True, False),
                                             (DK.DecodeConfig(16, 4, 1, split=4, w_smem=True, wgmma=True), 96, 16, True,
-                                             False, False, False),
-                                            (DK.DecodeConfig(16, 4, 1, split=1, w_smem=True, wgmma=True), 16, 64, True,
-                                             False, False, False),
-                                            (DK.DecodeConfig(16, 8, 1, split=3, w_smem=True, wgmma=True), 48, 32, False,
-                                             False, True, False)]:
+                                             False, False, False)]:
     try:
         r = DK.compile_sm90(cfg, chunks, tok, bf16, xb, pdl, sp)
     except RuntimeError as exc:
@@ -1112,31 +1099,6 @@ def test_xshared_wgmma_gpu(m, n, k, cfg, dtype):
         assert torch.equal(again + 0, y + 0)
 
 
-XSHARED_WG_WIDE_CFGS = [DK.DecodeConfig(16, 4, 1, split=1, ring=4, w_smem=True, wgmma=True),
-                        DK.DecodeConfig(16, 4, 1, split=2, ring=2, w_smem=True, wgmma=True),
-                        DK.DecodeConfig(16, 8, 1, split=3, ring=4, w_smem=True, wgmma=True),
-                        DK.DecodeConfig(16, 4, 1, split=2, ring=8, step=2, w_smem=True, wgmma=True),
-                        DK.DecodeConfig(16, 4, 2, split=4, ring=4, wgmma=True)]  # words in registers (spills at 64)
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="warpgroup MMA: sm_90 only")
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("cfg", XSHARED_WG_WIDE_CFGS, ids=str)
-@pytest.mark.parametrize("m, n, k", [(17, 200, 1536), (32, 96, 1536), (33, 264, 3072), (47, 6144, 2048),
-                                     (64, 4096, 6144), (64, 128, 768)])  # fmt: skip
-def test_xshared_wgmma_wide_gpu(m, n, k, cfg, dtype):
-    # 16 < M <= 64: 32 or 64 tokens a chunk (one n32 / n64 warpgroup MMA per k16 step), token rows past M masked
-    if (k // 128) % cfg.split:
-        pytest.skip("the split must divide the chunks")
-    x, packed, y = _decode_case(m, n, k, dtype, cfg, scale_dtype=torch.float32 if n == 264 else torch.bfloat16,
-                                layout=D.Layout.PAIRS)
-    again = D.w4a16_matmul_packed(x, packed, out=poisoned(m, n, dtype), config=cfg, pdl=True)
-    assert torch.equal(again + 0, y + 0)
-
-
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("m", [4, 16])
@@ -1212,7 +1174,7 @@ def test_decode_pdl_dependent_chain_gpu(m, layout, kernel):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("n, k", [(8192, 8192), (6144, 12288), (4096, 6144), (6144, 2048)])
-@pytest.mark.parametrize("m", [1, 2, 4, 17, 64])
+@pytest.mark.parametrize("m", [1, 2, 4])
 def test_decode_dispatch_glm_shapes_gpu(m, n, k):
     # whatever w4a16_matmul picks at decode (the Gluon kernel where its table or rule says so) is right
     run_dense(m, n, k, 128, torch.bfloat16)
