@@ -628,6 +628,26 @@ if _GLUON:
         return acc + part * gl.expand_dims(s.to(gl.float32), 2), a_next
 
     @gluon.jit
+    def _timer(asm: gl.constexpr):
+        return gl.inline_asm_elementwise(asm, "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _timeline(out_ptr, off, pid, t_start, c_start, ticket):
+        """PROBE 5: program (pid, k)'s [SM id, %globaltimer at start and end (ns), %clock64 at start and end, its
+        ticket (-1 without a K split), 0, 0] as int64 at out_ptr's element `off` onwards (`probe_timeline`)."""
+        t_end = _timer("mov.u64 $0, %globaltimer;")
+        c_end = _timer("mov.u64 $0, %clock64;")
+        sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        base = (out_ptr + off).to(gl.pointer_type(gl.int64), bitcast=True) + (
+            gl.program_id(1) * gl.num_programs(0) + pid) * 8
+        gl.store(base, sm.to(gl.int64))
+        gl.store(base + 1, t_start)
+        gl.store(base + 2, t_end)
+        gl.store(base + 3, c_start)
+        gl.store(base + 4, c_end)
+        gl.store(base + 5, ticket.to(gl.int64))
+
+    @gluon.jit
     def _xshared_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, stride_wc, stride_sn,
                         stride_om, CPP: gl.constexpr, W: gl.constexpr, R: gl.constexpr, TOK: gl.constexpr,
                         D: gl.constexpr, XR: gl.constexpr, STEP: gl.constexpr, WS: gl.constexpr, WG: gl.constexpr,
@@ -654,9 +674,13 @@ if _GLUON:
         stores its partial and exits); 2 = the memory pipeline only (words, scales and x's ring as in the GEMM,
         the words xor-ed instead of dequantized and multiplied; with WG the mma.sync loop's structure); 3 = no
         dequantization (the words' raw halves into the MMA); 4 = x copied only into the ring's first slots (no L2
-        reads of x after the start: what x's traffic costs)."""
+        reads of x after the start: what x's traffic costs); 5 = the GEMM as it is, and each program's timeline
+        (`_timeline`) stored after out's M rows (`probe_timeline`; out must have that room)."""
         pid = gl.program_id(0)
         c0 = gl.program_id(1) * CPP
+        if PROBE == 5:
+            t_start = _timer("mov.u64 $0, %globaltimer;")
+            c_start = _timer("mov.u64 $0, %clock64;")
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -808,8 +832,12 @@ if _GLUON:
                     total += gl.load(part + s * mn, mask=o_mask, other=0.0, cache_modifier=".cg")
                 gl.store(o_ptr, total.to(out_ptr.dtype.element_ty), mask=o_mask)
                 gl.store(cnt_ptr + pid, 0)  # re-arm for the next launch
+            if PROBE == 5:
+                _timeline(out_ptr, M * stride_om, pid, t_start, c_start, ticket)
         else:
             gl.store(o_ptr, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+            if PROBE == 5:
+                _timeline(out_ptr, M * stride_om, pid, t_start, c_start, pid * 0 - 1)
 
 
 def available(device: torch.device) -> bool:

@@ -303,6 +303,9 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--tune", action="store_true", help="time the tuning candidates and write the launch table")
     ap.add_argument("--write", default="", help="--tune: also write the table here (e.g. kernels/tuned_decode.json)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="each --tags config's per-program timeline (the shared-x kernel's PROBE 5) at each shape and "
+                         "--m: when every program started and ended on which SM; writes DIR/timeline.json")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     out_dir = Path(a.out)
@@ -313,6 +316,9 @@ def main() -> None:
         tune(shapes, dev, a, out_dir)
         return
     a.m = a.m or [1, 4, 16]
+    if a.timeline:
+        timelines(shapes, dev, a, out_dir)
+        return
 
     from glmq.kernels import w4a16_dense as D
 
@@ -425,6 +431,78 @@ def main() -> None:
             extra = "" if r["impl"] in ("floor", "read-floor", "cublas-fp16") else \
                 f"  {cub / r['us']:.2f}x cublas  {fl / r['us'] * 100:.0f}% floor"
             print(f"   {r['impl']:24} {r['us']:7.2f} us{extra}")
+
+
+def probe_timeline(x: torch.Tensor, w, cfg) -> torch.Tensor:
+    """One launch of the shared-x config `cfg` with the kernel's PROBE 5: int64 [split, blocks, 6] rows of (SM id,
+    %globaltimer at the program's start and end in ns, %clock64 at start and end, its split-K ticket or -1); the
+    output is checked by the caller's reference like any launch (PROBE 5 computes the GEMM unchanged)."""
+    from glmq.kernels import w4a16_decode as DK
+
+    m, n = x.shape[0], w.n
+    blocks = -(-n // (cfg.warps * cfg.rows))
+    rows = cfg.split * blocks * 8  # int64 per program (six used)
+    full = torch.zeros(m * n + 4 * rows, dtype=x.dtype, device=x.device)  # out's M rows, then the timeline
+    out = full[: m * n].view(m, n)
+    DK.decode_matmul(x, w, out, cfg, probe=5)
+    torch.cuda.synchronize()
+    return full[m * n:].view(torch.int64).view(cfg.split, blocks, 8)[..., :6].cpu(), out
+
+
+def timelines(shapes: dict, dev, a, out_dir: Path) -> None:
+    """`--timeline`: for each --tags config at each shape and M, the timeline of one launch whose weights are not in
+    L2 (the launch after others on rotated copies), summarised: launch span, the spread of the programs' starts and
+    ends, the SMs' idle share and the reducers' tail after the other programs of their row block."""
+    import statistics
+
+    from bench_kernels import Bench, random_int4, rel_err
+    from glmq.kernels import reference as R
+    from glmq.kernels import w4a16_decode as DK
+
+    b = Bench(dev, a.budget_s, smoke=False)
+    res = []
+    for shape, (n, k) in shapes.items():
+        wp, ws = random_int4(n, k, device=dev, seed=3)
+        w32 = R.dequantize_packed(wp, ws, GROUP)
+        packs = packed_copies(b, wp, ws, "pairs")
+        for m in a.m:
+            x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+            ref = x.float() @ w32.T
+            for t in a.tags:
+                cfg, _probe = parse_probe_tag(t)
+                if not cfg.split or not DK.supports(m, packs[0], cfg):
+                    continue
+                for pk in packs[1:]:  # the launches before: other copies' weights pass through L2
+                    probe_timeline(x, pk, cfg)
+                tl3, out = probe_timeline(x, packs[0], cfg)
+                err = rel_err(out, ref)
+                tl = tl3.reshape(-1, 6).tolist()
+                t0 = min(r[1] for r in tl)
+                starts = sorted(r[1] - t0 for r in tl)
+                ends = sorted(r[2] - t0 for r in tl)
+                span = ends[-1]
+                by_sm = {}
+                for r in tl:
+                    lo, hi = by_sm.get(r[0], (r[1], r[2]))
+                    by_sm[r[0]] = (min(lo, r[1]), max(hi, r[2]))
+                busy = statistics.mean(hi - lo for lo, hi in by_sm.values())
+                summary = dict(shape=shape, m=m, tag=t, rel_err=err, programs=len(tl), sms=len(by_sm), span_ns=span,
+                               start_spread_ns=starts[-1], start_p50_ns=starts[len(starts) // 2],
+                               end_first_ns=ends[0], end_p10_ns=ends[len(ends) // 10], end_p50_ns=ends[len(ends) // 2],
+                               sm_busy_mean_ns=busy, sm_idle_share=1 - busy / span if span else None,
+                               program_ns_p50=statistics.median(r[2] - r[1] for r in tl))
+                distinct = sorted(set(r[1] for r in tl) | set(r[2] for r in tl))
+                summary["timer_step_ns"] = min((b_ - a_ for a_, b_ in zip(distinct, distinct[1:])), default=None)
+                if cfg.split > 1:  # each row block's reducer (the last ticket): its end after the block's other programs'
+                    tails = []
+                    for blk in tl3.transpose(0, 1).tolist():  # [split, 6] rows of one row block
+                        last = max(blk, key=lambda r: r[5])
+                        tails.append(last[2] - max(r[2] for r in blk if r is not last))
+                    summary["reducer_tail_ns_p50"] = statistics.median(tails)
+                    summary["reducer_tail_ns_max"] = max(tails)
+                print(json.dumps(summary))
+                res.append(dict(summary, rows=tl))
+    (out_dir / "timeline.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(dev), results=res)))
 
 
 def tune(shapes: dict, dev, a, out_dir: Path) -> None:

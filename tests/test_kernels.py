@@ -969,29 +969,33 @@ def test_xshared_probes_compile_for_sm90():
     # the shared-x kernel's timing probes leave out what they say (scripts/probe_decode.py times them as TAG/P<n>):
     # 1 the split-K fix-up (no ticket atomic), 2 the dequantization and MMAs (the copies, waits and barriers stay),
     # 3 the dequantization only (no fma of the -8 offset, the MMAs stay), 4 x's refills (only the ring's first
-    # XR - 1 = 3 of the program's 8 chunks are copied; the MMAs stay)
+    # XR - 1 = 3 of the program's 8 chunks are copied; the MMAs stay), 5 nothing (the GEMM, and each program's start and
+    # end times read from %globaltimer and %clock64 and stored)
     code = """
 import json, sys
 from glmq.kernels import w4a16_decode as DK
 out = []
 for cfg in (DK.DecodeConfig(16, 4, 3, split=4), DK.DecodeConfig(16, 4, 2, split=4, wgmma=True)):
-    for probe in (0, 1, 2, 3, 4):
+    for probe in (0, 1, 2, 3, 4, 5):
         try:
             r = DK.compile_sm90(cfg, 32, 16, True, False, False, False, probe)
         except RuntimeError as exc:
             print("SKIP", exc); sys.exit(0)
-        out.append(dict(probe=probe, wg=cfg.wgmma, ops=r["ops"]))
+        ops = dict(r["ops"], timers=r["sass"].count("SR_GLOBALTIMER") + r["sass"].count("SR_CLOCK"))
+        out.append(dict(probe=probe, wg=cfg.wgmma, ops=ops))
 print(json.dumps(out))
 """
     res = {(r["wg"], r["probe"]): r["ops"] for r in _compile_sm90_in_subprocess(code)}
     for wg in (False, True):
         mma = "HGMMA" if wg else "HMMA"
-        full, nofix, loads, nodeq, nox = (res[wg, p] for p in range(5))
+        full, nofix, loads, nodeq, nox, timed = (res[wg, p] for p in range(6))
         assert full.get("ATOMG") == 1 and "ATOMG" not in nofix and nofix.get(mma) == full[mma], (full, nofix)
         assert mma not in loads and loads.get("HFMA2", 0) < full["HFMA2"] // 4, loads  # 2: no dequantization, no MMA
         assert loads["LDGSTS"] == full["LDGSTS"] and loads["BAR"] == full["BAR"], (full, loads)  # the ring as it was
         assert nodeq.get(mma) == full[mma] and "HFMA2" not in nodeq and nodeq.get("LOP3", 0) < full["LOP3"] // 4, nodeq
         assert nox.get(mma) == full[mma] and nox["LDGSTS"] * 8 == full["LDGSTS"] * 3, (full, nox)
+        assert all(timed.get(op) == full[op] for op in (mma, "LDGSTS", "ATOMG", "HFMA2")), (full, timed)
+        assert full["timers"] == 0 and timed["timers"] >= 4 and timed["STG"] >= full["STG"] + 6, (full, timed)
 
 
 def test_probe_decode_probe_tags():
