@@ -5,6 +5,7 @@ CUDA-graph replay over weight copies rotated past L2, median of 15 replays).
     python scripts/probe_decode.py --out DIR [--only 8192] [--m 1 4 16] [--layouts pairs spans] [--workers 12]
     python scripts/probe_decode.py --out DIR --m 4 16 --plain --tags R16W4D4S4G8 R16W4D1S4G4M R16W4D4S1G8B2
     python scripts/probe_decode.py --tune --out DIR [--write kernels/tuned_decode.json] [--layouts spans] [--m 1 2 4]
+    python scripts/probe_decode.py --timeline --out DIR --only 12288 --m 16 --tags R16W4D3S4G4H
 
 Probe mode writes DIR/probe_decode.json and prints a table: launch variants of the Gluon kernel, its timing
 probes (parts left out), the Triton kernel (the config `choose_config` picks, forced) and cuBLAS fp16, on
@@ -16,7 +17,9 @@ M in `--m` (default TUNE_M), the Triton kernel (the config `choose_config` picks
 and as PDL chains, each twice in alternation (the lower median is kept, against drift), and writes the
 launch table that `w4a16_decode.tuned_config` reads: the Gluon config where it was at least TUNE_MARGIN
 faster, null where the Triton kernel won. The kernels are compiled first in `--workers` processes (Triton's
-cache is shared), so the timing pass finds them compiled.
+cache is shared), so the timing pass finds them compiled. Timeline mode (`timelines`) runs each shared-x config of
+`--tags` once with the kernel's PROBE 5 and writes DIR/timeline.json: every program's SM, start and end time and
+split-K ticket, with a summary (the spread of the programs' ends, the SMs' idle share, the reducers' wait).
 """
 
 from __future__ import annotations
@@ -433,10 +436,10 @@ def main() -> None:
             print(f"   {r['impl']:24} {r['us']:7.2f} us{extra}")
 
 
-def probe_timeline(x: torch.Tensor, w, cfg) -> torch.Tensor:
-    """One launch of the shared-x config `cfg` with the kernel's PROBE 5: int64 [split, blocks, 6] rows of (SM id,
-    %globaltimer at the program's start and end in ns, %clock64 at start and end, its split-K ticket or -1); the
-    output is checked by the caller's reference like any launch (PROBE 5 computes the GEMM unchanged)."""
+def probe_timeline(x: torch.Tensor, w, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch of the shared-x config `cfg` with the kernel's PROBE 5 -> (int64 [split, blocks, 6] rows of (SM id,
+    %globaltimer at the program's start and end in ns, %clock64 at start and end, its split-K ticket or -1), the
+    output [M, N]), which the caller checks like any launch's (PROBE 5 computes the GEMM unchanged)."""
     from glmq.kernels import w4a16_decode as DK
 
     m, n = x.shape[0], w.n
@@ -476,6 +479,8 @@ def timelines(shapes: dict, dev, a, out_dir: Path) -> None:
                     probe_timeline(x, pk, cfg)
                 tl3, out = probe_timeline(x, packs[0], cfg)
                 err = rel_err(out, ref)
+                if not err < 3e-2:
+                    raise SystemExit(f"{shape} M={m} {t}: wrong, rel err {err}")
                 tl = tl3.reshape(-1, 6).tolist()
                 t0 = min(r[1] for r in tl)
                 starts = sorted(r[1] - t0 for r in tl)
