@@ -99,6 +99,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 MAX_M = 16  # token rows this kernel takes (two n8 MMA tiles)
 X_SMEM_MAX_BYTES = 96 << 10  # x_smem's staged copy of x per program (an sm_90 SM has 227 KB); larger is refused
+TIMELINE_WORDS = 8  # int64 per program that the shared-x kernel's PROBE 5 stores after out's rows (six used)
 HEURISTIC_MAX_WEIGHTS = 80 << 20  # N * K up to which `heuristic_config` takes this kernel at M = 1 (module doc)
 TUNED_PATHS = {Layout.PAIRS: Path(__file__).with_name("tuned_decode.json"),  # one launch table per weight layout
                Layout.SPANS: Path(__file__).with_name("tuned_decode_spans.json")}
@@ -170,6 +171,7 @@ if _GLUON:
     _PAIRS_BF16 = gl.constexpr(_pairs_asm(True))
     _PAIRS_F16 = gl.constexpr(_pairs_asm(False))
     _RAW_WORDS = gl.constexpr(_raw_words_asm())
+    _TIMELINE_WORDS = gl.constexpr(TIMELINE_WORDS)
     _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier  # renamed in Triton 3.7
     # cp.async global -> shared: async_copy_global_to_shared up to Triton 3.6, async_load from 3.7 (the old name raises)
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -639,7 +641,7 @@ if _GLUON:
         c_end = _timer("mov.u64 $0, %clock64;")
         sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         base = (out_ptr + off).to(gl.pointer_type(gl.int64), bitcast=True) + (
-            gl.program_id(1) * gl.num_programs(0) + pid) * 8
+            gl.program_id(1) * gl.num_programs(0) + pid) * _TIMELINE_WORDS
         gl.store(base, sm.to(gl.int64))
         gl.store(base + 1, t_start)
         gl.store(base + 2, t_end)

@@ -444,12 +444,12 @@ def probe_timeline(x: torch.Tensor, w, cfg) -> tuple[torch.Tensor, torch.Tensor]
 
     m, n = x.shape[0], w.n
     blocks = -(-n // (cfg.warps * cfg.rows))
-    rows = cfg.split * blocks * 8  # int64 per program (six used)
-    full = torch.zeros(m * n + 4 * rows, dtype=x.dtype, device=x.device)  # out's M rows, then the timeline
+    words = cfg.split * blocks * DK.TIMELINE_WORDS  # int64 words, four 2-byte elements of out each
+    full = torch.zeros(m * n + 4 * words, dtype=x.dtype, device=x.device)  # out's M rows, then the timeline
     out = full[: m * n].view(m, n)
     DK.decode_matmul(x, w, out, cfg, probe=5)
     torch.cuda.synchronize()
-    return full[m * n:].view(torch.int64).view(cfg.split, blocks, 8)[..., :6].cpu(), out
+    return full[m * n:].view(torch.int64).view(cfg.split, blocks, DK.TIMELINE_WORDS)[..., :6].cpu(), out
 
 
 def timelines(shapes: dict, dev, a, out_dir: Path) -> None:

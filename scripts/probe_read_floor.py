@@ -21,12 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import DENSE, GROUP, SQUARE, Bench  # noqa: E402
-
-
-def shape_bytes(n: int, k: int) -> int:
-    """Packed int4 words + bf16 group scales of an [N, K] weight (what `packed_bytes` counts in the bench)."""
-    return n * k // 2 + n * (k // GROUP) * 2
+from bench_kernels import DENSE, SQUARE, Bench, packed_bytes, random_int4  # noqa: E402
 
 
 def main() -> None:
@@ -38,7 +33,7 @@ def main() -> None:
     shapes = {SQUARE[0]: (SQUARE[1], SQUARE[2]), **DENSE}
     rows = []
     for name, (n, k) in shapes.items():
-        nbytes = shape_bytes(n, k)
+        nbytes = packed_bytes(*random_int4(n, k, device=dev, seed=0))  # the bytes the bench's floors count
         elems = nbytes // 4
         bufs = [torch.randn(elems, device=dev) for _ in range(b.copies(nbytes))]
         dsts = [torch.empty_like(t) for t in bufs]
