@@ -132,10 +132,6 @@ class DecodeConfig:
             8 warps): each warpgroup's 64 rows x TOK tokens per chunk as one asynchronous chain of 8
             `wgmma.m64nTOKk16`, the dequantized words (A) from registers and x (B) read by the tensor cores straight
             from the ring slot, instead of per warp 8-16 `mma.sync` on x fragments loaded by ldmatrix.
-        late, skew: the shared-x kernel's K split made uneven by launch order (0, 0: even). The last `late` of a row
-            block's `split` pieces (its programs launched last: an SM's youngest, which its warp scheduler serves
-            last) take `skew` chunks fewer than K / 128 / split, the first `split - late` as many more between them
-            (`late * skew` must divide by `split - late`), so that an SM's programs end together.
     """
 
     rows: int = 16
@@ -148,8 +144,6 @@ class DecodeConfig:
     step: int = 1
     w_smem: bool = False
     wgmma: bool = False
-    late: int = 0
-    skew: int = 0
 
     def __post_init__(self) -> None:
         if self.rows not in (16, 32):
@@ -168,19 +162,6 @@ class DecodeConfig:
         if self.wgmma and not (self.split and self.rows == 16 and self.warps in (4, 8)):
             raise ValueError(f"DecodeConfig.wgmma takes the shared-x kernel (split >= 1) with 16 rows a warp and 4 or "
                              f"8 warps (whole warpgroups), got {self}")
-
-        if (self.late or self.skew) and not (0 < self.late < self.split and self.skew > 0
-                                             and self.late * self.skew % (self.split - self.late) == 0):
-            raise ValueError(f"DecodeConfig.late and .skew: 0 < late < split, skew > 0 and late * skew divisible by "
-                             f"split - late, got late {self.late}, skew {self.skew}, split {self.split}")
-
-    def pieces(self, chunks: int) -> tuple[int, int]:
-        """(chunks of each of a row block's first `split - late` pieces, of each of its last `late`) for K / 128 =
-        `chunks` (`split` must divide it)."""
-        base = chunks // self.split
-        if not self.late:
-            return base, base
-        return base + self.late * self.skew // (self.split - self.late), base - self.skew
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -673,7 +654,7 @@ if _GLUON:
                         stride_om, CPP: gl.constexpr, W: gl.constexpr, R: gl.constexpr, TOK: gl.constexpr,
                         D: gl.constexpr, XR: gl.constexpr, STEP: gl.constexpr, WS: gl.constexpr, WG: gl.constexpr,
                         BF16: gl.constexpr, SP: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr,
-                        PROBE: gl.constexpr = 0, LONG: gl.constexpr = 0, CPPB: gl.constexpr = 0, DB: gl.constexpr = 0):
+                        PROBE: gl.constexpr = 0):
         """grid = (cdiv(N, W R), split). Program (p, k): rows [W R p, W R (p + 1)), chunks [CPP k, CPP (k + 1));
         warp w: its R of those rows over all the program's chunks, so the W warps share one copy of x: each chunk's x
         goes global -> shared memory by cp.async into a ring of XR slots (XR - STEP chunks ahead, one barrier per
@@ -697,26 +678,8 @@ if _GLUON:
         dequantization (the words' raw halves into the MMA); 4 = x copied only into the ring's first slots (no L2
         reads of x after the start: what x's traffic costs); 5 = the GEMM as it is, and each program's timeline
         (`_timeline`) stored after out's M rows (`probe_timeline`; out must have that room)."""
-        if LONG == 0:  # every piece CPP chunks
-            _xshared_program(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, stride_wc, stride_sn,
-                             stride_om, 0, CPP, W, R, TOK, D, XR, STEP, WS, WG, BF16, SP, SPLIT, PDL, PROBE)
-        elif gl.program_id(1) < LONG:  # skewed: a row block's first LONG pieces CPP chunks each, the rest CPPB
-            _xshared_program(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, stride_wc, stride_sn,
-                             stride_om, 0, CPP, W, R, TOK, D, XR, STEP, WS, WG, BF16, SP, SPLIT, PDL, PROBE)
-        else:
-            _xshared_program(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, stride_wc, stride_sn,
-                             stride_om, LONG * (CPP - CPPB), CPPB, W, R, TOK, DB, XR, STEP, WS, WG, BF16, SP, SPLIT,
-                             PDL, PROBE)
-
-    @gluon.jit
-    def _xshared_program(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, stride_wc, stride_sn,
-                         stride_om, OFF: gl.constexpr, CPP: gl.constexpr, W: gl.constexpr, R: gl.constexpr,
-                         TOK: gl.constexpr, D: gl.constexpr, XR: gl.constexpr, STEP: gl.constexpr, WS: gl.constexpr,
-                         WG: gl.constexpr, BF16: gl.constexpr, SP: gl.constexpr, SPLIT: gl.constexpr,
-                         PDL: gl.constexpr, PROBE: gl.constexpr):
-        """`_xshared_kernel`'s program (p, k): CPP chunks from chunk k CPP + OFF."""
         pid = gl.program_id(0)
-        c0 = gl.program_id(1) * CPP + OFF
+        c0 = gl.program_id(1) * CPP
         if PROBE == 5:
             t_start = _timer("mov.u64 $0, %globaltimer;")
             c_start = _timer("mov.u64 $0, %clock64;")
@@ -902,8 +865,7 @@ def supports(m: int, w: PackedW4, cfg: DecodeConfig | None = None) -> bool:
     if not (1 <= m <= MAX_M) or w.lead or not w.layout.mma or not w.chunk_major or w.chunk != MMA_CHUNK:
         return False
     if cfg is not None and cfg.split:  # wgmma reads x from the ring as it lies: natural order, PAIRS weights only
-        return ((w.k // MMA_CHUNK) % cfg.split == 0 and cfg.pieces(w.k // MMA_CHUNK)[1] >= 1
-                and not (cfg.wgmma and w.layout is not Layout.PAIRS))
+        return (w.k // MMA_CHUNK) % cfg.split == 0 and not (cfg.wgmma and w.layout is not Layout.PAIRS)
     if cfg is not None and cfg.x_smem and m == 1 and x_smem_bytes(w.k, cfg.warps) > X_SMEM_MAX_BYTES:
         return False
     return (w.k // MMA_CHUNK) % (cfg.warps if cfg is not None else 1) == 0
@@ -998,11 +960,10 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
 
 
 def _xshared_args(m: int, chunks: int, cfg: DecodeConfig, bf16: bool, spans: bool, pdl: bool, probe: int = 0) -> dict:
-    cpp, cppb = cfg.pieces(chunks)
-    skew = dict(LONG=cfg.split - cfg.late if cfg.late else 0, CPPB=cppb, DB=min(cfg.depth, cppb))
+    cpp = chunks // cfg.split
     return dict(CPP=cpp, W=cfg.warps, R=cfg.rows, TOK=8 if m <= 8 else 16, D=min(cfg.depth, cpp), XR=cfg.ring,
                 STEP=cfg.step, WS=cfg.w_smem, WG=cfg.wgmma, BF16=bf16, SP=spans, SPLIT=cfg.split > 1, PDL=pdl,
-                PROBE=probe, **skew)
+                PROBE=probe)
 
 
 def _launch_xshared(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeConfig, pdl: bool, stride_wc: int,

@@ -121,10 +121,10 @@ def xshared_splits(n: int, k: int, rows: int, warps: int) -> list[int]:
 
 def tag(c) -> str:
     """R{rows}W{warps}D{depth}, X with x_smem, E with pdl_early, S{split}G{ring} for the shared-x kernel, then
-    B{step} where step > 1, L{late}x{skew} for an uneven split, M with w_smem and H with wgmma."""
+    B{step} where step > 1, M with w_smem and H with wgmma."""
     return (f"R{c.rows}W{c.warps}D{c.depth}{'X' if c.x_smem else ''}{'E' if c.pdl_early else ''}"
             f"{f'S{c.split}G{c.ring}' if c.split else ''}{f'B{c.step}' if c.step > 1 else ''}"
-            f"{f'L{c.late}x{c.skew}' if c.late else ''}{'M' if c.w_smem else ''}{'H' if c.wgmma else ''}")
+            f"{'M' if c.w_smem else ''}{'H' if c.wgmma else ''}")
 
 
 def parse_probe_tag(text: str):
@@ -139,14 +139,13 @@ def parse_tag(text: str):
 
     from glmq.kernels.w4a16_decode import DecodeConfig
 
-    m = re.fullmatch(r"R(\d+)W(\d+)D(\d+)(X?)(E?)(?:S(\d+)G(\d+))?(?:B(\d+))?(?:L(\d+)x(\d+))?(M?)(H?)", text)
+    m = re.fullmatch(r"R(\d+)W(\d+)D(\d+)(X?)(E?)(?:S(\d+)G(\d+))?(?:B(\d+))?(M?)(H?)", text)
     if not m:
         raise ValueError(f"not a decode config tag: {text!r} "
-                         "(R<rows>W<warps>D<depth>[X][E][S<split>G<ring>][B<step>][L<late>x<skew>][M][H])")
-    r, w, d, xs, early, split, ring, step, late, skew, ws, wg = m.groups()
+                         "(R<rows>W<warps>D<depth>[X][E][S<split>G<ring>][B<step>][M][H])")
+    r, w, d, xs, early, split, ring, step, ws, wg = m.groups()
     return DecodeConfig(int(r), int(w), int(d), pdl_early=bool(early), x_smem=bool(xs), split=int(split or 0),
-                        ring=int(ring or 4), step=int(step or 1), w_smem=bool(ws), wgmma=bool(wg),
-                        late=int(late or 0), skew=int(skew or 0))
+                        ring=int(ring or 4), step=int(step or 1), w_smem=bool(ws), wgmma=bool(wg))
 
 
 def variants(n: int, k: int, m: int, xshared_only: bool = False, tag_has: str = "", tags: tuple = (),
