@@ -65,8 +65,10 @@ is M = 1 only: a program's x at M <= 16 would need up to K * 32 bytes of shared 
 against the Triton kernel (which permutes x for them) at M <= 4 on all five GLM shapes, at M = 8 on three plain
 and all five as PDL chains, and at M = 16 on one. So `w4a16_matmul_packed` takes it only where the launch table of
 the weight's layout (`TUNED_PATHS`: `tuned_decode.json` for PAIRS, `tuned_decode_spans.json` for SPANS; written by
-scripts/probe_decode.py --tune on the GPU it names) says it was faster, or, on other sm_90 GPUs, by
-`heuristic_config`'s rule; an explicit `DecodeConfig` always takes it.
+scripts/probe_decode.py --tune on the GPU it names) says it was faster, or, for a shape or an sm_90 GPU the table
+does not name, by `heuristic_config`'s rule (the shared-x kernel at M <= 16 as the table's picks mostly are; on the
+H200 1.0-1.5x the Triton kernel on ten GLM-5, Kimi K2 and GLM-4.5 shapes, session 21); an explicit `DecodeConfig`
+always takes it.
 
 Gluon kernels cannot run under TRITON_INTERPRET=1 (Triton has no Gluon interpreter): `available()` is
 False there and off-GPU, and the Triton kernels run instead. CPU CI compiles this kernel for sm_90 with
@@ -84,8 +86,8 @@ from pathlib import Path
 
 import torch
 
-from glmq.kernels.w4a16_dense import (_INTERPRETED, MMA_CHUNK, Layout, PackedW4, _cuda_info, _pairs_asm,
-                                      _raw_words_asm, _tickets)
+from glmq.kernels.w4a16_dense import (_INTERPRETED, DEFAULT_SM_COUNT, MMA_CHUNK, Layout, PackedW4, _cuda_info,
+                                      _pairs_asm, _raw_words_asm, _tickets, sm_count)
 
 try:  # Gluon ships with Triton >= 3.4 as triton.experimental.gluon; its API is still moving
     from triton.experimental import gluon
@@ -100,7 +102,11 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 MAX_M = 16  # token rows this kernel takes (two n8 MMA tiles)
 X_SMEM_MAX_BYTES = 96 << 10  # x_smem's staged copy of x per program (an sm_90 SM has 227 KB); larger is refused
 TIMELINE_WORDS = 8  # int64 per program that the shared-x kernel's PROBE 5 stores after out's rows (six used)
-HEURISTIC_MAX_WEIGHTS = 80 << 20  # N * K up to which `heuristic_config` takes this kernel at M = 1 (module doc)
+HEURISTIC_MAX_WEIGHTS = 80 << 20  # N * K up to which `direct_heuristic` takes `_decode_kernel` at M = 1
+HEURISTIC_PROGRAMS_PER_SM = 3  # `xshared_split`: the shared-x kernel's launch size aimed at (programs per SM)
+HEURISTIC_DIRECT_MAX_K = 2048  # `heuristic_config` at M = 1: `_decode_kernel` up to this K, the shared-x one above
+HEURISTIC_M1_MIN_PROGRAMS_PER_SM = 2.5  # `heuristic_config` at M = 1: fewer shared-x programs than this: Triton
+WGMMA_PROGRAMS_PER_SM = 3  # 4-warp programs of the wgmma configs (~164 registers a thread) an SM holds at once
 TUNED_PATHS = {Layout.PAIRS: Path(__file__).with_name("tuned_decode.json"),  # one launch table per weight layout
                Layout.SPANS: Path(__file__).with_name("tuned_decode_spans.json")}
 
@@ -871,19 +877,66 @@ def supports(m: int, w: PackedW4, cfg: DecodeConfig | None = None) -> bool:
     return (w.k // MMA_CHUNK) % (cfg.warps if cfg is not None else 1) == 0
 
 
-def heuristic_config(m: int, n: int, k: int) -> DecodeConfig | None:
-    """This kernel for an untuned shape on an sm_90 GPU, or None (the Triton kernels).
+def heuristic_config(m: int, n: int, k: int, layout: Layout = Layout.PAIRS, sms: int = DEFAULT_SM_COUNT
+                     ) -> DecodeConfig | None:
+    """This kernel for a shape without a launch-table entry on an sm_90 GPU, or None (the Triton kernels).
 
-    M = 1 and N * K <= HEURISTIC_MAX_WEIGHTS (where the H200 runs of 2026-12-02 had it at least level with the
-    Triton kernel: 8192^2, 12288->6144 and the expert shapes; 6144->24576 lost); 16 rows per program, the most
-    warps (8, 4, 2, 1) that still leave each warp >= 4 chunks, two chunks in flight; on a PDL launch the next
-    launch is let in early when each warp runs <= 8 chunks (the H200 tuning's winners on those loops).
+    At M = 1 with K <= HEURISTIC_DIRECT_MAX_K `direct_heuristic` (`_decode_kernel`); otherwise `xshared_heuristic`,
+    except at M = 1 when its launch has fewer than HEURISTIC_M1_MIN_PROGRAMS_PER_SM programs a multiprocessor. On
+    the H200 (scripts/probe_decode.py --heuristic --extra-shapes, 2026-12-03; kernels/NOTES.md, session 21) this
+    rule was at least level with the Triton kernel at every M = 1, 2, 4, 8, 16 on the five GLM-5 shapes and five of
+    Kimi K2 and GLM-4.5 (1.00-1.48x; the launch table's own picks are faster still on the GLM-5 shapes). Not
+    measured on other sm_90 GPUs.
+    """
+    if m == 1 and k <= HEURISTIC_DIRECT_MAX_K:
+        return direct_heuristic(m, n, k)
+    cfg = xshared_heuristic(m, n, k, layout, sms)
+    if m == 1 and cfg is not None and -(-n // 64) * cfg.split < HEURISTIC_M1_MIN_PROGRAMS_PER_SM * sms:
+        return None  # Kimi K2's 7168->18432 at M = 1: 288 programs, 0.94x the Triton kernel (1.29x at M = 2)
+    return cfg
+
+
+def direct_heuristic(m: int, n: int, k: int) -> DecodeConfig | None:
+    """`_decode_kernel` (warps split K) at M = 1 and N * K <= HEURISTIC_MAX_WEIGHTS; 16 rows per program, the most
+    warps (8, 4, 2, 1) that still leave each warp >= 4 chunks, two chunks in flight; on a PDL launch the next launch
+    is let in early when each warp runs <= 8 chunks (the H200 tuning's winners on those loops, 2026-12-02). None
+    elsewhere. On 2026-12-03 it led the shared-x kernel only at K = 2048 (`heuristic_config`).
     """
     chunks = k // MMA_CHUNK
     if m != 1 or n * k > HEURISTIC_MAX_WEIGHTS or k % MMA_CHUNK:
         return None
     warps = next(w for w in (8, 4, 2, 1) if chunks % w == 0 and (chunks // w >= 4 or w == 1))
     return DecodeConfig(rows=16, warps=warps, depth=2, pdl_early=chunks // warps <= 8)
+
+
+def xshared_split(n: int, k: int, sms: int = DEFAULT_SM_COUNT, max_per_sm: int | None = None, rows: int = 64) -> int:
+    """The shared-x kernel's K split for programs of `rows` rows: of the divisors of K / 128 that leave each program
+    >= 4 chunks (or 1), and with `max_per_sm` make at most that many programs a multiprocessor (where any does), the
+    one whose launch is nearest HEURISTIC_PROGRAMS_PER_SM programs a multiprocessor (the smaller split on a tie),
+    as the H200 launch table's picks at M = 1-16 on the five GLM-5 shapes are."""
+    chunks, blocks = k // MMA_CHUNK, -(-n // rows)
+    splits = [s for s in range(1, max(1, chunks // 4) + 1) if chunks % s == 0]
+    if max_per_sm is not None:
+        splits = [s for s in splits if blocks * s <= max_per_sm * sms] or [1]
+    return min(splits, key=lambda s: (abs(blocks * s - HEURISTIC_PROGRAMS_PER_SM * sms), s))
+
+
+def xshared_heuristic(m: int, n: int, k: int, layout: Layout = Layout.PAIRS, sms: int = DEFAULT_SM_COUNT
+                      ) -> DecodeConfig | None:
+    """The shared-x kernel at 1 <= M <= 16, configured as the H200 launch table's picks mostly are: 64-row programs
+    (4 warps of 16 rows), K split by `xshared_split`, a ring of 4 chunks; M <= 2: the words through the ring too
+    (w_smem), one chunk ahead; M <= 8 (or on SPANS weights): words in registers three chunks ahead; M <= 16 on PAIRS
+    weights: warpgroup MMAs, two chunks ahead, and at most WGMMA_PROGRAMS_PER_SM programs a multiprocessor (its
+    164 registers a thread fit three; a fourth program waits for a whole one to end: 8192^2 at split 4 was 0.86x
+    the Triton kernel, at split 2 level). None where K is not a positive multiple of 128."""
+    if not 1 <= m <= MAX_M or k % MMA_CHUNK or k == 0:
+        return None
+    if m <= 2:
+        return DecodeConfig(rows=16, warps=4, depth=1, split=xshared_split(n, k, sms), ring=4, w_smem=True)
+    if m <= 8 or layout is not Layout.PAIRS:
+        return DecodeConfig(rows=16, warps=4, depth=3, split=xshared_split(n, k, sms), ring=4)
+    return DecodeConfig(rows=16, warps=4, depth=2, split=xshared_split(n, k, sms, WGMMA_PROGRAMS_PER_SM), ring=4,
+                        wgmma=True)
 
 
 @functools.lru_cache(maxsize=4)
@@ -920,7 +973,7 @@ def choose(m: int, w: PackedW4, device: torch.device, device_name: str, pdl: boo
         return None
     cfg = tuned_config(m, w.n, w.k, device_name, pdl, w.layout)
     if cfg == "untuned":
-        cfg = heuristic_config(m, w.n, w.k) if _cuda_info(device)[2] == (9, 0) else None
+        cfg = heuristic_config(m, w.n, w.k, w.layout, sm_count(device)) if _cuda_info(device)[2] == (9, 0) else None
     return cfg if cfg is not None and supports(m, w, cfg) else None
 
 

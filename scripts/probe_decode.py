@@ -46,6 +46,13 @@ SHAPES = {  # name -> (N, K)
     "expert w13 6144->2x2048": (4096, 6144),
     "expert w2 2048->6144": (6144, 2048),
 }
+EXTRA_SHAPES = {  # --extra-shapes: layers of other MoE models the launch table was not tuned on (the heuristics' test)
+    "kimi-k2 expert w13 7168->2x2048": (4096, 7168),
+    "kimi-k2 expert w2 2048->7168": (7168, 2048),
+    "kimi-k2 dense 7168->18432": (18432, 7168),
+    "glm-4.5 expert w13 5120->2x1536": (3072, 5120),
+    "glm-4.5 expert w2 1536->5120": (5120, 1536),
+}
 # (rows, warps, depth, probe, x_smem) per token tile (1: M = 1, 8: M <= 8, 16: M <= 16); probes leave parts out
 # (w4a16_decode._decode_kernel: 1 no x, 2 words only, 3 no scales) and are timed only
 VARIANTS = {
@@ -149,9 +156,25 @@ def parse_tag(text: str):
 
 
 def variants(n: int, k: int, m: int, xshared_only: bool = False, tag_has: str = "", tags: tuple = (),
-             layout: str = "pairs"):
-    """The Gluon configs (and timing probes) to time at this shape and M: `tags` where given (those the kernel
-    takes here on weights of `layout`), else VARIANTS and XSHARED."""
+             layout: str = "pairs", heuristic: bool = False):
+    """The Gluon configs (and timing probes) to time at this shape and M: with `heuristic` what
+    `w4a16_decode.heuristic_config`'s two rules give, the shared-x one also at the other of its two K splits (nearest
+    HEURISTIC_PROGRAMS_PER_SM programs an SM, or that at most) where they differ; else `tags` where given (those the
+    kernel takes here on weights of `layout`), else VARIANTS and XSHARED."""
+    if heuristic:
+        import dataclasses
+
+        from glmq.kernels import w4a16_decode as DK
+        from glmq.kernels.w4a16_dense import Layout
+
+        cfg = DK.xshared_heuristic(m, n, k, Layout(layout))
+        cands = [DK.direct_heuristic(m, n, k), cfg]
+        if cfg is not None:
+            cands += [dataclasses.replace(cfg, split=s) for s in sorted(
+                {DK.xshared_split(n, k), DK.xshared_split(n, k, max_per_sm=DK.HEURISTIC_PROGRAMS_PER_SM)} - {cfg.split})]
+        stub = _stub(n, k, layout)
+        yield from ((c, 0) for c in cands if c is not None and DK.supports(m, stub, c))
+        return
     if tags:
         from glmq.kernels import w4a16_decode as DK
 
@@ -283,6 +306,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--only", default="", help="substring of the shape names to run")
+    ap.add_argument("--extra-shapes", action="store_true",
+                    help="also the EXTRA_SHAPES (Kimi K2, GLM-4.5 layers), which the launch table was not tuned on")
+    ap.add_argument("--heuristic", action="store_true",
+                    help="probe: time what w4a16_decode.heuristic_config's rules pick (direct_heuristic, "
+                         "xshared_heuristic) instead of the VARIANTS / XSHARED tables or --tags")
     ap.add_argument("--m", type=int, nargs="+", default=None, help="M values (default: 1 4 16; --tune: TUNE_M)")
     ap.add_argument("--triton-only", action="store_true",
                     help="probe: time only what w4a16_matmul runs and the Triton kernel (no Gluon variants); on SPANS "
@@ -314,7 +342,7 @@ def main() -> None:
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
-    shapes = {k: v for k, v in SHAPES.items() if a.only in k}
+    shapes = {k: v for k, v in {**SHAPES, **(EXTRA_SHAPES if a.extra_shapes else {})}.items() if a.only in k}
     if a.tune:
         tune(shapes, dev, a, out_dir)
         return
@@ -330,7 +358,8 @@ def main() -> None:
     for (n, k), m, lay in itertools.product(shapes.values(), a.m, a.layouts):
         tcfg = D.choose_config(m, n, k, GROUP, D.sm_count(dev), name, D.Layout.PAIRS)
         jobs += [(n, k, m, c, pdl, 0, lay) for c in (None, tcfg) for pdl in (False, True)]
-        for cfg, probe in ([] if a.triton_only else variants(n, k, m, a.xshared_only, a.tag_has, a.tags, lay)):
+        for cfg, probe in ([] if a.triton_only
+                           else variants(n, k, m, a.xshared_only, a.tag_has, a.tags, lay, a.heuristic)):
             jobs.append((n, k, m, cfg, False, probe, lay))
             if not probe and not a.plain:
                 jobs.append((n, k, m, cfg, True, probe, lay))
@@ -394,7 +423,8 @@ def main() -> None:
                               lambda i, pk=pk: D.w4a16_matmul_packed(x, pk[i], out=outs[i], config=tcfg, pdl=True))
                     finally:
                         D.SPANS_PERMUTE_IN_KERNEL_MAX_M = limit
-            for cfg, probe in ([] if a.triton_only else variants(n, k, m, a.xshared_only, a.tag_has, a.tags)):
+            for cfg, probe in ([] if a.triton_only
+                               else variants(n, k, m, a.xshared_only, a.tag_has, a.tags, heuristic=a.heuristic)):
                 for lay, pk in packs_of.items():
                     if not DK.supports(m, pk[0], cfg):  # e.g. a wgmma tag on SPANS weights
                         continue

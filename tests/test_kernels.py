@@ -768,13 +768,26 @@ def test_decode_supports_and_heuristic():
     assert not DK.supports(1, D.prepack(wp, ws, 128, layout="planes", chunk_major=False))
     wp32, ws32 = quantized(48, 768, group_size=32)
     assert not DK.supports(1, D.prepack(wp32, ws32, 32))  # group 32: PLANES words
-    # the rule measured on the H200: M = 1, up to ~80 M weights, 8 warps unless that leaves < 4 chunks each
-    assert DK.heuristic_config(1, 8192, 8192) == DK.DecodeConfig(16, 8, 2, pdl_early=True)
+    # `_decode_kernel`'s rule: M = 1, up to ~80 M weights, 8 warps unless that leaves < 4 chunks each
+    assert DK.direct_heuristic(1, 8192, 8192) == DK.DecodeConfig(16, 8, 2, pdl_early=True)
+    assert DK.direct_heuristic(1, 6144, 12288) == DK.DecodeConfig(16, 8, 2, pdl_early=False)  # 12 chunks a warp
+    assert DK.direct_heuristic(1, 24576, 6144) is None and DK.direct_heuristic(2, 8192, 8192) is None
+    # what an untuned sm_90 GPU or shape gets (measured on the H200, session 21): M = 1 and K <= 2048 that rule ...
     assert DK.heuristic_config(1, 6144, 2048) == DK.DecodeConfig(16, 4, 2, pdl_early=True)
-    assert DK.heuristic_config(1, 4096, 6144) == DK.DecodeConfig(16, 8, 2, pdl_early=True)
-    assert DK.heuristic_config(1, 6144, 12288) == DK.DecodeConfig(16, 8, 2, pdl_early=False)  # 12 chunks a warp
     assert DK.heuristic_config(1, 256, 384) == DK.DecodeConfig(16, 1, 2, pdl_early=True)
-    assert DK.heuristic_config(1, 24576, 6144) is None and DK.heuristic_config(2, 8192, 8192) is None
+    # ... else the shared-x kernel, 64-row programs, K split for ~3 programs an SM (the GLM-5 table's splits)
+    assert DK.heuristic_config(1, 8192, 8192) == DK.DecodeConfig(16, 4, 1, split=4, ring=4, w_smem=True)
+    assert DK.heuristic_config(2, 4096, 6144) == DK.DecodeConfig(16, 4, 1, split=6, ring=4, w_smem=True)
+    assert DK.heuristic_config(4, 6144, 12288) == DK.DecodeConfig(16, 4, 3, split=4, ring=4)
+    assert DK.heuristic_config(8, 24576, 6144) == DK.DecodeConfig(16, 4, 3, split=1, ring=4)
+    assert DK.heuristic_config(16, 6144, 12288) == DK.DecodeConfig(16, 4, 2, split=4, ring=4, wgmma=True)
+    # wgmma's programs: at most three an SM (8192^2: split 2, 256 programs, not 4, 512); SPANS weights: mma.sync
+    assert DK.heuristic_config(16, 8192, 8192).split == 2 and DK.heuristic_config(8, 8192, 8192).split == 4
+    assert DK.heuristic_config(16, 8192, 8192, D.Layout.SPANS) == DK.DecodeConfig(16, 4, 3, split=4, ring=4)
+    assert DK.xshared_split(8192, 8192, sms=66) == 2 and DK.xshared_split(384, 512) == 1  # fewer SMs; 4 chunks
+    # M = 1 with fewer than 2.5 programs an SM (Kimi K2's 7168->18432: 288): the Triton kernel; M > 16: always
+    assert DK.heuristic_config(1, 18432, 7168) is None and DK.heuristic_config(2, 18432, 7168).split == 1
+    assert DK.heuristic_config(17, 8192, 8192) is None and DK.heuristic_config(4, 256, 200) is None
     # off-GPU (and under the interpreter) the Triton kernels always run; an explicit DecodeConfig is refused
     assert DK.choose(1, pairs, torch.device("cpu"), "cpu", False) is None
     if DEV.type != "cuda":
@@ -1101,6 +1114,25 @@ def test_xshared_wgmma_gpu(m, n, k, cfg, dtype):
     for pdl in (False, True):  # the same bits on every launch, plain or PDL
         again = D.w4a16_matmul_packed(x, packed, out=poisoned(m, n, dtype), config=cfg, pdl=pdl)
         assert torch.equal(again + 0, y + 0)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the heuristic is the sm_90 rule")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 2, 3, 9, 16])
+@pytest.mark.parametrize("n, k", [(200, 1024), (264, 3072), (3072, 5120), (5120, 1536), (18432, 7168)])
+@both_mma_layouts
+def test_decode_heuristic_gpu(m, n, k, dtype, layout):
+    # what an untuned shape gets on an sm_90 GPU (`heuristic_config`, this GPU's SM count): right on odd shapes, and
+    # what w4a16_matmul_packed picks by itself there when no launch table names the shape
+    cfg = DK.heuristic_config(m, n, k, layout, D.sm_count(DEV))
+    if cfg is None:
+        pytest.skip("the Triton kernel here")
+    _decode_case(m, n, k, dtype, cfg, scale_dtype=torch.float32 if n == 264 else torch.bfloat16, layout=layout)
+    packed = D.prepack(*quantized(n, k, group_size=128), 128, layout)
+    assert DK.choose(m, packed, DEV, "untuned GPU", False) == cfg
 
 
 @pytest.mark.gpu
