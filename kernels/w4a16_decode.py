@@ -66,9 +66,9 @@ against the Triton kernel (which permutes x for them) at M <= 4 on all five GLM 
 and all five as PDL chains, and at M = 16 on one. So `w4a16_matmul_packed` takes it only where the launch table of
 the weight's layout (`TUNED_PATHS`: `tuned_decode.json` for PAIRS, `tuned_decode_spans.json` for SPANS; written by
 scripts/probe_decode.py --tune on the GPU it names) says it was faster, or, for a shape or an sm_90 GPU the table
-does not name, by `heuristic_config`'s rule (the shared-x kernel at M <= 16 as the table's picks mostly are; on the
-H200 1.0-1.5x the Triton kernel on ten GLM-5, Kimi K2 and GLM-4.5 shapes, session 21); an explicit `DecodeConfig`
-always takes it.
+does not name, by `heuristic_config`'s rule (on PAIRS weights the shared-x kernel at M <= 16 as the table's picks
+mostly are; on the H200 1.0-1.5x the Triton kernel on ten GLM-5, Kimi K2 and GLM-4.5 shapes, session 21); an explicit
+`DecodeConfig` always takes it.
 
 Gluon kernels cannot run under TRITON_INTERPRET=1 (Triton has no Gluon interpreter): `available()` is
 False there and off-GPU, and the Triton kernels run instead. CPU CI compiles this kernel for sm_90 with
@@ -881,14 +881,15 @@ def heuristic_config(m: int, n: int, k: int, layout: Layout = Layout.PAIRS, sms:
                      ) -> DecodeConfig | None:
     """This kernel for a shape without a launch-table entry on an sm_90 GPU, or None (the Triton kernels).
 
-    At M = 1 with K <= HEURISTIC_DIRECT_MAX_K `direct_heuristic` (`_decode_kernel`); otherwise `xshared_heuristic`,
-    except at M = 1 when its launch has fewer than HEURISTIC_M1_MIN_PROGRAMS_PER_SM programs a multiprocessor. On
-    the H200 (scripts/probe_decode.py --heuristic --extra-shapes, 2026-12-03; kernels/NOTES.md, session 21) this
-    rule was at least level with the Triton kernel at every M = 1, 2, 4, 8, 16 on the five GLM-5 shapes and five of
-    Kimi K2 and GLM-4.5 (1.00-1.48x; the launch table's own picks are faster still on the GLM-5 shapes). Not
-    measured on other sm_90 GPUs.
+    PAIRS weights: at M = 1 with K <= HEURISTIC_DIRECT_MAX_K `direct_heuristic` (`_decode_kernel`); otherwise
+    `xshared_heuristic`, except at M = 1 when its launch has fewer than HEURISTIC_M1_MIN_PROGRAMS_PER_SM programs a
+    multiprocessor. On the H200 (scripts/probe_decode.py --heuristic --extra-shapes, 2026-12-03; kernels/NOTES.md,
+    session 21) this rule was at least level with the Triton kernel at every M = 1, 2, 4, 8, 16 on the five GLM-5
+    shapes and five of Kimi K2 and GLM-4.5 (1.00-1.48x; the launch table's own picks are faster still on the GLM-5
+    shapes). Not measured on other sm_90 GPUs. SPANS weights (where the Triton kernel won at M = 8-16 on most GLM
+    shapes, module doc, and this rule was not measured): `direct_heuristic` only, as before.
     """
-    if m == 1 and k <= HEURISTIC_DIRECT_MAX_K:
+    if layout is not Layout.PAIRS or (m == 1 and k <= HEURISTIC_DIRECT_MAX_K):
         return direct_heuristic(m, n, k)
     cfg = xshared_heuristic(m, n, k, layout, sms)
     if m == 1 and cfg is not None and -(-n // 64) * cfg.split < HEURISTIC_M1_MIN_PROGRAMS_PER_SM * sms:
@@ -925,10 +926,10 @@ def xshared_heuristic(m: int, n: int, k: int, layout: Layout = Layout.PAIRS, sms
                       ) -> DecodeConfig | None:
     """The shared-x kernel at 1 <= M <= 16, configured as the H200 launch table's picks mostly are: 64-row programs
     (4 warps of 16 rows), K split by `xshared_split`, a ring of 4 chunks; M <= 2: the words through the ring too
-    (w_smem), one chunk ahead; M <= 8 (or on SPANS weights): words in registers three chunks ahead; M <= 16 on PAIRS
-    weights: warpgroup MMAs, two chunks ahead, and at most WGMMA_PROGRAMS_PER_SM programs a multiprocessor (its
-    164 registers a thread fit three; a fourth program waits for a whole one to end: 8192^2 at split 4 was 0.86x
-    the Triton kernel, at split 2 level). None where K is not a positive multiple of 128."""
+    (w_smem), one chunk ahead; M <= 8 (or on SPANS weights, not measured): words in registers three chunks ahead;
+    M <= 16 on PAIRS weights: warpgroup MMAs, two chunks ahead, and at most WGMMA_PROGRAMS_PER_SM programs a
+    multiprocessor (its 164 registers a thread fit three; a fourth program waits for a whole one to end: 8192^2 at
+    split 4 was 0.86x the Triton kernel, at split 2 level). None where K is not a positive multiple of 128."""
     if not 1 <= m <= MAX_M or k % MMA_CHUNK or k == 0:
         return None
     if m <= 2:

@@ -781,9 +781,12 @@ def test_decode_supports_and_heuristic():
     assert DK.heuristic_config(4, 6144, 12288) == DK.DecodeConfig(16, 4, 3, split=4, ring=4)
     assert DK.heuristic_config(8, 24576, 6144) == DK.DecodeConfig(16, 4, 3, split=1, ring=4)
     assert DK.heuristic_config(16, 6144, 12288) == DK.DecodeConfig(16, 4, 2, split=4, ring=4, wgmma=True)
-    # wgmma's programs: at most three an SM (8192^2: split 2, 256 programs, not 4, 512); SPANS weights: mma.sync
+    # wgmma's programs: at most three an SM (8192^2: split 2, 256 programs, not 4, 512)
     assert DK.heuristic_config(16, 8192, 8192).split == 2 and DK.heuristic_config(8, 8192, 8192).split == 4
-    assert DK.heuristic_config(16, 8192, 8192, D.Layout.SPANS) == DK.DecodeConfig(16, 4, 3, split=4, ring=4)
+    # SPANS weights (the rule not measured there): `_decode_kernel`'s M = 1 rule only, as before session 21
+    assert DK.heuristic_config(16, 8192, 8192, D.Layout.SPANS) is None
+    assert DK.heuristic_config(1, 8192, 8192, D.Layout.SPANS) == DK.direct_heuristic(1, 8192, 8192)
+    assert DK.xshared_heuristic(16, 8192, 8192, D.Layout.SPANS) == DK.DecodeConfig(16, 4, 3, split=4, ring=4)
     assert DK.xshared_split(8192, 8192, sms=66) == 2 and DK.xshared_split(384, 512) == 1  # fewer SMs; 4 chunks
     # M = 1 with fewer than 2.5 programs an SM (Kimi K2's 7168->18432: 288): the Triton kernel; M > 16: always
     assert DK.heuristic_config(1, 18432, 7168) is None and DK.heuristic_config(2, 18432, 7168).split == 1
