@@ -981,6 +981,30 @@ print(json.dumps(out))
         assert r["split"] or r["loop_barriers"] == 0, r
 
 
+def test_decode_heuristic_occupancy_sm90():
+    # `xshared_heuristic`'s K splits count on programs an SM: up to four of the mma.sync and w_smem configs (8192^2 at
+    # M <= 8: 512 programs on 132 SMs), three of the wgmma ones (WGMMA_PROGRAMS_PER_SM); a 4-warp program holds 128
+    # threads, 64 K registers an SM: <= 128 registers a thread for four, <= 168 for three; and nothing may spill
+    code = """
+import json, sys
+from glmq.kernels import w4a16_decode as DK
+out = []
+for m, n, k in ((1, 8192, 8192), (4, 8192, 8192), (16, 6144, 12288), (16, 4096, 6144)):
+    cfg = DK.heuristic_config(m, n, k)
+    try:
+        r = DK.compile_sm90(cfg, k // 128, 1 if m == 1 else 8 if m <= 8 else 16, True, m == 1)
+    except RuntimeError as exc:
+        print("SKIP", exc); sys.exit(0)
+    out.append(dict(m=m, wg=cfg.wgmma, regs=r["registers"], spills=r["spills"]))
+print(json.dumps(out))
+"""
+    res = _compile_sm90_in_subprocess(code)
+    assert [r["wg"] for r in res] == [False, False, True, True], res
+    for r in res:
+        per_sm = DK.WGMMA_PROGRAMS_PER_SM if r["wg"] else 4
+        assert r["spills"] == 0 and r["regs"] * 128 * per_sm <= 65536, r
+
+
 def test_xshared_probes_compile_for_sm90():
     # the shared-x kernel's timing probes leave out what they say (scripts/probe_decode.py times them as TAG/P<n>):
     # 1 the split-K fix-up (no ticket atomic), 2 the dequantization and MMAs (the copies, waits and barriers stay),
