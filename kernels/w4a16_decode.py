@@ -892,7 +892,8 @@ def heuristic_config(m: int, n: int, k: int, layout: Layout = Layout.PAIRS, sms:
     if layout is not Layout.PAIRS or (m == 1 and k <= HEURISTIC_DIRECT_MAX_K):
         return direct_heuristic(m, n, k)
     cfg = xshared_heuristic(m, n, k, layout, sms)
-    if m == 1 and cfg is not None and -(-n // 64) * cfg.split < HEURISTIC_M1_MIN_PROGRAMS_PER_SM * sms:
+    programs = 0 if cfg is None else -(-n // (cfg.rows * cfg.warps)) * cfg.split
+    if m == 1 and cfg is not None and programs < HEURISTIC_M1_MIN_PROGRAMS_PER_SM * sms:
         return None  # Kimi K2's 7168->18432 at M = 1: 288 programs, 0.94x the Triton kernel (1.29x at M = 2)
     return cfg
 

@@ -70,7 +70,6 @@ XSHARED = {1: [(16, 4, 3, 4), (16, 8, 3, 4)],
            8: [(16, 4, 3, 4), (16, 4, 4, 4), (16, 8, 3, 4), (32, 4, 2, 4), (16, 4, 4, 8)],
            16: [(16, 4, 2, 4), (16, 4, 3, 4), (16, 4, 4, 4), (16, 8, 3, 4), (32, 4, 2, 4), (16, 4, 3, 8)]}
 XSHARED_PROGRAMS = (96, 800)  # programs per launch the K splits are chosen for (132 SMs, 1-6 programs each)
-XSHARED_PROGRAMS_NEAR = 396  # and the split nearest this many programs (3 on each of the H200's 132 SMs)
 GROUP = 128
 TUNE_M = (1, 2, 4)
 TUNE_CANDIDATES = [(16, 8, 2), (16, 8, 3), (16, 4, 2), (16, 4, 3), (32, 4, 2), (32, 4, 3), (32, 8, 2), (16, 2, 3)]
@@ -117,13 +116,17 @@ def tune_candidates(n: int, k: int, m: int, layout: str = "pairs"):
 def xshared_splits(n: int, k: int, rows: int, warps: int) -> list[int]:
     """The K splits of the shared-x kernel worth timing for this shape: those whose launch has XSHARED_PROGRAMS
     programs with at least 4 chunks each, at most four (the smallest, the largest, one between and the one nearest
-    XSHARED_PROGRAMS_NEAR programs)."""
+    the launch size `w4a16_decode.heuristic_config` aims at: HEURISTIC_PROGRAMS_PER_SM on each of the H200's SMs)."""
+    from glmq.kernels import w4a16_decode as DK
+    from glmq.kernels.w4a16_dense import DEFAULT_SM_COUNT
+
+    near = DK.HEURISTIC_PROGRAMS_PER_SM * DEFAULT_SM_COUNT
     chunks, blocks = k // 128, -(-n // (rows * warps))
     ok = [s for s in range(1, chunks // 4 + 1) if chunks % s == 0
           and XSHARED_PROGRAMS[0] <= blocks * s <= XSHARED_PROGRAMS[1]]
     if not ok:
         return []
-    return sorted({ok[0], ok[len(ok) // 2], ok[-1], min(ok, key=lambda s: abs(blocks * s - XSHARED_PROGRAMS_NEAR))})
+    return sorted({ok[0], ok[len(ok) // 2], ok[-1], min(ok, key=lambda s: abs(blocks * s - near))})
 
 
 def tag(c) -> str:
