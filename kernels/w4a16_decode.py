@@ -106,7 +106,6 @@ HEURISTIC_MAX_WEIGHTS = 80 << 20  # N * K up to which `direct_heuristic` takes `
 HEURISTIC_PROGRAMS_PER_SM = 3  # `xshared_split`: the shared-x kernel's launch size aimed at (programs per SM)
 HEURISTIC_DIRECT_MAX_K = 2048  # `heuristic_config` at M = 1: `_decode_kernel` up to this K, the shared-x one above
 HEURISTIC_M1_MIN_PROGRAMS_PER_SM = 2.5  # `heuristic_config` at M = 1: fewer shared-x programs than this: Triton
-STREAMK_UNIT = 8  # chunks an iteration of `_streamk_kernel` (a 16-row warp's scale group): its runs are multiples
 WGMMA_PROGRAMS_PER_SM = 3  # 4-warp programs of the wgmma configs (~164 registers a thread) an SM holds at once
 TUNED_PATHS = {Layout.PAIRS: Path(__file__).with_name("tuned_decode.json"),  # one launch table per weight layout
                Layout.SPANS: Path(__file__).with_name("tuned_decode_spans.json")}
@@ -139,12 +138,6 @@ class DecodeConfig:
             8 warps): each warpgroup's 64 rows x TOK tokens per chunk as one asynchronous chain of 8
             `wgmma.m64nTOKk16`, the dequantized words (A) from registers and x (B) read by the tensor cores straight
             from the ring slot, instead of per warp 8-16 `mma.sync` on x fragments loaded by ldmatrix.
-        streamk: with split = 1, the stream-K variant of the shared-x kernel (`_streamk_kernel`; PAIRS weights, 16 rows
-            a warp, mma.sync, words in registers, K / 128 a multiple of 8): `streamk` programs a multiprocessor, each a
-            contiguous run of the row blocks' chunks laid end to end (`streamk_schedule`), the fix-up per row block
-            over however many programs it spans. 0: off.
-        skew: a stream-K launch's programs launched first on a multiprocessor get up to this many percent more
-            chunks, those launched last as many fewer (linearly by launch rank; `streamk_schedule`).
     """
 
     rows: int = 16
@@ -157,8 +150,6 @@ class DecodeConfig:
     step: int = 1
     w_smem: bool = False
     wgmma: bool = False
-    streamk: int = 0
-    skew: int = 0
 
     def __post_init__(self) -> None:
         if self.rows not in (16, 32):
@@ -177,12 +168,6 @@ class DecodeConfig:
         if self.wgmma and not (self.split and self.rows == 16 and self.warps in (4, 8)):
             raise ValueError(f"DecodeConfig.wgmma takes the shared-x kernel (split >= 1) with 16 rows a warp and 4 or "
                              f"8 warps (whole warpgroups), got {self}")
-        if self.streamk and not (1 <= self.streamk <= 8 and self.split == 1 and self.rows == 16
-                                 and not (self.w_smem or self.wgmma)):
-            raise ValueError(f"DecodeConfig.streamk takes 1-8 programs a multiprocessor with split = 1, 16 rows a warp "
-                             f"and neither w_smem nor wgmma, got {self}")
-        if not 0 <= self.skew <= 90 or (self.skew and not self.streamk):
-            raise ValueError(f"DecodeConfig.skew is a stream-K launch's 0-90 %, got {self}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -862,151 +847,6 @@ if _GLUON:
             if PROBE == 5:
                 _timeline(out_ptr, M * stride_om, pid, t_start, c_start, pid * 0 - 1)
 
-    # ---- the stream-K variant of the shared-x kernel: every program a contiguous run of (row block, chunk) units ---
-
-    @gluon.jit
-    def _pin(t):
-        """t, through an asm statement LLVM may not move: keeps a chunk's scale-and-add where it is written. In a
-        runtime loop LLVM sank all eight chunks' fp32 fma to the end of the body, which kept eight MMA results live
-        (180-214 registers instead of ~110 at M = 16)."""
-        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [t], dtype=gl.float32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _streamk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, sched_ptr, M, N, C, stride_xm, stride_wc,
-                        stride_sn, stride_om, W: gl.constexpr, R: gl.constexpr, TOK: gl.constexpr, D: gl.constexpr,
-                        XR: gl.constexpr, STEP: gl.constexpr, BF16: gl.constexpr, PROBE: gl.constexpr = 0):
-        """grid = (P,), P = len(schedule) programs (`streamk_schedule`). The row blocks' chunks (W R rows x 128
-        columns each, C per block) laid end to end, row block by row block, are the units of work; program g takes
-        units [sched[g], sched[g + 1]) as one stream, U = 8 chunks (one scale group) an iteration of a runtime loop
-        whose body is unrolled: the words of the chunk D ahead, x's ring (XR slots, XR - STEP chunks ahead, one
-        barrier per STEP chunks) and the next iteration's scales are requested across row-block ends as within a
-        block, so the pipeline never drains. Where a row block ends, or the program's units do, the program's fp32
-        partial of that block is stored to `ws_ptr` ([count, M, N], at the program's place among the block's
-        programs: g - first[b]), or, for a block one program covers alone, its output; after the loop the program
-        takes the ticket of each block it reached into, and the last of a block's `count[b]` programs to arrive sums
-        the partials in that order (the same bits every run, whoever arrives last) and stores the output. So the programs' run lengths are free (the
-        schedule gives the ones launched last on an SM fewer units: they run their end alone), unlike
-        `_xshared_kernel`'s split, which gives every program of a launch the same chunks.
-
-        sched: int32 [P + 1 + 2 B]: the P + 1 unit bounds (multiples of U), then first[b] and count[b] for the B row
-        blocks. mma.sync on PAIRS weights (x's ring in natural order, read by ldmatrix), words in registers.
-        PROBE 5: each program's timeline after out's rows (as `_xshared_kernel`'s; the ticket word holds the
-        program's iterations)."""
-        U: gl.constexpr = 8
-        RB: gl.constexpr = W * R
-        g = gl.program_id(0)
-        if PROBE == 5:
-            t_start = _timer("mov.u64 $0, %globaltimer;")
-            c_start = _timer("mov.u64 $0, %clock64;")
-        P = gl.num_programs(0)
-        B = (N + RB - 1) // RB
-        u0 = gl.load(sched_ptr + g)
-        n_it = (gl.load(sched_ptr + g + 1) - u0) // U
-        u_last = u0 + (n_it - 1) * U
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
-        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        w_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 8, 4],
-                                             warps_per_cta=[W, 1, 1], order=[2, 1, 0])
-        s_l: gl.constexpr = gl.SliceLayout(2, mma)
-
-        wi = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_l)))
-        ri = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_l)))
-        vi = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_l)))
-        rloc = gl.expand_dims(wi * R, 1) + gl.expand_dims(ri, 0)
-        s_like = gl.full([W, R], 0.0, gl.float32, layout=s_l)
-        acc = gl.zeros([W, R, TOK], gl.float32, layout=mma)
-        zero = gl.zeros([W, R, TOK], gl.float32, layout=mma)
-        b_like = gl.full([W, 128, TOK], 0.0, x_ptr.dtype.element_ty, layout=b_l)
-
-        # row block b's chunk c: the words at wq + c stride_wc + b RB 16, the scales at sq + b RB stride_sn + c (N is a
-        # multiple of RB: no row past N), so that only a scalar offset changes from one iteration to the next
-        wq = w_ptr + gl.expand_dims(rloc * 16, 2) + gl.expand_dims(gl.expand_dims(vi, 0), 1)
-        sq = _scale_pointers(s_ptr, 0, 0, N, stride_sn, W, R, 0, R)
-        b = u0 // C
-        c = gl.multiple_of(u0 - b * C, U)
-        w0, w1, w2, w3 = _prefetch_w(wq + (c * stride_wc + b * (RB * 16)), stride_wc, D, U)
-        sg = gl.load(sq + (b * (RB * stride_sn) + c))
-        r0, r1, r2, r3, r4, r5, r6, r7 = _ring(x_ptr, TOK, False, XR, False, W, R, False)
-        xp0, x_mask = _xs_nat_pointers(x_ptr, 0, M, stride_xm, TOK, W)
-        for j in gl.static_range(XR - STEP):  # the first chunks of x in flight, one cp.async group each
-            _cp_async(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, j), xp0 + (c + j) * 128, mask=x_mask)
-            async_copy.commit_group()
-
-        # a row block's partial and output leave in a layout of consecutive rows a thread (R TOK / 32 of one token:
-        # one pointer and 16-32-byte stores), not the MMA's (a pointer an element, live across the loop)
-        o_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, R * TOK // 32, 1], threads_per_warp=[1, 32 // TOK, TOK],
-                                             warps_per_cta=[W, 1, 1], order=[1, 2, 0])
-        wo = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, o_l)))
-        ro = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, o_l)))
-        to = gl.arange(0, TOK, layout=gl.SliceLayout(0, gl.SliceLayout(1, o_l)))
-        oloc = gl.expand_dims(gl.expand_dims(wo * R, 1) + gl.expand_dims(ro, 0), 2)
-        tok = gl.expand_dims(gl.expand_dims(to, 0), 1)
-        mn = M * N
-        for it in range(n_it):
-            u = u0 + it * U
-            b = u // C
-            c = gl.multiple_of(u - b * C, U)  # whole scale groups: the scales' loads stay 16 bytes a row
-            un = gl.minimum(u + U, u_last)  # the next iteration's units (the last one's: its own, requested again)
-            bn = un // C
-            cn = gl.multiple_of(un - bn * C, U)
-            wc = c * stride_wc + b * (RB * 16)
-            wcn = cn * stride_wc + bn * (RB * 16)
-            sgn = gl.load(sq + (bn * (RB * stride_sn) + cn))
-            for i in gl.static_range(U):  # unrolled: chunk i + D is requested before chunk i is computed
-                if i + D < U:
-                    wn = _load_w(wq + (wc + (i + D) * stride_wc))
-                else:
-                    wn = _load_w(wq + (wcn + (i + D - U) * stride_wc))
-                if i % STEP == 0:
-                    # chunks i .. i + STEP - 1 have landed (this thread's copies: the wait; everyone's: the barrier,
-                    # which also frees the slots of chunks i - STEP .. i - 1 for chunks i + XR - STEP .. i + XR - 1)
-                    async_copy.wait_group(XR - 2 * STEP)
-                    _barrier()
-                    for j in gl.static_range(XR - STEP, XR):
-                        if i + j < U:
-                            xq = xp0 + (c + i + j) * 128
-                        else:
-                            xq = xp0 + (cn + i + j - U) * 128
-                        _cp_async(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, (i + j) % XR), xq, mask=x_mask)
-                        async_copy.commit_group()
-                xb = _xs_nat_frag(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i % XR), b_like)
-                a = gl.convert_layout(_dequant(w0, W, R, BF16), a_l, assert_trivial=True)
-                s0 = _pick(sg, i, s_like)
-                acc = _pin(acc + mma_v2(a, xb, zero) * gl.expand_dims(s0.to(gl.float32), 2))
-                w0, w1, w2, w3 = _rotate(w0, w1, w2, w3, wn, D)
-            sg = sgn
-            if (c + U == C) | (it == n_it - 1):  # the end of row block b or of this program's units: b's partial
-                row = b * RB + oloc
-                o_mask = (row < N) & (tok < M)
-                y = gl.convert_layout(acc, o_l)
-                if gl.load(sched_ptr + P + 1 + B + b) == 1:  # the block is this program's alone: its output
-                    gl.store(out_ptr + row + tok * stride_om, y.to(out_ptr.dtype.element_ty), mask=o_mask)
-                else:  # its partial, at the program's place among the block's; the tickets wait for the loop's end
-                    place = g - gl.load(sched_ptr + P + 1 + b)
-                    gl.store(ws_ptr + row + tok * N + place.to(gl.int64) * mn, y, mask=o_mask)
-                acc = zero
-        # the tickets of the blocks this program's units reached into, after all its partials are stored (a ticket
-        # mid-run would stall the stream for the release and the atomic's round trip); the last program to arrive at
-        # a block sums its partials in the programs' order (the same bits every run) and stores the output
-        _barrier()  # every thread's partials precede the one-thread release of the first ticket (as `_write_tile`)
-        for b in range(u0 // C, (u_last + U - 1) // C + 1):
-            cnt = gl.load(sched_ptr + P + 1 + B + b)
-            if cnt > 1:
-                ticket = gl.atomic_add(cnt_ptr + b, 1, sem="acq_rel")
-                if ticket == cnt - 1:
-                    row = b * RB + oloc
-                    o_mask = (row < N) & (tok < M)
-                    part = ws_ptr + row + tok * N
-                    total = gl.load(part, mask=o_mask, other=0.0, cache_modifier=".cg")
-                    for s in range(1, cnt):
-                        total += gl.load(part + s * mn, mask=o_mask, other=0.0, cache_modifier=".cg")
-                    gl.store(out_ptr + row + tok * stride_om, total.to(out_ptr.dtype.element_ty), mask=o_mask)
-                    gl.store(cnt_ptr + b, 0)  # re-arm for the next launch
-        async_copy.wait_group(0)  # the last iteration's look-ahead copies, before the program's shared memory goes
-        if PROBE == 5:
-            _timeline(out_ptr, M * stride_om, g, t_start, c_start, n_it)
-
 
 def available(device: torch.device) -> bool:
     """Whether the Gluon decode kernel can run on `device`: a CUDA GPU of sm_80 or later (mma.sync on bf16),
@@ -1023,47 +863,6 @@ def x_smem_bytes(k: int, warps: int) -> int:
     return (1 << (cpw - 1).bit_length()) * warps * MMA_CHUNK * 2
 
 
-def streamk_schedule(n: int, k: int, sms: int, per_sm: int, skew: int = 0, rows: int = 64
-                     ) -> tuple[list[int], list[int], list[int]]:
-    """A stream-K launch's work (`_streamk_kernel`): the cdiv(n, rows) row blocks' K / 128 chunks laid end to end,
-    block by block, cut into min(per_sm * sms, units) runs of whole STREAMK_UNIT-chunk units, one a program. Program
-    g is the (g // sms)-th launched on its multiprocessor (the block scheduler fills them breadth-first; kernels/NOTES.md
-    session 21) and its run's length is proportional to 1 + skew % x (1 - 2 rank / (ranks - 1)): the first launched
-    on a multiprocessor longest, the last shortest, every run at least one unit. Returns (bounds: the P + 1 run
-    bounds in chunks; first[b]: the first program whose run reaches into row block b; count[b]: how many do)."""
-    import bisect
-
-    chunks = k // MMA_CHUNK
-    if k % MMA_CHUNK or chunks % STREAMK_UNIT or n <= 0:
-        raise ValueError(f"a stream-K launch takes K a multiple of {MMA_CHUNK * STREAMK_UNIT}, got N = {n}, K = {k}")
-    blocks = -(-n // rows)
-    units = blocks * chunks // STREAMK_UNIT
-    progs = min(per_sm * sms, units)
-    ranks = -(-progs // sms)
-    weights = [1.0 if ranks == 1 else 1.0 + skew / 100 * (1 - 2 * (g // sms) / (ranks - 1)) for g in range(progs)]
-    total, cum, b = sum(weights), 0.0, [0]
-    for g in range(1, progs):  # rounded cumulative shares, each run at least one unit
-        cum += weights[g - 1]
-        b.append(max(round(cum / total * units), b[-1] + 1))
-    b.append(units)
-    for g in range(progs - 1, 0, -1):  # and room for the runs after it
-        b[g] = min(b[g], b[g + 1] - 1)
-    bounds = [v * STREAMK_UNIT for v in b]
-    first = [bisect.bisect_right(bounds, blk * chunks, 0, progs) - 1 for blk in range(blocks)]
-    count = [bisect.bisect_left(bounds, (blk + 1) * chunks, 0, progs) - first[blk] for blk in range(blocks)]
-    return bounds, first, count
-
-
-@functools.lru_cache(maxsize=64)
-def _streamk_sched(n: int, k: int, sms: int, per_sm: int, skew: int, rows: int, device: torch.device
-                   ) -> tuple[torch.Tensor, int, int]:
-    """`streamk_schedule` as the kernel reads it (int32 bounds, first, count) on `device`, its program count and the
-    most programs a row block spans (the scratch's partials). Cached: the first call with a shape must come before
-    any CUDA-graph capture (a host-to-device copy cannot be captured)."""
-    bounds, first, count = streamk_schedule(n, k, sms, per_sm, skew, rows)
-    return torch.tensor(bounds + first + count, dtype=torch.int32, device=device), len(bounds) - 1, max(count)
-
-
 def supports(m: int, w: PackedW4, cfg: DecodeConfig | None = None) -> bool:
     """Whether a call fits the kernel: 1 <= M <= 16, a 2-D PAIRS or SPANS weight stored chunk-major (what
     `prepack` gives group-128 weights), `cfg.warps` dividing the K / 128 chunks (with `cfg.split`, the shared-x
@@ -1071,8 +870,6 @@ def supports(m: int, w: PackedW4, cfg: DecodeConfig | None = None) -> bool:
     X_SMEM_MAX_BYTES."""
     if not (1 <= m <= MAX_M) or w.lead or not w.layout.mma or not w.chunk_major or w.chunk != MMA_CHUNK:
         return False
-    if cfg is not None and cfg.streamk:  # mma.sync on x's natural-order ring, whole scale groups an iteration
-        return w.layout is Layout.PAIRS and w.k % (MMA_CHUNK * STREAMK_UNIT) == 0 and w.n % (cfg.warps * cfg.rows) == 0
     if cfg is not None and cfg.split:  # wgmma reads x from the ring as it lies: natural order, PAIRS weights only
         return (w.k // MMA_CHUNK) % cfg.split == 0 and not (cfg.wgmma and w.layout is not Layout.PAIRS)
     if cfg is not None and cfg.x_smem and m == 1 and x_smem_bytes(w.k, cfg.warps) > X_SMEM_MAX_BYTES:
@@ -1204,9 +1001,6 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
     if stride_wn != MMA_CHUNK // 8 or w.scale.stride(-1) != 1:
         raise ValueError("the decode kernel needs contiguous chunk-major words (as `prepack` makes them) and scales")
     launch = {"launch_pdl": True} if pdl else {}
-    if cfg.streamk:  # no PDL: the stream-K kernel has no wait for the previous kernel, so it is launched plain
-        _launch_streamk(x, w, out, cfg, stride_wc, probe)
-        return out
     if cfg.split:
         _launch_xshared(x, w, out, cfg, pdl, stride_wc, launch, probe)
         return out
@@ -1243,31 +1037,6 @@ def _launch_xshared(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: Decode
     )  # fmt: skip
 
 
-def _streamk_args(m: int, cfg: DecodeConfig, bf16: bool, probe: int = 0) -> dict:
-    return dict(W=cfg.warps, R=cfg.rows, TOK=8 if m <= 8 else 16, D=cfg.depth, XR=cfg.ring, STEP=cfg.step, BF16=bf16,
-                PROBE=probe)
-
-
-def _streamk_maxnreg(cfg: DecodeConfig) -> int:
-    """Registers a thread that let `cfg.streamk` programs share a multiprocessor (64 K registers, in steps of 8):
-    ptxas gave some configs 172-180 where three programs need <= 168 (without spills at M <= 8)."""
-    return min(255, 65536 // (32 * cfg.warps * cfg.streamk) // 8 * 8)
-
-
-def _launch_streamk(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeConfig, stride_wc: int,
-                    probe: int = 0) -> None:
-    m, k = x.shape
-    rows = cfg.warps * cfg.rows
-    sched, progs, most = _streamk_sched(w.n, k, sm_count(x.device), cfg.streamk, cfg.skew, rows, x.device)
-    scratch = torch.empty(most, m, w.n, dtype=torch.float32, device=x.device) if most > 1 else out  # fp32 partials
-    tickets = _tickets(x.device, -(-w.n // rows))
-    _streamk_kernel[(progs,)](
-        x, w.qweight, w.scale, out, scratch, tickets, sched, m, w.n, k // MMA_CHUNK, x.stride(0), stride_wc,
-        w.scale.stride(0), out.stride(0), **_streamk_args(m, cfg, x.dtype == torch.bfloat16, probe),
-        num_warps=cfg.warps, maxnreg=_streamk_maxnreg(cfg),
-    )  # fmt: skip
-
-
 def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True, xb: bool = True,
                  pdl: bool = False, spans: bool = False, probe: int = 0) -> dict:
     """Compile `_decode_kernel` (with `cfg.split`: `_xshared_kernel`) for sm_90 without a GPU (Triton's own ptxas
@@ -1299,13 +1068,7 @@ def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True
     act = "*bf16" if bf16 else "*fp16"
     sig = {"x_ptr": act, "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": act, "M": "i32", "N": "i32",
            "stride_xm": "i32", "stride_wc": "i32", "stride_sn": "i32", "stride_om": "i32"}
-    if cfg.streamk:  # the stream-K kernel: scratch, tickets, schedule, and the chunks a row block as an argument
-        sig = {**{k: v for k, v in sig.items() if k.endswith("_ptr")}, "ws_ptr": "*fp32", "cnt_ptr": "*i32",
-               "sched_ptr": "*i32", "M": "i32", "N": "i32", "C": "i32",
-               **{k: v for k, v in sig.items() if k.startswith("stride")}}
-        consts = _streamk_args(tok, cfg, bf16, probe)
-        kernel_fn, ptrs = _streamk_kernel, (0, 1, 2, 3, 4, 5, 6, 9, 10, 11, 12, 13)
-    elif cfg.split:  # the shared-x kernel: two more pointers (the split-K scratch and tickets)
+    if cfg.split:  # the shared-x kernel: two more pointers (the split-K scratch and tickets)
         sig = {**{k: v for k, v in sig.items() if k.endswith("_ptr")}, "ws_ptr": "*fp32", "cnt_ptr": "*i32",
                **{k: v for k, v in sig.items() if not k.endswith("_ptr")}}
         consts = _xshared_args(tok, chunks, cfg, bf16, spans, pdl, probe)
@@ -1318,8 +1081,7 @@ def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True
     sig.update({name: "constexpr" for name in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in ptrs}  # as the JIT specialises them
     src = GluonASTSource(kernel_fn, sig, consts, attrs)
-    options = {"num_warps": cfg.warps, **({"maxnreg": _streamk_maxnreg(cfg)} if cfg.streamk else {})}  # as launched
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.warps})
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists():
         raise RuntimeError(f"no cuobjdump at {tool}")
@@ -1342,4 +1104,4 @@ def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True
             "ldg32": len(re.findall(r"LDG\.E(?:\.STRONG\.GPU)? ", sass)), "lds128": len(re.findall(r"LDS\.128", sass)),
             "ldsm": len(re.findall(r"\bLDSM\.", sass)), "loop_barriers": len(re.findall(r"\bBAR\.", body)),
             "loop_lds_narrow": len(re.findall(r"(?<!@!PT )\bLDS(?!\.128|M)", body)), "sass": sass,  # @!PT: never runs
-            "ptx": kernel.asm["ptx"]}
+            "ptx": kernel.asm["ptx"]}  # LLVM's instruction order (session 22: it sank a runtime loop's fma)

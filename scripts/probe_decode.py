@@ -131,11 +131,10 @@ def xshared_splits(n: int, k: int, rows: int, warps: int) -> list[int]:
 
 def tag(c) -> str:
     """R{rows}W{warps}D{depth}, X with x_smem, E with pdl_early, S{split}G{ring} for the shared-x kernel, then
-    B{step} where step > 1, M with w_smem, H with wgmma, K{streamk} for a stream-K launch and Y{skew} where skew > 0."""
+    B{step} where step > 1, M with w_smem and H with wgmma."""
     return (f"R{c.rows}W{c.warps}D{c.depth}{'X' if c.x_smem else ''}{'E' if c.pdl_early else ''}"
             f"{f'S{c.split}G{c.ring}' if c.split else ''}{f'B{c.step}' if c.step > 1 else ''}"
-            f"{'M' if c.w_smem else ''}{'H' if c.wgmma else ''}{f'K{c.streamk}' if c.streamk else ''}"
-            f"{f'Y{c.skew}' if c.skew else ''}")
+            f"{'M' if c.w_smem else ''}{'H' if c.wgmma else ''}")
 
 
 def parse_probe_tag(text: str):
@@ -145,19 +144,18 @@ def parse_probe_tag(text: str):
 
 
 def parse_tag(text: str):
-    """`tag`'s inverse: `R16W4D3[X][E][S4G4][B2][M][H][K3][Y10]` -> a DecodeConfig."""
+    """`tag`'s inverse: `R16W4D3[X][E][S4G4][B2][M][H]` -> a DecodeConfig."""
     import re
 
     from glmq.kernels.w4a16_decode import DecodeConfig
 
-    m = re.fullmatch(r"R(\d+)W(\d+)D(\d+)(X?)(E?)(?:S(\d+)G(\d+))?(?:B(\d+))?(M?)(H?)(?:K(\d+))?(?:Y(\d+))?", text)
+    m = re.fullmatch(r"R(\d+)W(\d+)D(\d+)(X?)(E?)(?:S(\d+)G(\d+))?(?:B(\d+))?(M?)(H?)", text)
     if not m:
         raise ValueError(f"not a decode config tag: {text!r} "
-                         "(R<rows>W<warps>D<depth>[X][E][S<split>G<ring>][B<step>][M][H][K<streamk>][Y<skew>])")
-    r, w, d, xs, early, split, ring, step, ws, wg, sk, skew = m.groups()
+                         "(R<rows>W<warps>D<depth>[X][E][S<split>G<ring>][B<step>][M][H])")
+    r, w, d, xs, early, split, ring, step, ws, wg = m.groups()
     return DecodeConfig(int(r), int(w), int(d), pdl_early=bool(early), x_smem=bool(xs), split=int(split or 0),
-                        ring=int(ring or 4), step=int(step or 1), w_smem=bool(ws), wgmma=bool(wg),
-                        streamk=int(sk or 0), skew=int(skew or 0))
+                        ring=int(ring or 4), step=int(step or 1), w_smem=bool(ws), wgmma=bool(wg))
 
 
 def variants(n: int, k: int, m: int, xshared_only: bool = False, tag_has: str = "", tags: tuple = (),
@@ -474,24 +472,18 @@ def main() -> None:
 
 def probe_timeline(x: torch.Tensor, w, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch of the shared-x config `cfg` with the kernel's PROBE 5 -> (int64 [split, blocks, 6] rows of (SM id,
-    %globaltimer at the program's start and end in ns, %clock64 at start and end, its split-K ticket or -1; a
-    stream-K launch: [1, programs, 6], the last its loop's iterations), the output [M, N]), which the caller checks
-    like any launch's (PROBE 5 computes the GEMM unchanged)."""
+    %globaltimer at the program's start and end in ns, %clock64 at start and end, its split-K ticket or -1), the
+    output [M, N]), which the caller checks like any launch's (PROBE 5 computes the GEMM unchanged)."""
     from glmq.kernels import w4a16_decode as DK
-    from glmq.kernels.w4a16_dense import sm_count
 
     m, n = x.shape[0], w.n
     blocks = -(-n // (cfg.warps * cfg.rows))
-    split = cfg.split
-    if cfg.streamk:
-        split, blocks = 1, len(DK.streamk_schedule(n, w.k, sm_count(x.device), cfg.streamk, cfg.skew,
-                                                   cfg.warps * cfg.rows)[0]) - 1
-    words = split * blocks * DK.TIMELINE_WORDS  # int64 words, four 2-byte elements of out each
+    words = cfg.split * blocks * DK.TIMELINE_WORDS  # int64 words, four 2-byte elements of out each
     full = torch.zeros(m * n + 4 * words, dtype=x.dtype, device=x.device)  # out's M rows, then the timeline
     out = full[: m * n].view(m, n)
     DK.decode_matmul(x, w, out, cfg, probe=5)
     torch.cuda.synchronize()
-    return full[m * n:].view(torch.int64).view(split, blocks, DK.TIMELINE_WORDS)[..., :6].cpu(), out
+    return full[m * n:].view(torch.int64).view(cfg.split, blocks, DK.TIMELINE_WORDS)[..., :6].cpu(), out
 
 
 def timelines(shapes: dict, dev, a, out_dir: Path) -> None:

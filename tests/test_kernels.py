@@ -25,7 +25,6 @@ import dataclasses
 import functools
 import json
 import math
-import statistics
 
 import pytest
 import torch
@@ -743,11 +742,7 @@ def test_moe_config_validation():
      (dict(depth=5), "depth must be 1-4"), (dict(split=-1), "split must be >= 0"),
      (dict(ring=3), "ring must be 2, 4 or 8"), (dict(step=3), "step must be 1, 2 or 4"),
      (dict(ring=2, step=2), "ring >= 2 step"), (dict(wgmma=True), "wgmma takes the shared-x kernel"),
-     (dict(split=2, rows=32, wgmma=True), "wgmma takes"), (dict(split=2, warps=2, wgmma=True), "wgmma takes"),
-     (dict(streamk=3), "streamk takes"), (dict(split=2, streamk=3), "streamk takes"),
-     (dict(split=1, rows=32, streamk=3), "streamk takes"), (dict(split=1, streamk=3, w_smem=True), "streamk takes"),
-     (dict(split=1, streamk=9), "streamk takes"), (dict(skew=10), "skew is a stream-K"),
-     (dict(split=1, streamk=3, skew=95), "skew is a stream-K")],
+     (dict(split=2, rows=32, wgmma=True), "wgmma takes"), (dict(split=2, warps=2, wgmma=True), "wgmma takes")],
 )  # fmt: skip
 def test_decode_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -879,67 +874,6 @@ def test_probe_decode_tags_round_trip():
         assert P.parse_tag(P.tag(cfg)) == cfg, cfg
     with pytest.raises(ValueError, match="not a decode config tag"):
         P.parse_tag("R16W4")
-
-
-@pytest.mark.parametrize("n, k, sms, per_sm, skew", [(6144, 12288, 132, 3, 0), (6144, 12288, 132, 3, 30),
-                                                     (24576, 6144, 132, 2, 10), (256, 1024, 132, 3, 0),
-                                                     (4096, 6144, 7, 3, 50), (640, 3072, 5, 4, 90), (64, 8192, 3, 1, 0)])
-def test_streamk_schedule(n, k, sms, per_sm, skew):
-    # the runs cover the row blocks' chunks end to end in whole 8-chunk units, each program at least one; first and
-    # count name exactly the programs whose runs reach into each row block; a skew shortens the runs by launch rank
-    bounds, first, count = DK.streamk_schedule(n, k, sms, per_sm, skew)
-    chunks, blocks = k // 128, -(-n // 64)
-    progs = len(bounds) - 1
-    assert progs == min(per_sm * sms, blocks * chunks // 8) and bounds[0] == 0 and bounds[-1] == blocks * chunks
-    assert all(b % 8 == 0 for b in bounds) and all(b1 > b0 for b0, b1 in zip(bounds, bounds[1:]))
-    for blk in range(blocks):
-        lo, hi = blk * chunks, (blk + 1) * chunks
-        inside = [g for g in range(progs) if bounds[g] < hi and bounds[g + 1] > lo]
-        assert inside == list(range(first[blk], first[blk] + count[blk])), blk
-    lengths = [b1 - b0 for b0, b1 in zip(bounds, bounds[1:])]
-    ranks = [statistics.mean(lengths[r * sms:(r + 1) * sms]) for r in range(-(-progs // sms))]
-    if skew and len(ranks) > 1 and progs * 4 <= blocks * chunks // 8:  # room for the skew: longest first
-        assert ranks == sorted(ranks, reverse=True) and ranks[0] > ranks[-1] * (1 + skew / 100), ranks
-    with pytest.raises(ValueError, match="multiple of 1024"):
-        DK.streamk_schedule(n, 1536, sms, per_sm)
-
-
-def test_streamk_supports():
-    # the stream-K kernel: PAIRS weights, N a multiple of the 64-row block, K of the 8-chunk unit
-    cfg = DK.DecodeConfig(16, 4, 3, split=1, streamk=3)
-    assert DK.supports(16, D.prepack(*quantized(128, 2048, group_size=128), 128), cfg)
-    assert not DK.supports(16, D.prepack(*quantized(96, 2048, group_size=128), 128), cfg)  # N = 96
-    assert not DK.supports(4, D.prepack(*quantized(128, 1536, group_size=128), 128), cfg)  # 12 chunks
-    assert not DK.supports(4, D.prepack(*quantized(128, 2048, group_size=128), 128, D.Layout.SPANS), cfg)
-    assert not DK.supports(17, D.prepack(*quantized(128, 2048, group_size=128), 128), cfg)
-
-
-def test_streamk_compiles_for_sm90():
-    # the stream-K kernel's runtime loop: 8 chunks an iteration, each with its MMAs, one barrier per `step` chunks,
-    # the scales one 16-byte load a row an iteration; no spills, and at most 168 registers (three 4-warp programs an
-    # SM, the launch `streamk` = 3 counts on); the fix-up's ticket atomic is there once
-    code = """
-import json, sys
-from glmq.kernels import w4a16_decode as DK
-out = []
-for d, ring, step, tok in ((3, 4, 1, 8), (2, 4, 1, 16), (2, 8, 2, 16)):
-    cfg = DK.DecodeConfig(16, 4, d, split=1, ring=ring, step=step, streamk=3)
-    try:
-        r = DK.compile_sm90(cfg, 96, tok)
-    except RuntimeError as exc:
-        print("SKIP", exc); sys.exit(0)
-    out.append(dict(tok=tok, step=step, depth=d, regs=r["registers"], spills=r["spills"], hmma=r["ops"].get("HMMA"),
-                    bars=r["ops"].get("BAR"), ldg128=r["ldg128"], words=r["ldg_words"], u16=r["ldg_u16"],
-                    atom=r["ops"].get("ATOMG"), ldgsts=r["ops"].get("LDGSTS")))
-print(json.dumps(out))
-"""
-    for r in _compile_sm90_in_subprocess(code):
-        assert r["spills"] == 0 and r["regs"] <= 168, r
-        assert r["hmma"] == 8 * 8 * r["tok"] // 8, r  # 8 chunks x 8 k16 steps x token tiles
-        assert r["words"] == 2 * 8 + 2 * r["depth"] and r["u16"] == 0, r  # 2 rows a thread: 8 chunks + prefetch
-        assert r["ldg128"] - r["words"] == 2 * 2, r  # the scales: 2 rows, before the loop and in it
-        # the loop's, and a few in the fix-up (the partial's layout change through shared memory, before the ticket)
-        assert 8 // r["step"] <= r["bars"] <= 8 // r["step"] + 5 and r["atom"] == 1, r
 
 
 def _compile_sm90_in_subprocess(code: str) -> list:
@@ -1226,49 +1160,6 @@ def test_decode_heuristic_gpu(m, n, k, dtype, layout):
     _decode_case(m, n, k, dtype, cfg, scale_dtype=torch.float32 if n == 264 else torch.bfloat16, layout=layout)
     packed = D.prepack(*quantized(n, k, group_size=128), 128, layout)
     assert DK.choose(m, packed, DEV, "untuned GPU", False) == cfg
-
-
-STREAMK_CFGS = [DK.DecodeConfig(16, 4, 3, split=1, streamk=3), DK.DecodeConfig(16, 4, 2, split=1, step=2, streamk=3,
-                                                                              skew=20),
-                DK.DecodeConfig(16, 8, 2, split=1, ring=8, step=4, streamk=2, skew=40),
-                DK.DecodeConfig(16, 4, 1, split=1, ring=2, streamk=1), DK.DecodeConfig(16, 4, 4, split=1, ring=8, step=2,
-                                                                                       streamk=4, skew=10)]
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("cfg", STREAMK_CFGS, ids=str)
-@pytest.mark.parametrize("m, n, k", [(1, 256, 1024), (3, 128, 2048), (9, 640, 3072), (5, 1024, 8192),
-                                     (16, 4096, 6144), (13, 6144, 12288), (2, 24576, 6144)])  # fmt: skip
-def test_streamk_kernel_gpu(m, n, k, cfg, dtype):
-    # the stream-K kernel: runs that cross row blocks, blocks one program covers alone (stored at once) and blocks
-    # spanned by up to six (their partials summed by the last to arrive), token rows past M; the same bits again
-    if not DK.supports(m, D.prepack(*quantized(n, k, group_size=128), 128), cfg):
-        pytest.skip("rows a block must divide N")
-    x, packed, y = _decode_case(m, n, k, dtype, cfg, scale_dtype=torch.float32 if n == 640 else torch.bfloat16,
-                                layout=D.Layout.PAIRS)
-    for pdl in (False, True):  # a PDL call launches it plain (it has no wait for the previous kernel)
-        again = D.w4a16_matmul_packed(x, packed, out=poisoned(m, n, dtype), config=cfg, pdl=pdl)
-        assert torch.equal(again + 0, y + 0)
-    torch.cuda.synchronize()
-    assert int(D._tickets(x.device, 1).count_nonzero()) == 0
-
-
-@pytest.mark.gpu
-@gpu
-def test_streamk_in_cuda_graph_gpu():
-    # replayed from a CUDA graph (how the benchmarks and a serving engine run it): the schedule was made by the first
-    # call, the scratch comes from the graph's pool, and the tickets are re-armed every replay
-    cfg = DK.DecodeConfig(16, 4, 3, split=1, streamk=3, skew=20)
-    x, packed, y = _decode_case(4, 6144, 12288, torch.bfloat16, cfg, layout=D.Layout.PAIRS)
-    out = poisoned(4, 6144, torch.bfloat16)
-    graph = _graph_of(lambda: D.w4a16_matmul_packed(x, packed, out=out, config=cfg))
-    for _ in range(3):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out + 0, y + 0)
 
 
 @pytest.mark.gpu
