@@ -498,6 +498,7 @@ def timelines(shapes: dict, dev, a, out_dir: Path) -> None:
     from glmq.kernels.w4a16_dense import sm_count
 
     b = Bench(dev, a.budget_s, smoke=False)
+    sms = sm_count(dev)
     res = []
     for shape, (n, k) in shapes.items():
         wp, ws = random_int4(n, k, device=dev, seed=3)
@@ -533,7 +534,7 @@ def timelines(shapes: dict, dev, a, out_dir: Path) -> None:
                                program_ns_p50=statistics.median(r[2] - r[1] for r in tl))
                 ranks = {}  # the programs' ends by their launch rank on an SM (breadth-first: launch index // SMs)
                 for idx, r in enumerate(tl):
-                    ranks.setdefault(idx // sm_count(dev), []).append(r[2] - t0)
+                    ranks.setdefault(idx // sms, []).append(r[2] - t0)
                 summary["end_by_rank_p50_ns"] = [statistics.median(v) for _, v in sorted(ranks.items())]
                 distinct = sorted(set(r[1] for r in tl) | set(r[2] for r in tl))
                 summary["timer_step_ns"] = min((b_ - a_ for a_, b_ in zip(distinct, distinct[1:])), default=None)
