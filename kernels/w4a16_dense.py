@@ -145,9 +145,6 @@ class DenseConfig:
             "off" launches without PDL, "auto" picks by M and the chunks per split.
         pdl_prefetch: swap only, on a PDL launch: chunks of words each program prefetches into L2 before
             it waits for the previous kernel (None: 2 when early, else 0).
-        fold: swap only, PAIRS / SPANS weights: fold each group's scale into the dequantized weights
-            (rounded once to the activations' dtype, as Marlin does) so that the dot accumulates across
-            chunks (`_pairs_folded_dot`); False: exact q in the dot, the scale applied to its fp32 result.
         num_warps, num_stages: Triton launch options.
     """
 
@@ -164,7 +161,6 @@ class DenseConfig:
     group_m: int = 8
     pdl_mode: str = "auto"
     pdl_prefetch: int | None = None
-    fold: bool = False
     num_warps: int = 4
     num_stages: int = 2
 
@@ -188,8 +184,6 @@ class DenseConfig:
             raise ValueError(f"pdl_prefetch must be >= 0, got {self.pdl_prefetch}")
         if self.swap and self.kind is not KernelKind.MMA:
             raise ValueError("swap applies to the MMA kernel only")
-        if self.fold and not self.swap:
-            raise ValueError("fold applies to the swap kernel only (the other kernels fold PLANES scales already)")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -634,7 +628,7 @@ def _dequant_nat(words, s0, s1, s2, s3, dtype: tl.constexpr, GPC: tl.constexpr, 
     return _cat(_cat(_cat(q0, q1), _cat(q2, q3)), _cat(_cat(q4, q5), _cat(q6, q7)))
 
 
-def _pairs_asm(bf16: bool, scaled: bool = False) -> str:
+def _pairs_asm(bf16: bool) -> str:
     """PTX for one PAIRS word ($8) -> its 8 elements q = u - 8 ($0..$7), exact, in bf16 or fp16.
 
     Nibbles i and i + 4 are the two halves of a 32-bit lane, so one lop3 per pair ORs them into the
@@ -643,16 +637,13 @@ def _pairs_asm(bf16: bool, scaled: bool = False) -> str:
     so the odd nibbles are shifted down rather than masked in place). One fma per pair subtracts 136
     (fp16: 1032). Per 8 weights: 3 shifts + 4 lop3 + 4 fma, 1.4 instructions per weight, against ~2.5
     per weight for PLANES (`_plane_asm`: a prmt gathers each pair from two words, and the scale is
-    multiplied in). scaled: a second operand ($9, 16 bits) is the row's scale, multiplied into each pair
-    after the fma (one rounding of the exact (u - 8) s; `DenseConfig.fold`): 4 more instructions.
+    multiplied in).
     """
     magic, one, nbias, t = ("0x43004300", "0x3F803F80", "0xC308C308", "bf16x2") if bf16 else \
         ("0x64006400", "0x3C003C00", "0xE408E408", "f16x2")  # fmt: skip
     s = "{ .reg .b32 s4, s8, s12, t0, t1, t2, t3, c1, c2; shr.u32 s4, $8, 4; shr.u32 s8, $8, 8; shr.u32 s12, $8, 12; "
     s += "".join(f"lop3.b32 t{j}, {src}, 0x000F000F, {magic}, 0xEA; " for j, src in enumerate(("$8", "s4", "s8", "s12")))
     s += f"mov.b32 c1, {one}; mov.b32 c2, {nbias}; " + "".join(f"fma.rn.{t} t{j}, t{j}, c1, c2; " for j in range(4))
-    if scaled:  # c1 is free again: the scale in both halves
-        s += "mov.b32 c1, {$9, $9}; " + "".join(f"mul.rn.{t} t{j}, t{j}, c1; " for j in range(4))
     return s + "mov.b32 {$0, $4}, t0; mov.b32 {$1, $5}, t1; mov.b32 {$2, $6}, t2; mov.b32 {$3, $7}, t3; }"
 
 
@@ -665,8 +656,6 @@ def _raw_words_asm() -> str:
 
 _PAIRS_BF16 = tl.constexpr(_pairs_asm(True))
 _PAIRS_F16 = tl.constexpr(_pairs_asm(False))
-_PAIRS_SCALED_BF16 = tl.constexpr(_pairs_asm(True, scaled=True))
-_PAIRS_SCALED_F16 = tl.constexpr(_pairs_asm(False, scaled=True))
 
 
 @triton.jit
@@ -683,6 +672,7 @@ def _dequant_pairs(words, like, ASM: tl.constexpr):
     register renaming only, since a thread holds all eight, and the result is the A-fragment layout
     the tensor cores read from registers (no convert_layout in the TTGIR of Triton 3.6 for sm_90).
     """
+    BN: tl.constexpr = words.shape[0]
     if ASM:
         if like.dtype == tl.bfloat16:
             asm: tl.constexpr = _PAIRS_BF16
@@ -701,41 +691,6 @@ def _dequant_pairs(words, like, ASM: tl.constexpr):
         e5 = _pair_nibble(words, 5, like.dtype)
         e6 = _pair_nibble(words, 6, like.dtype)
         e7 = _pair_nibble(words, 7, like.dtype)
-    return _pairs_place(e0, e1, e2, e3, e4, e5, e6, e7)
-
-
-@triton.jit
-def _dequant_pairs_scaled(words, s, like, ASM: tl.constexpr):
-    """`_dequant_pairs` times the rows' scales s (`[BN]`, fp32, exact in like's dtype): (u - 8) s rounded once to
-    like's dtype. The multiply is done on the words' `[BN, 16]` layout, before the elements are placed (a
-    multiply after the placement made Triton 3.6 convert the layout through shared memory)."""
-    sw = tl.broadcast_to(s.to(like.dtype)[:, None], words.shape)
-    if ASM:
-        if like.dtype == tl.bfloat16:
-            asm: tl.constexpr = _PAIRS_SCALED_BF16
-        else:
-            asm: tl.constexpr = _PAIRS_SCALED_F16
-        e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
-            asm, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, sw],
-            dtype=(like.dtype, like.dtype, like.dtype, like.dtype, like.dtype, like.dtype, like.dtype, like.dtype),
-            is_pure=True, pack=1)  # fmt: skip
-    else:
-        sf = sw.to(tl.float32)
-        e0 = (_pair_nibble(words, 0, tl.float32) * sf).to(like.dtype)
-        e1 = (_pair_nibble(words, 1, tl.float32) * sf).to(like.dtype)
-        e2 = (_pair_nibble(words, 2, tl.float32) * sf).to(like.dtype)
-        e3 = (_pair_nibble(words, 3, tl.float32) * sf).to(like.dtype)
-        e4 = (_pair_nibble(words, 4, tl.float32) * sf).to(like.dtype)
-        e5 = (_pair_nibble(words, 5, tl.float32) * sf).to(like.dtype)
-        e6 = (_pair_nibble(words, 6, tl.float32) * sf).to(like.dtype)
-        e7 = (_pair_nibble(words, 7, tl.float32) * sf).to(like.dtype)
-    return _pairs_place(e0, e1, e2, e3, e4, e5, e6, e7)
-
-
-@triton.jit
-def _pairs_place(e0, e1, e2, e3, e4, e5, e6, e7):
-    """Element i of every PAIRS word (`[BN, 16]` each) -> `[BN, 128]` in natural k order."""
-    BN: tl.constexpr = e0.shape[0]
     # element of nibble i = 4 i2 + 2 i1 + i0 of word v = 4 c + a is k = 32 a + 16 i1 + 8 i0 + 2 c + i2
     w = tl.join(tl.join(tl.join(tl.reshape(e0, [BN, 4, 4]), tl.reshape(e4, [BN, 4, 4])),
                         tl.join(tl.reshape(e1, [BN, 4, 4]), tl.reshape(e5, [BN, 4, 4]))),
@@ -764,18 +719,6 @@ def _pairs_chunk_dot(words, s, xt, acc, ASM: tl.constexpr, EMULATE: tl.constexpr
     """
     tmp = _dot(_dequant_pairs(words, xt, ASM), xt, tl.zeros_like(acc), EMULATE)
     return acc + tmp * s[:, None]
-
-
-@triton.jit
-def _pairs_folded_dot(words, s, xt, acc, ASM: tl.constexpr, EMULATE: tl.constexpr):
-    """acc + (q * s) @ xt: `_pairs_chunk_dot` with the scale folded into the dequantized weights (`DenseConfig.fold`).
-
-    Each weight (u - 8) s is rounded once to xt's dtype (relative error <= 2^-9 in bf16, 2^-12 in fp16), as
-    Marlin does; the dot then chains one accumulator across chunks, so no per-chunk fp32 result has to be waited
-    for, scaled and added. One more bf16x2 / f16x2 multiply per weight pair (2.0 instead of 1.4 instructions per
-    weight), against BN x BM / (32 warps) fma per chunk saved.
-    """
-    return _dot(_dequant_pairs_scaled(words, s, xt, ASM), xt, acc, EMULATE)
 
 
 @triton.jit
@@ -1116,7 +1059,7 @@ def _mma_swap_kernel(
     GPC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, EMULATE_DOT: tl.constexpr, PAIRS: tl.constexpr, X_MASK: tl.constexpr,
     SINGLE_M: tl.constexpr, MAILBOX: tl.constexpr, PDL: tl.constexpr, PDL_PREFETCH: tl.constexpr,
-    PDL_EARLY: tl.constexpr, XPERM: tl.constexpr = False, FOLD: tl.constexpr = False,
+    PDL_EARLY: tl.constexpr, XPERM: tl.constexpr = False,
 ):  # fmt: skip
     """grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k). Tensor-core y.T = dequant(W) @ x.T, chunk 128.
 
@@ -1200,9 +1143,7 @@ def _mma_swap_kernel(
         n0, n1, n2, n3 = _load_scales(s_ptrs, c + 1, rn * 0 + c + 1 < c_hi, GPC)  # in flight during this chunk
         if XPERM:
             xt = _spans_rows(xt)
-        if PAIRS and FOLD:
-            acc = _pairs_folded_dot(words, s0, xt, acc, ASM, EMULATE_DOT)
-        elif PAIRS:
+        if PAIRS:
             acc = _pairs_chunk_dot(words, s0, xt, acc, ASM, EMULATE_DOT)
         else:
             acc = _dot(_dequant_nat(words, s0, s1, s2, s3, xt.dtype, GPC, ASM), xt, acc, EMULATE_DOT)
@@ -1619,8 +1560,7 @@ def _launch(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DenseConfig, p
             *args, stride_wc, GPC=gpc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
             SPLIT=split > 1, ASM=cfg.asm and not _INTERPRETED, EMULATE_DOT=_INTERPRETED and x.dtype == torch.bfloat16,
             PAIRS=w.layout.mma, XPERM=xperm, X_MASK=m < cfg.block_m, SINGLE_M=single_m, MAILBOX=mailbox,
-            PDL=pdl, PDL_PREFETCH=pdl_prefetch, PDL_EARLY=pdl_mode == "early", FOLD=cfg.fold and w.layout.mma,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PDL=pdl, PDL_PREFETCH=pdl_prefetch, PDL_EARLY=pdl_mode == "early", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **launch,
         )  # fmt: skip
     else:

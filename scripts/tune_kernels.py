@@ -51,8 +51,7 @@ SWAP_TILES = {
     4: ([(16, 64, 4, 4), (16, 128, 4, 4), (16, 64, 4, 6), (16, 128, 4, 6), (16, 128, 8, 4), (16, 64, 4, 3)], (2, 4)),
     16: ([(16, 64, 4, 4), (16, 128, 4, 4), (16, 256, 4, 3), (16, 64, 4, 6), (16, 128, 8, 4)], (1, 2, 4)),
     64: ([(32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3), (64, 256, 8, 3), (64, 64, 4, 3),
-          (64, 64, 4, 2), (32, 64, 4, 4), (64, 128, 8, 4), (32, 64, 4, 3), (32, 64, 4, 6), (64, 64, 4, 5),
-          (64, 64, 8, 3), (64, 64, 8, 4), (64, 64, 8, 5)], (1, 2)),
+          (64, 64, 4, 2), (32, 64, 4, 4), (64, 128, 8, 4), (32, 64, 4, 3), (32, 64, 4, 6), (64, 64, 4, 5)], (1, 2)),
     256: ([(64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3), (64, 256, 8, 3), (128, 256, 8, 3)], (1, 2)),
     2048: ([(128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3), (256, 128, 8, 2)], (1,)),
 }
@@ -97,8 +96,6 @@ def swap_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
             for split in explicit_splits(tiles, chunks, sms):
                 out.append(dict(kind="mma", block_m=bm, block_n=bn, split_k=split, swap=True, num_warps=warps,
                                 num_stages=stages))  # fmt: skip
-    if 16 < bucket <= 256:  # the scale folded into the weights (DenseConfig.fold), on the tiles' own splits
-        out += [dict(c, fold=True) for c in out[: len(tiles_list) * len(factors)]]
     if m == 1:  # the split-K reduction either way (DenseConfig.mailbox): it won on long loops only (kernels/NOTES.md)
         out += [dict(c, mailbox=False) for c in out if c["split_k"] > 1]
     uniq = []

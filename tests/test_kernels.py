@@ -195,27 +195,6 @@ def test_swap_asm_dequant_is_bit_exact_gpu(g, dtype):
     assert_close(y_asm, R.w4a16_matmul_ref(x, wp, ws, g), dtype)
 
 
-@gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("num_warps", [4, 8])
-def test_swap_fold_asm_is_bit_exact_gpu(num_warps, dtype):
-    # DenseConfig.fold: the inline PTX's exact q times the scale, rounded once (mul.rn), against the plain path's
-    # exact fp32 product rounded once: the same dot operands, so the same bits; and within the bound of the reference
-    wp, ws = quantized(320, 512, group_size=128)
-    x = acts(70, 512, dtype)
-    packed = D.prepack(wp, ws, 128, "pairs")
-    cfg = D.DenseConfig("mma", 64, 64, split_k=2, swap=True, fold=True, num_warps=num_warps, num_stages=3)
-    y_asm = D.w4a16_matmul_packed(x, packed, out=poisoned(70, 320, dtype), config=cfg)
-    y_plain = D.w4a16_matmul_packed(x, packed, config=D.DenseConfig(**{**cfg.to_dict(), "asm": False}))
-    assert torch.equal(y_asm, y_plain)
-    assert_close(y_asm, R.w4a16_matmul_ref(x, wp, ws, 128), dtype)
-
-
-def test_fold_needs_the_swap_kernel():
-    with pytest.raises(ValueError, match="fold applies to the swap kernel"):
-        D.DenseConfig("mma", 16, 64, fold=True)
-
-
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32], ids=str)
 def test_dense_scale_dtypes_and_short_k(scale_dtype):
     run_dense(5, 136, 96, 32, torch.float16, scale_dtype=scale_dtype)  # K = 96: three groups of 32
@@ -395,13 +374,9 @@ def test_prepack_pairs_chunk_major(chunk_major):
         # one full token tile (M == block_m): no row wrapping, column rows clamped past N = 136
         (16, D.DenseConfig("mma", 16, 64, split_k=2, swap=True), True),
         (32, D.DenseConfig("mma", 32, 128, split_k=1, swap=True, asm=False), True),
-        # the scale folded into the dequantized weights (one accumulator across chunks)
-        (70, D.DenseConfig("mma", 64, 64, split_k=2, swap=True, fold=True, num_stages=3), True),
-        (17, D.DenseConfig("mma", 32, 64, split_k=1, swap=True, fold=True, asm=False), False),
-        (1, D.DenseConfig("mma", 16, 64, split_k=3, swap=True, fold=True), False),
     ],
     ids=lambda v: str(v) if isinstance(v, (int, bool)) else f"{v.block_m}x{v.block_n}-s{v.split_k}-w{v.num_warps}"
-    f"{'' if v.asm else '-noasm'}{'-fold' if v.fold else ''}",
+    f"{'' if v.asm else '-noasm'}",
 )
 @pytest.mark.parametrize("layout", ["pairs", "spans", "spans-registers", "spans-copy"])
 def test_dense_pairs_layout(m, cfg, chunk_major, dtype, layout, monkeypatch):
