@@ -1,6 +1,7 @@
 """Decode W4A16 GEMM in Gluon: warp-independent streaming, tensor cores fed from registers, no split-K fix-up.
 
-    y[M, N] = x[M, K] @ dequant(W).T,  M <= 16, on `prepack`ed PAIRS or SPANS weights (group 128, chunk-major)
+    y[M, N] = x[M, K] @ dequant(W).T,  M <= 16 (<= 64 with `wgmma`), on `prepack`ed PAIRS or SPANS weights
+    (group 128, chunk-major)
 
 Why a second kernel, and why Gluon. At decode the Triton kernel in w4a16_dense.py (`_mma_swap_kernel`)
 runs 128-row wgmma tiles: a shape has only N / 128 of them, so K is split over programs and the fp32
@@ -27,10 +28,12 @@ the warps of one program. Gluon (Triton's explicit-layout dialect) can. Here:
   * the loop over a warp's chunks is unrolled at compile time (CPW is a constexpr), so every load's
     address is a base plus an immediate.
 
-Tokens: TOK = 8 (M <= 8) or 16 (two n8 MMAs per k16 step); token rows past M are not loaded (zeros); at
+Tokens: TOK = 8 (M <= 8) or 16 (two n8 MMAs per k16 step; the shared-x kernel's wgmma configs also 32 or 64,
+`xshared_tokens`); token rows past M are not loaded (zeros); at
 M = 1 every lane loads token 0 unmasked (the MMA's eight columns are then all token 0). The
 dequantization is `w4a16_dense._pairs_asm` (q = u - 8 exactly, in bf16 or fp16); the group scale is
-applied once per (row, chunk) to the chunk's fp32 MMA result, as in the Triton kernel. The scales are loaded
+applied once per (row, chunk) to the chunk's fp32 MMA result, as in the Triton kernel (with `scaled_a`: to the
+dequantized words instead, below). The scales are loaded
 G = 8 (R = 16) or 4 (R = 32) chunks at a time, one 16- or 8-byte load per row (`_scale_group`): a 2-byte load
 per row and chunk touched one cache line per row, twice the L1 work of the chunk's words (kernels/NOTES.md,
 session 15).
@@ -52,10 +55,15 @@ that copied them) instead of prefetching them into registers: 92 instead of 144 
 each warp's mma.sync by one warpgroup MMA chain per chunk (`wgmma.m64nTOKk16`, A = the dequantized words from
 registers, B = x read by the tensor cores straight from the ring slot, NVMMA-swizzled; each thread fences its copies
 for the async proxy before the barrier): no ldmatrix, a third less L1 traffic; with the words in registers chunk i is
-dequantized while chunk i - 1's MMA runs. On the H200 with PAIRS weights it is the fastest kernel at M = 4 and 8 on
-all five GLM shapes (1.2-1.3x the Triton wgmma kernel on the large ones), at M = 16 on all five, with wgmma on
-three, and at M = 1-2 on the three large ones (kernels/NOTES.md, sessions 14-18). Its timing probes (`PROBE`: no
-split-K fix-up, the memory pipeline only, no dequantization) say where the time goes (session 18).
+dequantized while chunk i - 1's MMA runs. Only wgmma configs take 16 < M <= 64 (32 or 64 tokens a chunk), and
+there `scaled_a` makes them pay (session 23): the group scale multiplied into the dequantized words (one rounding of
+(u - 8) s to bf16 / fp16, as Marlin does) lets a program's chunks chain one warpgroup MMA accumulator, so the per-chunk
+fp32 result, its wait and its scaled add go (174-216 registers at 64 tokens instead of 208-255 with spills). On the
+H200 with PAIRS weights it is the fastest kernel at M = 4 and 8 on all five GLM shapes (1.2-1.3x the Triton wgmma
+kernel on the large ones), at M = 16 on all five, with wgmma on three, at M = 1-2 on the three large ones
+(kernels/NOTES.md, sessions 14-18), and with wgmma at M = 32 on all five (1.2-1.5x; `scaled_a` on four) and at
+M = 64 on four (`scaled_a`, 1.05-1.14x; 12288->6144 stays with the Triton kernel). Its timing probes (`PROBE`:
+no split-K fix-up, the memory pipeline only, no dequantization) say where the time goes (session 18).
 
 Where it is used (kernels/NOTES.md, sessions 11-14 and 18, for the measurements). On PAIRS weights on the H200 it
 wins at M = 1-4 on some shapes (the expert-sized ones most: no split-K fix-up; with x_smem at M = 1; since session
@@ -100,6 +108,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     _GLUON = False
 
 MAX_M = 16  # token rows this kernel takes (two n8 MMA tiles)
+MAX_M_WGMMA = 64  # with `DecodeConfig.wgmma` the shared-x kernel takes up to this many (wgmma.m64n64k16)
 X_SMEM_MAX_BYTES = 96 << 10  # x_smem's staged copy of x per program (an sm_90 SM has 227 KB); larger is refused
 TIMELINE_WORDS = 8  # int64 per program that the shared-x kernel's PROBE 5 stores after out's rows (six used)
 HEURISTIC_MAX_WEIGHTS = 80 << 20  # N * K up to which `direct_heuristic` takes `_decode_kernel` at M = 1
@@ -137,7 +146,14 @@ class DecodeConfig:
         wgmma: the shared-x kernel's MMAs as Hopper warpgroup MMAs (sm_90 only, PAIRS weights, 16 rows a warp, 4 or
             8 warps): each warpgroup's 64 rows x TOK tokens per chunk as one asynchronous chain of 8
             `wgmma.m64nTOKk16`, the dequantized words (A) from registers and x (B) read by the tensor cores straight
-            from the ring slot, instead of per warp 8-16 `mma.sync` on x fragments loaded by ldmatrix.
+            from the ring slot, instead of per warp 8-16 `mma.sync` on x fragments loaded by ldmatrix. Only wgmma
+            configs take 16 < M <= 64 (MAX_M_WGMMA; `xshared_tokens`: 32 or 64 tokens per chunk, one n32 or n64 MMA
+            per k16 step, where mma.sync's B fragments would need 32-64 more registers).
+        scaled_a: wgmma only: each row's group scale multiplied into the dequantized words (A), (u - 8) s rounded
+            once to the activations' dtype (as Marlin does; fp32 scales are rounded to it first), so that a
+            program's chunks chain one warpgroup MMA accumulator (`use_acc`): chunk i's MMA is issued while chunk
+            i - 1's still runs, and no per-chunk fp32 result is waited for, scaled and added (its TOK / 2
+            registers a thread go). Against 5 more instructions per word (a multiply per pair).
     """
 
     rows: int = 16
@@ -150,6 +166,7 @@ class DecodeConfig:
     step: int = 1
     w_smem: bool = False
     wgmma: bool = False
+    scaled_a: bool = False
 
     def __post_init__(self) -> None:
         if self.rows not in (16, 32):
@@ -168,6 +185,8 @@ class DecodeConfig:
         if self.wgmma and not (self.split and self.rows == 16 and self.warps in (4, 8)):
             raise ValueError(f"DecodeConfig.wgmma takes the shared-x kernel (split >= 1) with 16 rows a warp and 4 or "
                              f"8 warps (whole warpgroups), got {self}")
+        if self.scaled_a and not self.wgmma:
+            raise ValueError(f"DecodeConfig.scaled_a needs wgmma (the chained warpgroup MMA), got {self}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -177,10 +196,42 @@ if _GLUON:
     _PAIRS_BF16 = gl.constexpr(_pairs_asm(True))
     _PAIRS_F16 = gl.constexpr(_pairs_asm(False))
     _RAW_WORDS = gl.constexpr(_raw_words_asm())
+    _PAIRS_SCALED_BF16 = gl.constexpr(_pairs_asm(True, scaled=True))
+    _PAIRS_SCALED_F16 = gl.constexpr(_pairs_asm(False, scaled=True))
     _TIMELINE_WORDS = gl.constexpr(TIMELINE_WORDS)
     _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier  # renamed in Triton 3.7
     # cp.async global -> shared: async_copy_global_to_shared up to Triton 3.6, async_load from 3.7 (the old name raises)
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+    @gluon.jit
+    def _dequant_scaled(words, s, W: gl.constexpr, R: gl.constexpr, BF16: gl.constexpr):
+        """`_dequant` times the rows' scales s (`[W, R]`, the MMA's row slice): (u - 8) s rounded once to the
+        activations' dtype (`DecodeConfig.scaled_a`), multiplied in the words' layout, before the elements are
+        placed (the placement stays register renaming)."""
+        if BF16:
+            sw = gl.convert_layout(s.to(gl.bfloat16), gl.SliceLayout(2, words.type.layout), assert_trivial=True)
+            sw = gl.broadcast(gl.expand_dims(sw, 2), words)[0]
+            e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
+                _PAIRS_SCALED_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, sw],
+                dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16,
+                       gl.bfloat16), is_pure=True, pack=1)  # fmt: skip
+        else:
+            sw = gl.convert_layout(s.to(gl.float16), gl.SliceLayout(2, words.type.layout), assert_trivial=True)
+            sw = gl.broadcast(gl.expand_dims(sw, 2), words)[0]
+            e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
+                _PAIRS_SCALED_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, sw],
+                dtype=(gl.float16, gl.float16, gl.float16, gl.float16, gl.float16, gl.float16, gl.float16,
+                       gl.float16), is_pure=True, pack=1)  # fmt: skip
+        return _place(e0, e1, e2, e3, e4, e5, e6, e7, W, R)
+
+    @gluon.jit
+    def _place(e0, e1, e2, e3, e4, e5, e6, e7, W: gl.constexpr, R: gl.constexpr):
+        """Element i of every PAIRS word (`[W, R, 16]` each) -> `[W, R, 128]` in natural k order."""
+        s: gl.constexpr = [W, R, 4, 4]
+        w = gl.join(gl.join(gl.join(gl.reshape(e0, s), gl.reshape(e4, s)), gl.join(gl.reshape(e1, s), gl.reshape(e5, s))),
+                    gl.join(gl.join(gl.reshape(e2, s), gl.reshape(e6, s)), gl.join(gl.reshape(e3, s), gl.reshape(e7, s))))
+        # [W, row, c, a, i2, i0, i1] -> [W, row, a, i1, i0, c, i2] = [W, row, k]
+        return gl.reshape(gl.permute(w, (0, 1, 3, 6, 5, 2, 4)), [W, R, 128])
 
     @gluon.jit
     def _dequant(words, W: gl.constexpr, R: gl.constexpr, BF16: gl.constexpr, RAW: gl.constexpr = False):
@@ -204,11 +255,7 @@ if _GLUON:
                 asm, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
                 dtype=(gl.float16, gl.float16, gl.float16, gl.float16, gl.float16, gl.float16, gl.float16,
                        gl.float16), is_pure=True, pack=1)  # fmt: skip
-        s: gl.constexpr = [W, R, 4, 4]
-        w = gl.join(gl.join(gl.join(gl.reshape(e0, s), gl.reshape(e4, s)), gl.join(gl.reshape(e1, s), gl.reshape(e5, s))),
-                    gl.join(gl.join(gl.reshape(e2, s), gl.reshape(e6, s)), gl.join(gl.reshape(e3, s), gl.reshape(e7, s))))
-        # [W, row, c, a, i2, i0, i1] -> [W, row, a, i1, i0, c, i2] = [W, row, k]
-        return gl.reshape(gl.permute(w, (0, 1, 3, 6, 5, 2, 4)), [W, R, 128])
+        return _place(e0, e1, e2, e3, e4, e5, e6, e7, W, R)
 
     @gluon.jit
     def _load_x(xp, x_mask, PROBE: gl.constexpr, ones, SP: gl.constexpr):
@@ -659,7 +706,7 @@ if _GLUON:
     def _xshared_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, stride_wc, stride_sn,
                         stride_om, CPP: gl.constexpr, W: gl.constexpr, R: gl.constexpr, TOK: gl.constexpr,
                         D: gl.constexpr, XR: gl.constexpr, STEP: gl.constexpr, WS: gl.constexpr, WG: gl.constexpr,
-                        BF16: gl.constexpr, SP: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr,
+                        SA: gl.constexpr, BF16: gl.constexpr, SP: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr,
                         PROBE: gl.constexpr = 0):
         """grid = (cdiv(N, W R), split). Program (p, k): rows [W R p, W R (p + 1)), chunks [CPP k, CPP (k + 1));
         warp w: its R of those rows over all the program's chunks, so the W warps share one copy of x: each chunk's x
@@ -671,7 +718,10 @@ if _GLUON:
         chunks at a time (`_scale_group`). WG (PAIRS, sm_90): each warpgroup's chunk is one asynchronous warpgroup
         MMA chain reading x from the ring slot itself (no B fragments in registers); with the words in registers chunk
         i is dequantized while chunk i - 1's MMA runs, which is retired (`_wg_retire`) before the barrier that frees
-        its slot, or, inside a step, right after chunk i's is issued; with WS each MMA is retired at once.
+        its slot, or, inside a step, right after chunk i's is issued; with WS each MMA is retired at once. SA (with
+        WG): the scales multiplied into A (`_dequant_scaled`) and the chunks' MMAs chained on one accumulator, words
+        in registers or from their ring alike: chunk i is dequantized while chunk i - 1's MMA runs, which is waited
+        for before the barrier that frees its slots, or, inside a step, right after chunk i's is issued.
 
         SPLIT (split > 1): each program stores its fp32 partial to `ws_ptr` ([split, M, N]) and takes a ticket
         (`cnt_ptr`, one per row block, zero on entry and on exit); the last to arrive sums the partials in split
@@ -744,7 +794,40 @@ if _GLUON:
             if i + D < CPP and not WS:
                 wn = _load_w(wp + (i + D) * stride_wc)
             sg0, sg1 = _advance_scales(sg0, sg1, sp, i, CPP)
-            if WG and not WS and PROBE != 2:
+            if WG and SA and PROBE != 2:
+                if i % STEP == 0:  # this thread's copies of chunks i .. i + STEP - 1 have landed
+                    async_copy.wait_group(max(0, min(i + XR - STEP - 1, CPP - 1) - (i + STEP - 1)))
+                if WS:  # this thread's own copies of chunk i's words
+                    w0 = _ring_slot(q0, q1, q2, q3, q4, q5, q6, q7, i % XR).load(w_l)
+                if PROBE == 3:  # the words' raw halves, no dequantization and no scales
+                    q = _dequant(w0, W, R, BF16, True)
+                else:
+                    q = _dequant_scaled(w0, _pick(sg0, i % G, s_like), W, R, BF16)
+                a = gl.convert_layout(gl.reshape(q, [W * R, 128]), wg_a, assert_trivial=True)
+                if i % STEP == 0:
+                    if i > 0:  # chunk i - 1's MMA, done before the barrier frees its slots
+                        tk, a_prev, a = warpgroup_mma_wait(0, deps=[tk, a_prev, a])
+                    fence_async_shared()  # this thread's copies, complete, made visible to the async proxy's reads
+                    _barrier()
+                    for j in gl.static_range(XR - STEP, XR):
+                        if i + j < CPP:
+                            if PROBE != 4:
+                                _cp_async(_ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, (i + j) % XR),
+                                          xp + (i + j) * 128, mask=x_mask)
+                            if WS:
+                                _cp_async(_ring_slot(q0, q1, q2, q3, q4, q5, q6, q7, (i + j) % XR),
+                                          wp + (i + j) * stride_wc)
+                            async_copy.commit_group()
+                xs = _ring_slot(r0, r1, r2, r3, r4, r5, r6, r7, i % XR).permute((1, 0))  # [128, TOK], K-major
+                if i == 0:
+                    tk = warpgroup_mma(a, xs, gl.zeros([W * R, TOK], gl.float32, layout=wg_mma), use_acc=False,
+                                       is_async=True)
+                else:
+                    tk = warpgroup_mma(a, xs, tk, is_async=True)
+                if i % STEP != 0:  # chunk i - 1's MMA retired, chunk i's in flight
+                    tk, a_prev, a = warpgroup_mma_wait(1, deps=[tk, a_prev, a])
+                a_prev = a
+            elif WG and not WS and PROBE != 2:
                 # chunk i's A operand is dequantized while chunk i - 1's warpgroup MMA runs; that MMA is retired
                 # (waited for, scaled into acc) before the ring's wait and barrier when they free its x slot, else
                 # right after chunk i's MMA is issued
@@ -811,7 +894,10 @@ if _GLUON:
                     acc = acc + mma_v2(a, xb, zero) * gl.expand_dims(s0.to(gl.float32), 2)
             if not WS:
                 w0, w1, w2, w3 = _rotate(w0, w1, w2, w3, wn, D)
-        if WG and not WS and PROBE != 2:  # the last chunk's MMA
+        if WG and SA and PROBE != 2:  # the last chunk's MMA; its accumulator is the result
+            tk, a_prev = warpgroup_mma_wait(0, deps=[tk, a_prev])
+            acc = gl.convert_layout(gl.reshape(tk, [W, R, TOK]), mma, assert_trivial=True)
+        elif WG and not WS and PROBE != 2:  # the last chunk's MMA
             acc, a = _wg_retire(tk, a_prev, a, 0, s_prev, mma, acc)
         if PROBE == 2:  # the scales of the last chunk, so that their loads are not dropped
             acc_s = gl.convert_layout(gl.sum(acc_w, axis=2).to(gl.float32), s_l) + _pick(sg0, (CPP - 1) % G, s_like)
@@ -864,11 +950,13 @@ def x_smem_bytes(k: int, warps: int) -> int:
 
 
 def supports(m: int, w: PackedW4, cfg: DecodeConfig | None = None) -> bool:
-    """Whether a call fits the kernel: 1 <= M <= 16, a 2-D PAIRS or SPANS weight stored chunk-major (what
-    `prepack` gives group-128 weights), `cfg.warps` dividing the K / 128 chunks (with `cfg.split`, the shared-x
-    kernel's warps split rows: `cfg.split` dividing them instead), and with x_smem at M = 1 the staged x within
-    X_SMEM_MAX_BYTES."""
-    if not (1 <= m <= MAX_M) or w.lead or not w.layout.mma or not w.chunk_major or w.chunk != MMA_CHUNK:
+    """Whether a call fits the kernel: 1 <= M <= 16 (up to MAX_M_WGMMA = 64 with `cfg.wgmma`; without a config,
+    whether some config takes it), a 2-D PAIRS or SPANS weight stored chunk-major (what `prepack` gives group-128
+    weights), `cfg.warps` dividing the K / 128 chunks (with `cfg.split`, the shared-x kernel's warps split rows:
+    `cfg.split` dividing them instead), and with x_smem at M = 1 the staged x within X_SMEM_MAX_BYTES."""
+    if not (1 <= m <= MAX_M_WGMMA) or w.lead or not w.layout.mma or not w.chunk_major or w.chunk != MMA_CHUNK:
+        return False
+    if m > MAX_M and not (w.layout is Layout.PAIRS and (cfg is None or cfg.wgmma)):
         return False
     if cfg is not None and cfg.split:  # wgmma reads x from the ring as it lies: natural order, PAIRS weights only
         return (w.k // MMA_CHUNK) % cfg.split == 0 and not (cfg.wgmma and w.layout is not Layout.PAIRS)
@@ -986,7 +1074,8 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
     `_xshared_kernel`'s PROBE; wrong results), 0 for the GEMM."""
     m, k = x.shape
     if not supports(m, w, cfg):
-        raise ValueError(f"the decode kernel takes 1 <= M <= {MAX_M} on 2-D chunk-major pairs or spans weights with "
+        raise ValueError(f"the decode kernel takes 1 <= M <= {MAX_M} (<= {MAX_M_WGMMA} with wgmma, on pairs weights) "
+                         f"on 2-D chunk-major pairs or spans weights with "
                          f"{cfg.warps} warps dividing K / {MMA_CHUNK}, and with x_smem at M = 1 at most "
                          f"{X_SMEM_MAX_BYTES >> 10} KB of staged x (`x_smem_bytes`); got M = {m}, weight "
                          f"{[*w.lead, w.n, w.k]} ({w.layout.value}, chunk_major={w.chunk_major}), {cfg}")
@@ -1014,10 +1103,16 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
     return out
 
 
+def xshared_tokens(m: int) -> int:
+    """The shared-x kernel's token tile for M tokens: 8, 16, 32 or 64 (above 16 only with wgmma)."""
+    return 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
+
+
 def _xshared_args(m: int, chunks: int, cfg: DecodeConfig, bf16: bool, spans: bool, pdl: bool, probe: int = 0) -> dict:
     cpp = chunks // cfg.split
-    return dict(CPP=cpp, W=cfg.warps, R=cfg.rows, TOK=8 if m <= 8 else 16, D=min(cfg.depth, cpp), XR=cfg.ring,
-                STEP=cfg.step, WS=cfg.w_smem, WG=cfg.wgmma, BF16=bf16, SP=spans, SPLIT=cfg.split > 1, PDL=pdl,
+    return dict(CPP=cpp, W=cfg.warps, R=cfg.rows, TOK=xshared_tokens(m), D=min(cfg.depth, cpp), XR=cfg.ring,
+                STEP=cfg.step, WS=cfg.w_smem, WG=cfg.wgmma, SA=cfg.scaled_a, BF16=bf16, SP=spans, SPLIT=cfg.split > 1,
+                PDL=pdl,
                 PROBE=probe)
 
 

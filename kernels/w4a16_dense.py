@@ -628,7 +628,7 @@ def _dequant_nat(words, s0, s1, s2, s3, dtype: tl.constexpr, GPC: tl.constexpr, 
     return _cat(_cat(_cat(q0, q1), _cat(q2, q3)), _cat(_cat(q4, q5), _cat(q6, q7)))
 
 
-def _pairs_asm(bf16: bool) -> str:
+def _pairs_asm(bf16: bool, scaled: bool = False) -> str:
     """PTX for one PAIRS word ($8) -> its 8 elements q = u - 8 ($0..$7), exact, in bf16 or fp16.
 
     Nibbles i and i + 4 are the two halves of a 32-bit lane, so one lop3 per pair ORs them into the
@@ -637,13 +637,16 @@ def _pairs_asm(bf16: bool) -> str:
     so the odd nibbles are shifted down rather than masked in place). One fma per pair subtracts 136
     (fp16: 1032). Per 8 weights: 3 shifts + 4 lop3 + 4 fma, 1.4 instructions per weight, against ~2.5
     per weight for PLANES (`_plane_asm`: a prmt gathers each pair from two words, and the scale is
-    multiplied in).
+    multiplied in). scaled: a second operand ($9, 16 bits) is the row's scale, multiplied into each pair
+    after the fma, so (u - 8) s is rounded once (`w4a16_decode.DecodeConfig.scaled_a`): 5 more instructions.
     """
     magic, one, nbias, t = ("0x43004300", "0x3F803F80", "0xC308C308", "bf16x2") if bf16 else \
         ("0x64006400", "0x3C003C00", "0xE408E408", "f16x2")  # fmt: skip
     s = "{ .reg .b32 s4, s8, s12, t0, t1, t2, t3, c1, c2; shr.u32 s4, $8, 4; shr.u32 s8, $8, 8; shr.u32 s12, $8, 12; "
     s += "".join(f"lop3.b32 t{j}, {src}, 0x000F000F, {magic}, 0xEA; " for j, src in enumerate(("$8", "s4", "s8", "s12")))
     s += f"mov.b32 c1, {one}; mov.b32 c2, {nbias}; " + "".join(f"fma.rn.{t} t{j}, t{j}, c1, c2; " for j in range(4))
+    if scaled:  # c1 is free again: the scale in both halves
+        s += "mov.b32 c1, {$9, $9}; " + "".join(f"mul.rn.{t} t{j}, t{j}, c1; " for j in range(4))
     return s + "mov.b32 {$0, $4}, t0; mov.b32 {$1, $5}, t1; mov.b32 {$2, $6}, t2; mov.b32 {$3, $7}, t3; }"
 
 
@@ -1447,8 +1450,8 @@ def w4a16_matmul_packed(
     """`w4a16_matmul` on a `prepack`ed weight (same arguments and errors).
 
     config: a `DenseConfig` (the Triton kernels), a `w4a16_decode.DecodeConfig` (the Gluon decode kernel), or
-    None: the Gluon decode kernel where `w4a16_decode.choose` picks it (M <= 16 on a GPU it was tuned on or
-    an sm_90 heuristic), else `choose_config`.
+    None: the Gluon decode kernel where `w4a16_decode.choose` picks it (M <= 64 where the table of the GPU it was
+    tuned on names it, M <= 16 by the sm_90 heuristic), else `choose_config`.
     """
     check_common(x, w.group_size)
     m, k = x.shape

@@ -84,6 +84,13 @@ TUNE_XSHARED = [(16, 4, 3, 4, 1, False, False), (32, 4, 2, 4, 1, False, False), 
 TUNE_XSHARED_WG = [(16, 4, 3, 4, 1, False, True), (16, 4, 2, 4, 1, False, True), (16, 4, 2, 2, 1, False, True),
                    (16, 4, 1, 4, 1, True, True), (16, 4, 1, 2, 1, True, True)]
 TUNE_WG_MIN_M = 9  # wgmma candidates only at 16 tokens (at M = 4 the session-17 probe had them 4-40 % behind)
+# above M = 16 (32 or 64 tokens a chunk) only wgmma configs run, and those with the words in registers spill at 64
+# (255 registers; the w_smem ones 192-212 without spills under Triton 3.6; session 20)
+TUNE_XSHARED_WIDE = [(16, 4, 1, 4, 1, True, True), (16, 4, 1, 2, 1, True, True), (16, 8, 1, 4, 1, True, True)]
+# with the scales in A (DecodeConfig.scaled_a; session 23): one accumulator across chunks, 174-216 registers at 64
+# tokens without spills, so the words in registers and a ring of 8 fit again
+TUNE_XSHARED_SCALED = [(16, 4, 1, 4, 1, True), (16, 4, 1, 8, 2, True), (16, 4, 2, 4, 1, False), (16, 4, 3, 4, 1, False),
+                       (16, 4, 2, 8, 2, False), (16, 8, 1, 4, 1, True), (16, 8, 2, 4, 1, False)]
 TUNE_DIRECT_MAX_M = 8  # above it `_decode_kernel` (warps split K) is not a candidate: it lost by >= 1.35x on every
 # GLM shape at M = 16 (session 15's tune, kernels/tuned_decode.json)
 TUNE_MARGIN = 0.97  # the Gluon kernel only where it took <= 97 % of the Triton kernel's time
@@ -106,9 +113,12 @@ def tune_candidates(n: int, k: int, m: int, layout: str = "pairs"):
         cands = [c for c in cands if chunks % c.warps == 0 and chunks // c.warps >= max(c.depth, 2)]
     # the shared-x kernel, with the K splits xshared_splits picks for the shape (also at M = 1: its table entries at
     # M = 4 were 3-7 % ahead of the M = 1 ones on the large shapes, where it had never been timed; session 18)
+    listed = TUNE_XSHARED_WIDE if m > DK.MAX_M else TUNE_XSHARED + (TUNE_XSHARED_WG if m >= TUNE_WG_MIN_M else [])
     cands += [DecodeConfig(r, w, d, split=s, ring=g, step=st, w_smem=ws, wgmma=wg)
-              for r, w, d, g, st, ws, wg in TUNE_XSHARED + (TUNE_XSHARED_WG if m >= TUNE_WG_MIN_M else [])
-              for s in xshared_splits(n, k, r, w)]
+              for r, w, d, g, st, ws, wg in listed for s in xshared_splits(n, k, r, w)]
+    if m >= TUNE_WG_MIN_M:
+        cands += [DecodeConfig(r, w, d, split=s, ring=g, step=st, w_smem=ws, wgmma=True, scaled_a=True)
+                  for r, w, d, g, st, ws in TUNE_XSHARED_SCALED for s in xshared_splits(n, k, r, w)]
     stub = _stub(n, k, layout)
     return [c for c in cands if DK.supports(m, stub, c)]
 
@@ -131,10 +141,10 @@ def xshared_splits(n: int, k: int, rows: int, warps: int) -> list[int]:
 
 def tag(c) -> str:
     """R{rows}W{warps}D{depth}, X with x_smem, E with pdl_early, S{split}G{ring} for the shared-x kernel, then
-    B{step} where step > 1, M with w_smem and H with wgmma."""
+    B{step} where step > 1, M with w_smem, H with wgmma and A with scaled_a."""
     return (f"R{c.rows}W{c.warps}D{c.depth}{'X' if c.x_smem else ''}{'E' if c.pdl_early else ''}"
             f"{f'S{c.split}G{c.ring}' if c.split else ''}{f'B{c.step}' if c.step > 1 else ''}"
-            f"{'M' if c.w_smem else ''}{'H' if c.wgmma else ''}")
+            f"{'M' if c.w_smem else ''}{'H' if c.wgmma else ''}{'A' if c.scaled_a else ''}")
 
 
 def parse_probe_tag(text: str):
@@ -144,18 +154,18 @@ def parse_probe_tag(text: str):
 
 
 def parse_tag(text: str):
-    """`tag`'s inverse: `R16W4D3[X][E][S4G4][B2][M][H]` -> a DecodeConfig."""
+    """`tag`'s inverse: `R16W4D3[X][E][S4G4][B2][M][H][A]` -> a DecodeConfig."""
     import re
 
     from glmq.kernels.w4a16_decode import DecodeConfig
 
-    m = re.fullmatch(r"R(\d+)W(\d+)D(\d+)(X?)(E?)(?:S(\d+)G(\d+))?(?:B(\d+))?(M?)(H?)", text)
+    m = re.fullmatch(r"R(\d+)W(\d+)D(\d+)(X?)(E?)(?:S(\d+)G(\d+))?(?:B(\d+))?(M?)(H?)(A?)", text)
     if not m:
         raise ValueError(f"not a decode config tag: {text!r} "
-                         "(R<rows>W<warps>D<depth>[X][E][S<split>G<ring>][B<step>][M][H])")
-    r, w, d, xs, early, split, ring, step, ws, wg = m.groups()
+                         "(R<rows>W<warps>D<depth>[X][E][S<split>G<ring>][B<step>][M][H][A])")
+    r, w, d, xs, early, split, ring, step, ws, wg, sa = m.groups()
     return DecodeConfig(int(r), int(w), int(d), pdl_early=bool(early), x_smem=bool(xs), split=int(split or 0),
-                        ring=int(ring or 4), step=int(step or 1), w_smem=bool(ws), wgmma=bool(wg))
+                        ring=int(ring or 4), step=int(step or 1), w_smem=bool(ws), wgmma=bool(wg), scaled_a=bool(sa))
 
 
 def variants(n: int, k: int, m: int, xshared_only: bool = False, tag_has: str = "", tags: tuple = (),

@@ -742,7 +742,8 @@ def test_moe_config_validation():
      (dict(depth=5), "depth must be 1-4"), (dict(split=-1), "split must be >= 0"),
      (dict(ring=3), "ring must be 2, 4 or 8"), (dict(step=3), "step must be 1, 2 or 4"),
      (dict(ring=2, step=2), "ring >= 2 step"), (dict(wgmma=True), "wgmma takes the shared-x kernel"),
-     (dict(split=2, rows=32, wgmma=True), "wgmma takes"), (dict(split=2, warps=2, wgmma=True), "wgmma takes")],
+     (dict(split=2, rows=32, wgmma=True), "wgmma takes"), (dict(split=2, warps=2, wgmma=True), "wgmma takes"),
+     (dict(split=2, scaled_a=True), "scaled_a needs wgmma")],
 )  # fmt: skip
 def test_decode_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -759,13 +760,20 @@ def test_decode_supports_and_heuristic():
     assert not DK.supports(1, wide, DK.DecodeConfig(warps=8, x_smem=True))
     assert DK.supports(1, pairs, DK.DecodeConfig(warps=2, x_smem=True))
     assert pairs.layout is D.Layout.PAIRS and pairs.chunk_major
-    assert DK.supports(1, pairs) and DK.supports(16, pairs) and not DK.supports(17, pairs) and not DK.supports(0, pairs)
+    assert DK.supports(1, pairs) and DK.supports(16, pairs) and not DK.supports(0, pairs)
+    # 16 < M <= 64: wgmma configs of the shared-x kernel only (on PAIRS weights)
+    assert DK.supports(17, pairs) and DK.supports(64, pairs) and not DK.supports(65, pairs)
+    assert DK.supports(64, pairs, DK.DecodeConfig(depth=1, split=2, w_smem=True, wgmma=True))
+    assert not DK.supports(65, pairs, DK.DecodeConfig(depth=1, split=2, w_smem=True, wgmma=True))
+    assert not DK.supports(17, pairs, DK.DecodeConfig(split=2)) and not DK.supports(17, pairs, DK.DecodeConfig(warps=2))
+    assert [DK.xshared_tokens(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [8, 8, 16, 16, 32, 32, 64, 64]
     assert DK.supports(5, pairs, DK.DecodeConfig(warps=2)) and not DK.supports(5, pairs, DK.DecodeConfig(warps=4))
     # the shared-x kernel: its warps split rows, so only the K split must divide the chunks (6 here)
     assert DK.supports(5, pairs, DK.DecodeConfig(warps=4, split=3)) and DK.supports(16, pairs, DK.DecodeConfig(split=6))
     assert not DK.supports(5, pairs, DK.DecodeConfig(warps=4, split=4))
     assert not DK.supports(17, pairs, DK.DecodeConfig(split=1))
     assert not DK.supports(1, D.prepack(wp, ws, 128, layout="planes", chunk_major=False))
+    assert not DK.supports(17, D.prepack(wp, ws, 128, layout="spans")) and DK.supports(16, D.prepack(wp, ws, 128, layout="spans"))
     wp32, ws32 = quantized(48, 768, group_size=32)
     assert not DK.supports(1, D.prepack(wp32, ws32, 32))  # group 32: PLANES words
     # `_decode_kernel`'s rule: M = 1, up to ~80 M weights, 8 warps unless that leaves < 4 chunks each
@@ -852,6 +860,10 @@ def test_probe_decode_tune_candidates():
     assert P.xshared_splits(6144, 12288, 16, 4) == [1, 4, 8]  # 96 blocks: split 4 = 384 programs is also nearest
     assert P.xshared_splits(256, 512, 16, 4) == []  # 4 chunks and 4 blocks: no launch of >= 96 programs
     assert all(c.split for c in P.tune_candidates(6144, 12288, 16))
+    wide = P.tune_candidates(6144, 2048, 64)  # above M = 16: the shared-x kernel's wgmma configs only
+    # (the words in registers only with the scales in A, which leaves them room: session 23)
+    assert wide and all(c.wgmma and (c.w_smem or c.scaled_a) for c in wide) and any(c.scaled_a for c in wide)
+    assert not P.tune_candidates(6144, 2048, 64, "spans")
     assert any(not c.split for c in P.tune_candidates(6144, 12288, 8))
     # at M = 1 both kernels are candidates (the shared-x one since session 18)
     m1 = P.tune_candidates(6144, 12288, 1)
@@ -870,7 +882,8 @@ def test_probe_decode_tags_round_trip():
                 DK.DecodeConfig(16, 4, 4, split=3, ring=8, step=2),
                 DK.DecodeConfig(16, 4, 1, split=4, ring=8, w_smem=True),
                 DK.DecodeConfig(16, 4, 1, split=1, ring=8, step=2, w_smem=True),
-                DK.DecodeConfig(16, 8, 3, split=4, ring=8, step=2, wgmma=True)):
+                DK.DecodeConfig(16, 8, 3, split=4, ring=8, step=2, wgmma=True),
+                DK.DecodeConfig(16, 4, 1, split=2, ring=8, step=2, w_smem=True, wgmma=True, scaled_a=True)):
         assert P.parse_tag(P.tag(cfg)) == cfg, cfg
     with pytest.raises(ValueError, match="not a decode config tag"):
         P.parse_tag("R16W4")
@@ -934,14 +947,26 @@ for cfg, chunks, tok, bf16, xb, pdl, sp in [(DK.DecodeConfig(16, 4, 2), 64, 8, T
                                             (DK.DecodeConfig(16, 8, 2, split=4, ring=8, step=2, wgmma=True), 64, 8,
                                              False, False, True, False),
                                             (DK.DecodeConfig(16, 4, 1, split=4, w_smem=True, wgmma=True), 96, 16, True,
-                                             False, False, False)]:
+                                             False, False, False),
+                                            (DK.DecodeConfig(16, 4, 1, split=1, w_smem=True, wgmma=True), 16, 64, True,
+                                             False, False, False),
+                                            (DK.DecodeConfig(16, 8, 1, split=3, w_smem=True, wgmma=True), 48, 32, False,
+                                             False, True, False),
+                                            # the scales in A, one accumulator chained across chunks
+                                            (DK.DecodeConfig(16, 4, 1, split=1, w_smem=True, wgmma=True, scaled_a=True),
+                                             16, 64, True, False, False, False),
+                                            (DK.DecodeConfig(16, 4, 2, split=2, ring=8, step=2, wgmma=True,
+                                                             scaled_a=True), 32, 64, False, False, True, False),
+                                            (DK.DecodeConfig(16, 4, 3, split=4, wgmma=True, scaled_a=True), 96, 16,
+                                             True, False, False, False)]:
     try:
         r = DK.compile_sm90(cfg, chunks, tok, bf16, xb, pdl, sp)
     except RuntimeError as exc:
         print("SKIP", exc); sys.exit(0)
     r.pop("sass")
     out.append(dict(r, rows=cfg.rows, warps=cfg.warps, cpw=chunks // (cfg.split or cfg.warps), tok=tok,
-                    xs=cfg.x_smem and xb, sp=sp, xb=xb, split=cfg.split, step=cfg.step, ws=cfg.w_smem, wg=cfg.wgmma))
+                    xs=cfg.x_smem and xb, sp=sp, xb=xb, split=cfg.split, step=cfg.step, ws=cfg.w_smem, wg=cfg.wgmma,
+                    sa=cfg.scaled_a))
 print(json.dumps(out))
 """
     for r in _compile_sm90_in_subprocess(code):
@@ -951,6 +976,8 @@ print(json.dumps(out))
             assert r["ops"].get("HGMMA") == r["cpw"] * 8 and "HMMA" not in r["ops"], r
         else:
             assert r["ops"].get("HMMA") == r["cpw"] * 8 * (r["rows"] // 16) * (r["tok"] // 8), r
+        if r["sa"]:  # the scales multiplied into A (a bf16x2 / f16x2 multiply per weight pair), none into the result
+            assert r["ops"].get("HMUL2") == r["cpw"] * r["rows"] * 2 and "FFMA" not in r["ops"], r  # 4 per word
         words = r["cpw"] * r["rows"] // 8  # two 16-byte word loads (or copies) per 16 rows and chunk
         # the words into registers (evict-first), or with w_smem copied into shared memory and read back 16 bytes at
         # a time
@@ -1015,20 +1042,22 @@ def test_xshared_probes_compile_for_sm90():
 import json, sys
 from glmq.kernels import w4a16_decode as DK
 out = []
-for cfg in (DK.DecodeConfig(16, 4, 3, split=4), DK.DecodeConfig(16, 4, 2, split=4, wgmma=True)):
+for i, cfg in enumerate((DK.DecodeConfig(16, 4, 3, split=4), DK.DecodeConfig(16, 4, 2, split=4, wgmma=True),
+                         DK.DecodeConfig(16, 4, 2, split=4, wgmma=True, scaled_a=True))):
     for probe in (0, 1, 2, 3, 4, 5):
         try:
             r = DK.compile_sm90(cfg, 32, 16, True, False, False, False, probe)
         except RuntimeError as exc:
             print("SKIP", exc); sys.exit(0)
         ops = dict(r["ops"], timers=r["sass"].count("SR_GLOBALTIMER") + r["sass"].count("SR_CLOCK"))
-        out.append(dict(probe=probe, wg=cfg.wgmma, ops=ops))
+        out.append(dict(probe=probe, cfg=i, wg=cfg.wgmma, ops=ops))
 print(json.dumps(out))
 """
-    res = {(r["wg"], r["probe"]): r["ops"] for r in _compile_sm90_in_subprocess(code)}
-    for wg in (False, True):
-        mma = "HGMMA" if wg else "HMMA"
-        full, nofix, loads, nodeq, nox, timed = (res[wg, p] for p in range(6))
+    got = _compile_sm90_in_subprocess(code)
+    res = {(r["cfg"], r["probe"]): r["ops"] for r in got}
+    for i in range(3):  # mma.sync, wgmma, wgmma with the scales in A
+        mma = "HGMMA" if i else "HMMA"
+        full, nofix, loads, nodeq, nox, timed = (res[i, p] for p in range(6))
         assert full.get("ATOMG") == 1 and "ATOMG" not in nofix and nofix.get(mma) == full[mma], (full, nofix)
         assert mma not in loads and loads.get("HFMA2", 0) < full["HFMA2"] // 4, loads  # 2: no dequantization, no MMA
         assert loads["LDGSTS"] == full["LDGSTS"] and loads["BAR"] == full["BAR"], (full, loads)  # the ring as it was
@@ -1121,7 +1150,11 @@ XSHARED_WG_CFGS = [DK.DecodeConfig(16, 4, 3, split=4, wgmma=True), DK.DecodeConf
                    DK.DecodeConfig(16, 4, 3, split=2, ring=4, step=2, wgmma=True),
                    DK.DecodeConfig(16, 8, 2, split=6, ring=8, step=4, wgmma=True),  # K = 3072: one short step
                    DK.DecodeConfig(16, 4, 1, split=2, ring=4, w_smem=True, wgmma=True),
-                   DK.DecodeConfig(16, 8, 1, split=3, ring=8, step=2, w_smem=True, wgmma=True)]
+                   DK.DecodeConfig(16, 8, 1, split=3, ring=8, step=2, w_smem=True, wgmma=True),
+                   # the scales in A: one accumulator chained across chunks (words in registers, or from their ring)
+                   DK.DecodeConfig(16, 4, 3, split=4, wgmma=True, scaled_a=True),
+                   DK.DecodeConfig(16, 4, 2, split=2, ring=8, step=2, wgmma=True, scaled_a=True),
+                   DK.DecodeConfig(16, 8, 1, split=3, ring=8, step=2, w_smem=True, wgmma=True, scaled_a=True)]
 
 
 @pytest.mark.gpu
@@ -1141,6 +1174,35 @@ def test_xshared_wgmma_gpu(m, n, k, cfg, dtype):
     for pdl in (False, True):  # the same bits on every launch, plain or PDL
         again = D.w4a16_matmul_packed(x, packed, out=poisoned(m, n, dtype), config=cfg, pdl=pdl)
         assert torch.equal(again + 0, y + 0)
+
+
+XSHARED_WG_WIDE_CFGS = [DK.DecodeConfig(16, 4, 1, split=1, ring=4, w_smem=True, wgmma=True),
+                        DK.DecodeConfig(16, 4, 1, split=2, ring=2, w_smem=True, wgmma=True),
+                        DK.DecodeConfig(16, 8, 1, split=3, ring=4, w_smem=True, wgmma=True),
+                        DK.DecodeConfig(16, 4, 1, split=2, ring=8, step=2, w_smem=True, wgmma=True),
+                        DK.DecodeConfig(16, 4, 2, split=4, ring=4, wgmma=True),  # words in registers (spills at 64)
+                        DK.DecodeConfig(16, 4, 1, split=1, ring=4, w_smem=True, wgmma=True, scaled_a=True),
+                        DK.DecodeConfig(16, 4, 1, split=2, ring=8, step=2, w_smem=True, wgmma=True, scaled_a=True),
+                        DK.DecodeConfig(16, 4, 2, split=4, ring=4, wgmma=True, scaled_a=True),
+                        DK.DecodeConfig(16, 8, 2, split=3, ring=8, step=2, wgmma=True, scaled_a=True)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="warpgroup MMA: sm_90 only")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cfg", XSHARED_WG_WIDE_CFGS, ids=str)
+@pytest.mark.parametrize("m, n, k", [(17, 200, 1536), (32, 96, 1536), (33, 264, 3072), (47, 6144, 2048),
+                                     (64, 4096, 6144), (64, 128, 768)])  # fmt: skip
+def test_xshared_wgmma_wide_gpu(m, n, k, cfg, dtype):
+    # 16 < M <= 64: 32 or 64 tokens a chunk (one n32 / n64 warpgroup MMA per k16 step), token rows past M masked
+    if (k // 128) % cfg.split:
+        pytest.skip("the split must divide the chunks")
+    x, packed, y = _decode_case(m, n, k, dtype, cfg, scale_dtype=torch.float32 if n == 264 else torch.bfloat16,
+                                layout=D.Layout.PAIRS)
+    again = D.w4a16_matmul_packed(x, packed, out=poisoned(m, n, dtype), config=cfg, pdl=True)
+    assert torch.equal(again + 0, y + 0)
 
 
 @pytest.mark.gpu
@@ -1237,7 +1299,7 @@ def test_decode_pdl_dependent_chain_gpu(m, layout, kernel):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("n, k", [(8192, 8192), (6144, 12288), (4096, 6144), (6144, 2048)])
-@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 17, 64])
 def test_decode_dispatch_glm_shapes_gpu(m, n, k):
     # whatever w4a16_matmul picks at decode (the Gluon kernel where its table or rule says so) is right
     run_dense(m, n, k, 128, torch.bfloat16)
