@@ -10,13 +10,14 @@ CUDA-graph replay over weight copies rotated past L2, median of 15 replays).
 Probe mode writes DIR/probe_decode.json and prints a table: launch variants of the Gluon kernel, its timing
 probes (parts left out), the Triton kernel (the config `choose_config` picks, forced) and cuBLAS fp16, on
 weights prepacked in each of `--layouts` (labels end in the layout when there are several; above M = 16 only
-the Triton kernel runs); with `--tags` the Gluon variants are exactly the named configs (`tag` names), each first
-checked against the float64 reference. Tune mode times, on weights in the first of `--layouts`, for each shape and
-M in `--m` (default TUNE_M), the Triton kernel (the config `choose_config` picks) and the Gluon kernel's candidates
-(`tune_candidates`: TUNE_CANDIDATES and the shared-x TUNE_XSHARED at the K splits `xshared_splits` picks), plain
-and as PDL chains, each twice in alternation (the lower median is kept, against drift), and writes the
-launch table that `w4a16_decode.tuned_config` reads: the Gluon config where it was at least TUNE_MARGIN
-faster, null where the Triton kernel won. The kernels are compiled first in `--workers` processes (Triton's
+the Triton kernel runs, but for wgmma configs named by `--tags`); with `--tags` the Gluon variants are exactly the
+named configs (`tag` names), each first checked against the float64 reference. Tune mode times, on weights in the
+first of `--layouts`, for each shape and M in `--m` (default TUNE_M), the Triton kernel (the config `choose_config`
+picks) and the Gluon kernel's candidates (`tune_candidates`: TUNE_CANDIDATES and the shared-x TUNE_XSHARED at the K
+splits `xshared_splits` picks; from M = 9 the wgmma lists too, above M = 16 those only), plain and as PDL chains,
+each twice in alternation (the lower median is kept, against drift), and writes the launch table that
+`w4a16_decode.tuned_config` reads: the Gluon config where it was at least TUNE_MARGIN faster, null where the Triton
+kernel won. The kernels are compiled first in `--workers` processes (Triton's
 cache is shared), so the timing pass finds them compiled. Timeline mode (`timelines`) runs each shared-x config of
 `--tags` once with the kernel's PROBE 5 and writes DIR/timeline.json: every program's SM, start and end time and
 split-K ticket, with a summary (the spread of the programs' ends, the SMs' idle share, the reducers' wait).
