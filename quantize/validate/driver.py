@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sysconfig
 import threading
 import time
 from pathlib import Path
@@ -20,6 +21,13 @@ from glmq.quantize.validate.report import CannotValidate, CheckResult, Report
 from glmq.quantize.validate.serving import check_serving
 from glmq.quantize.validate.source import SourceCheck
 from glmq.quantize.validate.structure import check_structure
+
+
+def _import_quietly() -> None:
+    """`_ct()` in the background thread. Its errors are left to the main thread's own `_ct()` after the read, which
+    reports them (an ImportError as CannotValidate); here they would only print a thread traceback."""
+    with contextlib.suppress(BaseException):
+        _ct()
 
 
 def validate(checkpoint: str | Path, source: str | Path | None = None, *, sample: float = DEFAULT_SAMPLE,
@@ -48,7 +56,10 @@ def validate(checkpoint: str | Path, source: str | Path | None = None, *, sample
     root = Path(checkpoint)
     ck = load_checkpoint(root)
     # compressed-tensors takes seconds to import (transformers); only the checks after the read need it
-    ct_import = threading.Thread(target=_ct, daemon=True)
+    # sysconfig fills its config vars lazily and not thread-safely (CPython 3.11): a thread that reads them while
+    # another fills them sees a KeyError ('userbase', seen in CI in this thread's imports); fill them here first
+    sysconfig.get_config_vars()
+    ct_import = threading.Thread(target=_import_quietly, daemon=True)
     ct_import.start()
     modules = modules_of(ck.entries())
     q = read_quant_config(ck.config, ck.config_error)
