@@ -1157,25 +1157,6 @@ XSHARED_WG_CFGS = [DK.DecodeConfig(16, 4, 3, split=4, wgmma=True), DK.DecodeConf
                    DK.DecodeConfig(16, 8, 1, split=3, ring=8, step=2, w_smem=True, wgmma=True, scaled_a=True)]
 
 
-@pytest.mark.gpu
-@gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="warpgroup MMA: sm_90 only")
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("cfg", XSHARED_WG_CFGS, ids=str)
-@pytest.mark.parametrize("m, n, k", [(1, 200, 1024), (3, 96, 1024), (9, 264, 3072), (16, 128, 1024),
-                                     (13, 4096, 6144), (16, 6144, 12288)])  # fmt: skip
-def test_xshared_wgmma_gpu(m, n, k, cfg, dtype):
-    # the shared-x kernel with warpgroup MMAs (A from registers, x from the ring by the tensor cores; PAIRS only)
-    if (k // 128) % cfg.split:
-        pytest.skip("the split must divide the chunks")
-    x, packed, y = _decode_case(m, n, k, dtype, cfg, scale_dtype=torch.float32 if n == 264 else torch.bfloat16,
-                                layout=D.Layout.PAIRS)
-    for pdl in (False, True):  # the same bits on every launch, plain or PDL
-        again = D.w4a16_matmul_packed(x, packed, out=poisoned(m, n, dtype), config=cfg, pdl=pdl)
-        assert torch.equal(again + 0, y + 0)
-
-
 XSHARED_WG_WIDE_CFGS = [DK.DecodeConfig(16, 4, 1, split=1, ring=4, w_smem=True, wgmma=True),
                         DK.DecodeConfig(16, 4, 1, split=2, ring=2, w_smem=True, wgmma=True),
                         DK.DecodeConfig(16, 8, 1, split=3, ring=4, w_smem=True, wgmma=True),
@@ -1185,6 +1166,14 @@ XSHARED_WG_WIDE_CFGS = [DK.DecodeConfig(16, 4, 1, split=1, ring=4, w_smem=True, 
                         DK.DecodeConfig(16, 4, 1, split=2, ring=8, step=2, w_smem=True, wgmma=True, scaled_a=True),
                         DK.DecodeConfig(16, 4, 2, split=4, ring=4, wgmma=True, scaled_a=True),
                         DK.DecodeConfig(16, 8, 2, split=3, ring=8, step=2, wgmma=True, scaled_a=True)]
+# M <= 16 (8 or 16 tokens a chunk) with the configs above; 16 < M <= 64 (32 or 64 tokens, one n32 / n64 warpgroup MMA
+# per k16 step) with these
+XSHARED_WG_CASES = [(mnk, cfg) for cfg in XSHARED_WG_CFGS
+                    for mnk in [(1, 200, 1024), (3, 96, 1024), (9, 264, 3072), (16, 128, 1024), (13, 4096, 6144),
+                                (16, 6144, 12288)]] + \
+                   [(mnk, cfg) for cfg in XSHARED_WG_WIDE_CFGS
+                    for mnk in [(17, 200, 1536), (32, 96, 1536), (33, 264, 3072), (47, 6144, 2048), (64, 4096, 6144),
+                                (64, 128, 768)]]  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -1192,17 +1181,19 @@ XSHARED_WG_WIDE_CFGS = [DK.DecodeConfig(16, 4, 1, split=1, ring=4, w_smem=True, 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="warpgroup MMA: sm_90 only")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("cfg", XSHARED_WG_WIDE_CFGS, ids=str)
-@pytest.mark.parametrize("m, n, k", [(17, 200, 1536), (32, 96, 1536), (33, 264, 3072), (47, 6144, 2048),
-                                     (64, 4096, 6144), (64, 128, 768)])  # fmt: skip
-def test_xshared_wgmma_wide_gpu(m, n, k, cfg, dtype):
-    # 16 < M <= 64: 32 or 64 tokens a chunk (one n32 / n64 warpgroup MMA per k16 step), token rows past M masked
+@pytest.mark.parametrize("mnk, cfg", XSHARED_WG_CASES, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple)
+                         else str(v))
+def test_xshared_wgmma_gpu(mnk, cfg, dtype):
+    # the shared-x kernel with warpgroup MMAs (A from registers, x from the ring by the tensor cores; PAIRS only),
+    # token rows past M masked
+    m, n, k = mnk
     if (k // 128) % cfg.split:
         pytest.skip("the split must divide the chunks")
     x, packed, y = _decode_case(m, n, k, dtype, cfg, scale_dtype=torch.float32 if n == 264 else torch.bfloat16,
                                 layout=D.Layout.PAIRS)
-    again = D.w4a16_matmul_packed(x, packed, out=poisoned(m, n, dtype), config=cfg, pdl=True)
-    assert torch.equal(again + 0, y + 0)
+    for pdl in (False, True):  # the same bits on every launch, plain or PDL
+        again = D.w4a16_matmul_packed(x, packed, out=poisoned(m, n, dtype), config=cfg, pdl=pdl)
+        assert torch.equal(again + 0, y + 0)
 
 
 @pytest.mark.gpu
