@@ -340,7 +340,8 @@ def main() -> None:
                          "them, instead of the VARIANTS / XSHARED tables; the correctness check runs them too; "
                          "TAG/P<n> times the config's timing probe n instead (kernels' PROBE: parts left out)")
     ap.add_argument("--compile-only", action="store_true",
-                    help="probe: only compile its kernels (in --workers processes; fills Triton's cache for a bench)")
+                    help="probe or --tune: only compile its kernels (in --workers processes; fills Triton's cache for a "
+                         "bench or a later --tune)")
     ap.add_argument("--merge", action="store_true",
                     help="--tune: keep the --write table's entries for the M values not tuned now")
     ap.add_argument("--layouts", nargs="+", default=["pairs"], choices=["pairs", "spans"],
@@ -572,6 +573,8 @@ def tune(shapes: dict, dev, a, out_dir: Path) -> None:
             for m in tune_m for c in tune_candidates(n, k, m, layout)
             for pdl, early in ((False, False), (True, False), (True, True)) if not (early and c.split)]
     compile_all(jobs, a.workers)
+    if a.compile_only:
+        return
     b = Bench(dev, a.budget_s, smoke=False)
     name = torch.cuda.get_device_name(dev)
     table = {"device": name, "measured": time.strftime("%Y-%m-%d", time.gmtime()),
