@@ -86,6 +86,34 @@ def test_share_is_a_deterministic_balanced_partition():
         dist.share(weights, 0)
 
 
+# One process as a 1-rank gloo job: after `shutdown` no reference to a process group may be left, though the
+# World stays (the CLI and the calibration engine keep theirs). A group still referenced after
+# destroy_process_group is torn down at interpreter exit, where gloo's threads abort the process (SIGABRT,
+# "terminate called without an active exception": the CI flake of the GPTQ resume test below).
+_SHUTDOWN = r"""
+import gc, os, socket, weakref
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+from glmq.quantize import dist
+world = dist.init("cpu")
+assert world.gather("x", "a step") == ["x"]
+refs = [weakref.ref(world.group), weakref.ref(world.cpu_group)]
+dist.shutdown()
+gc.collect()
+assert world.group is None and world.cpu_group is None, (world.group, world.cpu_group)
+assert [r() for r in refs] == [None, None], "a process group outlived shutdown"
+print("ok", world.rank, world.is_lead)
+"""
+
+
+def test_shutdown_leaves_no_process_group_alive():
+    r = subprocess.run([sys.executable, "-c", _SHUTDOWN], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0 and r.stdout.strip() == "ok 0 True", r.stderr[-3000:]
+
+
 def test_fragment_of_another_run_is_refused(tmp_path):
     Manifest({"a": 1}).save(tmp_path)
     Manifest({"a": 2}, {"x.safetensors": {}}).save(tmp_path, fragment_name(1))
