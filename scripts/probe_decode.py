@@ -339,6 +339,9 @@ def main() -> None:
                     help="probe: exactly these Gluon configs (`tag` names, e.g. R16W4D4S4G8B2), where the kernel takes "
                          "them, instead of the VARIANTS / XSHARED tables; the correctness check runs them too; "
                          "TAG/P<n> times the config's timing probe n instead (kernels' PROBE: parts left out)")
+    ap.add_argument("--no-check", action="store_true",
+                    help="probe: skip the correctness check on CHECK_SHAPES (each timed launch is still checked "
+                         "against the float64 reference at its own shape first)")
     ap.add_argument("--compile-only", action="store_true",
                     help="probe or --tune: only compile its kernels (in --workers processes; fills Triton's cache for a "
                          "bench or a later --tune)")
@@ -379,14 +382,15 @@ def main() -> None:
             jobs.append((n, k, m, cfg, False, probe, lay))
             if not probe and not a.plain:
                 jobs.append((n, k, m, cfg, True, probe, lay))
-    if not a.triton_only:
+    if not (a.triton_only or a.no_check):
         jobs += [(n, k, m, cfg, pdl, 0, lay, dt) for lay in a.layouts
                  for m, n, k, dt, cfg, pdl in check_cases(a.xshared_only, a.tags, lay)]
     compile_all(jobs, a.workers)
     if a.compile_only:
         return
 
-    rows = [] if a.triton_only else [r for lay in a.layouts for r in check(dev, lay, a.xshared_only, a.tags)]
+    rows = [] if a.triton_only or a.no_check else [r for lay in a.layouts
+                                                   for r in check(dev, lay, a.xshared_only, a.tags)]
 
     from bench_kernels import Bench, random_int4, packed_bytes, rel_err
     import torch.nn.functional as F
