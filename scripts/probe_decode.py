@@ -382,15 +382,15 @@ def main() -> None:
             jobs.append((n, k, m, cfg, False, probe, lay))
             if not probe and not a.plain:
                 jobs.append((n, k, m, cfg, True, probe, lay))
-    if not (a.triton_only or a.no_check):
+    checked = not (a.triton_only or a.no_check)  # the CHECK_SHAPES pass runs (and its kernels are compiled)
+    if checked:
         jobs += [(n, k, m, cfg, pdl, 0, lay, dt) for lay in a.layouts
                  for m, n, k, dt, cfg, pdl in check_cases(a.xshared_only, a.tags, lay)]
     compile_all(jobs, a.workers)
     if a.compile_only:
         return
 
-    rows = [] if a.triton_only or a.no_check else [r for lay in a.layouts
-                                                   for r in check(dev, lay, a.xshared_only, a.tags)]
+    rows = [r for lay in a.layouts for r in check(dev, lay, a.xshared_only, a.tags)] if checked else []
 
     from bench_kernels import Bench, random_int4, packed_bytes, rel_err
     import torch.nn.functional as F
