@@ -1067,6 +1067,79 @@ print(json.dumps(out))
         assert full["timers"] == 0 and timed["timers"] >= 4 and timed["STG"] >= full["STG"] + 6, (full, timed)
 
 
+def test_sass_digest_pieces():
+    # scripts/sass_digest.py: the instructions of a cuobjdump listing without their addresses and encodings; the
+    # table's Gluon entries (null = the Triton kernel won: left out); a comparison that names what changed
+    from glmq.scripts import sass_digest as SD
+
+    listing = """
+        code for sm_90
+        Function : _xshared_kernel
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                        /* 0x00000a00ff017b82 */
+                                                                                 /* 0x000fe40000000800 */
+        /*0010*/                   S2R R0, SR_TID.X ;                            /* 0x0000000000007919 */
+        .L_x_0:
+        /*0020*/                   EXIT ;                                        /* 0x000000000000794d */
+"""
+    ins = SD.sass_instructions(listing)
+    assert ins == ["LDC R1, c[0x0][0x28] ;                        /* 0x00000a00ff017b82 */",
+                   "S2R R0, SR_TID.X ;                            /* 0x0000000000007919 */",
+                   "EXIT ;                                        /* 0x000000000000794d */"]
+    # the same code at other addresses digests the same
+    assert SD.sass_instructions(listing.replace("/*0010*/", "/*0110*/")) == ins
+    cfg = {"rows": 16, "warps": 4, "depth": 3, "split": 4}
+    table = {"layout": "pairs", "decode": {"6144,12288,128": {"16": {"plain": cfg, "pdl": None},
+                                                              "4": {"plain": None, "pdl": cfg}}}}
+    got = SD.table_entries(table)
+    assert [(e["key"], e["m"], e["pdl"], e["spans"]) for e in got] == [("6144,12288|4|pdl", 4, True, False),
+                                                                        ("6144,12288|16|plain", 16, False, False)]
+    old = {"entries": {"a|1|plain": {"tag": "T", "registers": 124, "sass_sha1": "x"},
+                       "b|1|plain": {"tag": "U", "registers": 90, "sass_sha1": "y"}}}
+    new = {"entries": {"a|1|plain": {"tag": "T", "registers": 128, "sass_sha1": "z"},
+                       "b|1|plain": {"tag": "U", "registers": 90, "sass_sha1": "y"},
+                       "c|2|pdl": {"tag": "V", "registers": 80, "sass_sha1": "w"}}}
+    diff = SD.compare(old, new)
+    assert diff == ["a|1|plain (T): SASS differs (registers 124 -> 128)", "c|2|pdl: only in the new digest"], diff
+    assert SD.compare(new, new) == []
+
+
+def test_sass_digest_end_to_end(tmp_path):
+    # the script on a one-entry table: digest, the same again (exit 0), then against a digest whose SASS hash differs
+    # (exit 1, the entry named); a digest made under other settings is refused (exit 2). Compiles for sm_90 without a
+    # GPU, so it skips where this Triton cannot compile Gluon.
+    import os
+    import subprocess
+    import sys
+
+    table = {"device": "x", "layout": "pairs",
+             "decode": {"4096,2048,128": {"1": {"plain": {"rows": 16, "warps": 4, "depth": 2}, "pdl": None}}}}
+    (tmp_path / "t.json").write_text(json.dumps(table))
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_DISABLE_LINE_INFO")}
+
+    def run(*extra):
+        cmd = [sys.executable, "-m", "glmq.scripts.sass_digest", "--table", str(tmp_path / "t.json"), "--workers", "1",
+               *extra]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+    first = run("--out", str(tmp_path / "a.json"))
+    if first.returncode == 2 and ("RuntimeError: this Triton" in first.stdout or "no cuobjdump" in first.stdout):
+        pytest.skip(f"this Triton cannot compile Gluon for sm_90 here: {first.stdout[-500:]}")
+    assert first.returncode == 0, first.stdout + first.stderr
+    a = json.loads((tmp_path / "a.json").read_text())
+    entry = a["entries"]["4096,2048|1|plain"]
+    assert entry["tag"] == "R16W4D2" and entry["registers"] > 0 and entry["instructions"] > 100, entry
+    same = run("--out", str(tmp_path / "b.json"), "--against", str(tmp_path / "a.json"))
+    assert same.returncode == 0 and "0 of 1 entries differ" in same.stdout, same.stdout + same.stderr
+    entry["sass_sha1"] = "0" * 40
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    changed = run("--out", str(tmp_path / "b.json"), "--against", str(tmp_path / "a.json"))
+    assert changed.returncode == 1 and "4096,2048|1|plain (R16W4D2): SASS differs" in changed.stdout, changed.stdout
+    a["settings"]["line_info"] = not a["settings"]["line_info"]
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    refused = run("--out", str(tmp_path / "b.json"), "--against", str(tmp_path / "a.json"))
+    assert refused.returncode == 2 and "not comparable" in refused.stderr, refused.stdout + refused.stderr
+
+
 def test_probe_decode_probe_tags():
     # TAG/P<n> names a config's timing probe; the correctness check runs the config itself, once
     from glmq.scripts import probe_decode as P

@@ -1,0 +1,151 @@
+"""Compile every Gluon config of the decode launch table for sm_90 and digest its SASS, without a GPU.
+
+    python scripts/sass_digest.py --out before.json [--table kernels/tuned_decode.json] [--workers 2]
+    # ... edit kernels/w4a16_decode.py ...
+    python scripts/sass_digest.py --out after.json --against before.json   # exit 1 where any SASS changed
+
+What it is for: a change to `kernels/w4a16_decode.py` that leaves every launch-table kernel's SASS byte for byte as
+it was cannot change their speed, so it needs no H200 run; one that changes any of them has to be timed
+(kernels/NOTES.md session 24: a refactor that left the PTX instructions identical still changed ptxas's output for 9
+of 64 configs, through the line tables alone, and one of those launches ran 15 % slower). The digest is of the SASS
+instructions with their addresses taken out; registers and spills come from cuobjdump. The environment decides
+what Triton compiles (e.g. TRITON_DISABLE_LINE_INFO=1); the file records Triton's version and that setting, and
+`--against` refuses to compare files made under different ones unless `--across-settings` is given.
+
+Each entry is keyed `N,K|M|plain` or `N,K|M|pdl` as the table holds it and compiled as `w4a16_matmul_packed`
+launches it (M as the kernel's token tile sees it, bf16 activations, the table's weight layout). Compiling takes
+5-10 s a config on one core (the table holds ~70); `--workers` processes share Triton's cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import re
+import sys
+from pathlib import Path
+
+_ADDRESS = re.compile(r"/\*[0-9a-f]+\*/")
+
+
+def sass_instructions(sass: str) -> list[str]:
+    """The instruction lines of a cuobjdump SASS listing, addresses and encodings taken out (the `/*0000*/` offset
+    before each instruction; the encoding lines hold only a comment)."""
+    out = []
+    for line in sass.splitlines():
+        text = line.strip()
+        if not text.startswith("/*"):
+            continue  # headers, labels, function names
+        body = _ADDRESS.sub("", text, count=1).strip()
+        if body and not body.startswith("/*"):  # an encoding line holds only `/* 0x... */`
+            out.append(body)
+    return out
+
+
+def table_entries(table: dict) -> list[dict]:
+    """The Gluon configs of a launch table (`kernels/tuned_decode.json`), one per (shape, M, plain | pdl); entries where
+    the Triton kernel won (null) are left out."""
+    spans = table.get("layout", "pairs") == "spans"
+    out = []
+    for shape, rows in sorted(table.get("decode", {}).items()):
+        n, k, _group = (int(v) for v in shape.split(","))
+        for m, ent in sorted(rows.items(), key=lambda kv: int(kv[0])):
+            for mode in ("plain", "pdl"):
+                cfg = ent.get(mode)
+                if cfg:
+                    out.append({"key": f"{n},{k}|{m}|{mode}", "n": n, "k": k, "m": int(m), "pdl": mode == "pdl",
+                                "spans": spans, "config": cfg})
+    return out
+
+
+def compile_entry(entry: dict) -> dict:
+    """Compile one table entry for sm_90 (as `decode_matmul` would launch it) and digest it."""
+    from glmq.kernels import w4a16_decode as DK
+    from glmq.scripts.probe_decode import tag
+
+    cfg = DK.DecodeConfig(**entry["config"])
+    m, chunks = entry["m"], entry["k"] // DK.MMA_CHUNK
+    if cfg.split:  # the shared-x kernel: its token tile follows from M (`xshared_tokens`)
+        tok, xb = m, False
+    else:  # `_decode_kernel`: an 8- or 16-token tile, x broadcast at M = 1
+        tok, xb = (8 if m <= 8 else 16), m == 1
+    try:
+        r = DK.compile_sm90(cfg, chunks, tok, True, xb, entry["pdl"], entry["spans"])
+    except Exception as exc:  # noqa: BLE001 - reported per entry; the others still compile
+        return {"tag": tag(cfg), "error": f"{type(exc).__name__}: {exc}"[:500]}
+    ins = sass_instructions(r["sass"])
+    return {"tag": tag(cfg), "registers": r["registers"], "spills": r["spills"], "instructions": len(ins),
+            "sass_sha1": hashlib.sha1("\n".join(ins).encode()).hexdigest()}
+
+
+def settings() -> dict:
+    import triton
+
+    return {"triton": triton.__version__, "line_info": os.environ.get("TRITON_DISABLE_LINE_INFO", "0") in ("", "0")}
+
+
+def compare(old: dict, new: dict) -> list[str]:
+    """Lines naming each entry whose SASS (or registers, spills) differ, or that only one file holds."""
+    lines = []
+    a, b = old["entries"], new["entries"]
+    for key in sorted(set(a) | set(b)):
+        x, y = a.get(key), b.get(key)
+        if x is None or y is None:
+            lines.append(f"{key}: only in {'the new' if x is None else 'the old'} digest")
+        elif x != y:
+            what = ", ".join(f"{f} {x.get(f)} -> {y.get(f)}" for f in ("tag", "registers", "spills", "instructions",
+                                                                      "error") if x.get(f) != y.get(f))
+            lines.append(f"{key} ({y.get('tag')}): SASS differs" + (f" ({what})" if what else ""))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="write the digest here (JSON)")
+    ap.add_argument("--table", type=Path, default=Path(__file__).resolve().parents[1] / "kernels" / "tuned_decode.json")
+    ap.add_argument("--against", type=Path, help="an earlier digest: list what differs, exit 1 if anything does")
+    ap.add_argument("--across-settings", action="store_true",
+                    help="compare with a digest made under another Triton or line-info setting (an experiment)")
+    ap.add_argument("--only", help="substring of the entry keys (`N,K|M|plain`) to compile")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args(argv)
+
+    entries = [e for e in table_entries(json.loads(args.table.read_text())) if not args.only or args.only in e["key"]]
+    if not entries:
+        print(f"no Gluon entries in {args.table}" + (f" matching {args.only!r}" if args.only else ""), file=sys.stderr)
+        return 2
+    old = json.loads(args.against.read_text()) if args.against else None
+    if old is not None and old.get("settings") != settings() and not args.across_settings:
+        print(f"{args.against} was made under {old.get('settings')}, this run is {settings()}: not comparable",
+              file=sys.stderr)
+        return 2
+    if args.workers > 1:
+        with mp.get_context("spawn").Pool(min(args.workers, len(entries))) as pool:
+            results = pool.map(compile_entry, entries, chunksize=1)
+    else:
+        results = [compile_entry(e) for e in entries]
+    digest = {"settings": settings(), "table": str(args.table),
+              "entries": {e["key"]: r for e, r in zip(entries, results)}}
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    tmp.write_text(json.dumps(digest, indent=1) + "\n")
+    tmp.replace(args.out)
+    errors = [f"{k}: {r['error']}" for k, r in digest["entries"].items() if "error" in r]
+    print(f"{len(entries)} entries compiled, {len(errors)} failed; digest in {args.out}")
+    for line in errors:
+        print("  " + line)
+    if len(errors) == len(entries):
+        return 2  # nothing compiled (e.g. a Triton without Gluon): no digest to compare
+    if old is None:
+        return 0
+    diff = compare(old, digest)
+    print(f"against {args.against}: {len(diff)} of {len(digest['entries'])} entries differ")
+    for line in diff:
+        print("  " + line)
+    return 1 if diff else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
