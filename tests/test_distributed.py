@@ -201,15 +201,11 @@ main()
 @pytest.fixture(scope="module")
 def gptq_reference(make_ckpt, tmp_path_factory):
     """A GLM-5-layout checkpoint with a tokenizer and text, and the single-process GPTQ run (1 thread)."""
-    from test_gptq_engine import write_tokenizer  # tests/ is on sys.path
+    from test_gptq_engine import calibration_source  # tests/ is on sys.path
 
     tmp = tmp_path_factory.mktemp("dist-gptq")
-    src = tmp / "src"
-    shutil.copytree(make_ckpt("glm_moe_dsa", "fp8-block"), src)
-    write_tokenizer(src)
-    text = tmp / "calib.txt"
-    text.write_text(" ".join(["expert", "router", "token", "layer", "group", "scale", "the", "of"][(i * 7) % 8]
-                             for i in range(1500)))
+    words = ["expert", "router", "token", "layer", "group", "scale", "the", "of"]
+    src, text = calibration_source(make_ckpt, tmp, " ".join(words[(i * 7) % 8] for i in range(1500)))
     ref = tmp / "ref"
     # each of the 2 ranks runs cores // 2 threads (dist._share_cpu_cores): the reference too, so that
     # every float sum of the calibration forward is computed the same way

@@ -262,17 +262,22 @@ def write_tokenizer(folder: Path) -> None:
     fixtures.write_byte_tokenizer(folder)
 
 
+def calibration_source(make_ckpt, tmp: Path, text: str) -> tuple[Path, Path]:
+    """A GLM-5-layout FP8 checkpoint with a byte tokenizer in tmp/src, and `text` in tmp/calib.txt."""
+    src = tmp / "src"
+    shutil.copytree(make_ckpt("glm_moe_dsa", "fp8-block"), src)
+    write_tokenizer(src)
+    (tmp / "calib.txt").write_text(text)
+    return src, tmp / "calib.txt"
+
+
 @pytest.fixture(scope="module")
 def cli_src(make_ckpt, tmp_path_factory):
     """A GLM-5 layout checkpoint with a tokenizer, a calibration text, and the uninterrupted CLI run."""
     tmp = tmp_path_factory.mktemp("gptq-cli")
-    src = tmp / "src"
-    shutil.copytree(make_ckpt("glm_moe_dsa", "fp8-block"), src)
-    write_tokenizer(src)
     rng = random.Random(0)
     words = ["expert", "router", "token", "layer", "quantize", "group", "scale", "the", "of", "and"]
-    text = tmp / "calib.txt"
-    text.write_text(" ".join(rng.choice(words) for _ in range(2000)))
+    src, text = calibration_source(make_ckpt, tmp, " ".join(rng.choice(words) for _ in range(2000)))
     ref = tmp / "ref"
     r = _cli("none", 0, src, ref, text)
     assert r.returncode == 0, r.stderr[-3000:]

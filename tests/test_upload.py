@@ -21,11 +21,10 @@ from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.errors import HfHubHTTPError
 
 from glmq.formats import model_card as mc
-from glmq.formats.safetensors_io import read_header
 from glmq.quantize import stream
 from glmq.scripts import upload
 from glmq.scripts.cli import main
-from test_validate import EXPERT, InProcessConfigJob, convert, shard_of
+from test_validate import EXPERT, InProcessConfigJob, convert, flip_packed_byte
 
 REPO = "glmq-test/GLM-5-tiny-W4A16"
 EVAL = {"text": "/data/prose.txt", "seq_len": 256, "windows": 96, "models": [
@@ -72,17 +71,6 @@ def hub(monkeypatch):
 
 def run(*args: str):
     return CliRunner().invoke(main, ["upload", *args], catch_exceptions=False)
-
-
-def corrupt_one_byte(root: Path) -> str:
-    """Flip one bit of a packed expert weight (as test_validate does); returns the shard's name."""
-    name = f"{EXPERT}.weight_packed"
-    shard = shard_of(root, name)
-    entries, _, start = read_header(root / shard)
-    data = bytearray((root / shard).read_bytes())
-    data[start + entries[name].begin + 100] ^= 0x10
-    (root / shard).write_bytes(bytes(data))
-    return shard
 
 
 def yaml_block(text: str) -> dict:
@@ -155,7 +143,7 @@ def test_base_model_inferred_or_said_unknown(written):
 
 # ----------------------------------------------------------------------------------------- the gate
 def test_gate_refuses_a_corrupt_checkpoint_without_calling_the_hub(ckpt, hub):
-    shard = corrupt_one_byte(ckpt)
+    shard = flip_packed_byte(ckpt)
     r = run(str(ckpt), "--repo-id", REPO, "--tp", "1")
     assert r.exit_code == 1, r.output
     assert "did not pass glmq validate (failed checks: integrity" in r.output and "--allow-invalid" in r.output
@@ -170,7 +158,7 @@ def test_gate_checks_serving_at_the_tp_of_the_serve_commands(ckpt, hub):
 
 
 def test_allow_invalid_uploads_with_the_warning_in_the_card(ckpt, hub):
-    corrupt_one_byte(ckpt)
+    flip_packed_byte(ckpt)
     r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--allow-invalid")
     assert r.exit_code == 0, r.output
     assert "WARNING: uploading" in r.output and "did not pass glmq validate" in r.output

@@ -43,6 +43,16 @@ def shard_of(root: Path, name: str) -> str:
     return index(root)["weight_map"][name]
 
 
+def flip_packed_byte(root: Path, name: str = f"{EXPERT}.weight_packed") -> str:
+    """Flip one bit of a packed weight in place, 100 bytes into its data (the header stays valid); returns its shard."""
+    shard = shard_of(root, name)
+    entries, _, start = read_header(root / shard)
+    data = bytearray((root / shard).read_bytes())
+    data[start + entries[name].begin + 100] ^= 0x10
+    (root / shard).write_bytes(bytes(data))
+    return shard
+
+
 def rewrite_shard(root: Path, shard: str, edit) -> None:
     """Load a shard, let `edit(dict)` change it, save it back (and fix the index, total_size included)."""
     with safe_open(str(root / shard), "pt") as f:
@@ -188,11 +198,7 @@ def test_gptq_checkpoint_reports_error_per_layer_instead_of_a_bound(damaged, mak
 # ----------------------------------------------------------------------------------------- failures
 def test_flipped_byte_fails_integrity_naming_tensor_and_shard(damaged):
     name = f"{EXPERT}.weight_packed"
-    shard = shard_of(damaged, name)
-    entries, _, start = read_header(damaged / shard)
-    data = bytearray((damaged / shard).read_bytes())
-    data[start + entries[name].begin + 100] ^= 0x10
-    (damaged / shard).write_bytes(bytes(data))
+    shard = flip_packed_byte(damaged, name)
     rep = v.validate(damaged)
     assert failed_checks(rep) == {"integrity"}
     (msg,) = failures(rep, "integrity")
