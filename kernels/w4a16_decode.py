@@ -733,15 +733,9 @@ if _GLUON:
         the words xor-ed instead of dequantized and multiplied; with WG the mma.sync loop's structure); 3 = no
         dequantization (the words' raw halves into the MMA); 4 = x copied only into the ring's first slots (no L2
         reads of x after the start: what x's traffic costs); 5 = the GEMM as it is, and each program's timeline
-        (`_timeline`) stored after out's M rows (`probe_timeline`; out must have that room); 6 / 7 = the programs
-        launched third on an H200 SM (launch order >= 264) skip the words of their last 4 / 6 chunks (what a shorter
-        last rank would gain at most, words in registers only); 8 = the first 120 launched skip their last 4 (the
-        same bytes, on the oldest programs)."""
+        (`_timeline`) stored after out's M rows (`probe_timeline`; out must have that room)."""
         pid = gl.program_id(0)
         c0 = gl.program_id(1) * CPP
-        if PROBE >= 6:  # the programs whose last chunks' words are not read (1 = drop): launched third on an H200 SM
-            lin = pid + gl.program_id(1) * gl.num_programs(0)  # launch order (x fastest)
-            dropper = (lin < 120).to(gl.int32) if PROBE == 8 else (lin >= 2 * 132).to(gl.int32)
         if PROBE == 5:
             t_start = _timer("mov.u64 $0, %globaltimer;")
             c_start = _timer("mov.u64 $0, %clock64;")
@@ -798,11 +792,7 @@ if _GLUON:
         for i in gl.static_range(CPP):  # unrolled: chunk i + D is requested before chunk i is computed
             wn = w0
             if i + D < CPP and not WS:
-                if PROBE >= 6 and i + D >= CPP - (6 if PROBE == 7 else 4):
-                    wn = gl.load(wp + (i + D) * stride_wc, mask=gl.full([W, R, 16], 0, gl.int32, layout=w_l) == dropper,
-                                 other=0, eviction_policy="evict_first")
-                else:
-                    wn = _load_w(wp + (i + D) * stride_wc)
+                wn = _load_w(wp + (i + D) * stride_wc)
             sg0, sg1 = _advance_scales(sg0, sg1, sp, i, CPP)
             if WG and SA and PROBE != 2:
                 if i % STEP == 0:  # this thread's copies of chunks i .. i + STEP - 1 have landed
