@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -110,7 +111,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 MAX_M = 16  # token rows this kernel takes (two n8 MMA tiles)
 MAX_M_WGMMA = 64  # with `DecodeConfig.wgmma` the shared-x kernel takes up to this many (wgmma.m64n64k16)
 X_SMEM_MAX_BYTES = 96 << 10  # x_smem's staged copy of x per program (an sm_90 SM has 227 KB); larger is refused
-TIMELINE_WORDS = 8  # int64 per program that the shared-x kernel's PROBE 5 stores after out's rows (six used)
+TIMELINE_WORDS = 8  # int64 per program that the shared-x kernel's PROBE 5 stores after out's rows
 HEURISTIC_MAX_WEIGHTS = 80 << 20  # N * K up to which `direct_heuristic` takes `_decode_kernel` at M = 1
 HEURISTIC_PROGRAMS_PER_SM = 3  # `xshared_split`: the shared-x kernel's launch size aimed at (programs per SM)
 HEURISTIC_DIRECT_MAX_K = 2048  # `heuristic_config` at M = 1: `_decode_kernel` up to this K, the shared-x one above
@@ -687,9 +688,22 @@ if _GLUON:
         return gl.inline_asm_elementwise(asm, "=l", [], dtype=gl.int64, is_pure=False, pack=1)
 
     @gluon.jit
-    def _timeline(out_ptr, off, pid, t_start, c_start, ticket):
+    def _ld_acquire(p):
+        """The int32 at `p`, loaded with acquire semantics at GPU scope (later loads see what was released before)."""
+        return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [p], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+
+    @gluon.jit
+    def _timer_after(v):
+        """%globaltimer read once the scalar `v` is available (an input of the read, so the read waits for it)."""
+        return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [v], dtype=gl.int64,
+                                         is_pure=False, pack=1)
+
+    @gluon.jit
+    def _timeline(out_ptr, off, pid, t_start, c_start, ticket, t_loop, t_ticket):
         """PROBE 5: program (pid, k)'s [SM id, %globaltimer at start and end (ns), %clock64 at start and end, its
-        ticket (-1 without a K split), 0, 0] as int64 at out_ptr's element `off` onwards (`probe_timeline`)."""
+        ticket (-1 without a K split), %globaltimer after its last chunk's MMAs and once its ticket was back (= the
+        previous without a K split)] as int64 at out_ptr's element `off` onwards (`probe_timeline`)."""
         t_end = _timer("mov.u64 $0, %globaltimer;")
         c_end = _timer("mov.u64 $0, %clock64;")
         sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
@@ -701,13 +715,15 @@ if _GLUON:
         gl.store(base + 3, c_start)
         gl.store(base + 4, c_end)
         gl.store(base + 5, ticket.to(gl.int64))
+        gl.store(base + 6, t_loop)
+        gl.store(base + 7, t_ticket)
 
     @gluon.jit
     def _xshared_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, stride_wc, stride_sn,
                         stride_om, CPP: gl.constexpr, W: gl.constexpr, R: gl.constexpr, TOK: gl.constexpr,
                         D: gl.constexpr, XR: gl.constexpr, STEP: gl.constexpr, WS: gl.constexpr, WG: gl.constexpr,
                         SA: gl.constexpr, BF16: gl.constexpr, SP: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr,
-                        PROBE: gl.constexpr = 0):
+                        PROBE: gl.constexpr = 0, WAIT: gl.constexpr = False):
         """grid = (cdiv(N, W R), split). Program (p, k): rows [W R p, W R (p + 1)), chunks [CPP k, CPP (k + 1));
         warp w: its R of those rows over all the program's chunks, so the W warps share one copy of x: each chunk's x
         goes global -> shared memory by cp.async into a ring of XR slots (XR - STEP chunks ahead, one barrier per
@@ -902,6 +918,8 @@ if _GLUON:
         if PROBE == 2:  # the scales of the last chunk, so that their loads are not dropped
             acc_s = gl.convert_layout(gl.sum(acc_w, axis=2).to(gl.float32), s_l) + _pick(sg0, (CPP - 1) % G, s_like)
             acc = acc + gl.expand_dims(acc_s, 2)
+        if PROBE == 5:  # the main loop's end (its last MMAs retired above)
+            t_loop = _timer("mov.u64 $0, %globaltimer;")
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
@@ -912,26 +930,52 @@ if _GLUON:
         tok = gl.expand_dims(gl.expand_dims(to, 0), 1)
         o_mask = (row < N) & (tok < M)
         o_ptr = out_ptr + row + tok * stride_om
-        if SPLIT:
+        if SPLIT > 1:
             mn = M * N
             part = ws_ptr + row + tok * N
-            gl.store(part + gl.program_id(1).to(gl.int64) * mn, acc, mask=o_mask)
-            if PROBE == 1:
-                return
-            _barrier()  # every thread's partial precedes the one-thread release below (as `_write_tile`)
-            ticket = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-            if ticket == gl.num_programs(1) - 1:  # the last split of this row block: sum in split order
-                total = gl.load(part, mask=o_mask, other=0.0, cache_modifier=".cg")
-                for s in range(1, gl.num_programs(1)):
-                    total += gl.load(part + s * mn, mask=o_mask, other=0.0, cache_modifier=".cg")
-                gl.store(o_ptr, total.to(out_ptr.dtype.element_ty), mask=o_mask)
-                gl.store(cnt_ptr + pid, 0)  # re-arm for the next launch
+            if WAIT and PROBE != 1:
+                if gl.program_id(1) == gl.num_programs(1) - 1:
+                    # the row block's last split, launched after the others: it waits until they have published
+                    # their partials, then sums them and its own in split order, never storing its own
+                    ticket = _ld_acquire(cnt_ptr + pid)
+                    while ticket < gl.num_programs(1) - 1:
+                        gl.inline_asm_elementwise("nanosleep.u32 100; // $0", "=r", [], dtype=gl.int32,
+                                                  is_pure=False, pack=1)
+                        ticket = _ld_acquire(cnt_ptr + pid)
+                    if PROBE == 5:
+                        t_ticket = _timer_after(ticket)
+                    total = gl.load(part, mask=o_mask, other=0.0, cache_modifier=".cg")
+                    for s in gl.static_range(1, SPLIT - 1):
+                        total += gl.load(part + s * mn, mask=o_mask, other=0.0, cache_modifier=".cg")
+                    total += acc
+                    gl.store(o_ptr, total.to(out_ptr.dtype.element_ty), mask=o_mask)
+                    gl.store(cnt_ptr + pid, 0)  # re-arm for the next launch
+                else:
+                    gl.store(part + gl.program_id(1).to(gl.int64) * mn, acc, mask=o_mask)
+                    _barrier()  # every thread's partial precedes the one-thread release below
+                    ticket = gl.atomic_add(cnt_ptr + pid, 1, sem="release")
+                    if PROBE == 5:
+                        t_ticket = _timer_after(ticket)
+            else:
+                gl.store(part + gl.program_id(1).to(gl.int64) * mn, acc, mask=o_mask)
+                if PROBE == 1:
+                    return
+                _barrier()  # every thread's partial precedes the one-thread release below (as `_write_tile`)
+                ticket = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+                if PROBE == 5:
+                    t_ticket = _timer_after(ticket)
+                if ticket == gl.num_programs(1) - 1:  # the last split of this row block: sum in split order
+                    total = gl.load(part, mask=o_mask, other=0.0, cache_modifier=".cg")
+                    for s in range(1, gl.num_programs(1)):
+                        total += gl.load(part + s * mn, mask=o_mask, other=0.0, cache_modifier=".cg")
+                    gl.store(o_ptr, total.to(out_ptr.dtype.element_ty), mask=o_mask)
+                    gl.store(cnt_ptr + pid, 0)  # re-arm for the next launch
             if PROBE == 5:
-                _timeline(out_ptr, M * stride_om, pid, t_start, c_start, ticket)
+                _timeline(out_ptr, M * stride_om, pid, t_start, c_start, ticket, t_loop, t_ticket)
         else:
             gl.store(o_ptr, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
             if PROBE == 5:
-                _timeline(out_ptr, M * stride_om, pid, t_start, c_start, pid * 0 - 1)
+                _timeline(out_ptr, M * stride_om, pid, t_start, c_start, pid * 0 - 1, t_loop, t_loop)
 
 
 def available(device: torch.device) -> bool:
@@ -1108,12 +1152,16 @@ def xshared_tokens(m: int) -> int:
     return 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
 
 
+# experiment (session 25): the split-K fix-up by a waiting last split instead of the ticket
+WAIT_FIXUP = os.environ.get("GLMQ_WAIT_FIXUP") == "1"
+
+
 def _xshared_args(m: int, chunks: int, cfg: DecodeConfig, bf16: bool, spans: bool, pdl: bool, probe: int = 0) -> dict:
     cpp = chunks // cfg.split
     return dict(CPP=cpp, W=cfg.warps, R=cfg.rows, TOK=xshared_tokens(m), D=min(cfg.depth, cpp), XR=cfg.ring,
-                STEP=cfg.step, WS=cfg.w_smem, WG=cfg.wgmma, SA=cfg.scaled_a, BF16=bf16, SP=spans, SPLIT=cfg.split > 1,
+                STEP=cfg.step, WS=cfg.w_smem, WG=cfg.wgmma, SA=cfg.scaled_a, BF16=bf16, SP=spans, SPLIT=cfg.split,
                 PDL=pdl,
-                PROBE=probe)
+                PROBE=probe, WAIT=WAIT_FIXUP)
 
 
 def _launch_xshared(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeConfig, pdl: bool, stride_wc: int,

@@ -19,8 +19,9 @@ each twice in alternation (the lower median is kept, against drift), and writes 
 `w4a16_decode.tuned_config` reads: the Gluon config where it was at least TUNE_MARGIN faster, null where the Triton
 kernel won. The kernels are compiled first in `--workers` processes (Triton's
 cache is shared), so the timing pass finds them compiled. Timeline mode (`timelines`) runs each shared-x config of
-`--tags` once with the kernel's PROBE 5 and writes DIR/timeline.json: every program's SM, start and end time and
-split-K ticket, with a summary (the spread of the programs' ends, the SMs' idle share, the reducers' wait).
+`--tags` once with the kernel's PROBE 5 and writes DIR/timeline.json: every program's SM, start and end time,
+split-K ticket and the times of its main loop's end and of its ticket, with a summary (the spread of the programs'
+ends, the SMs' idle share, where the split-K fix-up's time goes: `fixup_summary`).
 """
 
 from __future__ import annotations
@@ -487,9 +488,10 @@ def main() -> None:
 
 
 def probe_timeline(x: torch.Tensor, w, cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch of the shared-x config `cfg` with the kernel's PROBE 5 -> (int64 [split, blocks, 6] rows of (SM id,
-    %globaltimer at the program's start and end in ns, %clock64 at start and end, its split-K ticket or -1), the
-    output [M, N]), which the caller checks like any launch's (PROBE 5 computes the GEMM unchanged)."""
+    """One launch of the shared-x config `cfg` with the kernel's PROBE 5 -> (int64 [split, blocks, 8] rows of (SM id,
+    %globaltimer at the program's start and end in ns, %clock64 at start and end, its split-K ticket or -1,
+    %globaltimer at its main loop's end and once its ticket was back), the output [M, N]), which the caller checks
+    like any launch's (PROBE 5 computes the GEMM unchanged)."""
     from glmq.kernels import w4a16_decode as DK
 
     m, n = x.shape[0], w.n
@@ -499,7 +501,36 @@ def probe_timeline(x: torch.Tensor, w, cfg) -> tuple[torch.Tensor, torch.Tensor]
     out = full[: m * n].view(m, n)
     DK.decode_matmul(x, w, out, cfg, probe=5)
     torch.cuda.synchronize()
-    return full[m * n:].view(torch.int64).view(cfg.split, blocks, DK.TIMELINE_WORDS)[..., :6].cpu(), out
+    return full[m * n:].view(torch.int64).view(cfg.split, blocks, DK.TIMELINE_WORDS).cpu(), out
+
+
+def fixup_summary(blocks: list, t0: int) -> dict:
+    """Where a split-K launch's fix-up goes, from PROBE 5 rows (`probe_timeline`) grouped by row block ([split, 8]
+    rows each; t0: the launch's first start). A row block's reducer is its last ticket. Per program, from its main
+    loop's end: `store_ticket` = its partial's stores, the release fence and the ticket's round trip; `sum` (reducers)
+    = the other partials' loads, the adds and out's store; `exit` (the others) = the ticket's broadcast and the
+    exit. `reducer_tail`: a reducer's end after its block's other programs' ends. The launch's critical path: the
+    program that ends last, its main loop's end and its ticket, all from t0; `loops_done` = the latest main-loop
+    end of the launch, so `span - loops_done` is the time the launch runs after the last MMAs."""
+    import statistics
+
+    def p50(v):
+        return statistics.median(v) if v else None
+
+    store_ticket, sums, exits, tails = [], [], [], []
+    for blk in blocks:
+        last = max(blk, key=lambda r: r[5])
+        tails.append(last[2] - max(r[2] for r in blk if r is not last))
+        for r in blk:
+            store_ticket.append(r[7] - r[6])
+            (sums if r is last else exits).append(r[2] - r[7])
+    rows = [r for blk in blocks for r in blk]
+    crit = max(rows, key=lambda r: r[2])
+    return dict(reducer_tail_ns_p50=p50(tails), reducer_tail_ns_max=max(tails), store_ticket_ns_p50=p50(store_ticket),
+                store_ticket_ns_max=max(store_ticket), reducer_sum_ns_p50=p50(sums), reducer_sum_ns_max=max(sums),
+                exit_ns_p50=p50(exits), loops_done_ns=max(r[6] for r in rows) - t0,
+                critical=dict(loop_end_ns=crit[6] - t0, ticket_ns=crit[7] - t0, end_ns=crit[2] - t0,
+                              ticket=crit[5]))
 
 
 def timelines(shapes: dict, dev, a, out_dir: Path) -> None:
@@ -533,7 +564,7 @@ def timelines(shapes: dict, dev, a, out_dir: Path) -> None:
                 err = rel_err(out, ref)
                 if not err < 3e-2:
                     raise SystemExit(f"{shape} M={m} {t}: wrong, rel err {err}")
-                tl = tl3.reshape(-1, 6).tolist()
+                tl = tl3.reshape(-1, DK.TIMELINE_WORDS).tolist()
                 t0 = min(r[1] for r in tl)
                 starts = sorted(r[1] - t0 for r in tl)
                 ends = sorted(r[2] - t0 for r in tl)
@@ -554,13 +585,8 @@ def timelines(shapes: dict, dev, a, out_dir: Path) -> None:
                 summary["end_by_rank_p50_ns"] = [statistics.median(v) for _, v in sorted(ranks.items())]
                 distinct = sorted(set(r[1] for r in tl) | set(r[2] for r in tl))
                 summary["timer_step_ns"] = min((b_ - a_ for a_, b_ in zip(distinct, distinct[1:])), default=None)
-                if cfg.split > 1:  # each row block's reducer (the last ticket): its end after the block's other programs'
-                    tails = []
-                    for blk in tl3.transpose(0, 1).tolist():  # [split, 6] rows of one row block
-                        last = max(blk, key=lambda r: r[5])
-                        tails.append(last[2] - max(r[2] for r in blk if r is not last))
-                    summary["reducer_tail_ns_p50"] = statistics.median(tails)
-                    summary["reducer_tail_ns_max"] = max(tails)
+                if cfg.split > 1:
+                    summary.update(fixup_summary(tl3.transpose(0, 1).tolist(), t0))
                 print(json.dumps(summary))
                 res.append(dict(summary, rows=tl))
     (out_dir / "timeline.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(dev), results=res)))

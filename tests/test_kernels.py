@@ -1067,6 +1067,22 @@ print(json.dumps(out))
         assert full["timers"] == 0 and timed["timers"] >= 4 and timed["STG"] >= full["STG"] + 6, (full, timed)
 
 
+def test_probe_decode_fixup_summary():
+    # the timeline's split-K summary (scripts/probe_decode.py --timeline) on made-up PROBE 5 rows: two row blocks of
+    # two programs; rows are [SM, start, end, clock start, clock end, ticket, main loop's end, ticket back] in ns
+    from glmq.scripts.probe_decode import fixup_summary
+
+    b0 = [[0, 100, 900, 0, 0, 0, 700, 800], [1, 100, 1200, 0, 0, 1, 1000, 1100]]  # reducer: the second (ticket 1)
+    b1 = [[2, 110, 1000, 0, 0, 1, 850, 960], [3, 100, 950, 0, 0, 0, 800, 900]]  # reducer: the first
+    got = fixup_summary([b0, b1], 100)
+    assert got["reducer_tail_ns_max"] == 300 and got["reducer_tail_ns_p50"] == 175  # 1200 - 900, 1000 - 950
+    assert got["store_ticket_ns_max"] == 110 and got["store_ticket_ns_p50"] == 100  # 100, 100, 110, 100
+    assert got["reducer_sum_ns_p50"] == 70 and got["reducer_sum_ns_max"] == 100  # 1200 - 1100, 1000 - 960
+    assert got["exit_ns_p50"] == 75  # 900 - 800, 950 - 900
+    assert got["loops_done_ns"] == 900  # the latest main-loop end (1000) from t0
+    assert got["critical"] == {"loop_end_ns": 900, "ticket_ns": 1000, "end_ns": 1100, "ticket": 1}
+
+
 def test_sass_digest_pieces():
     # scripts/sass_digest.py: the instructions of a cuobjdump listing without their addresses and encodings; the
     # table's Gluon entries (null = the Triton kernel won: left out); a comparison that names what changed
