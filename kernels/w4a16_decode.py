@@ -89,7 +89,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -688,14 +687,9 @@ if _GLUON:
         return gl.inline_asm_elementwise(asm, "=l", [], dtype=gl.int64, is_pure=False, pack=1)
 
     @gluon.jit
-    def _ld_acquire(p):
-        """The int32 at `p`, loaded with acquire semantics at GPU scope (later loads see what was released before)."""
-        return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [p], dtype=gl.int32,
-                                         is_pure=False, pack=1)
-
-    @gluon.jit
     def _timer_after(v):
-        """%globaltimer read once the scalar `v` is available (an input of the read, so the read waits for it)."""
+        """%globaltimer read after `v` in program order. `v` is an operand only in name (the asm does not use it), so
+        the read is ordered after v's value by what precedes it: for the ticket, the barrier of its broadcast."""
         return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [v], dtype=gl.int64,
                                          is_pure=False, pack=1)
 
@@ -723,7 +717,7 @@ if _GLUON:
                         stride_om, CPP: gl.constexpr, W: gl.constexpr, R: gl.constexpr, TOK: gl.constexpr,
                         D: gl.constexpr, XR: gl.constexpr, STEP: gl.constexpr, WS: gl.constexpr, WG: gl.constexpr,
                         SA: gl.constexpr, BF16: gl.constexpr, SP: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr,
-                        PROBE: gl.constexpr = 0, WAIT: gl.constexpr = False):
+                        PROBE: gl.constexpr = 0):
         """grid = (cdiv(N, W R), split). Program (p, k): rows [W R p, W R (p + 1)), chunks [CPP k, CPP (k + 1));
         warp w: its R of those rows over all the program's chunks, so the W warps share one copy of x: each chunk's x
         goes global -> shared memory by cp.async into a ring of XR slots (XR - STEP chunks ahead, one barrier per
@@ -930,46 +924,22 @@ if _GLUON:
         tok = gl.expand_dims(gl.expand_dims(to, 0), 1)
         o_mask = (row < N) & (tok < M)
         o_ptr = out_ptr + row + tok * stride_om
-        if SPLIT > 1:
+        if SPLIT:
             mn = M * N
             part = ws_ptr + row + tok * N
-            if WAIT and PROBE != 1:
-                if gl.program_id(1) == gl.num_programs(1) - 1:
-                    # the row block's last split, launched after the others: it waits until they have published
-                    # their partials, then sums them and its own in split order, never storing its own
-                    ticket = _ld_acquire(cnt_ptr + pid)
-                    while ticket < gl.num_programs(1) - 1:
-                        gl.inline_asm_elementwise("nanosleep.u32 100; // $0", "=r", [], dtype=gl.int32,
-                                                  is_pure=False, pack=1)
-                        ticket = _ld_acquire(cnt_ptr + pid)
-                    if PROBE == 5:
-                        t_ticket = _timer_after(ticket)
-                    total = gl.load(part, mask=o_mask, other=0.0, cache_modifier=".cg")
-                    for s in gl.static_range(1, SPLIT - 1):
-                        total += gl.load(part + s * mn, mask=o_mask, other=0.0, cache_modifier=".cg")
-                    total += acc
-                    gl.store(o_ptr, total.to(out_ptr.dtype.element_ty), mask=o_mask)
-                    gl.store(cnt_ptr + pid, 0)  # re-arm for the next launch
-                else:
-                    gl.store(part + gl.program_id(1).to(gl.int64) * mn, acc, mask=o_mask)
-                    _barrier()  # every thread's partial precedes the one-thread release below
-                    ticket = gl.atomic_add(cnt_ptr + pid, 1, sem="release")
-                    if PROBE == 5:
-                        t_ticket = _timer_after(ticket)
-            else:
-                gl.store(part + gl.program_id(1).to(gl.int64) * mn, acc, mask=o_mask)
-                if PROBE == 1:
-                    return
-                _barrier()  # every thread's partial precedes the one-thread release below (as `_write_tile`)
-                ticket = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-                if PROBE == 5:
-                    t_ticket = _timer_after(ticket)
-                if ticket == gl.num_programs(1) - 1:  # the last split of this row block: sum in split order
-                    total = gl.load(part, mask=o_mask, other=0.0, cache_modifier=".cg")
-                    for s in range(1, gl.num_programs(1)):
-                        total += gl.load(part + s * mn, mask=o_mask, other=0.0, cache_modifier=".cg")
-                    gl.store(o_ptr, total.to(out_ptr.dtype.element_ty), mask=o_mask)
-                    gl.store(cnt_ptr + pid, 0)  # re-arm for the next launch
+            gl.store(part + gl.program_id(1).to(gl.int64) * mn, acc, mask=o_mask)
+            if PROBE == 1:
+                return
+            _barrier()  # every thread's partial precedes the one-thread release below (as `_write_tile`)
+            ticket = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+            if PROBE == 5:
+                t_ticket = _timer_after(ticket)
+            if ticket == gl.num_programs(1) - 1:  # the last split of this row block: sum in split order
+                total = gl.load(part, mask=o_mask, other=0.0, cache_modifier=".cg")
+                for s in range(1, gl.num_programs(1)):
+                    total += gl.load(part + s * mn, mask=o_mask, other=0.0, cache_modifier=".cg")
+                gl.store(o_ptr, total.to(out_ptr.dtype.element_ty), mask=o_mask)
+                gl.store(cnt_ptr + pid, 0)  # re-arm for the next launch
             if PROBE == 5:
                 _timeline(out_ptr, M * stride_om, pid, t_start, c_start, ticket, t_loop, t_ticket)
         else:
@@ -1152,16 +1122,12 @@ def xshared_tokens(m: int) -> int:
     return 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
 
 
-# experiment (session 25): the split-K fix-up by a waiting last split instead of the ticket
-WAIT_FIXUP = os.environ.get("GLMQ_WAIT_FIXUP") == "1"
-
-
 def _xshared_args(m: int, chunks: int, cfg: DecodeConfig, bf16: bool, spans: bool, pdl: bool, probe: int = 0) -> dict:
     cpp = chunks // cfg.split
     return dict(CPP=cpp, W=cfg.warps, R=cfg.rows, TOK=xshared_tokens(m), D=min(cfg.depth, cpp), XR=cfg.ring,
-                STEP=cfg.step, WS=cfg.w_smem, WG=cfg.wgmma, SA=cfg.scaled_a, BF16=bf16, SP=spans, SPLIT=cfg.split,
+                STEP=cfg.step, WS=cfg.w_smem, WG=cfg.wgmma, SA=cfg.scaled_a, BF16=bf16, SP=spans, SPLIT=cfg.split > 1,
                 PDL=pdl,
-                PROBE=probe, WAIT=WAIT_FIXUP)
+                PROBE=probe)
 
 
 def _launch_xshared(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeConfig, pdl: bool, stride_wc: int,
