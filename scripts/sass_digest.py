@@ -8,7 +8,7 @@ What it is for: a change to `kernels/w4a16_decode.py` that leaves every launch-t
 it was cannot change their speed, so it needs no H200 run; one that changes any of them has to be timed
 (kernels/NOTES.md session 24: a refactor that left the PTX instructions identical still changed ptxas's output for 9
 of 64 configs, through the line tables alone, and one of those launches ran 15 % slower). The digest is of the SASS
-instructions with their addresses taken out; registers and spills come from cuobjdump. The environment decides
+instructions and their encodings with the addresses taken out; registers and spills come from cuobjdump. The environment decides
 what Triton compiles (e.g. TRITON_DISABLE_LINE_INFO=1); the file records Triton's version and that setting, and
 `--against` refuses to compare files made under different ones unless `--across-settings` is given.
 
@@ -32,15 +32,18 @@ _ADDRESS = re.compile(r"/\*[0-9a-f]+\*/")
 
 
 def sass_instructions(sass: str) -> list[str]:
-    """The instruction lines of a cuobjdump SASS listing, addresses and encodings taken out (the `/*0000*/` offset
-    before each instruction; the encoding lines hold only a comment)."""
+    """The instructions of a cuobjdump SASS listing with their `/*0000*/` addresses taken out, each with its two
+    encoding words (the second on a line of its own; they hold the scheduling control bits too), so that the same code
+    at other addresses digests the same."""
     out = []
     for line in sass.splitlines():
         text = line.strip()
         if not text.startswith("/*"):
             continue  # headers, labels, function names
-        body = _ADDRESS.sub("", text, count=1).strip()
-        if body and not body.startswith("/*"):  # an encoding line holds only `/* 0x... */`
+        body = _ADDRESS.sub("", text, count=1).strip() if _ADDRESS.match(text) else text
+        if body.startswith("/*") and out:  # the second encoding word: part of the instruction above
+            out[-1] += " " + body
+        elif body:
             out.append(body)
     return out
 

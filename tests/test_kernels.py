@@ -1098,7 +1098,7 @@ def test_sass_digest_pieces():
         /*0020*/                   EXIT ;                                        /* 0x000000000000794d */
 """
     ins = SD.sass_instructions(listing)
-    assert ins == ["LDC R1, c[0x0][0x28] ;                        /* 0x00000a00ff017b82 */",
+    assert ins == ["LDC R1, c[0x0][0x28] ;                        /* 0x00000a00ff017b82 */ /* 0x000fe40000000800 */",
                    "S2R R0, SR_TID.X ;                            /* 0x0000000000007919 */",
                    "EXIT ;                                        /* 0x000000000000794d */"]
     # the same code at other addresses digests the same
