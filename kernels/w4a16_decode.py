@@ -1109,12 +1109,17 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
         return out
     _decode_kernel[(-(-n // cfg.rows),)](
         x, w.qweight, w.scale, out, m, n, x.stride(0), stride_wc, w.scale.stride(0), out.stride(0),
-        CPW=chunks // cfg.warps, W=cfg.warps, R=cfg.rows, TOK=8 if m <= 8 else 16, D=min(cfg.depth, chunks // cfg.warps),
+        CPW=chunks // cfg.warps, W=cfg.warps, R=cfg.rows, TOK=decode_tokens(m), D=min(cfg.depth, chunks // cfg.warps),
         BF16=x.dtype == torch.bfloat16, XB=m == 1, XS=m == 1 and cfg.x_smem, SP=w.layout is Layout.SPANS, PDL=pdl,
         PDL_EARLY=pdl and cfg.pdl_early,
         PROBE=probe, num_warps=cfg.warps, **launch,
     )  # fmt: skip
     return out
+
+
+def decode_tokens(m: int) -> int:
+    """`_decode_kernel`'s token tile for M tokens: 8 or 16."""
+    return 8 if m <= 8 else 16
 
 
 def xshared_tokens(m: int) -> int:

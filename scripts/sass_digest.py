@@ -8,9 +8,9 @@ What it is for: a change to `kernels/w4a16_decode.py` that leaves every launch-t
 it was cannot change their speed, so it needs no H200 run; one that changes any of them has to be timed
 (kernels/NOTES.md session 24: a refactor that left the PTX instructions identical still changed ptxas's output for 9
 of 64 configs, through the line tables alone, and one of those launches ran 15 % slower). The digest is of the SASS
-instructions and their encodings with the addresses taken out; registers and spills come from cuobjdump. The environment decides
-what Triton compiles (e.g. TRITON_DISABLE_LINE_INFO=1); the file records Triton's version and that setting, and
-`--against` refuses to compare files made under different ones unless `--across-settings` is given.
+instructions and their encodings with the addresses taken out; registers and spills come from cuobjdump. The
+environment decides what Triton compiles (e.g. TRITON_DISABLE_LINE_INFO=1); the file records Triton's version and that
+setting, and `--against` refuses to compare files made under different ones unless `--across-settings` is given.
 
 Each entry is keyed `N,K|M|plain` or `N,K|M|pdl` as the table holds it and compiled as `w4a16_matmul_packed`
 launches it (M as the kernel's token tile sees it, bf16 activations, the table's weight layout). Compiling takes
@@ -74,7 +74,7 @@ def compile_entry(entry: dict) -> dict:
     if cfg.split:  # the shared-x kernel: its token tile follows from M (`xshared_tokens`)
         tok, xb = m, False
     else:  # `_decode_kernel`: an 8- or 16-token tile, x broadcast at M = 1
-        tok, xb = (8 if m <= 8 else 16), m == 1
+        tok, xb = DK.decode_tokens(m), m == 1
     try:
         r = DK.compile_sm90(cfg, chunks, tok, True, xb, entry["pdl"], entry["spans"])
     except Exception as exc:  # noqa: BLE001 - reported per entry; the others still compile

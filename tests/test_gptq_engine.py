@@ -258,15 +258,11 @@ def test_expert_without_tokens_is_reported(make_ckpt, tmp_path, min_tokens):
 # ----------------------------------------------------------------------------------------- resume
 
 
-def write_tokenizer(folder: Path) -> None:
-    fixtures.write_byte_tokenizer(folder)
-
-
 def calibration_source(make_ckpt, tmp: Path, text: str) -> tuple[Path, Path]:
     """A GLM-5-layout FP8 checkpoint with a byte tokenizer in tmp/src, and `text` in tmp/calib.txt."""
     src = tmp / "src"
     shutil.copytree(make_ckpt("glm_moe_dsa", "fp8-block"), src)
-    write_tokenizer(src)
+    fixtures.write_byte_tokenizer(src)
     (tmp / "calib.txt").write_text(text)
     return src, tmp / "calib.txt"
 

@@ -1084,7 +1084,7 @@ def test_probe_decode_fixup_summary():
 
 
 def test_sass_digest_pieces():
-    # scripts/sass_digest.py: the instructions of a cuobjdump listing without their addresses and encodings; the
+    # scripts/sass_digest.py: the instructions of a cuobjdump listing with both encoding words, without addresses; the
     # table's Gluon entries (null = the Triton kernel won: left out); a comparison that names what changed
     from glmq.scripts import sass_digest as SD
 
