@@ -694,12 +694,6 @@ if _GLUON:
                                          is_pure=False, pack=1)
 
     @gluon.jit
-    def _ld_acquire(p):
-        """The int32 at `p`, loaded with acquire semantics at GPU scope (later loads see what was released before)."""
-        return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [p], dtype=gl.int32,
-                                         is_pure=False, pack=1)
-
-    @gluon.jit
     def _timeline(out_ptr, off, pid, t_start, c_start, ticket, t_loop, t_ticket):
         """PROBE 5: program (pid, k)'s [SM id, %globaltimer at start and end (ns), %clock64 at start and end, its
         ticket (-1 without a K split), %globaltimer after its last chunk's MMAs and once its ticket was back (= the
@@ -723,7 +717,7 @@ if _GLUON:
                         stride_om, CPP: gl.constexpr, W: gl.constexpr, R: gl.constexpr, TOK: gl.constexpr,
                         D: gl.constexpr, XR: gl.constexpr, STEP: gl.constexpr, WS: gl.constexpr, WG: gl.constexpr,
                         SA: gl.constexpr, BF16: gl.constexpr, SP: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr,
-                        PROBE: gl.constexpr = 0, ARRIVE: gl.constexpr = False):
+                        PROBE: gl.constexpr = 0):
         """grid = (cdiv(N, W R), split). Program (p, k): rows [W R p, W R (p + 1)), chunks [CPP k, CPP (k + 1));
         warp w: its R of those rows over all the program's chunks, so the W warps share one copy of x: each chunk's x
         goes global -> shared memory by cp.async into a ring of XR slots (XR - STEP chunks ahead, one barrier per
@@ -930,52 +924,7 @@ if _GLUON:
         tok = gl.expand_dims(gl.expand_dims(to, 0), 1)
         o_mask = (row < N) & (tok < M)
         o_ptr = out_ptr + row + tok * stride_om
-        if SPLIT and ARRIVE and PROBE != 1:
-            # the ticket counts arrivals in its low 16 bits and stored partials in its high bits. The split launched
-            # last (k = S - 1, the one that usually ends last) takes its ticket before storing: if it is the last to
-            # arrive, the others' partials are stored (each stored before arriving) and it adds its own from
-            # registers, never storing it. Any other split stores, then arrives; if it is the last, it waits until
-            # split S - 1's partial is stored too (rare), which cannot hang: that split has arrived, so it is running
-            # and waits for nothing. Either way the sum runs in split order: the same bits as the ticket.
-            mn = M * N
-            part = ws_ptr + row + tok * N
-            k = gl.program_id(1)
-            last = gl.num_programs(1) - 1
-            if k == last:
-                # an opaque copy: with the wgmma accumulator itself live past the ticket, ptxas spills (255 registers)
-                acc = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=gl.float32, is_pure=True,
-                                                pack=1)
-                ticket = gl.atomic_add(cnt_ptr + pid, 1, sem="acquire")
-                if PROBE == 5:
-                    t_ticket = _timer_after(ticket)
-                if (ticket & 0xFFFF) == last:
-                    total = gl.load(part, mask=o_mask, other=0.0, cache_modifier=".cg")
-                    for s in range(1, last):
-                        total += gl.load(part + s * mn, mask=o_mask, other=0.0, cache_modifier=".cg")
-                    gl.store(o_ptr, (total + acc).to(out_ptr.dtype.element_ty), mask=o_mask)
-                    gl.store(cnt_ptr + pid, 0)  # re-arm for the next launch
-                else:
-                    gl.store(part + k.to(gl.int64) * mn, acc, mask=o_mask)
-                    _barrier()  # every thread's partial precedes the one-thread release below
-                    gl.atomic_add(cnt_ptr + pid, 1 << 16, sem="release")
-            else:
-                gl.store(part + k.to(gl.int64) * mn, acc, mask=o_mask)
-                _barrier()  # every thread's partial precedes the one-thread release below (as `_write_tile`)
-                ticket = gl.atomic_add(cnt_ptr + pid, 1 + (1 << 16), sem="acq_rel")
-                if PROBE == 5:
-                    t_ticket = _timer_after(ticket)
-                if (ticket & 0xFFFF) == last:
-                    stored = (ticket >> 16) + 1
-                    while stored <= last:  # split S - 1 arrived without its partial stored
-                        stored = _ld_acquire(cnt_ptr + pid) >> 16
-                    total = gl.load(part, mask=o_mask, other=0.0, cache_modifier=".cg")
-                    for s in range(1, gl.num_programs(1)):
-                        total += gl.load(part + s * mn, mask=o_mask, other=0.0, cache_modifier=".cg")
-                    gl.store(o_ptr, total.to(out_ptr.dtype.element_ty), mask=o_mask)
-                    gl.store(cnt_ptr + pid, 0)  # re-arm for the next launch
-            if PROBE == 5:
-                _timeline(out_ptr, M * stride_om, pid, t_start, c_start, ticket & 0xFFFF, t_loop, t_ticket)
-        elif SPLIT:
+        if SPLIT:
             mn = M * N
             part = ws_ptr + row + tok * N
             gl.store(part + gl.program_id(1).to(gl.int64) * mn, acc, mask=o_mask)
@@ -1183,11 +1132,7 @@ def _xshared_args(m: int, chunks: int, cfg: DecodeConfig, bf16: bool, spans: boo
     return dict(CPP=cpp, W=cfg.warps, R=cfg.rows, TOK=xshared_tokens(m), D=min(cfg.depth, cpp), XR=cfg.ring,
                 STEP=cfg.step, WS=cfg.w_smem, WG=cfg.wgmma, SA=cfg.scaled_a, BF16=bf16, SP=spans, SPLIT=cfg.split > 1,
                 PDL=pdl,
-                PROBE=probe, ARRIVE=ARRIVE_FIXUP)
-
-
-# experiment (session 26): the split-K fix-up by arrival order (the last to arrive does not store its partial)
-ARRIVE_FIXUP = __import__("os").environ.get("GLMQ_ARRIVE_FIXUP") == "1"
+                PROBE=probe)
 
 
 def _launch_xshared(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeConfig, pdl: bool, stride_wc: int,

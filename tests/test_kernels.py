@@ -1322,6 +1322,48 @@ def test_xshared_deterministic_gpu(m, layout):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("cfg", [DK.DecodeConfig(16, 4, 3, split=4), DK.DecodeConfig(16, 4, 3, split=4, wgmma=True),
+                                 D.DenseConfig("mma", 16, 64, split_k=4, swap=True)], ids=str)
+def test_split_k_graph_replays_gpu(cfg):
+    # the split-K fix-ups under the load that once hung a waiting variant (session 26, kernels/NOTES.md): CUDA-graph
+    # replays of back-to-back launches, plain and PDL alternating, as a serving engine runs them. Every launch gives
+    # the eager launch's bits, and the tickets are all zero afterwards (a lost or an extra count would show there). A
+    # hang ends the worker after 120 s (faulthandler) instead of stalling the run.
+    import faulthandler
+
+    if getattr(cfg, "wgmma", False) and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("warpgroup MMA: sm_90 only")
+    m, n, k = 16, 6144, 4096  # 96 row blocks x 4 splits: one wave of the shared-x kernel on an H200, as at GLM sizes
+    wp, ws = quantized(n, k, group_size=128, seed=3)
+    x = acts(m, k, torch.bfloat16, seed=4)
+    packed = D.prepack(wp, ws, 128, D.Layout.PAIRS)
+    y = D.w4a16_matmul_packed(x, packed, config=cfg)
+    outs = [poisoned(m, n, torch.bfloat16) for _ in range(8)]
+    faulthandler.dump_traceback_later(120, exit=True)
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up on the capture stream
+            D.w4a16_matmul_packed(x, packed, out=outs[0], config=cfg, pdl=True)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(48):
+                D.w4a16_matmul_packed(x, packed, out=outs[i % len(outs)], config=cfg, pdl=i % 2 == 1)
+        for o in outs:
+            o.fill_(float("nan"))
+        for _ in range(100):
+            graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    for o in outs:
+        assert torch.equal(o + 0, y + 0)
+    assert int(D._tickets(x.device, 1).count_nonzero()) == 0
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("m", [1, 5])
 @both_mma_layouts
 def test_decode_kernel_deterministic_and_pdl_bits_gpu(m, layout):
