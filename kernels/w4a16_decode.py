@@ -94,8 +94,8 @@ from pathlib import Path
 
 import torch
 
-from glmq.kernels.w4a16_dense import (_INTERPRETED, DEFAULT_SM_COUNT, MAILBOX_EMPTY, MMA_CHUNK, Layout, PackedW4,
-                                      _cuda_info, _pairs_asm, _raw_words_asm, _spin_asm, _tickets, sm_count)
+from glmq.kernels.w4a16_dense import (_INTERPRETED, DEFAULT_SM_COUNT, MMA_CHUNK, Layout, PackedW4, _cuda_info,
+                                      _pairs_asm, _raw_words_asm, _tickets, sm_count)
 
 try:  # Gluon ships with Triton >= 3.4 as triton.experimental.gluon; its API is still moving
     from triton.experimental import gluon
@@ -199,14 +199,6 @@ if _GLUON:
     _PAIRS_SCALED_BF16 = gl.constexpr(_pairs_asm(True, scaled=True))
     _PAIRS_SCALED_F16 = gl.constexpr(_pairs_asm(False, scaled=True))
     _TIMELINE_WORDS = gl.constexpr(TIMELINE_WORDS)
-    # the per-warp mailbox (experiment): lane 0 of warp w adds 1 to word $1 + w (relaxed), or zeroes it
-    _WARP_ADDR = (".reg .pred p; .reg .b32 t, l; .reg .b64 o, a; mov.u32 t, %tid.x; and.b32 l, t, 31; "
-                  "setp.eq.u32 p, l, 0; shr.u32 t, t, 5; mul.wide.u32 o, t, 4; add.s64 a, $1, o; ")
-    _WARP_TICKET_ASM = gl.constexpr("{ " + _WARP_ADDR + "mov.b32 $0, 0; @p atom.relaxed.gpu.global.inc.u32 $0, [a], 65535; }")
-    _WARP_RESET_ASM = gl.constexpr("{ " + _WARP_ADDR + "mov.b32 $0, 0; @p st.relaxed.gpu.global.b32 [a], $0; }")
-    _SPIN4 = gl.constexpr(_spin_asm(4).replace("ld.relaxed.gpu", "nanosleep.u32 " + __import__("os").environ.get(
-        "GLMQ_MAILBOX_SLEEP", "0") + "; ld.relaxed.gpu") if __import__("os").environ.get("GLMQ_MAILBOX_SLEEP") else
-        _spin_asm(4))
     _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier  # renamed in Triton 3.7
     # cp.async global -> shared: async_copy_global_to_shared up to Triton 3.6, async_load from 3.7 (the old name raises)
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -725,7 +717,7 @@ if _GLUON:
                         stride_om, CPP: gl.constexpr, W: gl.constexpr, R: gl.constexpr, TOK: gl.constexpr,
                         D: gl.constexpr, XR: gl.constexpr, STEP: gl.constexpr, WS: gl.constexpr, WG: gl.constexpr,
                         SA: gl.constexpr, BF16: gl.constexpr, SP: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr,
-                        PROBE: gl.constexpr = 0, MB: gl.constexpr = 0, MB_LATE: gl.constexpr = 2):
+                        PROBE: gl.constexpr = 0):
         """grid = (cdiv(N, W R), split). Program (p, k): rows [W R p, W R (p + 1)), chunks [CPP k, CPP (k + 1));
         warp w: its R of those rows over all the program's chunks, so the W warps share one copy of x: each chunk's x
         goes global -> shared memory by cp.async into a ring of XR slots (XR - STEP chunks ahead, one barrier per
@@ -808,11 +800,6 @@ if _GLUON:
         a_prev = acc
         s_prev = s_like
         for i in gl.static_range(CPP):  # unrolled: chunk i + D is requested before chunk i is computed
-            if MB and i == max(CPP - MB_LATE, 0):
-                # each warp's ticket (lane 0's relaxed atomic on its row block's word), MB_LATE chunks before the end:
-                # the order of these is about the order the programs end in; read at the end
-                wticket = gl.inline_asm_elementwise(_WARP_TICKET_ASM, "=r,l", [cnt_ptr + pid * W], dtype=gl.int32,
-                                                    is_pure=False, pack=1)
             wn = w0
             if i + D < CPP and not WS:
                 wn = _load_w(wp + (i + D) * stride_wc)
@@ -937,53 +924,7 @@ if _GLUON:
         tok = gl.expand_dims(gl.expand_dims(to, 0), 1)
         o_mask = (row < N) & (tok < M)
         o_ptr = out_ptr + row + tok * stride_om
-        if MB:
-            # the per-warp mailbox: warp w of the split that started last for (row block, w) sums the others' words
-            # (fp32 bits, MAILBOX_EMPTY between launches), polling any still empty; they started before it, so they
-            # are running or done. The others store their bits and exit: no fence, no atomic at the end.
-            mn = M * N
-            part = ws_ptr + row + tok * N
-            k = gl.program_id(1)
-            t = gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, 0xffffffff;", "=r,r", [wticket],
-                                          dtype=gl.int32, is_pure=False, pack=1)
-            acc = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=gl.float32, is_pure=True,
-                                            pack=1)
-            if t == MB - 1:
-                l0 = o_mask & (k != 0)
-                l1 = o_mask & (k != 1)
-                l2 = o_mask & (k != 2)
-                l3 = o_mask & (k != 3)
-                p1 = part + mn
-                p2 = part + 2 * mn
-                p3 = part + 3 * mn
-                b0 = gl.load(part, mask=l0, other=0, volatile=True)
-                b1 = gl.load(p1, mask=l1, other=0, volatile=True)
-                b2 = gl.load(p2, mask=l2 & (MB > 2), other=0, volatile=True)
-                b3 = gl.load(p3, mask=l3 & (MB > 3), other=0, volatile=True)
-                b0, b1, b2, b3 = gl.inline_asm_elementwise(
-                    _SPIN4, "=r,=r,=r,=r,r,r,r,r,l,l,l,l,r,r,r,r",
-                    [b0, b1, b2, b3, part, p1, p2, p3, l0.to(gl.int32), l1.to(gl.int32),
-                     (l2 & (MB > 2)).to(gl.int32), (l3 & (MB > 3)).to(gl.int32)],
-                    dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
-                total = gl.where(k == 0, acc, b0.to(gl.float32, bitcast=True))
-                total += gl.where(k == 1, acc, b1.to(gl.float32, bitcast=True))
-                if MB > 2:
-                    total += gl.where(k == 2, acc, b2.to(gl.float32, bitcast=True))
-                if MB > 3:
-                    total += gl.where(k == 3, acc, b3.to(gl.float32, bitcast=True))
-                gl.store(o_ptr, total.to(out_ptr.dtype.element_ty), mask=o_mask)
-                empty = gl.full(b0.shape, -1, gl.int32, layout=mma)
-                gl.store(part, empty, mask=l0)
-                gl.store(p1, empty, mask=l1)
-                gl.store(p2, empty, mask=l2 & (MB > 2))
-                gl.store(p3, empty, mask=l3 & (MB > 3))
-                gl.inline_asm_elementwise(_WARP_RESET_ASM, "=r,l", [cnt_ptr + pid * W], dtype=gl.int32,
-                                          is_pure=False, pack=1)
-            else:
-                bits = acc.to(gl.int32, bitcast=True)
-                bits = gl.where(bits == -1, 0x7FFFFFFF, bits)  # never the empty word (MAILBOX_EMPTY) (a NaN either way)
-                gl.store(part + k.to(gl.int64) * mn, bits, mask=o_mask)
-        elif SPLIT:
+        if SPLIT:
             mn = M * N
             part = ws_ptr + row + tok * N
             gl.store(part + gl.program_id(1).to(gl.int64) * mn, acc, mask=o_mask)
@@ -1191,31 +1132,14 @@ def _xshared_args(m: int, chunks: int, cfg: DecodeConfig, bf16: bool, spans: boo
     return dict(CPP=cpp, W=cfg.warps, R=cfg.rows, TOK=xshared_tokens(m), D=min(cfg.depth, cpp), XR=cfg.ring,
                 STEP=cfg.step, WS=cfg.w_smem, WG=cfg.wgmma, SA=cfg.scaled_a, BF16=bf16, SP=spans, SPLIT=cfg.split > 1,
                 PDL=pdl,
-                PROBE=probe, **(dict(MB=cfg.split, MB_LATE=MAILBOX_LATE) if MAILBOX_FIXUP and 1 < cfg.split <= 4 else {}))
-
-
-# experiment (session 26): the split-K fix-up through a per-warp mailbox (start tickets, no fence or atomic at the end)
-MAILBOX_FIXUP = __import__("os").environ.get("GLMQ_MAILBOX_FIXUP") == "1"
-MAILBOX_LATE = int(__import__("os").environ.get("GLMQ_MAILBOX_LATE", "2"))
-_MB_WORDS: dict = {}
-
-
-def _mailbox_scratch(device: torch.device, count: int) -> torch.Tensor:
-    buf = _MB_WORDS.get(device)
-    if buf is None or buf.numel() < count:
-        buf = torch.full((max(count, 1 << 20),), MAILBOX_EMPTY, dtype=torch.int32, device=device)
-        _MB_WORDS[device] = buf
-    return buf
+                PROBE=probe)
 
 
 def _launch_xshared(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeConfig, pdl: bool, stride_wc: int,
                     launch: dict, probe: int = 0) -> None:
     m, k = x.shape
     blocks = -(-w.n // (cfg.warps * cfg.rows))
-    if cfg.split > 1 and MAILBOX_FIXUP and cfg.split <= 4:
-        scratch = _mailbox_scratch(x.device, cfg.split * m * w.n)
-        tickets = _tickets(x.device, blocks * cfg.warps)
-    elif cfg.split > 1:
+    if cfg.split > 1:
         scratch = torch.empty(cfg.split, m, w.n, dtype=torch.float32, device=x.device)  # fp32 partials
         tickets = _tickets(x.device, blocks)
     else:
@@ -1259,8 +1183,7 @@ def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True
     sig = {"x_ptr": act, "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": act, "M": "i32", "N": "i32",
            "stride_xm": "i32", "stride_wc": "i32", "stride_sn": "i32", "stride_om": "i32"}
     if cfg.split:  # the shared-x kernel: two more pointers (the split-K scratch and tickets)
-        sig = {**{k: v for k, v in sig.items() if k.endswith("_ptr")},
-               "ws_ptr": "*i32" if MAILBOX_FIXUP and cfg.split <= 4 else "*fp32", "cnt_ptr": "*i32",
+        sig = {**{k: v for k, v in sig.items() if k.endswith("_ptr")}, "ws_ptr": "*fp32", "cnt_ptr": "*i32",
                **{k: v for k, v in sig.items() if not k.endswith("_ptr")}}
         consts = _xshared_args(tok, chunks, cfg, bf16, spans, pdl, probe)
         kernel_fn, ptrs = _xshared_kernel, (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11)
