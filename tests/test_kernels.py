@@ -1339,17 +1339,14 @@ def test_split_k_graph_replays_gpu(cfg):
     packed = D.prepack(wp, ws, 128, D.Layout.PAIRS)
     y = D.w4a16_matmul_packed(x, packed, config=cfg)
     outs = [poisoned(m, n, torch.bfloat16) for _ in range(8)]
+
+    def chain():
+        for i in range(48):
+            D.w4a16_matmul_packed(x, packed, out=outs[i % len(outs)], config=cfg, pdl=i % 2 == 1)
+
     faulthandler.dump_traceback_later(120, exit=True)
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up on the capture stream
-            D.w4a16_matmul_packed(x, packed, out=outs[0], config=cfg, pdl=True)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(48):
-                D.w4a16_matmul_packed(x, packed, out=outs[i % len(outs)], config=cfg, pdl=i % 2 == 1)
+        graph = _graph_of(chain)  # its warm-up runs the chain once eagerly
         for o in outs:
             o.fill_(float("nan"))
         for _ in range(100):
