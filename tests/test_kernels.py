@@ -1083,6 +1083,27 @@ def test_probe_decode_fixup_summary():
     assert got["critical"] == {"loop_end_ns": 900, "ticket_ns": 1000, "end_ns": 1100, "ticket": 1}
 
 
+def test_ab_ptxas_summary():
+    # scripts/ab_ptxas.py: each variant's launches as the median over rounds, its ratio to the bundled toolchain's
+    # median, and cuBLAS fp16 (timed in the same variant's processes) over it; the floors are left out
+    from glmq.scripts import ab_ptxas as AB
+
+    def rows(glmq, cublas):
+        return [dict(shape="s", m=16, impl="glmq", us=glmq), dict(shape="s", m=16, impl="cublas-fp16", us=cublas),
+                dict(shape="s", m=16, impl="floor", us=1.0), dict(shape="s", m=16, impl="gone", status="wrong")]
+
+    runs = {"bundled": [rows(10.0, 30.0), rows(12.0, 30.0), rows(11.0, 33.0)],
+            "cuda13": [rows(9.0, 36.0), rows(10.0, 36.0)]}
+    got = {(s["variant"], s["impl"]): s for s in AB.summarize(runs)}
+    assert set(got) == {(v, i) for v in runs for i in ("glmq", "cublas-fp16")}
+    assert got["bundled", "glmq"]["us"] == 11.0 and got["bundled", "glmq"]["vs_bundled"] == 1.0
+    assert got["bundled", "glmq"]["vs_cublas"] == 30.0 / 11.0 and got["bundled", "glmq"]["rounds"] == [10.0, 12.0, 11.0]
+    assert got["cuda13", "glmq"]["us"] == 9.5 and got["cuda13", "glmq"]["vs_bundled"] == 9.5 / 11.0
+    assert got["cuda13", "glmq"]["vs_cublas"] == 36.0 / 9.5 and got["cuda13", "cublas-fp16"]["vs_cublas"] is None
+    assert AB.ratios_by_impl(AB.summarize(runs)) == {("cuda13", "glmq"): [9.5 / 11.0]}
+    assert AB.parse_variant("x:TRITON_PTXAS_PATH=/a/b=c,K=1") == ("x", {"TRITON_PTXAS_PATH": "/a/b=c", "K": "1"})
+
+
 def test_sass_digest_pieces():
     # scripts/sass_digest.py: the instructions of a cuobjdump listing with both encoding words, without addresses; the
     # table's Gluon entries (null = the Triton kernel won: left out); a comparison that names what changed
