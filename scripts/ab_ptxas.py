@@ -16,6 +16,7 @@ the bundled toolchain's (< 1: faster), and the ratio to cuBLAS fp16 timed in the
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import statistics
@@ -68,14 +69,16 @@ def ratios_by_impl(summary: list[dict], base: str = "bundled") -> dict[tuple[str
     return ratios
 
 
-def probe(variant: tuple[str, dict], out: Path, cache: Path, extra: list[str], compile_only: bool) -> subprocess.Popen:
+def probe(variant: tuple[str, dict], unset: set[str], out: Path, log: Path, cache: Path, extra: list[str],
+          compile_only: bool) -> int:
+    """Run probe_decode.py for one variant (its env over this one's, less `unset`) and return its exit code."""
     name, env = variant
-    full = {**os.environ, **env, "TRITON_CACHE_DIR": str(cache / name)}
+    full = {k: v for k, v in os.environ.items() if k not in unset} | env | {"TRITON_CACHE_DIR": str(cache / name)}
     cmd = [sys.executable, str(HERE / "probe_decode.py"), "--triton-only", "--no-check", "--out", str(out), *extra]
     if compile_only:
         cmd += ["--compile-only", "--workers", "8"]
-    log = open(out.with_suffix(".log") if not compile_only else out.parent / f"compile-{name}.log", "w")
-    return subprocess.Popen(cmd, env=full, stdout=log, stderr=subprocess.STDOUT)
+    with open(log, "w") as f:
+        return subprocess.run(cmd, env=full, stdout=f, stderr=subprocess.STDOUT).returncode
 
 
 def main() -> None:
@@ -93,10 +96,13 @@ def main() -> None:
     variants = [("bundled", {})] + [parse_variant(v) for v in a.variant]
     extra = ["--m", *a.m] + (["--only", a.only] if a.only else [])
 
+    unset = {k for _, env in variants for k in env}  # "bundled" runs without any variant's settings
     t0 = time.time()
-    procs = [probe(v, out / f"compile-{v[0]}", cache, extra, True) for v in variants]
-    for v, p in zip(variants, procs):
-        if p.wait() != 0:
+    with concurrent.futures.ThreadPoolExecutor(len(variants)) as pool:  # the variants compile side by side
+        codes = list(pool.map(lambda v: probe(v, unset, out / f"compile-{v[0]}", out / f"compile-{v[0]}.log", cache,
+                                              extra, True), variants))
+    for v, code in zip(variants, codes):
+        if code != 0:
             sys.exit(f"compiling variant {v[0]} failed: see {out}/compile-{v[0]}.log")
     print(f"compiled {len(variants)} variants in {time.time() - t0:.0f} s", flush=True)
 
@@ -105,9 +111,8 @@ def main() -> None:
         order = variants[r % len(variants):] + variants[: r % len(variants)]
         for v in order:
             d = out / f"{v[0]}-{r}"
-            d.mkdir(exist_ok=True)
             t1 = time.time()
-            if probe(v, d, cache, extra, False).wait() != 0:
+            if probe(v, unset, d, out / f"{v[0]}-{r}.log", cache, extra, False) != 0:
                 sys.exit(f"variant {v[0]} round {r} failed: see {d}.log")
             runs[v[0]].append(json.loads((d / "probe_decode.json").read_text())["results"])
             print(f"round {r} {v[0]}: {time.time() - t1:.0f} s", flush=True)
@@ -123,6 +128,7 @@ def main() -> None:
     for (v, impl), rs in sorted(ratios_by_impl(summary).items()):
         print(f"{v} {impl}: median {statistics.median(rs):.3f}x bundled over {len(rs)} launches "
               f"({min(rs):.3f}-{max(rs):.3f})")
+
 
 if __name__ == "__main__":
     main()
