@@ -1,8 +1,10 @@
 """A/B of the toolchain under the kernels: the same launches compiled by Triton's bundled ptxas and by another one
-(e.g. the CUDA toolkit's), or with other compile-time settings, timed in alternating processes on one GPU.
+(e.g. the CUDA toolkit's), or with other compile-time settings, or from another copy of the package, timed in
+alternating processes on one GPU.
 
     python scripts/ab_ptxas.py --out DIR [--variant cuda13:TRITON_PTXAS_PATH=/usr/local/cuda/bin/ptxas]
                                [--variant noline:TRITON_DISABLE_LINE_INFO=1] [--rounds 2] [--m 1 4 16] [--only 12288]
+    python scripts/ab_ptxas.py --out DIR --base old:PYTHONPATH=/tmp/old --variant new:PYTHONPATH=/tmp/new --m 16
 
 Why a separate process per variant: Triton reads TRITON_PTXAS_PATH and TRITON_DISABLE_LINE_INFO when it compiles,
 and its cache is keyed by the toolchain, so each variant gets its own cache directory and process. Each process is
@@ -10,7 +12,8 @@ and its cache is keyed by the toolchain, so each variant gets its own cache dire
 and as PDL chains), the Triton kernel and cuBLAS fp16, each launch first checked against the float64 reference.
 The variants are compiled first (concurrently), then timed round by round, the order of the variants rotating
 each round. Writes DIR/ab_ptxas.json and prints, per launch, each variant's median over rounds and its ratio to
-the bundled toolchain's (< 1: faster), and the ratio to cuBLAS fp16 timed in the same process.
+the base's (`--base`, by default Triton's own toolchain; < 1: faster; the JSON calls it `vs_bundled`), and the
+ratio to cuBLAS fp16 timed in the same process.
 """
 
 from __future__ import annotations
@@ -85,6 +88,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--variant", action="append", default=[], help="NAME:KEY=VAL,... (repeatable)")
+    ap.add_argument("--base", default="bundled:", help="NAME:KEY=VAL,... the reference (default: this environment "
+                    "less every variant's keys, i.e. Triton's own toolchain)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--m", nargs="+", default=["1", "4", "16"])
     ap.add_argument("--only", default="")
@@ -93,10 +98,10 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cache = Path(a.cache).resolve()
-    variants = [("bundled", {})] + [parse_variant(v) for v in a.variant]
+    variants = [parse_variant(a.base)] + [parse_variant(v) for v in a.variant]
     extra = ["--m", *a.m] + (["--only", a.only] if a.only else [])
 
-    unset = {k for _, env in variants for k in env}  # "bundled" runs without any variant's settings
+    unset = {k for _, env in variants for k in env}  # each variant runs with its own settings only
     t0 = time.time()
     with concurrent.futures.ThreadPoolExecutor(len(variants)) as pool:  # the variants compile side by side
         codes = list(pool.map(lambda v: probe(v, unset, out / f"compile-{v[0]}", out / f"compile-{v[0]}.log", cache,
@@ -117,16 +122,16 @@ def main() -> None:
             runs[v[0]].append(json.loads((d / "probe_decode.json").read_text())["results"])
             print(f"round {r} {v[0]}: {time.time() - t1:.0f} s", flush=True)
 
-    summary = summarize(runs)
+    summary = summarize(runs, variants[0][0])
     (out / "ab_ptxas.json").write_text(json.dumps(dict(variants=[dict(name=n, env=e) for n, e in variants],
                                                        rounds=a.rounds, summary=summary), indent=1))
     for s in sorted(summary, key=lambda s: (s["shape"], s["m"], s["impl"], s["variant"])):
         if s["impl"] == "cublas-fp16" or s["vs_bundled"] is None or s["vs_cublas"] is None:
             continue
         print(f"{s['shape']:26} M={s['m']:<3} {s['impl']:12} {s['variant']:9} {s['us']:7.2f} us  "
-              f"{s['vs_bundled']:.3f}x bundled  {s['vs_cublas']:.2f}x cuBLAS  rounds {s['rounds']}")
-    for (v, impl), rs in sorted(ratios_by_impl(summary).items()):
-        print(f"{v} {impl}: median {statistics.median(rs):.3f}x bundled over {len(rs)} launches "
+              f"{s['vs_bundled']:.3f}x base  {s['vs_cublas']:.2f}x cuBLAS  rounds {s['rounds']}")
+    for (v, impl), rs in sorted(ratios_by_impl(summary, variants[0][0]).items()):
+        print(f"{v} {impl}: median {statistics.median(rs):.3f}x base over {len(rs)} launches "
               f"({min(rs):.3f}-{max(rs):.3f})")
 
 
