@@ -204,15 +204,6 @@ if _GLUON:
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
     @gluon.jit
-    def _fence_proxy_async():
-        gl.inline_asm_elementwise("fence.proxy.async.shared::cta; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-
-    @gluon.jit
-    def _cp_async_wait(n: gl.constexpr):
-        gl.inline_asm_elementwise(f"cp.async.wait_group {n}; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
     def _dequant_scaled(words, s, W: gl.constexpr, R: gl.constexpr, BF16: gl.constexpr):
         """`_dequant` times the rows' scales s (`[W, R]`, the MMA's row slice): (u - 8) s rounded once to the
         activations' dtype (`DecodeConfig.scaled_a`), multiplied in the words' layout, before the elements are
@@ -826,7 +817,7 @@ if _GLUON:
                 if i % STEP == 0:
                     if i > 0:  # chunk i - 1's MMA, done before the barrier frees its slots
                         tk, a_prev, a = warpgroup_mma_wait(0, deps=[tk, a_prev, a])
-                    _fence_proxy_async()  # this thread's copies, complete, made visible to the async proxy's reads
+                    fence_async_shared()  # this thread's copies, complete, made visible to the async proxy's reads
                     _barrier()
                     for j in gl.static_range(XR - STEP, XR):
                         if i + j < CPP:
@@ -856,8 +847,8 @@ if _GLUON:
                 if i % STEP == 0:
                     if i > 0:
                         acc, a = _wg_retire(tk, a_prev, a, 0, s_prev, mma, acc)
-                    _cp_async_wait(max(0, min(i + XR - STEP - 1, CPP - 1) - (i + STEP - 1)))
-                    _fence_proxy_async()  # this thread's copies, complete, made visible to the async proxy's reads
+                    async_copy.wait_group(max(0, min(i + XR - STEP - 1, CPP - 1) - (i + STEP - 1)))
+                    fence_async_shared()  # this thread's copies, complete, made visible to the async proxy's reads
                     _barrier()
                     for j in gl.static_range(XR - STEP, XR):
                         if i + j < CPP:
@@ -880,7 +871,7 @@ if _GLUON:
                     # the slots of chunks i - STEP .. i - 1, where chunks i + XR - STEP .. i + XR - 1 go now)
                     async_copy.wait_group(max(0, min(i + XR - STEP - 1, CPP - 1) - (i + STEP - 1)))
                     if WG:  # this thread's copies, complete, made visible to the async proxy's reads
-                        _fence_proxy_async()
+                        fence_async_shared()
                     _barrier()
                     for j in gl.static_range(XR - STEP, XR):
                         if i + j < CPP:
