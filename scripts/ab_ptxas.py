@@ -51,10 +51,10 @@ def medians(rows_of_rounds: list[list[dict]]) -> dict[tuple, tuple[float, list[f
 def summarize(runs: dict[str, list[list[dict]]], base: str = "bundled") -> list[dict]:
     """Each variant's launches: median µs over rounds, its ratio to `base`'s median (< 1: faster) and cuBLAS fp16's
     median in the same variant's processes over it (the speed-up, None for cuBLAS itself)."""
-    ref = medians(runs[base])
+    med_of = {name: medians(rounds) for name, rounds in runs.items()}
+    ref = med_of[base]
     out = []
-    for name, rounds in runs.items():
-        med = medians(rounds)
+    for name, med in med_of.items():
         for key, (us, each) in med.items():
             cub = med.get((key[0], key[1], "cublas-fp16"))
             out.append(dict(variant=name, shape=key[0], m=key[1], impl=key[2], us=us,
