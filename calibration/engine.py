@@ -245,6 +245,17 @@ def targets_by_layer(plan: Plan) -> dict[int, list[Target]]:
 
 
 # ----------------------------------------------------------------------------------------- the loop
+STATE_PREFIXES = ("hidden-", "carry-", "embeddings", "reference-")  # files of hidden states
+OWNER_NAME = "glmq-owner.json"  # in an offload folder: whose states these are (`_Run.claim_offload`)
+
+
+def offload_dir(base: str | Path, cache: Path) -> Path:
+    """The folder under `--offload-activations BASE` for the run writing `cache`'s output folder: named by that
+    folder's name and a digest of its absolute path, so that runs writing to different folders never share one."""
+    out = cache.parent.resolve()
+    return Path(base) / f"glmq-{out.name}-{hashlib.sha256(str(out).encode()).hexdigest()[:12]}"
+
+
 class _Run:
     """State of one calibration: builder, stores, cache folder, progress."""
 
@@ -259,12 +270,13 @@ class _Run:
         self.n_layers = plan.source.config["num_hidden_layers"]
         self.targets = targets_by_layer(plan)
         self.on_disk = settings.activations == "disk"
-        self.offload = Path(settings.offload_activations) / f"glmq-{cache.parent.resolve().name}" \
-            if settings.offload_activations else None
+        self.offload = offload_dir(settings.offload_activations, cache) if settings.offload_activations else None
         self.act_dir = self.offload or cache
         if world is not None:  # every rank keeps its own copy of the hidden states
             self.act_dir = self.act_dir / f"rank-{world.rank:05d}"
         self.act_dir.mkdir(parents=True, exist_ok=True)
+        if self.offload is not None:
+            self.claim_offload()
         self.progress = progress
         self.bar = None
         self.offsets: dict[str, torch.Tensor] = {}  # module -> rounding offsets of the layer being tuned (tune.py)
@@ -272,6 +284,27 @@ class _Run:
         self.source_stream: tuple | None = None
 
     # -- hidden states
+    def claim_offload(self) -> None:
+        """Mark this rank's offload folder as this run's (`OWNER_NAME`: the output folder and a digest of the
+        calibration identity), first deleting states that another run, or a run with other settings, left there:
+        a resumed run must never take them for its own layer input."""
+        ident = self.cache / cc.IDENTITY_NAME
+        owner = {"output": str(self.cache.parent.resolve()),
+                 "identity_sha256": hashlib.sha256(ident.read_bytes()).hexdigest() if ident.exists() else None}
+        path = self.act_dir / OWNER_NAME
+        try:
+            old = json.loads(path.read_text()) if path.exists() else None
+        except ValueError:
+            old = None
+        if old != owner:
+            stale = [p.name for p in self.act_dir.iterdir() if p.name.startswith(STATE_PREFIXES)]
+            if stale:
+                log.warning("%s: hidden states of another run (%s); deleting them", self.act_dir,
+                            (old or {}).get("output", "unknown owner"))
+                self.drop_states()
+                self.drop_partial_states()
+            atomic_write_text(path, json.dumps(owner, indent=1) + "\n")
+
     def hidden_path(self, i: int, kind: str = "hidden") -> Path:
         return self.act_dir / f"{kind}-{i:05d}.bin"
 
@@ -328,14 +361,14 @@ class _Run:
     def drop_states(self, keep: tuple[str, ...] = ()) -> None:
         """Delete saved/temporary hidden states other than `keep` (file names)."""
         for p in list(self.act_dir.glob("*.bin")) + list(self.act_dir.glob("*.tmp")):
-            if p.name.startswith(("hidden-", "carry-", "embeddings", "reference-")) and p.name not in keep:
+            if p.name.startswith(STATE_PREFIXES) and p.name not in keep:
                 p.unlink()
 
     def drop_partial_states(self) -> None:
         """Delete the hidden states being written (`*.tmp`: of no use to a resumed run, which starts from the
         newest complete `hidden-*.bin`, kept, or regenerates its input from the layer files)."""
         for p in self.act_dir.glob("*.tmp"):
-            if p.name.startswith(("hidden-", "carry-", "embeddings", "reference-")):
+            if p.name.startswith(STATE_PREFIXES):
                 p.unlink(missing_ok=True)
 
     def output_store(self, src: cc.Activations, i: int) -> cc.Activations:
@@ -553,6 +586,8 @@ def calibrate(plan: Plan, cache: Path, tokens: torch.Tensor, settings: Calibrati
         run.bar.close()
         del src, carry
     run.drop_states()  # every decoder layer is done: no hidden states are needed any more
+    if run.offload is not None:
+        (run.act_dir / OWNER_NAME).unlink(missing_ok=True)
     for d in (run.act_dir, run.offload):  # this rank's folder, then (the last rank to leave) the offload one
         if d is not None and d != cache:
             try:

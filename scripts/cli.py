@@ -116,7 +116,8 @@ def _skip_triton() -> None:
                    "(0.8 GB for 128 x 256 tokens of GLM-5); removed when the run ends, except the newest "
                    "complete layer's after a failure (a rerun resumes from it). memory: all of them in RAM.")
 @click.option("--offload-activations", default=None, type=click.Path(file_okay=False), metavar="DIR",
-              help="GPTQ: with --activations disk, keep the hidden-state files in DIR instead of the output folder.")
+              help="GPTQ: with --activations disk, keep the hidden-state files in DIR instead of the output folder "
+                   "(in a subfolder of its own per output folder, so several runs may share DIR).")
 @click.option("--min-expert-tokens", default=None, type=click.IntRange(min=0),
               help="GPTQ: routed experts that receive fewer calibration tokens get the all-token Hessian only, and "
                    "are listed in the report [default: 1, i.e. experts no token reaches; rarer experts' Hessians are "

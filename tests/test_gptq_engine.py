@@ -349,6 +349,38 @@ def test_killed_mid_layer_resumes_byte_identical(cli_src, tmp_path, where):
         assert not list((tmp_path / "acts").rglob("*")), "offloaded activations left behind"
 
 
+def test_offload_folder_shared_by_two_runs(cli_src, tmp_path):
+    """Two killed runs whose output folders have the same name share one --offload-activations DIR: each keeps its
+    hidden states in a subfolder of its own, so the first resumes from its own states, byte-identical to the
+    uninterrupted run; states left by another run are deleted, never taken for a layer's input."""
+    from glmq.calibration.engine import OWNER_NAME, offload_dir
+
+    src, text, ref = cli_src
+    acts = tmp_path / "acts"
+    a, b = tmp_path / "a" / "out", tmp_path / "b" / "out"
+    per_layer = 2 * math.ceil(8 / GPTQ_BATCH["cpu"])
+    for out, seed in ((a, "0"), (b, "1")):  # b: other calibration samples
+        r = _cli("gptq", per_layer + per_layer // 2, src, out, text, "--offload-activations", str(acts), "--seed", seed)
+        assert r.returncode == 137, r.stderr[-3000:]
+    da, db = offload_dir(acts, a / CACHE_DIR), offload_dir(acts, b / CACHE_DIR)
+    assert da != db and da.name.startswith("glmq-out-")
+    assert (da / "hidden-00001.bin").exists() and (db / "hidden-00001.bin").exists()
+    # a run with other calibration samples for `a`'s folder is refused before it touches a's states
+    r = _cli("none", 0, src, a, text, "--offload-activations", str(acts), "--seed", "1")
+    assert r.returncode != 0 and "other calibration settings or data" in r.stderr, r.stderr[-3000:]
+    assert (da / "hidden-00001.bin").exists()
+    # b's states moved into a's folder under a's name, as if another run had left them there: deleted, not used
+    b_states = (db / "hidden-00001.bin").read_bytes()
+    (da / "hidden-00001.bin").write_bytes(b_states)
+    (da / OWNER_NAME).write_text((db / OWNER_NAME).read_text())
+    r = _cli("none", 0, src, a, text, "--offload-activations", str(acts))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "hidden states of another run" in r.stderr
+    assert _files(a) == _files(ref)
+    assert json.loads((a / REPORT_NAME).read_text())["gptq"]["resumed_from_layer"] == 2
+    assert not da.exists() and (db / "hidden-00001.bin").read_bytes() == b_states  # a's folder gone, b's untouched
+
+
 def test_rerun_of_a_finished_job_and_foreign_folders(glm4, tmp_path, monkeypatch):
     from glmq.calibration import layer_gptq
     from glmq.quantize.output import OutputDirError
