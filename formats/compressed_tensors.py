@@ -89,15 +89,20 @@ def config_from_request(req: dict) -> dict:
     """Build the quantization_config and check the ignore list against every Linear module.
 
     Args:
-        req: {"spec": QuantSpec fields, "ignore": [...], "keep": [...], "modules": {name: quantized}}.
+        req: {"spec": QuantSpec fields, "ignore": [...], "keep": [...], "modules": {name: plan action}}.
     Raises:
-        ValueError: a module's stored form disagrees with what loaders will read from the config.
+        ValueError: a module's stored form disagrees with what loaders will read from the config: a quantized
+            module must match neither list, a module kept FP8 the keep list only (ignore is applied first, so an
+            ignored FP8 module would load as an unquantized Linear), any other module the ignore list only.
     """
     spec = QuantSpec(**req["spec"])
     ignore, keep = req["ignore"], req["keep"]
-    for module, quantized in req["modules"].items():
-        if (is_ignored(module, ignore) or is_ignored(module, keep)) == quantized:
-            raise ValueError(f"internal: the ignore list disagrees with the plan for {module} (quantized={quantized})")
+    for module, action in req["modules"].items():
+        want = {"quantize": (False, False), "keep_fp8": (False, True)}.get(action, (True, False))
+        got = (is_ignored(module, ignore), is_ignored(module, keep))
+        if got != want:
+            raise ValueError(f"internal: the config disagrees with the plan for {module} ({action}): "
+                             f"ignored={got[0]}, kept FP8={got[1]}")
     return build_config(spec, ignore, keep or None)
 
 

@@ -56,6 +56,7 @@ def iter_dense(root: str | Path, dtype: torch.dtype = torch.bfloat16) -> Iterato
 
     int_args = _int_args(qc)
     block = tuple(qc["weight_block_size"]) if qc.get("quant_method") == "fp8" else None
+    ct_block = _float_block(qc)  # compressed-tensors FP8 blocks (glmq's keep_fp8 output), scale [N/b0, K/b1]
     skip = {"weight_scale", "weight_scale_inv", "weight_shape", "weight_zero_point", "input_scale", "weight_g_idx"}
     for name in sorted(wm):
         module, _, leaf = name.rpartition(".")
@@ -72,6 +73,9 @@ def iter_dense(root: str | Path, dtype: torch.dtype = torch.bfloat16) -> Iterato
         if t.dtype == torch.float8_e4m3fn:
             if block is not None:
                 t = fp8.dequantize_block(t, get(f"{module}.weight_scale_inv"), block)
+            elif ct_block is not None and (s := get(f"{module}.weight_scale")).shape == (
+                    -(-t.shape[0] // ct_block[0]), -(-t.shape[1] // ct_block[1])) and s.shape != (t.shape[0], 1):
+                t = fp8.dequantize_block(t, s, ct_block)
             else:
                 t = fp8.dequantize_channel(t, get(f"{module}.weight_scale"))
         yield name, t.to(dtype) if t.is_floating_point() else t
@@ -82,6 +86,14 @@ def _int_args(qc: dict) -> tuple[int, int] | None:
         w = g.get("weights") or {}
         if w.get("type") == "int":
             return int(w["num_bits"]), int(w["group_size"])
+    return None
+
+
+def _float_block(qc: dict) -> tuple[int, int] | None:
+    for g in (qc.get("config_groups") or {}).values():
+        w = g.get("weights") or {}
+        if w.get("type") == "float" and w.get("strategy") == "block" and w.get("block_structure"):
+            return tuple(int(x) for x in w["block_structure"])
     return None
 
 

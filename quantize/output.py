@@ -14,8 +14,10 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import threading
+from collections import defaultdict
 from pathlib import Path
 
 from glmq import __version__
@@ -135,13 +137,46 @@ class FileBook:
             self.book.save(self.out, self.name)
 
 
+def _exact(module: str) -> str:
+    """An ignore/target entry matching exactly one module name (anchored regex: SGLang reads a bare name as a
+    substring, formats.md §3)."""
+    return f"re:^{module.replace('.', chr(92) + '.')}$"
+
+
+def _member_patterns(names: set[str], every: set[str]) -> list[str]:
+    """Ignore entries matching exactly `names` among `every` module: one `re:^model\\.layers\\.\\d+\\.<path>$` for a
+    path whose modules in all layers are in `names` (e.g. every `self_attn.q_a_proj`), else the modules one by one."""
+    def path(m: str) -> str:
+        return re.sub(r"^model\.layers\.\d+\.", "", m)
+    members = defaultdict(set)
+    for m in every:
+        members[path(m)].add(m)
+    out = []
+    for suffix in sorted({path(m) for m in names}):
+        if members[suffix] <= names and suffix not in members[suffix]:  # in every layer, and inside the layers
+            out.append(f"re:^model\\.layers\\.\\d+\\.{re.escape(suffix)}$")
+        else:
+            out += sorted(_exact(m) for m in members[suffix] & names)
+    return out
+
+
 def config_request(plan: Plan) -> dict:
-    """What the compressed-tensors config depends on: spec, ignore and keep lists, every Linear module."""
+    """What the compressed-tensors config depends on: spec, ignore and keep lists, every Linear module.
+
+    Ignore is applied before any config group by compressed-tensors, vLLM and SGLang, so it must not match a module
+    kept FP8 (keep_fp8): a class with kept members is not ignored by its class pattern; its members that stay BF16
+    (demoted fused partners, BF16 in the source) are listed one by one instead."""
     present = {it.cls for it in plan.items if it.cls in LINEAR_CLASSES and it.name.endswith(".weight")}
-    ignore = ignore_list(present - set(plan.recipe.targets))
-    keep = sorted({f"re:^{it.module.replace('.', chr(92) + '.')}$" for it in plan.items if it.action is Action.KEEP_FP8})
+    unquantized = present - set(plan.recipe.targets)
+    actions = plan.linear_modules()
+    classes = {it.module: it.cls for it in plan.items if it.module in actions}
+    kept_classes = {classes[m] for m, a in actions.items() if a is Action.KEEP_FP8}
+    ignore = ignore_list(unquantized - kept_classes) + _member_patterns(
+        {m for m, a in actions.items() if classes[m] in kept_classes and a not in (Action.QUANTIZE, Action.KEEP_FP8)},
+        set(actions))
+    keep = sorted(_exact(m) for m, a in actions.items() if a is Action.KEEP_FP8)
     spec = {k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(plan.recipe.spec).items()}
-    modules = {m: a is Action.QUANTIZE for m, a in plan.linear_modules().items()}
+    modules = {m: a.value for m, a in actions.items()}
     return {"spec": spec, "ignore": ignore, "keep": keep, "modules": modules}
 
 

@@ -24,6 +24,7 @@ from glmq.scripts.cli import main
 
 EXPERT = "model.layers.1.mlp.experts.3.down_proj"
 ASYM = "name: asym\ntargets: [routed_expert]\nnum_bits: 4\ngroup_size: 64\nsymmetric: false\n"
+KEEP_FP8 = "name: keep\ntargets: [routed_expert]\nnum_bits: 4\ngroup_size: 128\nkeep_fp8: true\n"
 # kv_a_proj_with_mqa has kv_lora + rope = 160 rows in the tiny preset, which no Marlin tile divides
 # (GLM-5's is 576); rope 64 makes it 192, so the all-linear recipe gives a servable checkpoint.
 SERVABLE_MLA = {"config_overrides": {"qk_rope_head_dim": 64}}
@@ -93,6 +94,7 @@ JOBS = {
     "glm5-all-linear-tiny-mla": ("glm_moe_dsa", "int4-w4a16-all-linear", {}),
     "glm5-g32": ("glm_moe_dsa", "int4-w4a16-g32", {}),
     "glm5-asym": ("glm_moe_dsa", "asym", {}),
+    "glm5-keep-fp8": ("glm_moe_dsa", "keep", {}),
     "glm4": ("glm4_moe", "int4-w4a16", {}),
     "deepseek-v3": ("deepseek_v3", "int4-w4a16", {}),
 }
@@ -120,12 +122,14 @@ def converted(make_ckpt, tmp_path_factory):
     """name in JOBS -> (source, output), converted once per module."""
     base = tmp_path_factory.mktemp("converted")
     (base / "asym.yaml").write_text(ASYM)
+    (base / "keep.yaml").write_text(KEEP_FP8)
     out = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(stream, "ConfigJob", InProcessConfigJob)
         for key, (family, recipe, kw) in JOBS.items():
             src = make_ckpt(family, "fp8-block", **kw)
-            out[key] = src, convert(src, base / key, str(base / "asym.yaml") if recipe == "asym" else recipe)
+            path = base / f"{recipe}.yaml"
+            out[key] = src, convert(src, base / key, str(path) if path.exists() else recipe)
     return out
 
 
@@ -163,6 +167,61 @@ def test_asymmetric_recipe_is_well_formed_but_not_servable_as_moe(converted):
     assert rep.checks["source"].details["bound_steps"] == 0.5 + 1 / 8
     rep = v.validate(out, src, serving=False)
     assert rep.valid and rep.checks["serving"].status is v.Status.SKIP
+
+
+def test_keep_fp8_output_is_read_by_compressed_tensors_as_stored(converted, tmp_path):
+    """keep_fp8 (mixed-precision): every module loads in the form it is stored in. compressed-tensors (like vLLM and
+    SGLang) applies `ignore` before the config groups, so no FP8 module may match it; the BF16 members of classes
+    with FP8 members (GLM-5's demoted fused partners) are ignored by their own entries. Dequantized, the kept
+    blocks are the source's; validate passes, and fails once an FP8 module is ignored."""
+    from accelerate import init_empty_weights
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+
+    from glmq.formats.dense import iter_dense
+    from glmq.formats.families import LINEAR_CLASSES, classify
+
+    src, out = converted["glm5-keep-fp8"]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "mixed-precision"
+    stored: dict[str, str] = {}  # Linear module -> "int" / "float" / "bf16", read from the tensors
+    shapes: dict[str, tuple[int, int]] = {}
+    for shard in sorted(set(index(out)["weight_map"].values())):
+        entries, _, _ = read_header(out / shard)
+        for name, e in entries.items():
+            module, _, leaf = name.rpartition(".")
+            if leaf == "weight_packed":
+                stored[module], shapes[module] = "int", (e.shape[0], 8 * e.shape[1])
+            elif leaf == "weight" and len(e.shape) == 2 and classify(module) in LINEAR_CLASSES:
+                stored[module] = "float" if e.dtype == "F8_E4M3" else "bf16"
+                shapes[module] = tuple(e.shape)
+    assert {"int", "float", "bf16"} <= set(stored.values())
+    assert stored["model.layers.1.mlp.shared_experts.up_proj"] == "float"
+    assert stored["model.layers.1.self_attn.q_a_proj"] == "bf16"  # fused with kv_a_proj_with_mqa (160 rows)
+    root = torch.nn.Module()
+    with init_empty_weights():
+        for module, (n, k) in shapes.items():
+            parent = root
+            for part in module.split(".")[:-1]:
+                if not hasattr(parent, part):
+                    parent.add_module(part, torch.nn.Module())
+                parent = getattr(parent, part)
+            parent.add_module(module.rpartition(".")[2], torch.nn.Linear(k, n, bias=False))
+    apply_quantization_config(root, QuantizationConfig.model_validate(qc))
+    read = {m: getattr(getattr(root.get_submodule(m), "quantization_scheme", None), "weights", None) for m in stored}
+    assert {m: "bf16" if w is None else w.type for m, w in read.items()} == stored
+    assert all(w.strategy == "block" for m, w in read.items() if stored[m] == "float")
+    kept = {f"{m}.weight" for m, kind in stored.items() if kind == "float"}
+    ours = {k: t for k, t in iter_dense(out) if k in kept}
+    theirs = {k: t for k, t in iter_dense(src) if k in kept}
+    assert ours.keys() == kept and all(torch.equal(ours[k], theirs[k]) for k in kept)
+    rep = v.validate(out, src)
+    assert rep.valid and rep.exit_code == 0 and not failed_checks(rep), v.format_report(rep)
+    bad = Path(shutil.copytree(out, tmp_path / "ckpt"))
+    edit_config(bad, lambda qc: qc["ignore"].append("re:.*mlp\\.shared_experts\\..*"))
+    rep = v.validate(bad)
+    assert failed_checks(rep) == {"structure"}
+    msgs = failures(rep, "structure")
+    assert msgs and all("is F8_E4M3 but matches ignore entry" in m and "shared_experts" in m for m in msgs)
 
 
 def test_serving_rules_name_the_class_rule_and_numbers(converted):

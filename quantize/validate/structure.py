@@ -75,7 +75,11 @@ def check_structure(modules: dict[str, Module], groups: list[Group], shapes: dic
                          f"would build it unquantized and find no .weight", **where)
         elif m.is_fp8:
             fg = next((g for g in float_groups if ct.is_ignored(m.name, list(g.targets))), None)
-            if fg is None:
+            hit = [p for p in ignore if ct.is_ignored(m.name, [p])]
+            if hit:  # ignore is applied before the config groups: loaders would build a BF16 Linear
+                res.fail(f"{m.name}.weight is F8_E4M3 but matches ignore entry {hit[0]!r}: loaders would build it "
+                         f"unquantized and read the FP8 bytes without their scales", **where)
+            elif fg is None:
                 res.fail(f"{m.name}.weight is F8_E4M3 but no float-quantized config group targets it", **where)
             elif "weight_scale" not in m.parts:
                 res.fail(f"{m.name}.weight_scale is missing (FP8 weight of {fg.name})", **where)
