@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glmq.formats.families import Family, family_for
+from glmq.formats.manifest import MANIFEST_NAME, REPORT_NAME
 from glmq.formats.safetensors_io import CheckpointError, TensorEntry, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-# files never copied as side files: the shards and index are rewritten, glmq's own bookkeeping is ours
-_NOT_SIDE = {INDEX_NAME, "config.json"}
+# files never copied as side files: the shards and index are rewritten, glmq's own bookkeeping is ours, and the
+# source's model card describes the source model (`glmq upload` writes the output's own card)
+_NOT_SIDE = {INDEX_NAME, "config.json", "README.md", MANIFEST_NAME, REPORT_NAME}
 
 
 class SourceFormat(str, enum.Enum):

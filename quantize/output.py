@@ -210,10 +210,13 @@ def output_config(plan: Plan, quantization_config: dict) -> dict:
 
 def finish_checkpoint(plan: Plan, out: Path, man: Manifest, quantization_config: dict) -> None:
     """Side files, then the index, then config.json (the file that makes the folder a checkpoint)."""
-    for name in plan.source.side_files:
+    for name in plan.source.side_files:  # fsynced like the shards: config.json must not outlive an empty tokenizer
         dst = out / name
         tmp = Path(str(dst) + TMP_SUFFIX)
-        shutil.copyfile(plan.source.root / name, tmp)
+        with open(plan.source.root / name, "rb") as fi, open(tmp, "wb") as fo:
+            shutil.copyfileobj(fi, fo, 1 << 20)
+            fo.flush()
+            os.fsync(fo.fileno())
         os.replace(tmp, dst)
     weight_map = {o.name: f.name for f in plan.files for it in f.items for o in it.outputs}
     index = {"metadata": {"total_size": sum(f.nbytes for f in plan.files)}, "weight_map": dict(sorted(weight_map.items()))}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -277,3 +278,38 @@ def test_release_free_memory_hands_freed_heap_pages_back():
     after = stream.current_rss_bytes()
     libc.free(fence)
     assert before - after > 100e6, (before, after)
+
+
+def test_side_files_leave_out_the_source_card_and_glmq_bookkeeping(make_ckpt, tmp_path):
+    """The source's README.md is the FP8 model's card (copied, `glmq upload` would publish it as the output's), and a
+    source that glmq wrote holds glmq's manifest and report: none of them is a side file; the tokenizer files are."""
+    from glmq.formats.manifest import MANIFEST_NAME, REPORT_NAME
+
+    src = Path(shutil.copytree(make_ckpt("glm_moe_dsa", "fp8-block"), tmp_path / "src"))
+    for name in ("README.md", MANIFEST_NAME, REPORT_NAME):
+        (src / name).write_text("{}\n")
+    side = open_source(src).side_files
+    assert {"generation_config.json", "tokenizer_config.json", "chat_template.jinja"} <= set(side)
+    assert not {"README.md", MANIFEST_NAME, REPORT_NAME} & set(side)
+
+
+def test_every_output_file_is_fsynced_before_config_json(make_ckpt, tmp_path, monkeypatch):
+    """Shards, side files and the index reach the disk before config.json marks the folder a checkpoint: a crash
+    must not leave a complete-looking folder with an empty tokenizer file."""
+    import os
+
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    src = make_ckpt("glm_moe_dsa", "fp8-block")
+    out = tmp_path / "out"
+    convert(src, out, max_shard_bytes=400_000)
+    config_at = synced.index("config.json.glmq-tmp")
+    before = {n.removesuffix(".glmq-tmp") for n in synced[:config_at]}
+    written = {p.name for p in out.iterdir() if p.name not in ("config.json", "glmq_manifest.json", "glmq_report.json")}
+    assert written and written <= before, sorted(written - before)
