@@ -3,9 +3,10 @@
 Steps, in this order:
   1. arguments: the folder holds a config.json, ORG/NAME ids, a Hub token (unless --dry-run);
   2. the gate: `glmq validate` with the serving rules at --tp (the degree the card's serve commands
-     use), the kernel check on --sample of the quantized modules and every tensor's sha256 against
-     glmq_manifest.json. An invalid checkpoint stops here (exit 1) unless --allow-invalid, which
-     uploads it with a warning in red here and at the top of the card;
+     use), the kernel check on --sample of the quantized modules and every tensor's checksum against
+     glmq_manifest.json (xxh3-128 where the manifest records it, as `glmq validate` checks by default).
+     An invalid checkpoint stops here (exit 1) unless --allow-invalid, which uploads it with a warning
+     in red here and at the top of the card;
   3. the card (formats/model_card.py) from config.json, glmq_report.json, glmq_manifest.json, the
      eval report and the validation result;
   4. the file list (`split_files`): the same listing and filter the Hub client applies to
