@@ -73,7 +73,12 @@ class TensorEntry:
 
 
 def read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str], int]:
-    """Parse a shard's header.
+    """Parse a shard's header, with the checks `safetensors` itself makes when it opens the file.
+
+    The tensors, sorted by offset, must tile the data section exactly: the first begins at 0, each
+    begins where the one before ends, each spans numel * itemsize bytes, and the last ends at the end
+    of the file (no gap, no overlap, no trailing bytes). Spaces after the JSON header are allowed
+    (glmq's writer pads the header to 8 bytes with them, as safetensors does).
 
     Returns:
         (entries by name, `__metadata__`, data section start offset).
@@ -90,29 +95,69 @@ def read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str], int
             raise CheckpointError(f"{path}: header length {n} does not fit the file ({size} bytes); the file is truncated or not safetensors")
         try:
             header = json.loads(f.read(n))
-        except ValueError as e:
+        except ValueError as e:  # UnicodeDecodeError included
             raise CheckpointError(f"{path}: header is not valid JSON ({e}); re-download the shard") from e
-    meta = header.pop("__metadata__", None) or {}
-    entries: dict[str, TensorEntry] = {}
-    data_len = 0
-    for name, info in header.items():
-        dtype, shape, (b, e) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        if dtype not in DTYPES:
-            raise CheckpointError(f"{path}: tensor {name} has dtype {dtype}, which glmq does not read")
-        numel = 1
-        for d in shape:
-            numel *= d
-        if e - b != numel * ITEMSIZE[dtype]:
-            raise CheckpointError(f"{path}: tensor {name}: offsets [{b}, {e}) do not match {dtype} {list(shape)}")
-        entries[name] = TensorEntry(name, path.name, dtype, shape, b, e)
-        data_len = max(data_len, e)
+    try:
+        entries, meta = _header_entries(path, header)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:  # a JSON type the checks did not foresee
+        raise CheckpointError(f"{path}: malformed header ({type(e).__name__}: {e}); the file is not a valid "
+                              f"safetensors shard, re-download or re-write it") from e
+    data_len, prev = 0, None
+    for e in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
+        if e.begin != data_len:
+            what = (f"overlap tensor {prev.name} [{prev.begin}, {prev.end})" if e.begin < data_len
+                    else f"leave a gap of {e.begin - data_len} bytes after byte {data_len}")
+            raise CheckpointError(f"{path}: tensor {e.name}: offsets [{e.begin}, {e.end}) {what}; safetensors needs "
+                                  f"the tensors to tile the data section from 0 and refuses the file: the shard is "
+                                  f"corrupt, re-download or re-write it")
+        data_len, prev = e.end, e
     if 8 + n + data_len > size:
         missing = 8 + n + data_len - size
         raise CheckpointError(
             f"{path}: file is {size} bytes but its header needs {8 + n + data_len} ({missing} bytes missing): "
             f"the shard is truncated; re-download it"
         )
+    if 8 + n + data_len < size:
+        extra = size - 8 - n - data_len
+        raise CheckpointError(
+            f"{path}: file is {size} bytes but its header covers {8 + n + data_len} ({extra} bytes after the last "
+            f"tensor): safetensors refuses it (file not fully covered); re-download or re-write the shard"
+        )
     return entries, meta, 8 + n
+
+
+def _header_entries(path: Path, header) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    """The entries and `__metadata__` of a parsed header, each checked for its types and size.
+    Raises CheckpointError (or KeyError/TypeError/ValueError, which the caller turns into one)."""
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is a JSON {type(header).__name__}, not an object; not a safetensors "
+                              f"file")
+    meta = header.pop("__metadata__", None) or {}
+    if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise CheckpointError(f"{path}: __metadata__ is not a mapping of strings to strings; re-write the shard")
+    entries: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        lacks = [k for k in ("dtype", "shape", "data_offsets") if not isinstance(info, dict) or k not in info]
+        if lacks:
+            raise CheckpointError(f"{path}: tensor {name}: header entry has no {', '.join(lacks)}; the shard is "
+                                  f"not valid safetensors, re-download or re-write it")
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise CheckpointError(f"{path}: tensor {name}: shape {shape!r} is not a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int and x >= 0 for x in offsets)):
+            raise CheckpointError(f"{path}: tensor {name}: data_offsets {offsets!r} is not [begin, end] in bytes")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise CheckpointError(f"{path}: tensor {name} has dtype {dtype}, which glmq does not read")
+        shape, (b, e) = tuple(shape), offsets
+        numel = 1
+        for d in shape:
+            numel *= d
+        if e - b != numel * ITEMSIZE[dtype]:
+            raise CheckpointError(f"{path}: tensor {name}: offsets [{b}, {e}) do not match {dtype} {list(shape)}")
+        entries[name] = TensorEntry(name, path.name, dtype, shape, b, e)
+    return entries, meta
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -70,6 +70,15 @@ def test_truncated_shard(ckpt, tmp_path):
     assert_fails(glmq("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress"), out, shard, "truncated")
 
 
+def test_shard_with_bytes_after_its_tensors(ckpt, tmp_path):
+    shard = shard_of(ckpt, EXPERT)
+    with open(ckpt / shard, "ab") as f:  # safetensors refuses it: "file not fully covered"
+        f.write(b"\0" * 4096)
+    out = tmp_path / "out"
+    assert_fails(glmq("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress"), out, shard,
+                 "4096 bytes after the last tensor")
+
+
 def test_missing_weight_scale_inv(ckpt, tmp_path):
     name = EXPERT + "_scale_inv"
     rewrite_shard(ckpt, shard_of(ckpt, name), lambda t: t.pop(name))

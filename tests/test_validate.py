@@ -692,3 +692,97 @@ def test_changed_dequantized_attention_weight_fails_the_source_check(damaged, co
     rep = v.validate(damaged, src)
     assert failed_checks(rep) == {"source", "integrity"}
     assert failures(rep, "source") == [f"{name}: stored unquantized but differs from the source"]
+
+
+# ----------------------------------------------------------------------------------------- malformed input
+@pytest.mark.parametrize("value", [[0, 0], [-256, 128], [256, 128, 1]])
+def test_unusable_weight_shape_value_fails_structure(damaged, value):
+    name = f"{EXPERT}.weight_shape"
+    shard = shard_of(damaged, name)
+    rewrite_shard(damaged, shard, lambda t: t.__setitem__(name, torch.tensor(value)))
+    rep = v.validate(damaged, sample=1.0)
+    assert failed_checks(rep) == {"structure", "integrity"}
+    [msg] = failures(rep, "structure")
+    assert msg.startswith(f"{name} in {shard} ") and str(value) in msg and "the [N, K] of the original weight" in msg
+    assert rep.checks["structure"].failures[0].shard == shard
+
+
+def test_shard_safetensors_refuses_fails_index(damaged, tmp_path):
+    from safetensors import SafetensorError
+
+    from glmq.formats.safetensors_io import CheckpointError
+
+    shard = shard_of(damaged, "lm_head.weight")
+    with open(damaged / shard, "ab") as f:
+        f.write(b"\0" * 4096)
+    with pytest.raises(SafetensorError, match="not fully covered"):
+        safe_open(str(damaged / shard), "pt")
+    rep = v.validate(damaged)
+    assert "index" in failed_checks(rep)
+    assert any(m.startswith(f"{damaged / shard}: file is ") and "4096 bytes after the last tensor" in m
+               for m in failures(rep, "index"))
+
+    def shard_file(header: dict, data: int, pad: bytes = b"") -> Path:
+        raw = json.dumps(header).encode() + pad
+        (p := tmp_path / "t.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * data)
+        return p
+
+    a = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+    read_header(shard_file({"a": a, "e": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]}}, 8, b"    "))
+    for b, why in (([4, 12], "overlap tensor a [0, 8)"), ([12, 20], "leave a gap of 4 bytes after byte 8")):
+        p = shard_file({"a": a, "b": {"dtype": "F32", "shape": [2], "data_offsets": b}}, b[1])
+        with pytest.raises(SafetensorError, match="invalid offset"):
+            safe_open(str(p), "pt")
+        with pytest.raises(CheckpointError) as err:
+            read_header(p)
+        assert str(err.value).startswith(f"{p}: tensor b: offsets [{b[0]}, {b[1]}) {why}; ")
+
+
+def test_source_copied_tensor_keeps_its_dtype_and_bytes(damaged, converted):
+    src, _ = converted["glm5"]
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"  # F32 in the source (formats.md §1d): copied
+    shard = shard_of(damaged, name)
+    with safe_open(str(src / shard_of(src, name)), "pt") as f:
+        orig = f.get_tensor(name)
+    assert orig.dtype == torch.float32
+    rewrite_shard(damaged, shard, lambda t: t.__setitem__(name, orig.to(torch.bfloat16)))
+    rep = v.validate(damaged, src)
+    assert failed_checks(rep) == {"source", "integrity"}
+    assert failures(rep, "source") == [f"{name}: stored as BF16 but the source has F32: glmq copies this tensor "
+                                       f"unchanged (same dtype, same bytes)"]
+    assert rep.checks["source"].failures[0].shard == shard
+    bumped = (orig.view(torch.int32) ^ 1).view(torch.float32)  # one low mantissa bit: the same value in bf16
+    rewrite_shard(damaged, shard, lambda t: t.__setitem__(name, bumped))
+    assert failures(v.validate(damaged, src), "source") == [f"{name}: stored unquantized but differs from the source"]
+
+
+def test_malformed_json_fails_a_check_with_a_report(damaged, tmp_path):
+    def run() -> tuple[list[str], dict]:
+        r = CliRunner().invoke(main, ["validate", str(damaged), "--json", str(tmp_path / "r.json")])
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+        doc = json.loads((tmp_path / "r.json").read_text())
+        assert doc["exit_code"] == 1
+        return [f["message"] for c in doc["checks"].values() for f in c["failures"]], doc
+
+    cfg = (damaged / "config.json").read_text()
+    (damaged / "config.json").write_text("[]")
+    msgs, doc = run()
+    assert f"{damaged / 'config.json'}: a JSON list, not an object (a model config); fix config.json" in msgs
+    assert doc["checks"]["config"]["status"] == "fail"
+    (damaged / "config.json").write_text(cfg)
+    edit_config(damaged, lambda qc: qc["config_groups"]["group_0"].__setitem__("weights", "int4"))
+    msgs, _ = run()
+    assert any(m.startswith("config.json: quantization_config.config_groups.group_0.weights is 'int4', not a mapping")
+               for m in msgs)
+    (damaged / "config.json").write_text(cfg)
+    shard = shard_of(damaged, "lm_head.weight")
+    data = (damaged / shard).read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    del header["lm_head.weight"]["dtype"]
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    (damaged / shard).write_bytes(data[:8] + raw + b" " * (n - len(raw)) + data[8 + n:])
+    msgs, doc = run()
+    assert f"{damaged / shard}: tensor lm_head.weight: header entry has no dtype; the shard is not valid " \
+           f"safetensors, re-download or re-write it" in msgs
+    assert doc["checks"]["index"]["status"] == "fail"

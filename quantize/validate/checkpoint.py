@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glmq.formats.families import TensorClass, classify
-from glmq.formats.manifest import Manifest
+from glmq.formats.manifest import CHECKSUM_KEYS, MANIFEST_NAME, Manifest
 from glmq.formats.safetensors_io import CheckpointError, TensorEntry, read_header
 from glmq.formats.source import INDEX_NAME, SINGLE_NAME
 from glmq.quantize.validate.report import CannotValidate, CheckResult
@@ -53,6 +53,9 @@ def load_checkpoint(root: Path) -> Checkpoint:
         config_error = f"{cfg_path}: not valid JSON ({e})"
     except OSError as e:
         raise CannotValidate(f"{cfg_path}: unreadable ({e})") from e
+    if config is not None and not isinstance(config, dict):
+        kind = type(config).__name__
+        config, config_error = None, f"{cfg_path}: a JSON {kind}, not an object (a model config); fix config.json"
     index = CheckResult("index")
     weight_map, total = _read_index(root, index)
     shards, starts = {}, {}
@@ -72,7 +75,27 @@ def load_checkpoint(root: Path) -> Checkpoint:
         ck.manifest = Manifest.load(root)
     except ValueError as e:
         ck.manifest_error = str(e)
+    if ck.manifest is not None and (why := _manifest_problem(ck.manifest)):
+        ck.manifest = None
+        ck.manifest_error = f"{root / MANIFEST_NAME}: {why}; re-convert, or remove it to skip the integrity check"
     return ck
+
+
+def _manifest_problem(man: Manifest) -> str | None:
+    """What makes a parsed manifest unusable by the checks (a JSON type they do not expect), or None."""
+    if not isinstance(man.identity, dict):
+        return "identity is not an object"
+    if not isinstance(man.files, dict):
+        return "files is not an object of shard -> record"
+    for shard, rec in man.files.items():
+        if not isinstance(rec, dict):
+            return f"files.{shard} is not an object"
+        sums = [rec.get(key) for key in CHECKSUM_KEYS.values()]
+        if not all(x is None or (isinstance(x, dict) and all(isinstance(d, str) for d in x.values())) for x in sums):
+            return f"files.{shard}: a checksum record is not an object of tensor -> hex digest"
+        if rec.get("bytes") is not None and type(rec["bytes"]) is not int:
+            return f"files.{shard}.bytes is not an integer"
+    return None
 
 
 def _read_index(root: Path, res: CheckResult) -> tuple[dict[str, str], int | None]:
@@ -101,13 +124,21 @@ def _read_index(root: Path, res: CheckResult) -> tuple[dict[str, str], int | Non
     except ValueError as e:
         res.fail(f"{INDEX_NAME}: not valid JSON ({e})")
         return {}, None
+    if not isinstance(idx, dict):
+        res.fail(f"{INDEX_NAME}: is a JSON {type(idx).__name__}, not an object with a weight_map")
+        return {}, None
     wm = idx.get("weight_map")
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         res.fail(f"{INDEX_NAME}: weight_map is not a mapping of tensor name -> shard file")
         return {}, None
     for name in dups:
         res.fail(f"{INDEX_NAME}: tensor {name} is listed more than once", tensor=name)
-    total = (idx.get("metadata") or {}).get("total_size")
+    meta = idx.get("metadata") or {}
+    total = meta.get("total_size") if isinstance(meta, dict) else None
+    if not isinstance(meta, dict) or not (total is None or type(total) is int):
+        res.fail(f"{INDEX_NAME}: metadata.total_size is not an integer (metadata is {meta!r:.80}); "
+                 f"loaders read it as the checkpoint's byte count")
+        total = None
     return wm, total
 
 

@@ -21,6 +21,9 @@ class Group:
     block: tuple[int, int] | None = None  # FP8 block_structure
 
 
+_WHERE = "config.json: quantization_config"  # how messages name the config's keys
+
+
 def _ct():
     """compressed-tensors, through the module that owns it (it takes seconds to import)."""
     from glmq.formats import compressed_tensors
@@ -50,7 +53,8 @@ def read_quant_config(config: dict | None, error: str | None) -> QuantConfig:
               "quantization_status": ("compressed",)}
     problems = [f"quantization_config.{key} is {qc.get(key)!r}, expected {' or '.join(map(repr, ok))}"
                 for key, ok in expect.items() if qc.get(key) not in ok]
-    groups = _parse_groups(qc.get("config_groups") or {}, qc.get("format"), problems)
+    top_format = qc.get("format") if isinstance(qc.get("format"), str) else None
+    groups = _parse_groups(qc.get("config_groups") or {}, top_format, problems)
     ignore = qc.get("ignore") or []
     if not (isinstance(ignore, list) and all(isinstance(p, str) for p in ignore)):
         problems.append("quantization_config.ignore is not a list of strings")
@@ -60,7 +64,9 @@ def read_quant_config(config: dict | None, error: str | None) -> QuantConfig:
 
 def check_config(q: QuantConfig) -> CheckResult:
     """The parse's problems, plus compressed-tensors' own parse and the keys older releases reject."""
-    res = CheckResult("config", checked=len(q.qc.get("config_groups") or {}))
+    groups = q.qc.get("config_groups") or {}
+    groups = groups if isinstance(groups, dict) else {}  # the parse reported it
+    res = CheckResult("config", checked=len(groups))
     for msg in q.problems:
         res.fail(msg)
     if not q.qc:
@@ -71,34 +77,65 @@ def check_config(q: QuantConfig) -> CheckResult:
     except (ValueError, TypeError) as e:
         res.fail(f"quantization_config does not parse with compressed-tensors {ct.CT_VERSION}: "
                  + " | ".join(str(e).splitlines()[:3]))
-    for gname, g in (q.qc.get("config_groups") or {}).items():
+    for gname, g in groups.items():
+        if not isinstance(g, dict):
+            continue  # the parse reported it
         for key in sorted(set(g) - set(ct._SCHEME_KEYS)):
             res.fail(f"config_groups.{gname}.{key}: a scheme key older compressed-tensors releases reject "
                      f"(extra=forbid)")
         for role in ("weights", "input_activations", "output_activations"):
-            for key in sorted(set(g.get(role) or {}) - set(ct._ARGS_KEYS)):
+            args = g.get(role) or {}
+            if not isinstance(args, dict):
+                if role != "weights":  # the parse reported weights
+                    res.fail(f"{_WHERE}.config_groups.{gname}.{role} is {args!r:.60}, not a mapping of quantization "
+                             f"args (or null); fix config.json")
+                continue
+            for key in sorted(set(args) - set(ct._ARGS_KEYS)):
                 res.fail(f"config_groups.{gname}.{role}.{key}: compressed-tensors < 0.13 rejects this key "
                          f"(QuantizationArgs is extra=forbid; vLLM/SGLang validate with the CT they ship); remove it")
     return res
 
 
 def _parse_groups(groups: dict, top_format: str | None, problems: list[str]) -> list[Group]:
+    """The groups glmq validates; what is malformed (a type a loader would reject) goes to `problems`."""
+    if not isinstance(groups, dict):
+        problems.append(f"{_WHERE}.config_groups is {groups!r:.60}, not a mapping of group name -> scheme; fix "
+                        f"config.json")
+        return []
     out = []
     for gname, g in groups.items():
+        where = f"{_WHERE}.config_groups.{gname}"
+        if not isinstance(g, dict):
+            problems.append(f"{where} is {g!r:.60}, not a scheme mapping (targets, weights, format); fix config.json")
+            continue
         w, fmt = g.get("weights") or {}, g.get("format") or top_format
-        targets = tuple(g.get("targets") or ())
+        if not isinstance(w, dict):
+            problems.append(f"{where}.weights is {w!r:.60}, not a mapping of quantization args (num_bits, type, "
+                            f"strategy, group_size, ...); fix config.json")
+            continue
+        raw_targets = g.get("targets") or []
+        if not (isinstance(raw_targets, list) and all(isinstance(t, str) for t in raw_targets)):
+            problems.append(f"{where}.targets is {raw_targets!r:.60}, not a list of strings; fix config.json")
+            continue
+        targets = tuple(raw_targets)
         if w.get("type") == "float" and fmt == "float-quantized":
-            bs = w.get("block_structure")
-            out.append(Group(gname, targets, "float", int(w.get("num_bits", 8)), block=tuple(bs) if bs else None))
+            bs, bits = w.get("block_structure"), w.get("num_bits", 8)
+            if not (bs is None or (isinstance(bs, list) and len(bs) == 2 and all(type(b) is int and b > 0 for b in bs))
+                    ) or type(bits) is not int:
+                problems.append(f"{where}.weights: num_bits {bits!r}, block_structure {bs!r}: not an FP8 layout "
+                                f"(an integer num_bits; block_structure null or [rows, cols]); fix config.json")
+                continue
+            out.append(Group(gname, targets, "float", bits, block=tuple(bs) if bs else None))
             continue
         if w.get("type") != "int" or fmt != "pack-quantized":
             problems.append(f"config_groups.{gname}: weights type {w.get('type')!r} with format {fmt!r}; glmq "
                             f"validates INT pack-quantized and FP8 float-quantized groups")
             continue
         strategy, gs = w.get("strategy"), w.get("group_size")
-        if w.get("num_bits") not in (4, 8) or strategy not in ("group", "channel") or (
-                strategy == "group" and not (isinstance(gs, int) and gs > 0)):
-            problems.append(f"config_groups.{gname}.weights: num_bits {w.get('num_bits')}, strategy {strategy!r}, "
+        bits = w.get("num_bits")
+        if type(bits) is not int or bits not in (4, 8) or strategy not in ("group", "channel") or (
+                strategy == "group" and not (type(gs) is int and gs > 0)):
+            problems.append(f"config_groups.{gname}.weights: num_bits {bits!r}, strategy {strategy!r}, "
                             f"group_size {gs}: not a pack-quantized layout (4/8 bits; group with a size, or channel)")
             continue
         out.append(Group(gname, targets, "int", int(w["num_bits"]), gs if strategy == "group" else None,

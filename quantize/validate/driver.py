@@ -92,7 +92,8 @@ def validate(checkpoint: str | Path, source: str | Path | None = None, *, sample
         raise CannotValidate(f"compressed-tensors cannot be imported ({e}); the config checks need it") from e
     for msg in read_errors:
         ck.index.fail(msg)
-    checks = {"config": check_config(q), "structure": check_structure(modules, groups, scan.shapes, ignore, ck.config),
+    checks = {"config": check_config(q),
+              "structure": check_structure(modules, groups, scan.shapes, ignore, ck.config, scan.values),
               "index": ck.index}
     if serving:
         checks["serving"] = check_serving(modules, groups, scan.shapes, ignore, q.qc, tp)

@@ -170,7 +170,8 @@ class ModuleScan:
         self.owner = {t: (m, leaf) for m, leaves in self.want.items() for leaf, t in leaves.items()}
         self.keep = set(self.owner)
         self.got: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
-        self.shapes: dict[str, tuple[int, int] | None] = {}
+        self.shapes: dict[str, tuple[int, int] | None] = {}  # a usable [N, K], else None
+        self.values: dict[str, tuple[int, ...]] = {}  # weight_shape as read (integer dtypes), usable or not
         self.numerics = CheckResult("numerics", details={"device": device, "worst": []})
         self.errors: list[tuple[str, float, float, str]] = []
         self.lock = threading.Lock()
@@ -191,6 +192,8 @@ class ModuleScan:
         m, g = self.modules[name], self.scheme[name]
         shape = _shape_value(t.get("weight_shape"))
         self.shapes[name] = shape
+        if (value := _ints(t.get("weight_shape"))) is not None:
+            self.values[name] = value  # structure names an unusable one
         well_formed = shape is not None and not int_module_problems(m, g, shape)
         if self.source is not None and name in self.sampled and well_formed:
             self.source.compare_module(name, t, shape, g)
@@ -228,10 +231,19 @@ class ModuleScan:
         return res
 
 
-def _shape_value(t: torch.Tensor | None) -> tuple[int, int] | None:
-    if t is None or t.numel() != 2 or t.is_floating_point():
+def _ints(t: torch.Tensor | None) -> tuple[int, ...] | None:
+    """weight_shape's values, if it holds integers (its dtype is the structure check's business)."""
+    if t is None or t.is_floating_point() or t.is_complex():
         return None
-    n, k = (int(v) for v in t.tolist())
+    return tuple(int(v) for v in t.reshape(-1).tolist())
+
+
+def _shape_value(t: torch.Tensor | None) -> tuple[int, int] | None:
+    """weight_shape as a usable `(N, K)`: two positive integers; else None (structure reports why)."""
+    value = _ints(t)
+    if value is None or t.dim() != 1 or len(value) != 2:
+        return None
+    n, k = value
     return (n, k) if n > 0 and k > 0 else None
 
 

@@ -22,7 +22,7 @@ import torch
 from glmq.formats import fp8
 from glmq.formats.families import layer_index
 from glmq.formats.manifest import REPORT_NAME
-from glmq.formats.safetensors_io import DTYPES, CheckpointError, TensorEntry, read_header
+from glmq.formats.safetensors_io import DTYPE_NAMES, DTYPES, CheckpointError, TensorEntry, read_header
 from glmq.formats.source import INDEX_NAME, SINGLE_NAME
 from glmq.quantize.validate.checkpoint import COMPANIONS, Checkpoint
 from glmq.quantize.validate.config import Group
@@ -44,10 +44,11 @@ def recipe_method(ck: Checkpoint) -> str:
     rec = (ck.manifest.identity.get("recipe") if ck.manifest else None) or {}
     if not rec and (ck.root / REPORT_NAME).exists():
         try:
-            rec = json.loads((ck.root / REPORT_NAME).read_text()).get("recipe") or {}
+            doc = json.loads((ck.root / REPORT_NAME).read_text())
+            rec = (doc.get("recipe") if isinstance(doc, dict) else None) or {}
         except ValueError:
             rec = {}
-    return str(rec.get("method", "rtn"))
+    return str(rec.get("method", "rtn")) if isinstance(rec, dict) else "rtn"
 
 
 def weight_error(packed: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, shape: tuple[int, int],
@@ -100,12 +101,12 @@ class SourceReader:
             for shard in sorted(set(wm.values())):
                 found, _, self.starts[shard] = read_header(root / shard)
                 self.entries.update(found)
-        except (OSError, ValueError, KeyError, AttributeError) as e:
+            self.block = tuple(qc["weight_block_size"]) if qc.get("quant_method") == "fp8" else None
+            self.int_args = next(((int(w["num_bits"]), int(w["group_size"]))
+                                  for grp in (qc.get("config_groups") or {}).values()
+                                  if (w := grp.get("weights") or {}).get("type") == "int"), None)
+        except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
             raise _cannot(root, e) from e
-        self.block = tuple(qc["weight_block_size"]) if qc.get("quant_method") == "fp8" else None
-        self.int_args = next(((int(w["num_bits"]), int(w["group_size"]))
-                              for grp in (qc.get("config_groups") or {}).values()
-                              if (w := grp.get("weights") or {}).get("type") == "int"), None)
         self.fds: dict[str, int] = {}
         self.lock = threading.Lock()
 
@@ -150,23 +151,44 @@ class SourceReader:
         return t.to(torch.bfloat16) if t.is_floating_point() else t
 
     def unchanged(self, name: str, t: torch.Tensor) -> bool:
-        """`torch.equal(t.to(w.dtype), w)` for w = `dense(name)`; a bf16 `t` dequantized from block FP8
-        is compared in one pass without building w (cpu_kernels.fp8_block_mismatches).
+        """Whether `t`, stored unquantized in the checkpoint, is what glmq writes for source tensor `name`
+        (`difference` is None)."""
+        return self.difference(name, t) is None
+
+    def difference(self, name: str, t: torch.Tensor) -> str | None:
+        """How `t`, stored unquantized in the checkpoint, differs from what glmq writes for source tensor
+        `name`, or None. As quantize/plan.py decides: an FP8 weight is dequantized to BF16
+        (Action.DEQUANTIZE), compared bit for bit with the reference dequantization (a block-FP8 one in one
+        pass without building it: cpu_kernels.fp8_block_mismatches); any other tensor is copied as it is
+        (Action.COPY): the same dtype and the same bytes (an F32 router bias stays F32, formats.md §1d).
+        A pack-quantized source's weight (which glmq does not convert) is compared dequantized, as bf16.
 
         Raises:
             CannotValidate: as `dense`.
         """
         e, scale = self.entries.get(name), f"{name.rpartition('.')[0]}.weight_scale_inv"
-        if (e is None or e.dtype != "F8_E4M3" or self.block is None or len(e.shape) != 2 or t.dtype != torch.bfloat16
-                or scale not in self.entries):
+        stored = DTYPE_NAMES.get(t.dtype, str(t.dtype))
+        if e is not None and e.dtype != "F8_E4M3":  # copied
+            if stored != e.dtype:
+                return (f"stored as {stored} but the source has {e.dtype}: glmq copies this tensor unchanged "
+                        f"(same dtype, same bytes)")
+            try:
+                same = tuple(t.shape) == tuple(e.shape) and torch.equal(_as_bytes(t), _as_bytes(self.raw(name)))
+            except OSError as err:
+                raise _cannot(self.root, err) from err
+            return None if same else "stored unquantized but differs from the source"
+        if e is not None and t.dtype != torch.bfloat16:  # dequantized
+            return f"stored as {stored}; glmq dequantizes an FP8 source weight to BF16"
+        if e is None or self.block is None or len(e.shape) != 2 or scale not in self.entries:
             w = self.dense(name)
-            return torch.equal(t.to(w.dtype), w)
+            return None if torch.equal(t.to(w.dtype), w) else "stored unquantized but differs from the source"
         from glmq.quantize.validate.cpu_kernels import fp8_block_mismatches
 
         try:
-            return fp8_block_mismatches(t, self.raw(name), self.raw(scale), self.block) == 0
+            same = fp8_block_mismatches(t, self.raw(name), self.raw(scale), self.block) == 0
         except (OSError, ValueError) as err:
             raise _cannot(self.root, err) from err
+        return None if same else "stored unquantized but differs from the source"
 
     def raw(self, name: str) -> torch.Tensor:
         """The stored tensor `name` (KeyError if the source has none)."""
@@ -192,6 +214,11 @@ class SourceReader:
             for fd in self.fds.values():
                 os.close(fd)
             self.fds.clear()
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a tensor, as uint8 (for an exact comparison: NaN payloads and signed zeros included)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _cannot(root: Path, e: Exception) -> CannotValidate:
@@ -271,13 +298,13 @@ class SourceCheck:
         return keep
 
     def compare_tensor(self, name: str, t: torch.Tensor, shard: str | None = None) -> None:
-        """An unquantized checkpoint tensor: bit-identical to the source for bf16 tensors; others (an
-        F32 bias) compared as bf16."""
-        same = self.src.unchanged(name, t)
+        """An unquantized checkpoint tensor: a copied one has the source's dtype and bytes, an FP8-dequantized
+        one the reference dequantization's bits (SourceReader.difference)."""
+        why = self.src.difference(name, t)
         with self.lock:
             self.res.checked += 1
-            if not same:
-                self.res.fail(f"{name}: stored unquantized but differs from the source", tensor=name, shard=shard)
+            if why is not None:
+                self.res.fail(f"{name}: {why}", tensor=name, shard=shard)
 
     def compare_module(self, module: str, parts: dict[str, torch.Tensor], shape: tuple[int, int], g: Group) -> None:
         """A sampled, well-formed quantized module (its stored tensors by leaf) against its source weight."""

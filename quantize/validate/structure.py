@@ -26,8 +26,14 @@ def expected_shapes(n: int, k: int, g: Group) -> dict[str, tuple[int, ...]]:
     return want
 
 
-def int_module_problems(m: Module, g: Group, shape: tuple[int, int] | None) -> list[str]:
-    """What is wrong with one pack-quantized module under group `g` (pure); `shape` is weight_shape's value."""
+def int_module_problems(m: Module, g: Group, shape: tuple[int, int] | None,
+                        value: tuple[int, ...] | None = None) -> list[str]:
+    """What is wrong with one pack-quantized module under group `g` (pure).
+
+    Args:
+        shape: weight_shape's value as a usable `(N, K)`, or None (not read, or unusable).
+        value: weight_shape's values as read, when `shape` is None: reported as unusable (None: not read).
+    """
     p, out = m.parts, []
     need = ["weight_packed", "weight_scale", "weight_shape"] + ([] if g.symmetric else ["weight_zero_point"])
     need += ["weight_g_idx"] if g.actorder == "group" else []
@@ -41,6 +47,8 @@ def int_module_problems(m: Module, g: Group, shape: tuple[int, int] | None) -> l
     out += [f"{m.name}.{leaf} is {p[leaf].dtype}, expected {'/'.join(ok)}"
             for leaf, ok in LEAF_DTYPES.items() if leaf in p and p[leaf].dtype not in ok]
     if shape is None:
+        if value is not None and "weight_shape" in p:
+            out.append(_weight_shape_problem(m, value))
         return out
     n, k = shape
     if g.group_size and k >= g.group_size and k % g.group_size:
@@ -52,9 +60,25 @@ def int_module_problems(m: Module, g: Group, shape: tuple[int, int] | None) -> l
     return out
 
 
+def _weight_shape_problem(m: Module, value: tuple[int, ...]) -> str:
+    """Why a weight_shape that was read is not a usable [N, K] (loaders would drop or misread the module)."""
+    e = m.parts["weight_shape"]
+    if tuple(e.shape) != (2,):
+        why = f"has shape {list(e.shape)} (holding {list(value)[:8]}), expected [2]"
+    else:
+        why = f"holds {list(value)}: N and K must be positive"
+    return (f"{m.name}.weight_shape in {e.shard} {why}: it must be the [N, K] of the original weight, which "
+            f"weight_packed and weight_scale are laid out for; loaders would drop or misread the module, re-convert it")
+
+
 def check_structure(modules: dict[str, Module], groups: list[Group], shapes: dict, ignore: list[str],
-                    config: dict | None) -> CheckResult:
-    """Promised tensors present and well-formed, nothing left over, ignore list == storage (pure)."""
+                    config: dict | None, values: dict | None = None) -> CheckResult:
+    """Promised tensors present and well-formed, nothing left over, ignore list == storage (pure).
+
+    `shapes`: module -> usable (N, K) or None; `values`: module -> weight_shape's integers as read
+    (numerics.ModuleScan), so that an unusable one is reported, not skipped.
+    """
+    values = values or {}
     res = CheckResult("structure", checked=len(modules))
     ct = _ct()
     float_groups = [g for g in groups if g.kind == "float"]
@@ -67,7 +91,7 @@ def check_structure(modules: dict[str, Module], groups: list[Group], shapes: dic
             if g is None or g.kind != "int":
                 res.fail(f"{m.name} is stored pack-quantized but no INT config group targets it", **where)
                 continue
-            for msg in int_module_problems(m, g, shapes.get(m.name)):
+            for msg in int_module_problems(m, g, shapes.get(m.name), values.get(m.name)):
                 res.fail(msg, **where)
             hit = [p for p in ignore if ct.is_ignored(m.name, [p])]
             if hit:
@@ -76,11 +100,11 @@ def check_structure(modules: dict[str, Module], groups: list[Group], shapes: dic
         elif m.is_fp8:
             fg = next((g for g in float_groups if ct.is_ignored(m.name, list(g.targets))), None)
             hit = [p for p in ignore if ct.is_ignored(m.name, [p])]
-            if hit:  # ignore is applied before the config groups: loaders would build a BF16 Linear
+            if fg is None:
+                res.fail(f"{m.name}.weight is F8_E4M3 but no float-quantized config group targets it", **where)
+            elif hit:  # ignore is applied before the config groups: loaders would build a BF16 Linear
                 res.fail(f"{m.name}.weight is F8_E4M3 but matches ignore entry {hit[0]!r}: loaders would build it "
                          f"unquantized and read the FP8 bytes without their scales", **where)
-            elif fg is None:
-                res.fail(f"{m.name}.weight is F8_E4M3 but no float-quantized config group targets it", **where)
             elif "weight_scale" not in m.parts:
                 res.fail(f"{m.name}.weight_scale is missing (FP8 weight of {fg.name})", **where)
             elif fg.block and len(w8 := m.parts["weight"].shape) == 2:
@@ -111,8 +135,9 @@ def _check_experts(modules: dict[str, Module], config: dict, res: CheckResult) -
     if not isinstance(n, int):
         return
     layers = set(found)
-    if isinstance(config.get("num_hidden_layers"), int):
-        dense = int(config.get("first_k_dense_replace", 0) or 0)
+    counts = [config.get(k) or 0 for k in ("num_hidden_layers", "first_k_dense_replace", "num_nextn_predict_layers")]
+    if isinstance(config.get("num_hidden_layers"), int) and all(type(c) is int for c in counts):
+        dense = counts[1]
         layers |= set(range(dense, config["num_hidden_layers"])) | set(mtp_layers(config))
     for layer in sorted(layers):
         missing = [(e, p) for e in range(n) for p in ("gate", "up", "down") if (e, p) not in found[layer]]
