@@ -10,16 +10,24 @@ Each finished output file is recorded as
      "xxh3_128": {tensor: xxh3-128 hex}}     # since the fast checksum was added; older records lack it
 of the same bytes (formats/safetensors_io.CHECKSUMS). `checksum_record(rec, algorithm)` reads either.
 
+While a run goes on, each finished file's record is appended as one line to a journal beside the manifest
+(`glmq_manifest.journal.jsonl`, fsynced; `Manifest.append`) instead of rewriting the whole manifest: with a
+checksum per tensor, GLM-5's manifest grows to ~44 MB, and rewriting it after each of ~140 output files cost
+~50 s of JSON and fsync (BENCHMARKS.md, "Manifest journal"). `Manifest.load` folds the journal in (a line
+torn by a crash is the last one, and is dropped: its file is converted again); `save` writes the whole
+manifest and then drops the journal, whose records it now holds.
+
 In a distributed run (quantize/dist.py) only rank 0 writes `glmq_manifest.json`; each rank records the
-files it finishes in its own fragment, `glmq_manifest.rankNNNNN.json` (same format, its files only),
-so no file has two writers. Records are per output file, not per rank: the next run, whatever its
-world size, folds every fragment into the manifest (`absorb_fragments`) before deciding what to redo,
-and a finished run leaves no fragment behind.
+files it finishes in its own fragment, `glmq_manifest.rankNNNNN.json` (same format, its files only, with
+its own journal), so no file has two writers. Records are per output file, not per rank: the next run,
+whatever its world size, folds every fragment into the manifest (`absorb_fragments`) before deciding
+what to redo, and a finished run leaves no fragment behind.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -39,6 +47,17 @@ def checksum_record(rec: dict, algorithm: str) -> dict[str, str] | None:
     return rec.get(CHECKSUM_KEYS[algorithm])
 
 
+def journal_name(name: str) -> str:
+    """The journal of manifest `name` (not matched by FRAGMENT_GLOB)."""
+    return name.removesuffix(".json") + ".journal.jsonl"
+
+
+def remove(out_dir: Path, name: str) -> None:
+    """Delete manifest `name` and its journal."""
+    (out_dir / name).unlink(missing_ok=True)
+    (out_dir / journal_name(name)).unlink(missing_ok=True)
+
+
 def fragment_name(rank: int) -> str:
     """The file in which rank `rank` of a distributed run records the output files it finished."""
     return f"glmq_manifest.rank{rank:05d}.json"
@@ -52,7 +71,17 @@ class Manifest:
     format_version: int = 1
 
     def save(self, out_dir: Path, name: str = MANIFEST_NAME) -> None:
+        """Write the whole manifest (temporary name, fsync, rename), then drop the journal it now holds."""
         atomic_write_text(out_dir / name, json.dumps(asdict(self), indent=1, sort_keys=True) + "\n")
+        (out_dir / journal_name(name)).unlink(missing_ok=True)
+
+    def append(self, out_dir: Path, file: str, record: dict, name: str = MANIFEST_NAME) -> None:
+        """Record finished output file `file` here and, durably, in the journal of manifest `name` (saved before)."""
+        self.files[file] = record
+        with open(out_dir / journal_name(name), "a") as f:
+            f.write(json.dumps({"file": file, "record": record}, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
     def absorb_fragments(self, out_dir: Path) -> list[Path]:
         """Add the file records of every rank fragment in `out_dir` (any world size) to this manifest.
@@ -78,6 +107,18 @@ class Manifest:
             return None
         try:
             d = json.loads(p.read_text())
-            return cls(d["identity"], d.get("files", {}), bool(d.get("complete")), int(d.get("format_version", 1)))
+            man = cls(d["identity"], d.get("files", {}), bool(d.get("complete")), int(d.get("format_version", 1)))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{p}: unreadable glmq manifest ({e}); remove the output folder and start again") from e
+        journal = out_dir / journal_name(name)
+        if journal.exists():
+            lines = journal.read_text().split("\n")
+            for i, line in enumerate(lines):
+                try:
+                    entry = json.loads(line)
+                    man.files[entry["file"]] = entry["record"]
+                except (ValueError, KeyError, TypeError) as e:
+                    if i < len(lines) - 1 and any(x.strip() for x in lines[i + 1:]):  # only the last may be torn
+                        raise ValueError(f"{journal}: unreadable line {i + 1} ({e}); remove the output folder and "
+                                         f"start again") from e
+        return man

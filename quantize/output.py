@@ -22,6 +22,7 @@ from pathlib import Path
 
 from glmq import __version__
 from glmq.formats.families import LINEAR_CLASSES, ignore_list
+from glmq.formats import manifest
 from glmq.formats.manifest import CHECKSUM_KEYS, MANIFEST_NAME, Manifest, fragment_name
 from glmq.formats.safetensors_io import (SHA256, TMP_SUFFIX, XXH3_128, CheckpointError, atomic_write_text,
                                          file_tensor_checksums)
@@ -111,7 +112,7 @@ def _prepare_output(plan: Plan, out: Path) -> Manifest:
     man.complete = man.complete and len(kept) == len(plan.files)
     man.save(out)
     for p in fragments:  # now in the manifest
-        p.unlink()
+        manifest.remove(out, p.name)
     return man
 
 
@@ -124,6 +125,8 @@ class FileBook:
         self.book = man if world is None else Manifest(man.identity)
         self.name = MANIFEST_NAME if world is None else fragment_name(world.rank)
         self._lock = threading.Lock()
+        if world is not None:  # the fragment's identity first; its records go to its journal
+            self.book.save(out, self.name)
 
     @property
     def files(self) -> dict[str, dict]:
@@ -132,9 +135,8 @@ class FileBook:
     def record(self, f: OutFile, size: int, hashes: dict[str, str], fast: dict[str, str]) -> None:
         """Called from the commit thread once `f` is renamed into place: its tensors' sha256 and xxh3-128."""
         with self._lock:
-            self.book.files[f.name] = {"source_shard": f.source_shard, "bytes": size, CHECKSUM_KEYS[SHA256]: hashes,
-                                       CHECKSUM_KEYS[XXH3_128]: fast}
-            self.book.save(self.out, self.name)
+            self.book.append(self.out, f.name, {"source_shard": f.source_shard, "bytes": size,
+                                                CHECKSUM_KEYS[SHA256]: hashes, CHECKSUM_KEYS[XXH3_128]: fast}, self.name)
 
 
 def _exact(module: str) -> str:

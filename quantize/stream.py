@@ -33,6 +33,7 @@ import torch
 from safetensors import safe_open
 
 from glmq import __version__
+from glmq.formats import manifest
 from glmq.formats.manifest import FRAGMENT_GLOB, REPORT_NAME, Manifest
 from glmq.formats.safetensors_io import XXH3_128, CheckpointError, StreamingWriter, atomic_write_text
 from glmq.formats.source import Source
@@ -366,7 +367,7 @@ def _finish(plan: Plan, out: Path, man: Manifest, qc: dict, stats: RunStats, ran
     t_fin = time.perf_counter()
     man.save(out)  # the merged records first: then the ranks' fragments may go
     for p in out.glob(FRAGMENT_GLOB):
-        p.unlink()
+        manifest.remove(out, p.name)
     finish_checkpoint(plan, out, man, qc)
     phases["finish"] = time.perf_counter() - t_fin
     stats = dataclasses.replace(stats, bytes_in=sum(r["bytes_in_processed"] for r in ranks), bytes_out=plan.bytes_out,

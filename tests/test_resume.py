@@ -72,3 +72,32 @@ def test_resume_redoes_a_corrupted_finished_shard(make_ckpt, tmp_path):
     report = stream.run(plan, out, progress=False)
     assert report["files_skipped_resumed"] == len(plan.files) - 1
     assert _files(out) == _files(ref)
+
+
+def test_manifest_journal_survives_a_torn_last_line(tmp_path):
+    """Finished files are appended to the manifest's journal; load folds it in and drops a line torn by a crash
+    (that file is converted again); an unreadable line before the last is an error; save drops the journal."""
+    import json
+
+    import pytest
+
+    from glmq.formats.manifest import MANIFEST_NAME, Manifest, journal_name
+
+    man = Manifest({"recipe": "x"})
+    man.save(tmp_path)
+    for i in range(3):
+        man.append(tmp_path, f"model-{i:05d}.safetensors", {"bytes": i, "tensors": {"t": f"{i:064x}"}})
+    assert Manifest.load(tmp_path).files == man.files
+    journal = tmp_path / journal_name(MANIFEST_NAME)
+    assert json.loads((tmp_path / MANIFEST_NAME).read_text())["files"] == {}  # not rewritten per file
+    text = journal.read_text()
+    journal.write_text(text[:-10])  # the last record torn
+    assert sorted(Manifest.load(tmp_path).files) == ["model-00000.safetensors", "model-00001.safetensors"]
+    lines = text.split("\n")
+    journal.write_text("\n".join([lines[0], lines[1][:20], lines[2], ""]))
+    with pytest.raises(ValueError, match="unreadable line 2"):
+        Manifest.load(tmp_path)
+    journal.write_text(text)
+    loaded = Manifest.load(tmp_path)
+    loaded.save(tmp_path)
+    assert not journal.exists() and Manifest.load(tmp_path).files == man.files
