@@ -16,6 +16,16 @@ from __future__ import annotations
 import torch
 
 
+class NonFiniteWeightError(ValueError):
+    """A source weight holds (or decodes to) NaN or Inf. Raised by the fused CPU kernels and the PyTorch path
+    alike (quantize/ops.py); the engine (quantize/stream.py) adds the file, the tensor and what to do."""
+
+    @classmethod
+    def in_rows(cls, rows: list[int]) -> NonFiniteWeightError:
+        """The error for these rows of a row block (the first eight are named)."""
+        return cls(f"NaN or Inf in rows {rows[:8]}{' ...' if len(rows) > 8 else ''}")
+
+
 def dequantize_block(w8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                      dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """float8_e4m3fn `[N, K]` x float32 `[ceil(N/bn), ceil(K/bk)]` -> `[N, K]` in `dtype`."""

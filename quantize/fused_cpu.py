@@ -28,6 +28,7 @@ try:  # numba is a core dependency; the import guard only keeps `import glmq` li
 except ImportError:  # pragma: no cover - exercised only on installs without numba
     numba = None
 
+from glmq.formats.fp8 import NonFiniteWeightError
 from glmq.quantize.spec import QuantSpec
 
 _BF16_EPS = float(torch.finfo(torch.bfloat16).eps)
@@ -151,10 +152,6 @@ if numba is not None:
             bad[r] = _quant_row(vals, tmp, out[r], scales[r], group, qmax, half_range, eps, bits, full)
 
 
-class NonFiniteWeightError(ValueError):
-    pass
-
-
 def _outputs(n: int, k: int, spec: QuantSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     packed = np.empty((n, k * spec.num_bits // 8), dtype=np.uint8)
     scales = np.empty((n, k // spec.group_size), dtype=np.uint16)
@@ -167,8 +164,7 @@ def _args(spec: QuantSpec) -> tuple:
 
 def _check(bad: np.ndarray) -> None:
     if bad.any():
-        rows = np.flatnonzero(bad)
-        raise NonFiniteWeightError(f"NaN or Inf in rows {rows[:8].tolist()}{' ...' if len(rows) > 8 else ''}")
+        raise NonFiniteWeightError.in_rows(np.flatnonzero(bad).tolist())
 
 
 def _lut() -> np.ndarray:

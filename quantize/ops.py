@@ -2,7 +2,9 @@
 
 Pure functions of tensors; the engine (stream.py) does the reading and writing. On CPU the
 symmetric cases run through the fused numba kernels (fused_cpu.py), everything else through the
-PyTorch path, which is also the CUDA path; both give the same bits (tests/test_fused_cpu.py).
+PyTorch path, which is also the CUDA path; both give the same bits (tests/test_fused_cpu.py), and both
+reject a weight holding NaN or Inf (`NonFiniteWeightError`, which the engine turns into an error naming
+the file and the tensor) instead of writing NaN scales.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from glmq.formats import fp8
+from glmq.formats.fp8 import NonFiniteWeightError
 from glmq.quantize.pack import pack_int32, pack_zero_point
 from glmq.quantize.rtn import quantize_rtn
 from glmq.quantize.spec import QuantSpec
@@ -25,17 +28,43 @@ def _fused(t: torch.Tensor):
     return fused_cpu if fused_cpu.available() else None
 
 
-def decode(w: torch.Tensor, scale: torch.Tensor | None, fmt: str, block: tuple[int, int] | None,
-           dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Source rows -> floating point rows (`dtype` for FP8 sources; dense weights pass through)."""
+def _check_finite(t: torch.Tensor) -> None:
+    """Raise NonFiniteWeightError naming the rows of `t` `[r, c]` that hold NaN or Inf, as the fused kernels do.
+
+    One reduction and no temporary when all is well (min and max propagate NaN, and both are finite only
+    if every value is); the rows are located only on failure. On CUDA the answer costs a sync per row
+    block, small next to reading the block from disk."""
+    if t.numel() == 0:
+        return
+    lo, hi = torch.aminmax(t)
+    if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+        raise NonFiniteWeightError.in_rows((~torch.isfinite(t).all(1)).nonzero().flatten().tolist())
+
+
+def _decode(w: torch.Tensor, scale: torch.Tensor | None, fmt: str, block: tuple[int, int] | None,
+            dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """(`decode`'s rows, whether a fused kernel made them and so already checked them for NaN/Inf)."""
     if scale is None:
-        return w
+        return w, False
     if fmt == "fp8-block":
         fused = _fused(w)
         if fused is not None and dtype == torch.bfloat16:
-            return fused.dequantize_fp8_block(w, scale, block)
-        return fp8.dequantize_block(w, scale, block, dtype)
-    return fp8.dequantize_channel(w, scale, dtype)
+            return fused.dequantize_fp8_block(w, scale, block), True
+        return fp8.dequantize_block(w, scale, block, dtype), False
+    return fp8.dequantize_channel(w, scale, dtype), False
+
+
+def decode(w: torch.Tensor, scale: torch.Tensor | None, fmt: str, block: tuple[int, int] | None,
+           dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Source rows -> floating point rows (`dtype` for FP8 sources; dense weights pass through).
+
+    Raises:
+        NonFiniteWeightError: an FP8 weight decodes to NaN or Inf (a NaN code, or a NaN/Inf/huge scale).
+    """
+    x, checked = _decode(w, scale, fmt, block, dtype)
+    if scale is not None and not checked:
+        _check_finite(x)
+    return x
 
 
 def quantize_rows(w: torch.Tensor, scale: torch.Tensor | None, fmt: str, block: tuple[int, int] | None,
@@ -46,7 +75,13 @@ def quantize_rows(w: torch.Tensor, scale: torch.Tensor | None, fmt: str, block: 
         w: `[r, K]` rows, float8_e4m3fn (with `scale`) or a float dtype.
         scale: block `weight_scale_inv` rows `[ceil(r/bn), ceil(K/bk)]`, a per-channel `[r, 1]` /
             per-tensor FP8 scale, or None for dense weights.
+    Raises:
+        NonFiniteWeightError: the rows hold (or decode to) NaN or Inf.
     """
+    if scale is None and w.dtype != torch.bfloat16:
+        # F16/F32 weights are rounded to bf16 first, as FP8 ones are decoded to it: the scales are the bf16
+        # `weight_scale` the plan declares, and the integers compressed-tensors' RTN of the bf16 weights.
+        w = w.to(torch.bfloat16)
     fused = _fused(w) if spec.symmetric else None
     if fused is not None and scale is not None and fmt == "fp8-block":
         packed, sc = fused.quantize_fp8_block(w, scale, block, spec)
@@ -54,7 +89,12 @@ def quantize_rows(w: torch.Tensor, scale: torch.Tensor | None, fmt: str, block: 
     if fused is not None and scale is None and w.dtype == torch.bfloat16:
         packed, sc = fused.quantize_bf16(w, spec)
         return {"weight_packed": packed, "weight_scale": sc}
-    qw = quantize_rtn(decode(w, scale, fmt, block), spec)
+    x, checked = _decode(w, scale, fmt, block, torch.bfloat16)
+    qw = quantize_rtn(x, spec)
+    if not checked:
+        # Every value reaches its group's min/max, which carry NaN and Inf into the scale: checking the
+        # scales checks the rows at 1/group_size of the cost.
+        _check_finite(qw.scale)
     out = {"weight_packed": pack_int32(qw.q, spec.num_bits), "weight_scale": qw.scale}
     if qw.zero_point is not None:
         out["weight_zero_point"] = pack_zero_point(qw.zero_point, spec.num_bits)

@@ -52,14 +52,24 @@ def pack_int32(q: torch.Tensor, num_bits: int = 4) -> torch.Tensor:
         u = u[:, 0::2] | (u[:, 1::2] << 4)  # (N, K/2) uint8: two nibbles per byte, low first
     elif num_bits != 8:
         raise ValueError(f"num_bits must be 4 or 8, got {num_bits}")
-    return u.contiguous().view(torch.int32)
+    return _row_major(u).view(torch.int32)
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """2-D `t` with row-major strides `(shape[1], 1)`, copied only when it has others.
+
+    `.contiguous()` is not enough before a dtype view: it keeps a tensor with a size-1 dim as it is, whatever
+    that dim's stride (a transposed `[N, 1]` zero point is `[1, N]` with stride (1, 1)), and the view checks
+    the strides (bytes -> int32 needs stride(0) % 4 == 0, int32 -> bytes stride(1) == 1)."""
+    t = t.contiguous()
+    return t if t.stride() == (t.shape[1], 1) else t.clone(memory_format=torch.contiguous_format)
 
 
 def unpack_int32(packed: torch.Tensor, k: int, num_bits: int = 4) -> torch.Tensor:
     """Inverse of `pack_int32`: int32 `[N, W]` -> int8 `[N, k]`."""
     if packed.dtype != torch.int32 or packed.ndim != 2:
         raise ValueError(f"unpack_int32 expects a 2-D int32 tensor, got {packed.dtype} {list(packed.shape)}")
-    b = packed.contiguous().view(torch.uint8)
+    b = _row_major(packed).view(torch.uint8)
     if num_bits == 4:
         b = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
     elif num_bits != 8:
@@ -69,8 +79,8 @@ def unpack_int32(packed: torch.Tensor, k: int, num_bits: int = 4) -> torch.Tenso
 
 def pack_zero_point(zp: torch.Tensor, num_bits: int = 4) -> torch.Tensor:
     """Zero points `[N, G]` int8 are packed along dim 0 (compressed-tensors): `[ceil(N*B/32), G]`."""
-    return pack_int32(zp.t().contiguous(), num_bits).t().contiguous()
+    return _row_major(pack_int32(zp.t(), num_bits).t())
 
 
 def unpack_zero_point(packed: torch.Tensor, n: int, num_bits: int = 4) -> torch.Tensor:
-    return unpack_int32(packed.t().contiguous(), n, num_bits).t().contiguous()
+    return _row_major(unpack_int32(packed.t(), n, num_bits).t())

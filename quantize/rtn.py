@@ -72,11 +72,13 @@ def compute_qparams(
     zero = scale == 0
     zp = None
     if not spec.symmetric:
-        # compressed-tensors derives the zero point from the scale *before* replacing zeros by eps,
-        # so an all-zero group gives 0/0 = NaN, which its int8 cast turns into 0; we write that 0
-        # explicitly (both dequantize the group to exactly 0).
+        # compressed-tensors derives the zero point from the scale *before* replacing zeros by eps. A zero
+        # scale (an all-zero group, or subnormal weights whose range / (q_max - q_min) underflows) then gives
+        # min / 0: -inf where min < 0, so zp = q_min + inf, clamped to q_max (and every q is q_max), which
+        # the arithmetic below reproduces; but 0 / 0 = NaN where min == 0, which its int8 cast turns into 0,
+        # and we write that 0 explicitly. Either way the group dequantizes to exactly 0.
         zp = (spec.q_min - (lo.float() / scale.float()).to(dtype).float()).to(dtype)
-        zp = torch.round(zp.clamp(spec.q_min, spec.q_max)).masked_fill_(zero, 0).to(torch.int8)
+        zp = torch.round(zp.clamp(spec.q_min, spec.q_max)).masked_fill_(zero & (lo == 0), 0).to(torch.int8)
     scale = scale.masked_fill(zero, _eps(dtype))
     return scale, zp
 

@@ -135,6 +135,20 @@ def test_nan_weight_names_the_tensor(ckpt, tmp_path):
     assert_fails(glmq("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress"), out, EXPERT, "NaN")
 
 
+def test_nan_weight_names_the_tensor_on_the_pytorch_path(make_ckpt, tmp_path):
+    """A compressed-tensors FP8 source takes the PyTorch path (as every --device cuda run does): the same
+    error, not NaN scales written and a run that reports success."""
+    src = copy_ckpt(make_ckpt("glm_moe_dsa", "fp8-ct"), tmp_path / "src")
+
+    def poison(t):
+        t[EXPERT].view(torch.uint8)[0, 0] = 0x7F
+
+    rewrite_shard(src, shard_of(src, EXPERT), poison)
+    out = tmp_path / "out"
+    assert_fails(glmq("quantize", "-m", str(src), "-o", str(out), "--no-progress"), out, EXPERT, shard_of(src, EXPERT),
+                 "NaN or Inf in rows [0]", "re-download")
+
+
 def test_unknown_recipe_key(ckpt, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\ntargets: [routed_expert]\ngroup_sise: 64\n")

@@ -21,12 +21,29 @@ def test_pack_matches_compressed_tensors(bits, shape):
     assert torch.equal(unpack_from_int32(ours, bits, torch.Size(shape)), q)
 
 
-@pytest.mark.parametrize("shape", [(8, 3), (13, 5), (64, 48)])
-def test_zero_point_packs_along_dim0_like_compressed_tensors(shape):
-    q = torch.randint(-8, 8, shape, dtype=torch.int8, generator=torch.Generator().manual_seed(1))
-    ours = pack_zero_point(q, 4)
-    assert torch.equal(ours, pack_to_int32(q, 4, packed_dim=0))
-    assert torch.equal(unpack_zero_point(ours, shape[0], 4), q)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", [(8, 3), (13, 5), (64, 48), (3, 2), (8, 1), (13, 1), (256, 1), (1, 1)])
+def test_zero_point_packs_along_dim0_like_compressed_tensors(bits, shape):
+    """Including one group per row (`[N, 1]`, K == group_size) and one packed word per group (N <= 32 / B),
+    whose transposes are "contiguous" with strides a byte view rejects."""
+    q = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), shape, dtype=torch.int8,
+                      generator=torch.Generator().manual_seed(1))
+    ours = pack_zero_point(q, bits)
+    assert torch.equal(ours, pack_to_int32(q, bits, packed_dim=0))
+    assert ours.stride() == (ours.shape[1], 1)
+    back = unpack_zero_point(ours, shape[0], bits)
+    assert torch.equal(back, q) and back.stride() == (shape[1], 1)
+    assert torch.equal(unpack_from_int32(ours, bits, torch.Size(shape), packed_dim=0), q)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_accepts_any_strides(bits):
+    """A `[1, K]` row with stride (1, 1) (the transpose of `[K, 1]`) counts as contiguous."""
+    q = torch.randint(-8, 8, (24, 1), dtype=torch.int8, generator=torch.Generator().manual_seed(2)).t()
+    assert q.is_contiguous() and q.stride() == (1, 1)
+    ours = pack_int32(q, bits)
+    assert torch.equal(ours, pack_to_int32(q.clone(memory_format=torch.contiguous_format), bits))
+    assert torch.equal(unpack_int32(ours.t().contiguous().t(), 24, bits), q)  # [1, W] int32, stride (1, 1)
 
 
 def test_golden_words():

@@ -7,8 +7,8 @@ from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_d
 from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
 from compressed_tensors.quantization.utils import calculate_qparams
 
-from glmq.formats.fp8 import dequantize_block
-from glmq.quantize import fused_cpu
+from glmq.formats.fp8 import NonFiniteWeightError, dequantize_block
+from glmq.quantize import fused_cpu, ops
 from glmq.quantize.pack import pack_int32
 from glmq.quantize.rtn import dequantize, quantize_rtn
 from glmq.quantize.spec import QuantSpec
@@ -39,6 +39,32 @@ def test_rtn_equals_compressed_tensors(dtype, group, bits, sym):
     if not sym:
         assert torch.equal(ours.zero_point, zp.to(torch.int8))
     assert torch.equal(dequantize(ours, group), ct_dequantize(q, scale, zp, args))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_asymmetric_zero_point_of_underflowing_groups_matches_compressed_tensors(dtype, bits):
+    """Groups whose range / (2^b - 1) rounds to a zero scale (subnormal weights): compressed-tensors takes
+    the zero point from min / 0 before the scale becomes eps, so min < 0 gives zp = q == q_max, and only
+    0 / 0 (min == 0) gives zp = 0."""
+    sub = torch.finfo(dtype).tiny * torch.finfo(dtype).eps  # the smallest subnormal
+    w = torch.zeros(5, 64, dtype=dtype)
+    w[0, :2] = torch.tensor([-1, 2]) * sub  # min < 0 < max
+    w[1, 0] = -3 * sub  # max == 0
+    w[2, 0] = 3 * sub  # min == 0: 0 / 0
+    w[3, 32:] = torch.randn(32) * 0.02  # row 3: an all-zero group beside a normal one
+    w[4] = torch.randn(64) * 0.02
+    spec = QuantSpec(num_bits=bits, group_size=32, symmetric=False)
+    ours = quantize_rtn(w, spec)
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=False, strategy="group", group_size=32)
+    gw = w.unflatten(-1, (2, 32))
+    scale, zp = calculate_qparams(gw.amin(-1), gw.amax(-1), args)
+    q = ct_quantize(w, scale, zp, args, dtype=torch.int8)
+    assert torch.equal(ours.scale, scale)
+    assert torch.equal(ours.zero_point, zp.to(torch.int8))
+    assert torch.equal(ours.q, q)
+    assert ours.zero_point[0, 0] == ours.zero_point[1, 0] == spec.q_max and ours.zero_point[2, 0] == 0
+    assert torch.equal(dequantize(ours, 32), ct_dequantize(q, scale, zp, args))
 
 
 def test_rtn_int4_scale_is_absmax_over_7_5():
@@ -139,3 +165,68 @@ def test_block_dequantize_matches_compressed_tensors():
     ref = FP8BlockDequantizer()._create_dequantized_weight(w8, s)
     assert torch.equal(dequantize_block(w8, s, (128, 128)), ref)
     assert torch.equal(fused_cpu.dequantize_fp8_block(w8, s, (128, 128)), ref)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _poisoned_rows(device="cpu"):
+    """FP8 block rows with a NaN code in row 3 and an Inf (a huge block scale) in rows 128-255."""
+    w8, s = _fp8_weight(256, 256)
+    w8.view(torch.uint8)[3, 4] = 0x7F  # the e4m3fn NaN code
+    s[1, 1] = 3e38  # 448 * 3e38 is Inf in float32
+    return w8.to(device), s.to(device)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("fused", [True, False])
+def test_every_path_rejects_nan_and_inf(monkeypatch, sym, fused):
+    """The PyTorch path (every CUDA run, fp8-ct sources, asymmetric specs, and CPU without numba) rejects
+    NaN/Inf as the fused kernels do, instead of writing NaN scales or BF16 weights."""
+    if not fused:
+        monkeypatch.setattr(fused_cpu, "available", lambda: False)
+    spec = QuantSpec(symmetric=sym)
+    rows = r"rows \[3, 128, 129, 130, 131, 132, 133, 134\] \.\.\.$"
+    w8, s = _poisoned_rows()
+    with pytest.raises(NonFiniteWeightError, match=rows):
+        ops.quantize_rows(w8, s, "fp8-block", (128, 128), spec)
+    with pytest.raises(NonFiniteWeightError, match=rows):
+        ops.decode(w8, s, "fp8-block", (128, 128))
+    sc = torch.rand(256, 1) * 0.01
+    sc[7] = float("nan")  # compressed-tensors FP8 (per-channel scale): always the PyTorch path
+    with pytest.raises(NonFiniteWeightError, match=r"rows \[3, 7\]$"):
+        ops.quantize_rows(w8[:, :128], sc, "fp8-ct", None, spec)
+    with pytest.raises(NonFiniteWeightError, match=r"rows \[3, 7\]$"):
+        ops.decode(w8[:, :128], sc, "fp8-ct", None)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        w = _weight(16, 256, dtype)
+        w[5, 200] = float("nan")
+        w[9, 0] = float("-inf")
+        with pytest.raises(NonFiniteWeightError, match=r"rows \[5, 9\]$"):
+            ops.quantize_rows(w, None, "dense", None, spec)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("fused", [True, False])
+def test_dense_f16_f32_rows_are_quantized_as_bf16(monkeypatch, dtype, sym, fused):
+    """F16/F32 weights are rounded to bf16 first, as FP8 ones are decoded to it: bf16 scales (what the plan
+    declares) and compressed-tensors' RTN of the bf16 weights."""
+    if not fused:
+        monkeypatch.setattr(fused_cpu, "available", lambda: False)
+    w = _weight(37, 256, dtype)
+    spec = QuantSpec(symmetric=sym)
+    out = ops.quantize_rows(w, None, "dense", None, spec)
+    ref = quantize_rtn(w.to(torch.bfloat16), spec)
+    assert out["weight_scale"].dtype == torch.bfloat16 and torch.equal(out["weight_scale"], ref.scale)
+    assert torch.equal(out["weight_packed"], pack_int32(ref.q, 4))
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_path_rejects_nan_and_inf():
+    w8, s = _poisoned_rows("cuda")
+    with pytest.raises(NonFiniteWeightError, match=r"rows \[3, 128, "):
+        ops.quantize_rows(w8, s, "fp8-block", (128, 128), QuantSpec())
+    with pytest.raises(NonFiniteWeightError, match=r"rows \[3, 128, "):
+        ops.decode(w8, s, "fp8-block", (128, 128))

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from glmq import recipes
 from glmq.formats.dense import iter_dense
@@ -206,6 +207,49 @@ def test_g32_and_asymmetric_recipes(make_ckpt, tmp_path):
     assert torch.equal(theirs[f"{m}.weight"], ours[f"{m}.weight"])
 
 
+def test_asymmetric_recipe_with_one_group_per_row(make_ckpt, tmp_path):
+    """group_size == K (the routed experts' down_proj is [256, 128]): `[N, 1]` zero points, whose transpose is
+    a "contiguous" [1, N] with stride (1, 1), pack as compressed-tensors unpacks them."""
+    src = make_ckpt("glm_moe_dsa", "fp8-block")
+    asym = tmp_path / "asym.yaml"
+    asym.write_text("name: asym\ntargets: [routed_expert]\nnum_bits: 4\ngroup_size: 128\nsymmetric: false\n")
+    convert(src, tmp_path / "asym", str(asym))
+    t = tensors(tmp_path / "asym")
+    m = "model.layers.1.mlp.experts.0.down_proj"
+    assert t[f"{m}.weight_shape"].tolist() == [256, 128] and t[f"{m}.weight_zero_point"].shape == (32, 1)
+    ours = dict(iter_dense(tmp_path / "asym", torch.bfloat16))
+    theirs = ct_decompress(tmp_path / "asym")
+    assert len(theirs) > 0
+    for name, w in theirs.items():
+        assert torch.equal(w, ours[name]), name
+
+
+def test_dense_f16_f32_sources_quantize_as_their_bf16_values(make_ckpt, tmp_path):
+    """F16/F32 weights are rounded to bf16 before RTN, as FP8 ones are decoded to it, so the written scales are
+    the BF16 the plan declares (the fixture's bf16 values survive the round trip: the same bytes as from bf16)."""
+    from glmq.quantize import ops
+
+    src = make_ckpt("glm_moe_dsa", "bf16")
+    wide = tmp_path / "src"
+    shutil.copytree(src, wide)
+    for i, shard in enumerate(sorted(wide.glob("model-*.safetensors"))):  # F16 and F32 shards alternate
+        with safe_open(str(shard), "pt") as f:
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        dtype = (torch.float16, torch.float32)[i % 2]
+        save_file({k: v.to(dtype) if v.is_floating_point() else v for k, v in t.items()}, str(shard),
+                  metadata={"format": "pt"})
+    convert(wide, tmp_path / "out")
+    srct, wt, out = tensors(src), tensors(wide), tensors(tmp_path / "out")
+    spec = recipes.load("int4-w4a16").spec
+    modules = [k.removesuffix(".weight_packed") for k in out if k.endswith(".weight_packed")]
+    assert {wt[f"{m}.weight"].dtype for m in modules} == {torch.float16, torch.float32}
+    for m in modules:
+        ref = ops.quantize_rows(srct[f"{m}.weight"], None, "dense", None, spec)
+        assert out[f"{m}.weight_scale"].dtype == torch.bfloat16, m
+        assert torch.equal(out[f"{m}.weight_scale"], ref["weight_scale"]), m
+        assert torch.equal(out[f"{m}.weight_packed"], ref["weight_packed"]), m
+
+
 def test_deterministic_output(make_ckpt, tmp_path):
     src = make_ckpt("glm_moe_dsa", "fp8-block")
     convert(src, tmp_path / "a", max_shard_bytes=300_000)
@@ -253,30 +297,43 @@ def test_precomputed_integers_hook_writes_the_same_bytes(make_ckpt, tmp_path):
         assert (tmp_path / "a" / f.name).read_bytes() == (tmp_path / "b" / f.name).read_bytes()
 
 
+_TRIM_CHILD = r"""
+import ctypes
+from glmq.quantize import stream
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+mb = 1 << 20
+libc.free(libc.malloc(16 * mb))  # an mmapped block freed: the threshold rises to its size
+blocks = [libc.malloc(4 * mb) for _ in range(48)]  # now from the heap
+fence = libc.malloc(4 * mb)  # above them: the automatic trim of the heap's top cannot reach them
+for p in blocks:
+    ctypes.memset(p, 1, 4 * mb)  # resident
+for p in blocks:
+    libc.free(p)
+before = stream.current_rss_bytes()
+stream.release_free_memory()
+after = stream.current_rss_bytes()
+libc.free(fence)
+print(before, after)
+"""
+
+
 def test_release_free_memory_hands_freed_heap_pages_back():
     """glibc keeps freed mid-size blocks' pages resident once its mmap threshold has grown (what a GPTQ
-    layer's 4-32 MB tensors hit); the trim the engine calls between a layer's phases returns them."""
-    import ctypes
+    layer's 4-32 MB tensors hit); the trim the engine calls between a layer's phases returns them. In a child
+    process: what the heap already holds after other tests (its threshold, free chunks) decides where the blocks
+    land, which made the test flaky in the test process."""
     import platform
+    import subprocess
+    import sys
 
     if stream.current_rss_bytes() is None or platform.libc_ver()[0] != "glibc":
         stream.release_free_memory()  # elsewhere it must at least be harmless
         pytest.skip("needs Linux /proc and glibc")
-    libc = ctypes.CDLL("libc.so.6")
-    libc.malloc.restype = ctypes.c_void_p
-    libc.free.argtypes = [ctypes.c_void_p]
-    mb = 1 << 20
-    libc.free(libc.malloc(16 * mb))  # an mmapped block freed: the threshold rises to its size
-    blocks = [libc.malloc(4 * mb) for _ in range(48)]  # now from the heap
-    fence = libc.malloc(4 * mb)  # above them: the automatic trim of the heap's top cannot reach them
-    for p in blocks:
-        ctypes.memset(p, 1, 4 * mb)  # resident
-    for p in blocks:
-        libc.free(p)
-    before = stream.current_rss_bytes()
-    stream.release_free_memory()
-    after = stream.current_rss_bytes()
-    libc.free(fence)
+    r = subprocess.run([sys.executable, "-c", _TRIM_CHILD], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    before, after = (int(x) for x in r.stdout.split())
     assert before - after > 100e6, (before, after)
 
 
