@@ -221,7 +221,8 @@ class _Problem:
     @classmethod
     def make(cls, run: _Run, group: list[Target], state: dict, col: HessianCollector, under: set[int],
              all_h: tuple) -> _Problem:
-        ws = [state[t.local + ".weight"] for t in group]
+        # F16/F32 weights rounded to bf16, as RTN does (ops.quantize_rows) and FP8 ones decode to: bf16 scales
+        ws = [_bf16(state[t.local + ".weight"]) for t in group]
         h, source, h_seen, n = _hessian_of(run, group[0], ws[0].shape[1], col, under, all_h)
         if source != "rtn" and h is None:  # no token at all: GPTQ falls back to RTN and says so
             h = torch.zeros(ws[0].shape[1], ws[0].shape[1])
@@ -259,6 +260,10 @@ class _Problem:
 
     def _split(self, x: torch.Tensor) -> list[torch.Tensor]:
         return list(torch.split(x, self.rows))
+
+
+def _bf16(w: torch.Tensor) -> torch.Tensor:
+    return w.to(torch.bfloat16) if w.dtype in (torch.float16, torch.float32) else w
 
 
 def gptq_batches(targets: list[Target], state: dict, size: int) -> list[list[list[Target]]]:

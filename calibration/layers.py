@@ -21,7 +21,9 @@ import torch
 from safetensors import safe_open
 
 from glmq.formats import fp8
+from glmq.formats.safetensors_io import CheckpointError
 from glmq.formats.source import Source, SourceFormat
+from glmq.quantize import ops
 
 
 @dataclass(frozen=True)
@@ -104,8 +106,15 @@ class SourceTensors:
             return t.clone() if t.device.type == "cpu" else t
         module = name.rpartition(".")[0]
         if self.source.fmt is SourceFormat.FP8_BLOCK:
-            return fp8.dequantize_block(t, self.raw(f"{module}.weight_scale_inv").to(dev), self.source.block)
-        return fp8.dequantize_channel(t, self.raw(f"{module}.weight_scale").to(dev))
+            w = fp8.dequantize_block(t, self.raw(f"{module}.weight_scale_inv").to(dev), self.source.block)
+        else:
+            w = fp8.dequantize_channel(t, self.raw(f"{module}.weight_scale").to(dev))
+        try:  # as the RTN path rejects it (quantize/ops.py): NaN would spread through every later layer's states
+            ops.check_finite(w)
+        except ValueError as e:
+            raise CheckpointError(f"{self.source.path(self.source.entries[name].shard)}: tensor {name}: {e}; the "
+                                  f"source weight is corrupt, re-download the shard") from e
+        return w
 
     def layer_state(self, index: int) -> dict[str, torch.Tensor]:
         """Every tensor of `model.layers.{index}.` (scales consumed), keyed by its name inside the layer,

@@ -28,7 +28,7 @@ def _fused(t: torch.Tensor):
     return fused_cpu if fused_cpu.available() else None
 
 
-def _check_finite(t: torch.Tensor) -> None:
+def check_finite(t: torch.Tensor) -> None:
     """Raise NonFiniteWeightError naming the rows of `t` `[r, c]` that hold NaN or Inf, as the fused kernels do.
 
     One reduction and no temporary when all is well (min and max propagate NaN, and both are finite only
@@ -63,7 +63,7 @@ def decode(w: torch.Tensor, scale: torch.Tensor | None, fmt: str, block: tuple[i
     """
     x, checked = _decode(w, scale, fmt, block, dtype)
     if scale is not None and not checked:
-        _check_finite(x)
+        check_finite(x)
     return x
 
 
@@ -94,7 +94,7 @@ def quantize_rows(w: torch.Tensor, scale: torch.Tensor | None, fmt: str, block: 
     if not checked:
         # Every value reaches its group's min/max, which carry NaN and Inf into the scale: checking the
         # scales checks the rows at 1/group_size of the cost.
-        _check_finite(qw.scale)
+        check_finite(qw.scale)
     out = {"weight_packed": pack_int32(qw.q, spec.num_bits), "weight_scale": qw.scale}
     if qw.zero_point is not None:
         out["weight_zero_point"] = pack_zero_point(qw.zero_point, spec.num_bits)

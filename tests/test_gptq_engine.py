@@ -566,3 +566,38 @@ def test_gptq_on_cuda_is_deterministic_and_close_to_cpu(make_ckpt, tmp_path):
     g, r = runs["cuda-a"]["gptq"]["by_class"], runs["cpu"]["gptq"]["by_class"]
     for cls in g:
         assert g[cls]["rel_err_gptq"] == pytest.approx(r[cls]["rel_err_gptq"], rel=0.05), cls
+
+
+def test_f32_source_gives_the_bf16_sources_integers_and_a_nan_weight_names_its_tensor(make_ckpt, tmp_path):
+    """A dense F32 source (the bf16 one's values, upcast) is calibrated and quantized as its bf16 values, as RTN
+    rounds F16/F32 targets (the scales were F32 and the write failed: "planned as BF16"). An FP8 weight that
+    decodes to NaN stops the run with an error naming the shard and the tensor, as on the RTN path."""
+    from safetensors import safe_open
+
+    from glmq.calibration.layers import SourceTensors
+    from glmq.formats.safetensors_io import CheckpointError
+
+    bf16 = make_ckpt("glm4_moe", "bf16")
+    f32 = Path(shutil.copytree(bf16, tmp_path / "f32"))
+    for shard in f32.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        save_file({k: v.float() if v.is_floating_point() else v for k, v in t.items()}, str(shard),
+                  metadata={"format": "pt"})
+    ids, s = calib_ids(samples=4, seq=32), settings(samples=4, seq_len=32)
+    for src, out in ((bf16, tmp_path / "a"), (f32, tmp_path / "b")):
+        run_gptq(gptq_plan(src), out, ids, s, progress=False)
+    a, b = tensors(tmp_path / "a"), tensors(tmp_path / "b")
+    quantized = [k for k in a if k.endswith(("weight_packed", "weight_scale"))]
+    assert quantized and all(torch.equal(a[k], b[k]) for k in quantized)
+
+    fp8 = Path(shutil.copytree(make_ckpt("glm4_moe", "fp8-block"), tmp_path / "fp8"))
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    src = open_source(fp8)
+    shard = fp8 / src.entries[name].shard
+    with safe_open(str(shard), "pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    t[name].view(torch.uint8)[3, 5] = 0x7F  # an FP8 NaN code
+    save_file(t, str(shard), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"{shard.name}: tensor {name}: NaN or Inf in rows \\[3\\]"):
+        SourceTensors(open_source(fp8)).weight(name)
