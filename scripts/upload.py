@@ -66,12 +66,15 @@ class UploadOptions:
 
 # ----------------------------------------------------------------------------------------- files
 def ignore_patterns() -> list[str]:
-    """glmq's working files, which never belong on the Hub: the GPTQ cache folder (calibration/cache.py)
-    and half-written files (safetensors_io.TMP_SUFFIX; `*.tmp` activation files of the GPTQ engine)."""
+    """glmq's working files, which never belong on the Hub: the GPTQ cache folder (calibration/cache.py),
+    half-written files (safetensors_io.TMP_SUFFIX; `*.tmp` activation files of the GPTQ engine), and the
+    manifest's journal and the ranks' fragments (formats/manifest.py), which a rerun of a finished
+    distributed job leaves beside the complete manifest if it is stopped."""
     from glmq.calibration.cache import CACHE_DIR
+    from glmq.formats.manifest import FRAGMENT_GLOB, journal_name
     from glmq.formats.safetensors_io import TMP_SUFFIX
 
-    return [f"{CACHE_DIR}/*", f"*{TMP_SUFFIX}", "*.tmp"]
+    return [f"{CACHE_DIR}/*", f"*{TMP_SUFFIX}", "*.tmp", FRAGMENT_GLOB, journal_name("glmq_manifest*.json")]
 
 
 def split_files(folder: Path) -> tuple[dict[str, int], list[str]]:

@@ -188,6 +188,9 @@ def test_dry_run_lists_exactly_the_files_and_sizes_and_calls_nothing(ckpt, hub, 
     (cache / "layer-00001.safetensors").write_bytes(b"x" * 10)
     (ckpt / "model-00002-of-00006.safetensors.glmq-tmp").write_bytes(b"half")
     (ckpt / "hidden-00001.tmp").write_bytes(b"act")
+    (ckpt / "glmq_manifest.rank00001.json").write_text("{}")  # a stopped rerun of a distributed job leaves these
+    (ckpt / "glmq_manifest.rank00001.journal.jsonl").write_text("{}\n")
+    (ckpt / "glmq_manifest.journal.jsonl").write_text("{}\n")
     (ckpt / ".cache" / "huggingface").mkdir(parents=True)
     (ckpt / ".cache" / "huggingface" / "upload.lock").write_text("")
     before = {p: p.stat().st_mtime_ns for p in ckpt.rglob("*")}
@@ -197,7 +200,7 @@ def test_dry_run_lists_exactly_the_files_and_sizes_and_calls_nothing(ckpt, hub, 
     for dirpath, dirs, files in os.walk(ckpt):
         dirs[:] = [d for d in dirs if d not in (".glmq-gptq", ".cache")]
         for f in files:
-            if not f.endswith((".glmq-tmp", ".tmp")):
+            if not f.endswith((".glmq-tmp", ".tmp", ".journal.jsonl")) and not f.startswith("glmq_manifest.rank"):
                 p = Path(dirpath) / f
                 expected[p.relative_to(ckpt).as_posix()] = p.stat().st_size
     card = r.stdout.split("--- README.md (would be written) ---\n", 1)[1][:-1]  # echo's own newline off
@@ -205,7 +208,9 @@ def test_dry_run_lists_exactly_the_files_and_sizes_and_calls_nothing(ckpt, hub, 
     got = listing(r.stdout)
     assert got == expected
     assert f"{sum(expected.values()):,d}  total" in r.stdout
-    for skipped in (".glmq-gptq/calibration.json", "model-00002-of-00006.safetensors.glmq-tmp", "hidden-00001.tmp"):
+    for skipped in (".glmq-gptq/calibration.json", "model-00002-of-00006.safetensors.glmq-tmp", "hidden-00001.tmp",
+                    "glmq_manifest.rank00001.json", "glmq_manifest.rank00001.journal.jsonl",
+                    "glmq_manifest.journal.jsonl"):
         assert f"skipped  {skipped}" in r.stdout
     assert yaml_block(card)["tags"][0] == "compressed-tensors"
     assert hub == [] and not (ckpt / "README.md").exists()
@@ -231,7 +236,9 @@ def test_upload_calls_the_hub_with_repo_private_revision_and_patterns(ckpt, hub)
     assert create["private"] is True and create["exist_ok"] is True and create["repo_type"] == "model"
     assert method == upload.upload_method(HfApi(), None)
     assert call["repo_id"] == REPO and Path(call["folder_path"]) == ckpt and call["revision"] is None
-    assert call["ignore_patterns"] == upload.ignore_patterns() == [".glmq-gptq/*", "*.glmq-tmp", "*.tmp"]
+    assert call["ignore_patterns"] == upload.ignore_patterns() == [".glmq-gptq/*", "*.glmq-tmp", "*.tmp",
+                                                                  "glmq_manifest.rank*.json",
+                                                                  "glmq_manifest*.journal.jsonl"]
     assert call["repo_type"] == "model"
     meta = yaml_block((ckpt / "README.md").read_text())
     assert meta["base_model"] == "zai-org/GLM-5"
