@@ -2,7 +2,8 @@
 
 From a checkpoint folder the sizes come from the real plan (headers only); from a bare config.json (no
 weights) the tensor list is derived from the config with the layout tables the fixture generator uses, and
-the source is cut into shards of `ASSUMED_SHARD_BYTES` (GLM-5-FP8's ~5.3 GB).
+the source is cut into shards of `ASSUMED_SHARD_BYTES` (GLM-5-FP8's ~5.3 GB), and the output into files of
+at most `--max-shard-size`, as from a folder.
 
 Every measured number comes from `FIGURES`, one table in which each entry names the BENCHMARKS.md row
 (machine, date, command) it was taken from; `--throughput KEY=VALUE` overrides an entry. A figure that has
@@ -27,13 +28,14 @@ from __future__ import annotations
 import json
 import math
 import re
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from glmq.formats.families import TensorClass, family_for, layer_index
 from glmq.formats.safetensors_io import DTYPE_NAMES, TensorEntry
 from glmq.formats.source import Source, detect_format
-from glmq.quantize.plan import Action, make_plan
+from glmq.quantize.plan import DEFAULT_MAX_SHARD_BYTES, Action, make_plan
 from glmq.quantize.stream import CHUNK_BYTES, PENDING_BYTES, PREFETCH, Reader
 from glmq.recipes import load as load_recipe
 
@@ -92,11 +94,23 @@ FIGURES: dict[str, Figure] = {
 }
 
 
+_RATE_SUFFIXES = ("GBps", "TFLOPs")  # FIGURES keys that are rates (divisors)
+
+
+class ConfigError(ValueError):
+    """A config.json `glmq plan` cannot plan from: missing, or without a key the estimate needs."""
+
+
 def with_overrides(overrides: dict[str, float], figures: dict[str, Figure] = FIGURES) -> dict[str, Figure]:
     """`figures` with some values replaced (`--throughput KEY=VALUE`); unknown keys are an error."""
     unknown = sorted(set(overrides) - set(figures))
     if unknown:
         raise ValueError(f"unknown --throughput key(s) {unknown}; known: {sorted(figures)}")
+    for k, v in overrides.items():  # a rate divides the work; zero, negative or NaN would print nonsense or crash
+        if not math.isfinite(v) or v < 0 or (v == 0 and k.endswith(_RATE_SUFFIXES)):
+            raise ValueError(f"--throughput {k}={v:g}: {'a rate' if k.endswith(_RATE_SUFFIXES) else 'the value'} "
+                             f"must be a finite number {'> 0' if k.endswith(_RATE_SUFFIXES) else '>= 0'} "
+                             f"({figures[k].unit})")
     return {k: replace(f, value=overrides[k], basis="--throughput override") if k in overrides else f
             for k, f in figures.items()}
 
@@ -147,12 +161,21 @@ def virtual_source(config_path: Path) -> Source:
     """The source a config.json describes: the fixture layout, cut into ASSUMED_SHARD_BYTES shards."""
     from glmq.formats import fixtures
 
-    config = json.loads(Path(config_path).read_text())
+    config_path = Path(config_path)
+    if not config_path.is_file():
+        raise ConfigError(f"{config_path}: no such file; --model takes a checkpoint folder or a model's config.json")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{config_path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{config_path}: not a model config (a JSON object expected)")
     family = family_for(config, str(config_path))
     fmt, block = detect_format(config, Path(config_path))
     weights = ((config.get("quantization_config") or {}).get("config_groups") or {}).get("group_0", {}).get("weights") or {}
-    layout = fixtures.tensor_layout(config, fmt.value if fmt.value != "dense" else "bf16", family=family.name,
-                                    fp8_ct_strategy="tensor" if weights.get("strategy") == "tensor" else "channel")
+    with _config_keys(config, config_path):
+        layout = fixtures.tensor_layout(config, fmt.value if fmt.value != "dense" else "bf16", family=family.name,
+                                        fp8_ct_strategy="tensor" if weights.get("strategy") == "tensor" else "channel")
     entries, pos, shard, shard_bytes = {}, 0, 0, {}
     for unit in layout:
         for st in unit:
@@ -169,12 +192,30 @@ def virtual_source(config_path: Path) -> Source:
 
 def from_plan(plan, scale: Scale = Scale(), figures: dict[str, Figure] = FIGURES) -> dict:
     """Sizes, memory and time for a plan of a real checkpoint (its actual shard sizes)."""
-    return summarize(plan, scale, figures, assumed=False)
+    with _config_keys(plan.source.config, plan.source.root / "config.json"):
+        return summarize(plan, scale, figures, assumed=False)
 
 
-def from_config_file(config_path: Path, recipe: str, scale: Scale = Scale(), figures: dict[str, Figure] = FIGURES) -> dict:
-    """Plan a conversion from config.json alone (e.g. GLM-5.2's real dimensions)."""
-    return summarize(make_plan(virtual_source(config_path), load_recipe(recipe)), scale, figures, assumed=True)
+def from_config_file(config_path: Path, recipe: str, scale: Scale = Scale(), figures: dict[str, Figure] = FIGURES,
+                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
+    """Plan a conversion from config.json alone (e.g. GLM-5.2's real dimensions), output files of at most
+    `max_shard_bytes` (`--max-shard-size`), each inside one assumed source shard as in a real plan."""
+    source = virtual_source(config_path)
+    with _config_keys(source.config, Path(config_path)):
+        return summarize(make_plan(source, load_recipe(recipe), max_shard_bytes), scale, figures, assumed=True)
+
+
+@contextmanager
+def _config_keys(config: dict, config_path: Path):
+    """A KeyError for a key the config lacks -> ConfigError naming the file and the key."""
+    try:
+        yield
+    except KeyError as e:
+        key = e.args[0] if e.args else None
+        if not isinstance(key, str) or key in config:
+            raise
+        raise ConfigError(f"{config_path}: no {key!r} key, which glmq plan needs; use the model's complete "
+                          f"config.json (e.g. as published with its weights)") from None
 
 
 def summarize(plan, scale: Scale, figures: dict[str, Figure], assumed: bool) -> dict:

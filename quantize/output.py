@@ -72,7 +72,12 @@ def _prepare_output(plan: Plan, out: Path) -> Manifest:
     identity = plan_identity(plan)
     if out.exists() and not out.is_dir():
         raise OutputDirError(f"{out}: exists and is not a directory; choose another --output")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # e.g. a parent is a file (NotADirectoryError), or no permission
+        blocker = next((p for p in reversed(out.parents) if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file, not a directory" if blocker is not None else (e.strerror or str(e))
+        raise OutputDirError(f"{out}: cannot create the output folder: {why}; choose another --output") from None
     existing = [p for p in out.iterdir()]
     man = Manifest.load(out)
     if man is None:

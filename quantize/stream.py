@@ -285,12 +285,12 @@ def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True,
     t0 = time.perf_counter()
     lead = world is None or world.is_lead
     phases: dict[str, float] = {}
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():  # the CLI checks first; this guards other callers
+        raise ValueError("--device cuda: no CUDA device is visible to PyTorch; use --device cpu")
     config_job = ConfigJob(plan, own_session=world is not None) if lead else None
     phases["import"] = time.perf_counter() - t0
     out = Path(out)
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda: no CUDA device is visible to PyTorch; use --device cpu")
     if dev.type == "cuda":
         torch.zeros(1, device=dev)  # the CUDA context now, so that the start-up RSS below includes it
     rss_start = current_rss_bytes()

@@ -41,6 +41,20 @@ def resolve_model(model: str) -> Path:
     return path
 
 
+class DeviceUnavailable(click.ClickException):
+    """`--device cuda` without a visible CUDA device: one line `Error: ...`, exit code 2 (as click's own
+    usage errors, e.g. an unknown --device), not click.UsageError's usage lines."""
+
+    exit_code = 2
+
+
+def _check_cuda() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise DeviceUnavailable("--device cuda: no CUDA device is visible to PyTorch; use --device cpu")
+
+
 def _fail(e: Exception, code: int = 1) -> None:
     click.secho(f"error: {e}", fg="red", err=True)
     sys.exit(code)
@@ -139,6 +153,8 @@ def quantize(model, recipe, max_shard_size, output, scheme, device, no_progress,
 
     if device == "cpu":
         _skip_triton()
+    else:
+        _check_cuda()  # before planning, or creating the output folder
 
     if os.environ.get("RANK", "0") == "0":  # its import overlaps ours (GPTQ: it then waits, idle, for the writer)
         config_child.prestart(own_session=int(os.environ.get("WORLD_SIZE", "1")) > 1)
@@ -227,7 +243,7 @@ def plan_cmd(model, recipe, max_shard_size, ranks, device, samples, seq_len, dty
         scale = estimate.Scale(ranks=ranks, device=device, samples=samples, seq_len=seq_len, dtype=dtype,
                                experts_per_pass=experts_per_pass)
         if Path(model).suffix == ".json":
-            summary = estimate.from_config_file(Path(model), recipe, scale, figures)
+            summary = estimate.from_config_file(Path(model), recipe, scale, figures, parse_size(max_shard_size))
         else:
             summary = estimate.from_plan(_plan(model, recipe, None, max_shard_size), scale, figures)
     except (CheckpointError, RecipeError, ValueError) as e:

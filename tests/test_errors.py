@@ -164,3 +164,50 @@ def test_header_length_beyond_file(ckpt, tmp_path):
     p.write_bytes(bytes(data))
     out = tmp_path / "out"
     assert_fails(glmq("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress"), out, shard)
+
+
+def test_output_whose_parent_is_a_file(ckpt, tmp_path):
+    (tmp_path / "afile").write_text("mine")
+    out = tmp_path / "afile" / "out"
+    assert_fails(glmq("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress"), out, str(out),
+                 f"{tmp_path / 'afile'} is a file, not a directory", "--output")
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """A host without CUDA, whatever this one has."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.mark.parametrize("scheme", ["rtn", "gptq"])
+def test_device_cuda_without_cuda_fails_before_creating_anything(scheme, no_cuda, ckpt, tmp_path):
+    from click.testing import CliRunner
+
+    from glmq.scripts.cli import main
+
+    (tmp_path / "calib.txt").write_text("some text to calibrate on. " * 50)
+    out = tmp_path / "out"
+    args = ["quantize", "-m", str(ckpt), "-o", str(out), "--device", "cuda", "--scheme", scheme, "--no-progress"]
+    if scheme == "gptq":
+        args += ["--calibration", str(tmp_path / "calib.txt"), "--samples", "2", "--seq-len", "8"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), (res.exception, res.output)
+    assert res.output.strip() == "Error: --device cuda: no CUDA device is visible to PyTorch; use --device cpu"
+    assert not out.exists()
+
+
+def test_engines_refuse_cuda_without_cuda_with_a_reported_error_type(no_cuda, ckpt, tmp_path):
+    """The second guard, for callers other than the CLI: a ValueError (the CLI reports it as `error: ...`)."""
+    from glmq import recipes
+    from glmq.calibration.layers import LayerBuilder
+    from glmq.formats.source import open_source
+    from glmq.quantize import stream
+    from glmq.quantize.plan import make_plan
+
+    source = open_source(ckpt)
+    with pytest.raises(ValueError, match="no CUDA device is visible"):
+        stream.run(make_plan(source, recipes.load("int4-w4a16")), tmp_path / "out", device="cuda", progress=False)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="no CUDA device is visible"):
+        LayerBuilder(source, torch.device("cuda"), torch.float32)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -321,6 +322,56 @@ def test_cli_prints_every_section(make_ckpt):
                                         "-r", "int4-w4a16-all-linear"])
         line = [x for x in res.output.splitlines() if x.startswith("layer-output tuning (200 steps a layer")]
         assert res.exit_code == 0 and len(line) == 1 and text in line[0], res.output
+
+
+def test_cli_config_only_plan_follows_max_shard_size(make_ckpt, tmp_path):
+    """--max-shard-size cuts the output files of a config-only plan as it does a folder's (it was ignored)."""
+    cfg = make_ckpt("glm_moe_dsa", "fp8-block") / "config.json"
+    rec = recipes.load("int4-w4a16")
+    files = {}
+    for size, nbytes in (("5GB", 5 * 10**9), ("100KB", 100_000)):
+        res = CliRunner().invoke(main, ["plan", "-m", str(cfg), "--max-shard-size", size, "--json", str(tmp_path / size)])
+        assert res.exit_code == 0, res.output
+        files[size] = json.loads((tmp_path / size).read_text())["output_files"]
+        assert files[size] == len(make_plan(estimate.virtual_source(cfg), rec, nbytes).files), size
+        assert estimate.from_config_file(cfg, "int4-w4a16", max_shard_bytes=nbytes)["output_files"] == files[size]
+    assert files["100KB"] > 10 * files["5GB"], files
+
+
+def test_cli_plan_bad_input_is_a_one_line_error(tmp_path):
+    """A missing config.json, one without a key the estimate needs, a zero/negative/NaN --throughput:
+    `error: ...` naming the file, key or option, exit code 1, no traceback."""
+    cfg = json.loads((CONFIGS / "glm-5.2-config.json").read_text())
+    del cfg["hidden_size"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "broken.json").write_text("{")
+    cases = [
+        (["-m", str(tmp_path / "typo" / "config.json")], [str(tmp_path / "typo" / "config.json"), "no such file"]),
+        (["-m", str(tmp_path / "config.json")], [str(tmp_path / "config.json"), "'hidden_size'"]),
+        (["-m", str(tmp_path / "broken.json")], [str(tmp_path / "broken.json"), "not valid JSON"]),
+        (["--throughput", "rtn_cpu_GBps=0"], ["--throughput rtn_cpu_GBps=0", "> 0"]),
+        (["--throughput", "gptq_cpu_forward_TFLOPs=0", "--throughput", "gptq_cpu_s_per_column=1e-5"],
+         ["--throughput gptq_cpu_forward_TFLOPs=0", "> 0"]),
+        (["--throughput", "rtn_cuda_GBps=-1", "--device", "cuda"], ["rtn_cuda_GBps=-1", "> 0"]),
+        (["--throughput", "copy_cpu_GBps=nan"], ["copy_cpu_GBps=nan", "finite"]),
+        (["--throughput", "rtn_cpu_fixed_s=-2"], ["rtn_cpu_fixed_s=-2", ">= 0"]),
+    ]
+    for args, needles in cases:
+        res = CliRunner().invoke(main, ["plan", *args])
+        assert res.exit_code == 1 and isinstance(res.exception, SystemExit), (args, res.exception, res.output)
+        assert res.output.startswith("error: ") and len(res.output.strip().splitlines()) == 1, res.output
+        for n in needles:
+            assert n in res.output, (n, res.output)
+
+
+def test_plan_of_a_folder_whose_config_lacks_a_key(make_ckpt, tmp_path):
+    src = shutil.copytree(make_ckpt("glm_moe_dsa", "fp8-block"), tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["hidden_size"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    res = CliRunner().invoke(main, ["plan", "-m", str(src)])
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit), (res.exception, res.output)
+    assert str(src / "config.json") in res.output and "'hidden_size'" in res.output, res.output
 
 
 def test_layer_index_of_the_largest_layer_is_a_moe_layer(real):
