@@ -15,6 +15,7 @@ the validation verdict, and the serve commands for vLLM and SGLang.
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import PurePath
 
@@ -34,6 +35,20 @@ LIBRARY_NAME = "transformers"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 # Where huggingface_hub caches a download: .../models--ORG--NAME/snapshots/<commit>
 _HF_CACHE = re.compile(r"models--([^/\\]+?)--([^/\\]+)[/\\]snapshots[/\\]")
+
+# The "Made with" command: the `glmq quantize` options (scripts/cli.py) that change the output, each printed only
+# when the run's recorded value differs from the option's default, so the command stays short.
+# --max-shard-size: glmq_manifest.json identity "max_shard_bytes" (the option's default "5GB").
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+# GPTQ: glmq_report.json "gptq" "settings" key, option, the option's default (--calibration is always printed;
+# sequential is the flag --true-sequential). --activations and --offload-activations change no bit and stay out;
+# the method (--scheme) is in the recipe file.
+GPTQ_OPTIONS = (("samples", "--samples", 128), ("seq_len", "--seq-len", 256), ("seed", "--seed", 0),
+                ("min_expert_tokens", "--min-expert-tokens", 1), ("all_token_limit", "--all-token-limit", 4.0))
+# Settings of the run's identity (CalibrationSettings) that no option sets, with their defaults: named under the
+# command when a run (through the Python API) changed them.
+GPTQ_API_ONLY = {"under_covered": "all_tokens", "clip_search": True, "expert_prior": 1.0, "batch_size": 8,
+                 "dtype": "float32", "gptq_batch": None}
 
 
 @dataclass(frozen=True)
@@ -188,19 +203,59 @@ def quantization_section(inp: CardInputs) -> list[str]:
     return lines
 
 
+def _size_option(n: int) -> str:
+    """Bytes as --max-shard-size writes them (scripts/cli.py parse_size reads them back exactly)."""
+    for suffix, mult in (("GB", 10**9), ("GiB", 2**30), ("MB", 10**6), ("MiB", 2**20), ("KB", 10**3), ("KiB", 2**10)):
+        if n % mult == 0:
+            return f"{n // mult}{suffix}"
+    return str(n)
+
+
+def _number(v) -> str:
+    return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
+
+
+def made_with(report: dict | None, manifest: dict | None) -> tuple[list[str], list[str]]:
+    """(the `glmq quantize` arguments that remake this checkpoint from the recipe file, the recorded settings
+    no option sets). Each option appears only when its recorded value is not the command line's default."""
+    args = ["--model FP8_SOURCE_FOLDER", "--recipe recipe.yaml", "-o OUT"]
+    shard = ((manifest or {}).get("identity") or {}).get("max_shard_bytes")
+    if isinstance(shard, int) and shard != DEFAULT_MAX_SHARD_BYTES:
+        args.append(f"--max-shard-size {_size_option(shard)}")
+    s = ((report or {}).get("gptq") or {}).get("settings") or {}
+    if not s:
+        return args, []
+    api = []
+    if str((report or {}).get("device", "")).startswith("cuda"):  # GPTQ's CUDA kernels sum in another order
+        args.append("--device cuda")
+    args.append(f"--calibration {shlex.quote(str(s.get('calibration')))}")
+    for key, flag, default in GPTQ_OPTIONS:
+        if key not in s or s[key] == default:
+            continue
+        if s[key] is None:  # e.g. all_token_limit None (every token): no value of the option says it
+            api.append(f"{key}={s[key]!r}")
+        else:
+            args.append(f"{flag} {_number(s[key])}")
+    if s.get("sequential"):
+        args.append("--true-sequential")
+    api += [f"{k}={s[k]!r}" for k, default in GPTQ_API_ONLY.items() if k in s and s[k] != default]
+    return args, api
+
+
 def _recipe_lines(inp: CardInputs) -> list[str]:
     """The recipe as the flat YAML `glmq quantize -r FILE` reads, the command, and GPTQ's calibration."""
     recipe = (inp.report or {}).get("recipe") or ((inp.manifest or {}).get("identity") or {}).get("recipe")
     if not recipe:
         return ["Recipe: unknown (no glmq_report.json or glmq_manifest.json in the folder).", ""]
     gptq = (inp.report or {}).get("gptq") or {}
-    s = gptq.get("settings", {})
-    calib = (f" --calibration {s.get('calibration')} --samples {s.get('samples')} --seq-len {s.get('seq_len')} "
-             f"--seed {s.get('seed')}" if s else "")
+    args, api = made_with(inp.report, inp.manifest)
+    command = " ".join(["glmq quantize", *args])
     lines = [f"Recipe `{recipe.get('name')}` ({recipe.get('description', '')}), as a recipe file:", "", "```yaml",
              yaml.safe_dump(recipe, sort_keys=False, default_flow_style=None).rstrip(), "```", "",
-             "Made with:", "", "```bash", f"glmq quantize --model FP8_SOURCE_FOLDER --recipe recipe.yaml -o OUT{calib}",
-             "```", ""]
+             "Made with:", "", "```bash", command, "```", ""]
+    if api:
+        lines += ["Also set, through glmq's Python API (no command-line option): "
+                  + ", ".join(f"`{a}`" for a in api) + ".", ""]
     if gptq:
         lines += [f"GPTQ calibration: {gptq.get('calibration_tokens')} tokens; relative output error on them, "
                   "GPTQ vs round-to-nearest of the same weights:", ""]

@@ -8,6 +8,7 @@ compressed-tensors' `QuantizationArgs`.
 from __future__ import annotations
 
 import enum
+import numbers
 from dataclasses import dataclass
 
 
@@ -22,6 +23,30 @@ SUPPORTED_GROUP_SIZES = (32, 64, 128)
 # How GPTQ's clip search scores a candidate group scale (glmq.quantize.gptq, `_clip_search`):
 CLIP_OBJECTIVES = ("propagated", "block")
 TUNE_REFERENCES = ("layer", "source")
+
+# The type of each QuantSpec field, checked on construction and, with the file and key named, when a recipe is
+# loaded (recipes.from_dict): "int" a whole number (not a bool, not 4.0: a float crashed the packing part-way
+# through a conversion), "bool" true/false (not the string "false", which is truthy), "float" any number (not a
+# bool), "float?" a number or None, "str" a string (the allowed values are checked after).
+FIELD_TYPES = {"num_bits": "int", "group_size": "int", "symmetric": "bool", "full_range": "bool", "method": "str",
+               "act_order": "bool", "damp": "float", "block_size": "int", "clip_objective": "str",
+               "cd_sweeps": "int", "scale_refit": "int", "tune_iters": "int", "tune_lr": "float?",
+               "tune_reference": "str", "tune_experts": "bool"}
+_EXPECTED = {"int": "a whole number without a decimal point or quotes (e.g. 4, not 4.0 or \"4\")",
+             "bool": "true or false, without quotes",
+             "float": "a number",
+             "float?": "a number, or null",
+             "str": "a string"}
+
+
+def type_mismatch(kind: str, value: object) -> str | None:
+    """None when `value` is of `kind` (a FIELD_TYPES value), else what such a value must be."""
+    ok = {"int": lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool),
+          "bool": lambda v: isinstance(v, bool),
+          "float": lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool),
+          "float?": lambda v: v is None or isinstance(v, numbers.Real) and not isinstance(v, bool),
+          "str": lambda v: isinstance(v, str)}[kind](value)
+    return None if ok else _EXPECTED[kind]
 
 
 @dataclass(frozen=True)
@@ -90,6 +115,15 @@ class QuantSpec:
     tune_experts: bool = True
 
     def __post_init__(self) -> None:
+        for name, kind in FIELD_TYPES.items():
+            value = getattr(self, name)
+            if (want := type_mismatch(kind, value)) is not None:
+                # ValueError, as the range checks below (and the recipe loader catches both)
+                raise ValueError(f"{name} must be {want}, got {value!r} ({type(value).__name__})")
+            if kind == "int" and type(value) is not int:  # e.g. numpy.int64: a plain int, as JSON writes it
+                object.__setattr__(self, name, int(value))
+        if self.method not in tuple(m.value for m in Method):
+            raise ValueError(f"method must be one of {tuple(m.value for m in Method)}, got {self.method!r}")
         object.__setattr__(self, "method", Method(self.method))
         if self.num_bits not in SUPPORTED_BITS:
             raise ValueError(f"num_bits must be one of {SUPPORTED_BITS}, got {self.num_bits}")

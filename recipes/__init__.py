@@ -12,10 +12,23 @@ from pathlib import Path
 import yaml
 
 from glmq.formats.families import LINEAR_CLASSES, TensorClass
-from glmq.quantize.spec import Method, QuantSpec
+from glmq.quantize.spec import FIELD_TYPES, Method, QuantSpec, type_mismatch
 
 RECIPE_DIR = Path(__file__).resolve().parent
 _SPEC_FIELDS = {f.name for f in dataclasses.fields(QuantSpec)}
+# The type of every recipe key but `targets` (spec.type_mismatch's kinds), checked at load so that a wrongly typed
+# value (num_bits: 4.0, keep_fp8: "false") is an error naming the file and key, not a crash half-way through.
+KEY_TYPES = {"name": "str", "description": "str", "keep_fp8": "bool"} | FIELD_TYPES
+
+# Target classes no serving engine can load quantized, whatever the tensor-parallel degree or the shapes: the
+# serving check (quantize/validate/serving.py NO_QUANT_LAYERS; formats.md §3a) fails every checkpoint that has
+# them quantized, so a recipe naming them is refused before a conversion is spent on it.
+UNSERVABLE_TARGETS = {
+    TensorClass.ROUTER: "vLLM's GateLinear router takes no quant_config (glm4_moe builds it as a float32 nn.Linear), "
+                        "so a packed mlp.gate weight cannot load",
+    TensorClass.INDEXER: "vLLM fuses indexer.wk + weights_proj with quant_config=None (an FP8/BF16-only load path), and "
+                         "SGLang builds weights_proj without a quant_config, so a packed indexer cannot load",
+}
 
 
 class RecipeError(ValueError):
@@ -57,11 +70,46 @@ def available() -> list[str]:
     return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
 
 
+def _example(kind: str, key: str, value: object) -> str:
+    """A correct spelling of `key: value` for the fix hint: the value the user meant where that is clear."""
+    if kind == "bool":
+        return "false" if str(value).strip().lower() in ("false", "no", "off", "0", "n") else "true"
+    try:
+        number = float(value) if isinstance(value, (float, str)) else None
+    except ValueError:
+        number = None
+    if kind == "int" and number is not None and number.is_integer():
+        return str(int(number))
+    if kind in ("float", "float?") and number is not None:
+        return repr(number)
+    if kind == "str" and value is not None:
+        return f'"{value}"'  # e.g. name: 2024, which YAML reads as a number
+    default = {f.name: f.default for f in dataclasses.fields(QuantSpec)}.get(key)
+    return str(getattr(default, "value", default)) if default is not None else {
+        "tune_lr": "0.0025", "name": "my-recipe", "description": "routed experts to INT4"}.get(key, "...")
+
+
+def _check_types(d: dict, origin: str) -> None:
+    for key in sorted(d):
+        value = d[key]
+        if key == "targets":
+            if not isinstance(value, list) or not value or not all(isinstance(t, str) for t in value):
+                raise RecipeError(f"{origin}: key 'targets' is {value!r}; expected a non-empty list of tensor class "
+                                  f"names, e.g. `targets: [routed_expert]` (classes: "
+                                  f"{sorted(c.value for c in LINEAR_CLASSES)})")
+            continue
+        want = type_mismatch(KEY_TYPES[key], value)
+        if want is not None:
+            raise RecipeError(f"{origin}: key {key!r} is {value!r} ({type(value).__name__}); expected {want}: "
+                              f"write e.g. `{key}: {_example(KEY_TYPES[key], key, value)}`")
+
+
 def from_dict(d: dict, origin: str) -> Recipe:
     allowed = {"name", "description", "targets", "keep_fp8"} | _SPEC_FIELDS
     unknown = sorted(set(d) - allowed)
     if unknown:
         raise RecipeError(f"{origin}: unknown key(s) {unknown}; allowed keys are {sorted(allowed)}")
+    _check_types(d, origin)
     try:
         targets = tuple(TensorClass(t) for t in d.get("targets", []))
     except ValueError as e:
@@ -69,12 +117,18 @@ def from_dict(d: dict, origin: str) -> Recipe:
     bad = [t.value for t in targets if t not in LINEAR_CLASSES]
     if bad or not targets:
         raise RecipeError(f"{origin}: targets {bad or '[]'} invalid; choose among {sorted(c.value for c in LINEAR_CLASSES)}")
+    never = [t for t in targets if t in UNSERVABLE_TARGETS]
+    if never:
+        servable = sorted(c.value for c in LINEAR_CLASSES - UNSERVABLE_TARGETS.keys())
+        raise RecipeError(f"{origin}: key 'targets' includes {never[0].value!r}, which cannot be served quantized at "
+                          f"any tensor-parallel degree or shape: {UNSERVABLE_TARGETS[never[0]]} (glmq validate would "
+                          f"fail the whole conversion). Remove it from targets (it then stays BF16, listed in the "
+                          f"config's ignore); servable targets: {servable}")
     try:
         spec = QuantSpec(**{k: d[k] for k in _SPEC_FIELDS if k in d})
     except (TypeError, ValueError) as e:
         raise RecipeError(f"{origin}: {e}") from None
-    return Recipe(str(d.get("name", Path(origin).stem)), targets, spec, bool(d.get("keep_fp8", False)),
-                  str(d.get("description", "")))
+    return Recipe(d.get("name", Path(origin).stem), targets, spec, d.get("keep_fp8", False), d.get("description", ""))
 
 
 def load(name_or_path: str) -> Recipe:

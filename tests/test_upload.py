@@ -141,6 +141,91 @@ def test_base_model_inferred_or_said_unknown(written):
     assert "unknown base model" in text and "--base-model" in text
 
 
+def made_with(text: str) -> str:
+    m = re.search(r"Made with:\n\n```bash\n(glmq quantize [^\n]*)\n```", text)
+    assert m, text
+    return m[1]
+
+
+def gptq_card(written: Path, settings, max_shard_bytes: int | None = None, device: str = "cpu") -> str:
+    """The card of `written` as if GPTQ had made it with `settings` (what calibration/report.py records)."""
+    report = json.loads((written / "glmq_report.json").read_text())
+    report["recipe"]["method"], report["device"] = "gptq", device
+    report["gptq"] = {"settings": settings.identity() | {"activations": settings.activations,
+                                                         "offload_activations": settings.offload_activations,
+                                                         "sequential": settings.sequential},
+                      "calibration_tokens": 256, "by_class": {}}
+    manifest = json.loads((written / "glmq_manifest.json").read_text())
+    if max_shard_bytes is not None:
+        manifest["identity"]["max_shard_bytes"] = max_shard_bytes
+    return str(mc.build_card(card_inputs(written, report=report, manifest=manifest)))
+
+
+def test_card_command_remakes_every_recorded_gptq_setting(written):
+    """The "Made with" command, parsed by `glmq quantize` itself, gives back the run's identity and shard size."""
+    import shlex
+
+    from glmq.calibration.engine import CalibrationSettings
+    from glmq.scripts.cli import parse_size, quantize
+
+    settings = CalibrationSettings(calibration="my calib.txt", samples=8, seq_len=32, seed=3, min_expert_tokens=4,
+                                   all_token_limit=2.5, sequential=True, activations="memory")
+    cmd = made_with(gptq_card(written, settings))
+    p = quantize.make_context("quantize", shlex.split(cmd)[2:]).params
+    extra = {k: p[k] for k in ("min_expert_tokens", "all_token_limit") if p[k] is not None}
+    replay = CalibrationSettings(calibration=p["calibration"], samples=p["samples"], seq_len=p["seq_len"],
+                                 seed=p["seed"], sequential=p["true_sequential"], **extra)  # as cli.quantize builds it
+    assert replay.identity() == settings.identity(), cmd
+    assert "--true-sequential" in cmd and "--min-expert-tokens 4" in cmd and "--all-token-limit 2.5" in cmd
+    written_shards = json.loads((written / "glmq_manifest.json").read_text())["identity"]["max_shard_bytes"]
+    assert written_shards == 400_000 and parse_size(p["max_shard_size"]) == written_shards and "400KB" in cmd
+    assert "--activations" not in cmd and "--offload-activations" not in cmd  # they change no bit
+    assert "--device" not in cmd and "Python API" not in gptq_card(written, settings)
+
+
+def test_card_command_prints_only_what_differs_from_the_defaults(written):
+    from glmq.calibration.engine import CalibrationSettings
+
+    base = "glmq quantize --model FP8_SOURCE_FOLDER --recipe recipe.yaml -o OUT"
+    assert made_with(gptq_card(written, CalibrationSettings(calibration="c.txt"), 5 * 10**9)) == base + " --calibration c.txt"
+    rtn = json.loads((written / "glmq_manifest.json").read_text())
+    assert made_with(str(mc.build_card(card_inputs(written)))) == base + " --max-shard-size 400KB"
+    rtn["identity"]["max_shard_bytes"] = 5 * 2**30
+    assert made_with(str(mc.build_card(card_inputs(written, manifest=rtn)))) == base + " --max-shard-size 5GiB"
+    rtn["identity"]["max_shard_bytes"] = 5 * 10**9
+    cuda = json.loads((written / "glmq_report.json").read_text()) | {"device": "cuda"}  # RTN: CUDA == CPU bytes
+    assert made_with(str(mc.build_card(card_inputs(written, manifest=rtn, report=cuda)))) == base
+    # GPTQ on CUDA sums in another order than on a CPU; settings no option sets are named under the command
+    text = gptq_card(written, CalibrationSettings(calibration="c.txt", expert_prior=0.5, all_token_limit=None),
+                     5 * 10**9, device="cuda")
+    assert made_with(text) == base + " --device cuda --calibration c.txt"
+    assert "(no command-line option): `all_token_limit=None`, `expert_prior=0.5`." in text
+
+
+def test_card_command_tables_match_the_cli_and_calibration_settings():
+    """Every `glmq quantize` option is either in the card's command or known not to change the output."""
+    import dataclasses
+
+    from glmq.calibration.engine import CalibrationSettings
+    from glmq.scripts.cli import parse_size, quantize
+
+    defaults = {f.name: f.default for f in dataclasses.fields(CalibrationSettings)}
+    cli = quantize.make_context("quantize", []).params  # every option at its default
+    for key, flag, default in mc.GPTQ_OPTIONS:
+        assert defaults[key] == default, key
+        assert cli[flag.lstrip("-").replace("-", "_")] in (default, None), flag  # None: CalibrationSettings' default
+    assert cli["true_sequential"] is False and defaults["sequential"] is False
+    assert all(defaults[k] == d for k, d in mc.GPTQ_API_ONLY.items()) and not set(mc.GPTQ_API_ONLY) & set(cli)
+    identity = set(CalibrationSettings(sequential=True).identity())
+    assert identity == {k for k, _, _ in mc.GPTQ_OPTIONS} | set(mc.GPTQ_API_ONLY) | {"calibration", "sequential"}
+    assert parse_size(cli["max_shard_size"]) == mc.DEFAULT_MAX_SHARD_BYTES
+    in_card = {"max_shard_size", "calibration", "true_sequential", "device"} | {
+        f.lstrip("-").replace("-", "_") for _, f, _ in mc.GPTQ_OPTIONS}
+    placeholders_or_no_bit = {"model", "recipe", "output", "scheme", "no_progress", "json_out", "activations",
+                              "offload_activations"}  # --scheme: the recipe file carries the method
+    assert set(cli) == in_card | placeholders_or_no_bit, set(cli) ^ (in_card | placeholders_or_no_bit)
+
+
 # ----------------------------------------------------------------------------------------- the gate
 def test_gate_refuses_a_corrupt_checkpoint_without_calling_the_hub(ckpt, hub):
     shard = flip_packed_byte(ckpt)

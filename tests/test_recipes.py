@@ -1,0 +1,144 @@
+"""Recipe loading: every key type-checked at load, and targets that can never be served refused there.
+
+A wrongly typed value (num_bits: 4.0, keep_fp8: "false") or an unservable target (router) used to pass the
+loader and `glmq plan`, then fail part-way through `glmq quantize` or only at `glmq validate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from glmq import recipes
+from glmq.formats.families import LINEAR_CLASSES, TensorClass, classify
+from glmq.quantize import spec as quant_spec
+from glmq.quantize.spec import QuantSpec
+
+BASE = yaml.safe_load((recipes.RECIPE_DIR / "int4-w4a16.yaml").read_text())
+
+
+def write(tmp_path: Path, **change) -> Path:
+    p = tmp_path / "mine.yaml"
+    p.write_text(yaml.safe_dump({**BASE, **change}))
+    return p
+
+
+def test_shipped_recipes_load():
+    assert recipes.available()
+    for name in recipes.available():
+        r = recipes.load(name)
+        assert r.targets and not set(r.targets) & {TensorClass.ROUTER, TensorClass.INDEXER}
+        assert isinstance(r.spec.num_bits, int) and isinstance(r.keep_fp8, bool) and isinstance(r.name, str)
+
+
+def test_every_key_has_a_checked_type():
+    assert set(quant_spec.FIELD_TYPES) == {f.name for f in dataclasses.fields(QuantSpec)}
+    assert set(recipes.KEY_TYPES) | {"targets"} == {"name", "description", "targets", "keep_fp8"} | set(quant_spec.FIELD_TYPES)
+
+
+# key, wrong value, words the error must contain (besides the file name, the key and the value)
+WRONG = [
+    ("num_bits", 4.0, "whole number", "`num_bits: 4`"),
+    ("group_size", 128.0, "whole number", "`group_size: 128`"),
+    ("block_size", 64.0, "whole number", "`block_size: 64`"),
+    ("num_bits", "4", "whole number", "`num_bits: 4`"),
+    ("cd_sweeps", True, "whole number", "cd_sweeps"),
+    ("tune_iters", 2.5, "whole number", "tune_iters"),
+    ("symmetric", "false", "true or false, without quotes", "`symmetric: false`"),
+    ("full_range", "false", "true or false, without quotes", "`full_range: false`"),
+    ("act_order", "no", "true or false, without quotes", "`act_order: false`"),
+    ("tune_experts", 1, "true or false, without quotes", "tune_experts"),
+    ("keep_fp8", "false", "true or false, without quotes", "`keep_fp8: false`"),
+    ("damp", True, "a number", "damp"),
+    ("damp", "0.1", "a number", "`damp: 0.1`"),
+    ("tune_lr", True, "a number, or null", "tune_lr"),
+    ("method", 1, "a string", "method"),
+    ("clip_objective", None, "a string", "clip_objective"),
+    ("name", None, "a string", "`name: my-recipe`"),
+    ("name", 2024, "a string", '`name: "2024"`'),
+    ("description", ["x"], "a string", "description"),
+]
+
+
+@pytest.mark.parametrize("key,value,expected,fix", WRONG, ids=[f"{k}={v!r}" for k, v, _, _ in WRONG])
+def test_wrongly_typed_value_is_refused_at_load_naming_file_key_value_and_fix(tmp_path, key, value, expected, fix):
+    p = write(tmp_path, **{key: value})
+    with pytest.raises(recipes.RecipeError) as e:
+        recipes.load(str(p))
+    msg = str(e.value)
+    assert str(p) in msg and repr(key) in msg and repr(value) in msg and expected in msg and fix in msg, msg
+
+
+@pytest.mark.parametrize("targets", ["routed_expert", [], [1], None])
+def test_targets_must_be_a_list_of_class_names(tmp_path, targets):
+    with pytest.raises(recipes.RecipeError, match=r"mine\.yaml: .*targets.*\[routed_expert\]"):
+        recipes.load(str(write(tmp_path, targets=targets)))
+
+
+def test_well_typed_values_load(tmp_path):
+    # an int where a float is documented, null for tune_lr, YAML's unquoted yes/no booleans
+    p = tmp_path / "ok.yaml"
+    p.write_text("name: ok\ntargets: [routed_expert]\nnum_bits: 8\ngroup_size: 64\nsymmetric: no\nfull_range: no\n"
+                 "damp: 0\ntune_lr: null\nact_order: yes\nkeep_fp8: true\nmethod: gptq\n")
+    r = recipes.load(str(p))
+    assert (r.spec.num_bits, r.spec.group_size, r.spec.symmetric, r.spec.damp, r.spec.act_order) == (8, 64, False, 0, True)
+    assert r.keep_fp8 is True and r.spec.tune_lr is None and r.spec.method.value == "gptq"
+    assert recipes.load(str(write(tmp_path, tune_lr=1, tune_iters=10))).spec.tune_lr == 1
+
+
+def test_quantspec_checks_types_on_construction():
+    with pytest.raises(ValueError, match=r"num_bits must be a whole number .*got 4\.0 \(float\)"):
+        QuantSpec(num_bits=4.0)
+    with pytest.raises(ValueError, match="symmetric must be true or false"):
+        QuantSpec(symmetric="false")
+    with pytest.raises(ValueError, match=r"method must be one of \('rtn', 'gptq'\)"):
+        QuantSpec(method="RTN")
+    spec = QuantSpec(num_bits=np.int64(4), group_size=np.int32(64))  # numpy integers: accepted, stored as int
+    assert type(spec.num_bits) is int and type(spec.group_size) is int
+
+
+def test_cli_refuses_a_float_num_bits_before_writing_anything(tmp_path):
+    from glmq.scripts.cli import main
+
+    p, out = write(tmp_path, num_bits=4.0), tmp_path / "out"
+    r = CliRunner().invoke(main, ["quantize", "-m", str(tmp_path / "no-model"), "-r", str(p), "-o", str(out),
+                                  "--no-progress"])
+    assert r.exit_code == 1 and "'num_bits' is 4.0" in r.output and "Traceback" not in r.output, r.output
+    assert not out.exists()
+    r = CliRunner().invoke(main, ["plan", "-m", str(tmp_path / "no-model"), "-r", str(p)])
+    assert r.exit_code != 0 and "'num_bits' is 4.0" in r.output, r.output
+
+
+# ----------------------------------------------------------------------------------------- targets
+def test_unservable_targets_are_the_layers_the_serving_check_always_refuses():
+    from glmq.quantize.validate.serving import NO_QUANT_LAYERS
+
+    # every leaf the serving check refuses at any tp and shape belongs to a refused class, and each refused class
+    # has such a leaf (mlp.gate: the router; indexer.wk / weights_proj: present in every DSA indexer)
+    leaf_class = {"gate": classify("model.layers.3.mlp.gate"), "wk": classify("model.layers.3.self_attn.indexer.wk"),
+                  "weights_proj": classify("model.layers.3.self_attn.indexer.weights_proj")}
+    assert set(leaf_class) == set(NO_QUANT_LAYERS)
+    assert set(leaf_class.values()) == set(recipes.UNSERVABLE_TARGETS) == {TensorClass.ROUTER, TensorClass.INDEXER}
+
+
+@pytest.mark.parametrize("cls,leaf", [("router", "gate"), ("indexer", "wk")])
+def test_router_and_indexer_targets_are_refused_at_load(tmp_path, cls, leaf):
+    from glmq.quantize.validate.serving import NO_QUANT_LAYERS
+
+    p = write(tmp_path, targets=["routed_expert", cls])
+    with pytest.raises(recipes.RecipeError) as e:
+        recipes.load(str(p))
+    msg = str(e.value)
+    assert str(p) in msg and "'targets'" in msg and repr(cls) in msg and "any tensor-parallel degree" in msg, msg
+    assert NO_QUANT_LAYERS[leaf] in msg and "Remove it from targets" in msg, msg
+
+
+@pytest.mark.parametrize("cls", sorted(c.value for c in LINEAR_CLASSES - {TensorClass.ROUTER, TensorClass.INDEXER}))
+def test_classes_servable_under_some_shapes_still_load(tmp_path, cls):
+    # lm_head, eh_proj (mtp_proj), attention, ...: the serving check only applies shape rules to them
+    assert [t.value for t in recipes.load(str(write(tmp_path, targets=[cls]))).targets] == [cls]
