@@ -211,3 +211,15 @@ def test_engines_refuse_cuda_without_cuda_with_a_reported_error_type(no_cuda, ck
     assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match="no CUDA device is visible"):
         LayerBuilder(source, torch.device("cuda"), torch.float32)
+
+
+def test_json_report_under_a_missing_folder_is_refused_before_any_work(ckpt, tmp_path):
+    """--json FILE whose folder does not exist: one line naming the folder when the options are parsed, not a
+    traceback when the report is written after the whole run."""
+    out, report = tmp_path / "out", tmp_path / "no" / "such" / "report.json"
+    for args in (("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress"), ("plan", "-m", str(ckpt)),
+                 ("validate", str(ckpt))):
+        r = glmq(*args, "--json", str(report))
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert f"folder {report.parent} does not exist" in r.stderr
+    assert not out.exists() and not report.parent.exists()
