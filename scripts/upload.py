@@ -30,7 +30,7 @@ import importlib.util
 import json
 import sys
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import click
 
@@ -185,6 +185,15 @@ def read_eval(folder: Path, given: Path | None) -> dict | None:
                                                          for r in rows):
         raise UploadError(f"{path}: not a `glmq eval --json` result (expected \"models\": [{{{', '.join(keys)}, "
                           f"layer_rel_error}}, ...]); pass the file `glmq eval --json` wrote", 2)
+    name = folder.resolve().name
+    names = [PurePath(str(r["checkpoint"])).name for r in rows[1:]]  # rows[0] is the source
+    if name not in names:  # the card would show other models' numbers and none of this one's
+        why = (f"{path} evaluates {', '.join(names) or 'no quantized model'}, not this checkpoint ({name}); "
+               f"run `glmq eval SOURCE {folder} ... --json FILE`")
+        if given is not None:
+            raise UploadError(f"--eval-report {why}", 2)
+        click.secho(f"warning: {why}; the card leaves the evaluation out", fg="yellow", err=True)
+        return None
     return doc
 
 

@@ -411,6 +411,15 @@ def test_eval_report_from_the_folder_or_the_option(ckpt, hub, tmp_path):
     bad.write_text(json.dumps({"models": [{"checkpoint": "x"}]}))
     r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--eval-report", str(bad), "--dry-run")
     assert r.exit_code == 2 and str(bad) in r.output and "glmq eval --json" in r.output
+    # a report of other checkpoints: given, refused; found in the folder, left out of the card with a warning
+    other = {**EVAL, "models": [EVAL["models"][0]] + [{**m, "checkpoint": f"/x/other-{i}"}
+                                                      for i, m in enumerate(EVAL["models"][1:])]}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--eval-report", str(tmp_path / "other.json"), "--dry-run")
+    assert r.exit_code == 2 and "not this checkpoint (ckpt)" in r.output
+    (ckpt / "glmq_eval.json").write_text(json.dumps(other))
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--dry-run")
+    assert r.exit_code == 0 and "not this checkpoint (ckpt)" in r.output and "## Evaluation" not in r.stdout
 
 
 def test_missing_folder_not_a_checkpoint_and_bad_ids(ckpt, hub, tmp_path):
