@@ -407,9 +407,24 @@ _CACHE: dict[int, tuple] = {}
 _CACHE_LOCK = threading.Lock()
 
 
+def _state(t: torch.Tensor) -> tuple:
+    """What tells a cached prepack is still `t`'s: its storage and, except for an inference tensor (which has no
+    version counter), its version, bumped by in-place writes through `t` itself."""
+    return t.data_ptr(), None if t.is_inference() else t._version
+
+
+def clear_prepack_cache() -> None:
+    """Forget every `cached_prepack`. Needed after a write the cache cannot see: in place through `.data`
+    (`param.data.copy_(new)`, as weight loaders write) or into an inference tensor, which keep the tensor's
+    storage and version."""
+    with _CACHE_LOCK:
+        _CACHE.clear()
+
+
 def cached_prepack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int,
                    layout: Layout | None = None, chunk_major: bool | None = None) -> PackedW4:
-    """`prepack`, remembered per `weight_packed` tensor (and layout) while it lives and is not written in place."""
+    """`prepack`, remembered per `weight_packed` tensor (and layout) while it lives, keeps its storage and is not
+    written in place through itself; writes it cannot see are listed in `clear_prepack_cache`."""
     k = weight_packed.shape[-1] * 8
     layout = default_layout(chunk_for(k), group_size) if layout is None else Layout(layout)
     chunk_major = layout.mma if chunk_major is None else chunk_major
@@ -418,8 +433,8 @@ def cached_prepack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, grou
         hit = _CACHE.get(key)
     if hit is not None:
         ref, ver, sref, sver, g, packed = hit
-        if ref() is weight_packed and sref() is weight_scale and g == group_size and ver == weight_packed._version \
-                and sver == weight_scale._version:  # fmt: skip
+        if ref() is weight_packed and sref() is weight_scale and g == group_size and ver == _state(weight_packed) \
+                and sver == _state(weight_scale):  # fmt: skip
             return packed
     packed = prepack(weight_packed, weight_scale, group_size, layout, chunk_major)
 
@@ -429,8 +444,8 @@ def cached_prepack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, grou
             if ent is not None and ent[0]() is None:
                 del _CACHE[key]
 
-    entry = (weakref.ref(weight_packed, drop), weight_packed._version, weakref.ref(weight_scale),
-             weight_scale._version, group_size, packed)  # fmt: skip
+    entry = (weakref.ref(weight_packed, drop), _state(weight_packed), weakref.ref(weight_scale),
+             _state(weight_scale), group_size, packed)  # fmt: skip
     with _CACHE_LOCK:
         _CACHE[key] = entry
     return packed
@@ -1408,7 +1423,8 @@ def w4a16_matmul(
     """y = x @ dequant(W).T for a symmetric compressed-tensors int4 weight, fp32 accumulation.
 
     The weight is prepacked on first use and the result cached per `weight_packed` tensor
-    (`cached_prepack`); call `prepack` once and `w4a16_matmul_packed` to manage that copy yourself.
+    (`cached_prepack`); call `prepack` once and `w4a16_matmul_packed` to manage that copy yourself. After
+    writing new weights in place through `.data` or into inference tensors, call `clear_prepack_cache()`.
 
     Args:
         x: float16/bfloat16 `[M, K]`, contiguous.
