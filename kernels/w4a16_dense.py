@@ -1399,6 +1399,16 @@ def check_out(out: torch.Tensor | None, shape: tuple[int, int], x: torch.Tensor)
         raise ValueError(f"out must be {x.dtype} {list(shape)}, got {out.dtype} {list(out.shape)}")
     if out.device != x.device or not out.is_contiguous():
         raise ValueError(f"out must be contiguous on {x.device}")
+    if _overlap(out, x):  # programs write their tiles while others still read x: the result would be wrong
+        raise ValueError("out must not share memory with x; pass a separate buffer")
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors' byte ranges intersect (within one storage)."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def check_config(cfg: DenseConfig, w: PackedW4) -> None:

@@ -786,3 +786,45 @@ def test_malformed_json_fails_a_check_with_a_report(damaged, tmp_path):
     assert f"{damaged / shard}: tensor lm_head.weight: header entry has no dtype; the shard is not valid " \
            f"safetensors, re-download or re-write it" in msgs
     assert doc["checks"]["index"]["status"] == "fail"
+
+
+def test_activation_ordered_groups_are_not_passed_unchecked(damaged):
+    """actorder "group" modules carry weight_g_idx, which glmq's kernels and references do not read: with groups in
+    order the matmul check runs as usual; with any other g_idx it warns and counts the module as not checked,
+    instead of passing a check that compared nothing of what the module computes."""
+    def add_g_idx(order):
+        for shard in sorted(set(index(damaged)["weight_map"].values())):
+            def edit(t):
+                for name in [k for k in t if k.endswith(".weight_packed")]:
+                    k = t[name].shape[1] * 8
+                    t[name.replace("weight_packed", "weight_g_idx")] = order(k).to(torch.int32)
+            rewrite_shard(damaged, shard, edit)
+        (damaged / "glmq_manifest.json").unlink(missing_ok=True)  # the shards changed on purpose
+
+    def actorder(qc):
+        qc["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+
+    edit_config(damaged, actorder)
+    add_g_idx(lambda k: torch.arange(k) // 128)
+    rep = v.validate(damaged, sample=1.0)
+    assert rep.checks["numerics"].status is v.Status.PASS and rep.checks["numerics"].checked == 72, v.format_report(rep)
+    add_g_idx(lambda k: torch.arange(k) % max(1, k // 128))  # columns interleaved between the groups (K > 128)
+    rep = v.validate(damaged, sample=1.0)
+    num = rep.checks["numerics"]
+    assert num.status is v.Status.WARN and num.checked + len(num.warnings) == 72
+    assert 0 < len(num.warnings) < 72 and all("activation-ordered groups" in w.message for w in num.warnings)
+    assert all(".down_proj" not in w.tensor for w in num.warnings)  # K = 128: one group, any g_idx is in order
+
+
+def test_k_smaller_than_the_group_is_checked_as_one_group():
+    """compressed-tensors stores ceil(K / g) = 1 scale per row when K < g; the matmul check reads it as such."""
+    from glmq.quantize.pack import pack_int32
+    from glmq.quantize.validate.config import Group
+    from glmq.quantize.validate import numerics
+
+    q = torch.randint(-8, 8, (16, 64), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    scale = (torch.rand(16, 1) * 0.01 + 1e-3).to(torch.bfloat16)
+    g = Group("group_0", ("Linear",), "int", num_bits=4, group_size=128)
+    err, bound, _ = numerics.matmul_error(numerics._activations(0, "m", 64), pack_int32(q), scale, None, (16, 64), g,
+                                          "cpu")
+    assert err <= bound

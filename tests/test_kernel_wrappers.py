@@ -1,4 +1,5 @@
-"""`cached_prepack`: the cached copy follows the weight it was made from (no kernel runs here)."""
+"""The kernels' Python wrappers, without running a kernel: the prepack cache follows the weight it was made
+from; preconditions the kernels cannot handle are refused."""
 
 from __future__ import annotations
 
@@ -42,3 +43,12 @@ def test_inference_tensors_are_cached():
     with torch.inference_mode():
         first2 = dense.cached_prepack(packed, scale, 128)
     assert first2 is first
+
+
+def test_out_sharing_memory_with_x_is_refused():
+    """Programs write their output tiles while others still read x: an `out` over x gave a relative error of 11."""
+    big = torch.empty(4 * 256 + 4 * 64, dtype=torch.bfloat16)
+    xs, inside = big[:4 * 256].view(4, 256), big[4 * 256 - 16:4 * 256 - 16 + 4 * 64].view(4, 64)
+    with pytest.raises(ValueError, match="must not share memory with x"):
+        dense.check_out(inside, (4, 64), xs)  # what w4a16_matmul[_packed] and fused_moe_w4a16 check `out` with
+    dense.check_out(big[4 * 256:].view(4, 64), (4, 64), xs)  # the same storage, after x: fine
