@@ -15,7 +15,8 @@ against a second copy of their own bit tricks.
 
 MoE convention (the one vLLM/SGLang use for a fused `w13`): expert e's `w13[e]` is `[2I, H/8]` packed,
 rows `[0, I)` are gate_proj and rows `[I, 2I)` are up_proj; `w2[e]` is down_proj `[H, I/8]` packed;
-    y[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = topk_ids[t, j].
+    y[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = topk_ids[t, j],
+where an id of -1 means "expert not on this rank" (vLLM's expert parallelism): that term is dropped.
 """
 
 from __future__ import annotations
@@ -97,17 +98,27 @@ def moe_w4a16_ref(
         w13_scale: `[E, 2I, H/group_size]`.
         w2_packed: int32 `[E, H, I/8]` (down_proj).
         w2_scale: `[E, H, I/group_size]`.
-        topk_ids: integer `[M, topk]`, expert of each (token, slot), values in [0, E).
+        topk_ids: integer `[M, topk]`, expert of each (token, slot), values in [0, E), or -1 for an
+            expert not on this rank: that (token, slot) contributes nothing.
         topk_weights: float `[M, topk]`, router weight of each (token, slot).
         group_size: 32, 64 or 128.
     Returns:
         float32 `[M, H]`.
+    Raises:
+        ValueError: on an expert id outside [0, E) other than -1 (not Python's negative indexing).
     """
     m, hidden = x.shape
-    inter = w13_packed.shape[1] // 2
+    num_experts, two_i = w13_packed.shape[:2]
+    inter = two_i // 2
+    bad = topk_ids[(topk_ids < -1) | (topk_ids >= num_experts)]
+    if bad.numel():
+        raise ValueError(f"topk_ids holds expert ids in [{int(bad.min())}, {int(bad.max())}], outside [0, E) with "
+                         f"E = {num_experts} (only -1, 'expert not on this rank', may lie outside)")
     xf = x.float()
     out = torch.zeros(m, hidden, dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids).tolist():
+        if e == -1:  # expert not on this rank: dropped
+            continue
         tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
         w13 = dequantize_packed(w13_packed[e], w13_scale[e], group_size)  # (2I, H)
         w2 = dequantize_packed(w2_packed[e], w2_scale[e], group_size)  # (H, I)

@@ -13,7 +13,10 @@ H and I must be multiples of 128 (the tensor-core chunk; GLM-5: 6144 and 2048).
 Steps (four launches at decode sizes):
   1. `moe_align_block_size`: sort the M*topk (token, slot) assignments by expert, stably, and pad
      each expert's run to a multiple of BLOCK_M; every BLOCK_M block of the sorted list then belongs
-     to one expert. Written in torch (no host sync, so it can be captured in a CUDA graph); that is
+     to one expert. Assignments whose expert id is outside [0, E) (-1: an expert not on this rank, as
+     in vLLM's expert parallelism) are dropped: they go after the last expert's run, in blocks whose
+     expert is E, and contribute zero (step 3). Written in torch (no host sync, so it can be
+     captured in a CUDA graph); that is
      ~25 tiny kernels, at ~1-2 us each even inside a graph (an estimate, not yet measured) the same
      order as the ~40 us it takes to stream 8 experts' int4 weights at decode, so up to
      ALIGN_ONE_LAUNCH_MAX assignments the same result comes from one single-program Triton launch
@@ -22,7 +25,8 @@ Steps (four launches at decode sizes):
      and the up tile of the same columns with two accumulators and writes silu(gate) * up, so the
      SiLU gating is fused and the [M*topk, 2I] pre-activation never reaches memory.
   3. down kernel: the same kernel without the gate, multiplying each row by its router weight and
-     writing row (t, j) of a [M, topk, H] buffer.
+     writing row (t, j) of a [M, topk, H] buffer; its programs on blocks of expert E write zero rows
+     for the dropped assignments there, so every row of the buffer is written.
   4. `torch.sum` over topk (fp32 accumulation inside torch), i.e. a fixed-order, deterministic
      per-token reduction instead of atomics.
 Both launches come in two variants that reuse the dense building blocks: `_moe_swap_kernel`
@@ -148,13 +152,18 @@ def moe_align_block_size(
     expert the assignments keep their flat order (stable), so both implementations agree exactly.
 
     Args:
-        topk_ids: int32/int64 `[M, topk]` expert ids in [0, num_experts) (not checked: that would sync).
+        topk_ids: int32/int64 `[M, topk]` expert ids. Ids outside [0, num_experts) (-1: expert not on
+            this rank) are not checked here (that would sync): those assignments are dropped, i.e.
+            placed after the last expert's padded run, in flat order and unpadded, in blocks whose
+            expert id is num_experts, which the grouped GEMM does not compute (the down launch
+            writes zero rows for them). Nothing is ever written outside the returned buffers.
         block_m: block size of the grouped GEMM.
         num_experts: E.
         one_launch: force the single Triton launch (True) or the torch ops (False); default by size.
     Returns:
-        sorted_ids: int32 `[P]`, flat assignment index t*topk + j, grouped by expert; padding slots
-            hold M*topk (an invalid index). P = num_blocks * block_m, a static upper bound.
+        sorted_ids: int32 `[P]`, flat assignment index t*topk + j, grouped by expert (the dropped
+            ones last); padding slots hold M*topk (an invalid index). P = num_blocks * block_m, a
+            static upper bound (dropped assignments take no padding, so it still holds).
         expert_ids: int32 `[num_blocks]`, expert of each block; num_experts for blocks past the end.
         num_blocks: host int (the grid size), `align_num_blocks(M*topk, block_m, E)`.
     """
@@ -165,8 +174,10 @@ def moe_align_block_size(
         return _align_one_launch(topk_ids.reshape(-1), block_m, num_experts)
     flat = topk_ids.reshape(-1).long()  # (T,)
     dev = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).index_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m  # (E,)
+    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # dropped: group E, after all runs
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).index_add_(0, flat, torch.ones_like(flat))
+    # (E + 1,); group E's padding lies past every slot it uses, so padding it too changes nothing
+    padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)  # padded run of expert e is [ends[e] - padded[e], ends[e])
     order = torch.argsort(flat, stable=True)  # assignments grouped by expert, token order inside
     sorted_e = flat[order]
@@ -175,7 +186,7 @@ def moe_align_block_size(
     sorted_ids = torch.full((num_blocks * block_m,), t, dtype=torch.int32, device=dev)
     sorted_ids[(ends - padded)[sorted_e] + rank] = order.to(torch.int32)
     block_start = torch.arange(0, num_blocks * block_m, block_m, device=dev)
-    expert_ids = torch.searchsorted(ends, block_start, right=True).to(torch.int32)
+    expert_ids = torch.searchsorted(ends[:num_experts], block_start, right=True).to(torch.int32)
     return sorted_ids, expert_ids, num_blocks
 
 
@@ -186,9 +197,12 @@ def _align_kernel(
 ):  # fmt: skip
     """grid = (1,). `moe_align_block_size` in one program: counts, padded offsets, expert of each
     block, then each assignment's slot = padded start of its expert + its rank among the earlier
-    assignments of that expert (a running one-hot prefix sum: stable, no sort, no atomics)."""
+    assignments of that expert (a running one-hot prefix sum: stable, no sort, no atomics). Ids
+    outside [0, num_experts) are dropped: a second scatter, run only when there are any, puts them
+    after the last expert's run in flat order (in bounds: `align_num_blocks` counts them without
+    padding); every scatter is masked to the buffer all the same."""
     ex = tl.arange(0, E_P2)
-    counts = tl.zeros([E_P2], dtype=tl.int32)
+    counts = tl.zeros([E_P2], dtype=tl.int32)  # lanes in [E, E_P2) count ids there, and are ignored
     for c in range(0, T, CHUNK):
         r = c + tl.arange(0, CHUNK)
         e = tl.load(ids_ptr + r, mask=r < T, other=-1)
@@ -208,10 +222,21 @@ def _align_kernel(
     for c in range(0, T, CHUNK):
         r = c + tl.arange(0, CHUNK)
         e = tl.load(ids_ptr + r, mask=r < T, other=-1)
-        hit = (e[:, None] == ex[None, :]).to(tl.int32)  # (CHUNK, E_P2): one 1 per valid row
+        hit = (e[:, None] == ex[None, :]).to(tl.int32)  # (CHUNK, E_P2): one 1 per row with e in [0, E_P2)
         slot = tl.sum(hit * (tl.cumsum(hit, axis=0) - 1 + seen[None, :]), axis=1)
-        tl.store(sorted_ids_ptr + slot, r, mask=(r < T) & (tl.sum(hit, axis=1) > 0))
+        ok = (r < T) & (e >= 0) & (e < num_experts)
+        tl.store(sorted_ids_ptr + slot, r, mask=ok & (slot < num_blocks * BLOCK_M))
         seen += tl.sum(hit, axis=0)
+    in_range = ex < num_experts
+    if tl.sum(tl.where(in_range, counts, 0), axis=0) < T:  # some ids outside [0, E): dropped
+        nxt = tl.sum(tl.where(in_range, padded, 0), axis=0)  # their next slot, after every run
+        for c in range(0, T, CHUNK):
+            r = c + tl.arange(0, CHUNK)
+            e = tl.load(ids_ptr + r, mask=r < T, other=0)
+            drop = ((r < T) & ((e < 0) | (e >= num_experts))).to(tl.int32)
+            slot = nxt + tl.cumsum(drop, axis=0) - 1
+            tl.store(sorted_ids_ptr + slot, r, mask=(drop > 0) & (slot < num_blocks * BLOCK_M))
+            nxt += tl.sum(drop, axis=0)
 
 
 def _align_one_launch(flat_ids: torch.Tensor, block_m: int, num_experts: int):
@@ -227,6 +252,18 @@ def _align_one_launch(flat_ids: torch.Tensor, block_m: int, num_experts: int):
         BLOCK_M=block_m, E_P2=e_p2, CHUNK=chunk, num_warps=4,
     )  # fmt: skip
     return sorted_ids, expert_ids, num_blocks
+
+
+@triton.jit
+def _zero_rows(c_ptr, sorted_ids_ptr, pid_m, pid_n, N, num_valid, stride_cm,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Write zeros to the BLOCK_N-column tile pid_n of the output rows of block pid_m's valid
+    assignments (a block of expert E holds the dropped ones, ids outside [0, E))."""
+    ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (ids < num_valid)[:, None] & (rn[None, :] < N)
+    zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=c_ptr.dtype.element_ty)
+    tl.store(c_ptr + ids[:, None] * stride_cm + rn[None, :], zero, mask=mask)
 
 
 @triton.jit
@@ -250,7 +287,9 @@ def _moe_kernel(
     pid_m = pid // n_tiles
     pid_n = pid % n_tiles
     expert = tl.load(expert_ids_ptr + pid_m)
-    if expert >= num_experts:  # block past the last expert's padded run
+    if expert >= num_experts:  # block past the last expert's padded run: padding and dropped ids only
+        if ROUTED:  # down launch: the dropped assignments' output rows are zero
+            _zero_rows(c_ptr, sorted_ids_ptr, pid_m, pid_n, N, num_valid, stride_cm, BLOCK_M, BLOCK_N)
         return
     ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = ids < num_valid
@@ -323,7 +362,9 @@ def _moe_swap_kernel(
     pid_m = pid // n_tiles
     pid_n = pid % n_tiles
     expert = tl.load(expert_ids_ptr + pid_m)
-    if expert >= num_experts:  # block past the last expert's padded run
+    if expert >= num_experts:  # block past the last expert's padded run: padding and dropped ids only
+        if ROUTED:  # down launch: the dropped assignments' output rows are zero
+            _zero_rows(c_ptr, sorted_ids_ptr, pid_m, pid_n, N, num_valid, stride_cm, BLOCK_M, BLOCK_N)
         return
     ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = ids < num_valid
@@ -432,6 +473,21 @@ def _check_routing(x, topk_weights, topk_ids) -> None:
             raise ValueError(f"{name} must be contiguous on {x.device}")
 
 
+def _check_expert_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """On the CPU: ids must lie in [0, E) or be -1, else a ValueError naming them. Not on CUDA: a check there costs
+    a host sync (eager) or extra launches (graphs) on every decode step; the kernels drop such ids like -1 (never
+    garbage, never a write out of bounds)."""
+    if topk_ids.is_cuda:
+        return
+    bad = (topk_ids < -1) | (topk_ids >= num_experts)
+    if bad.any():
+        b = topk_ids[bad]
+        raise ValueError(
+            f"topk_ids holds {b.numel()} expert id(s) in [{int(b.min())}, {int(b.max())}], outside [0, E) "
+            f"with E = {num_experts} experts (only -1, 'expert not on this rank', may lie outside)"
+        )
+
+
 def prepack_moe(w13_packed, w13_scale, w2_packed, w2_scale, group_size: int) -> tuple[PackedW4, PackedW4]:
     """Repack stacked expert weights once (`w4a16_dense.prepack`) for `fused_moe_w4a16_packed`."""
     from glmq.kernels.w4a16_dense import prepack
@@ -464,15 +520,19 @@ def fused_moe_w4a16(
         w2_packed: int32 `[E, H, I/8]` (down_proj).
         w2_scale: float16/bfloat16/float32 `[E, H, I/group_size]`.
         topk_weights: float `[M, topk]` router weights (applied after down_proj).
-        topk_ids: int32/int64 `[M, topk]`, values in [0, E) (not checked: that would sync with the
-            GPU; out-of-range ids are undefined behaviour, as in vLLM's fused_moe).
+        topk_ids: int32/int64 `[M, topk]`, values in [0, E), or -1 for "expert not on this rank"
+            (vLLM's expert-parallel convention): a -1 assignment contributes nothing, so a row whose
+            ids are all -1 comes out zero. Any other id outside [0, E) is a ValueError on the CPU; on
+            CUDA it is not checked (that would cost a sync or launches per call) and is dropped like
+            -1: never garbage, never a write out of bounds.
         group_size: 32, 64 or 128; H and I must be multiples of 128 (and of the group size).
         out: optional `[M, H]` buffer of x's dtype; every element is written.
         config: optional launch override (tests, tuning); default `choose_moe_config`.
     Returns:
         `[M, H]` in x's dtype (`out` if given).
     Raises:
-        ValueError: on any unsupported dtype, shape, layout or device.
+        ValueError: on any unsupported dtype, shape, layout or device, or an expert id in topk_ids
+            outside [0, E) other than -1.
     """
     _check_moe(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, group_size)
     lay = layout_for(config, MMA_CHUNK, group_size)
@@ -504,6 +564,7 @@ def fused_moe_w4a16_packed(
     out = torch.empty(m, hidden, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0 or topk == 0:
         return out.zero_()
+    _check_expert_ids(topk_ids, num_experts)
     sorted_ids, expert_ids, num_blocks = moe_align_block_size(topk_ids, cfg.block_m, num_experts)
     h = torch.empty(m * topk, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up per assignment
     y = torch.empty(m, topk, hidden, dtype=x.dtype, device=x.device)  # weighted expert outputs

@@ -591,6 +591,125 @@ def test_moe_align_paths_agree(m, topk, num_experts, block_m):
     assert torch.equal(one[0], ops[0]) and torch.equal(one[1], ops[1]) and one[2] == ops[2]
 
 
+# Expert ids outside [0, E): -1 ("expert not on this rank", vLLM's expert parallelism) is dropped, contributing
+# nothing; any other is a ValueError from the wrapper and the reference, and is dropped like -1 where the check is
+# skipped (CUDA graph capture). Alignment puts the dropped assignments after the last expert's run, in blocks of
+# expert E, and never writes outside its buffers.
+BAD_ALIGN_IDS = [[0, 7], [5, 2], [-1, 6], [3, -1], [-3, 1], [0, 5]]  # E = 5: 5, 6, 7 fit lanes of next_pow2(E) = 8
+
+
+@pytest.mark.parametrize("one_launch", [True, False], ids=["triton", "torch"])
+def test_moe_align_drops_out_of_range_ids(one_launch):
+    e, bm = 5, 16
+    ids = torch.tensor(BAD_ALIGN_IDS, dtype=torch.int32 if one_launch else torch.int64, device=DEV)
+    sorted_ids, expert_ids, nb = MO.moe_align_block_size(ids, bm, e, one_launch=one_launch)
+    flat = ids.reshape(-1).long()
+    ok = (flat >= 0) & (flat < e)
+    t = flat.numel()
+    assert nb == MO.align_num_blocks(t, bm, e) and sorted_ids.shape == (nb * bm,)
+    blocks = [x for x in range(e) for _ in range(-(-int((flat == x).sum()) // bm))]  # each expert's padded run
+    used = len(blocks)
+    assert expert_ids.tolist() == blocks + [e] * (nb - used)  # the dropped ones sit in blocks of expert E
+    got = sorted_ids[: used * bm]
+    assert got[got < t].tolist() == [i for x in range(e) for i in range(t) if flat[i] == x]  # stable, by expert
+    tail = sorted_ids[used * bm:]  # the dropped ones, in flat order, then padding
+    dropped = torch.nonzero(~ok).flatten()
+    assert torch.equal(tail[: dropped.numel()].long(), dropped) and bool((tail[dropped.numel():] == t).all())
+
+
+def test_moe_align_paths_agree_with_out_of_range_ids():
+    ids = torch.tensor(BAD_ALIGN_IDS * 3, device=DEV)
+    for e, bm in ((5, 16), (8, 16), (3, 64), (200, 16)):  # E = 200: CHUNK 32, so the 36 ids take two chunks
+        one = MO.moe_align_block_size(ids.to(torch.int32), bm, e, one_launch=True)
+        ops = MO.moe_align_block_size(ids, bm, e, one_launch=False)
+        assert torch.equal(one[0], ops[0]) and torch.equal(one[1], ops[1]) and one[2] == ops[2], (e, bm)
+
+
+def test_moe_align_kernel_stays_in_bounds():
+    # the buffers inside a guarded arena: ids 5..7 with E = 5 match lanes of E_P2 = 8 and once got runs past the
+    # static bound of sorted_ids (slot 112 of 96), overwriting expert_ids[0] and memory past both buffers
+    e, bm = 5, 16
+    ids = torch.arange(8, dtype=torch.int32, device=DEV)
+    nb = MO.align_num_blocks(ids.numel(), bm, e)
+    arena = torch.full((nb * bm + nb + 256,), -7, dtype=torch.int32, device=DEV)
+    sorted_ids, expert_ids, guard = arena[: nb * bm], arena[nb * bm: nb * bm + nb], arena[nb * bm + nb:]
+    MO._align_kernel[(1,)](ids, sorted_ids, expert_ids, ids.numel(), e, nb, BLOCK_M=bm, E_P2=8, CHUNK=16)
+    assert bool((guard == -7).all()), "the alignment wrote past its buffers"
+    ops = MO.moe_align_block_size(ids.long(), bm, e, one_launch=False)
+    assert torch.equal(sorted_ids, ops[0]) and torch.equal(expert_ids, ops[1])
+
+
+def _nan_empty(monkeypatch):
+    """torch.empty returns NaN-filled float tensors (as a reused allocator block can hold), so a buffer row the
+    kernels never write reaches the output as NaN."""
+    empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+
+
+@pytest.mark.parametrize("one_launch", [True, False], ids=["triton-align", "torch-align"])
+@pytest.mark.parametrize("swap", [True, False], ids=["swap", "planes"])
+def test_moe_minus_one_ids_are_dropped(swap, one_launch, monkeypatch):
+    m, hidden, inter, e, topk, g, dtype = 3, 128, 128, 4, 2, 128, torch.bfloat16
+    w13p, w13s = quantized(e, 2 * inter, hidden, group_size=g, seed=3)
+    w2p, w2s = quantized(e, hidden, inter, group_size=g, seed=4)
+    x = acts(m, hidden, dtype)
+    tw, _ = routing(m, e, topk)
+    ti = torch.tensor([[0, -1], [-1, -1], [3, 1]], device=DEV)
+    ref = R.moe_w4a16_ref(x, w13p, w13s, w2p, w2s, ti, tw, g)
+    kept = torch.where(ti < 0, 0, ti), torch.where(ti < 0, 0.0, tw)  # the -1 slots as weight-0 slots
+    torch.testing.assert_close(ref, R.moe_w4a16_ref(x, w13p, w13s, w2p, w2s, *kept, g), rtol=1e-5, atol=1e-3)
+    assert not bool((ref[1] != 0).any()) and bool((ref[0] != 0).any())
+    if not one_launch:
+        monkeypatch.setattr(MO, "ALIGN_ONE_LAUNCH_MAX", 0)
+    _nan_empty(monkeypatch)
+    cfg = MO.MoeConfig(16, 128, 128, swap=swap)
+    y = MO.fused_moe_w4a16(x, w13p, w13s, w2p, w2s, tw, ti, g, out=poisoned(m, hidden, dtype), config=cfg)
+    assert not bool((y[1] != 0).any()), "a token whose experts are all elsewhere must come out zero"
+    assert_close(y, ref, dtype)
+
+
+@pytest.mark.parametrize("bad", [-2, 4, 7, 1 << 40])
+def test_moe_rejects_out_of_range_ids(bad):
+    args = _moe_inputs(m=2, num_experts=4, g=128)
+    args["topk_ids"] = torch.tensor([[0, bad], [1, -1]], device=DEV)
+    if DEV.type == "cpu":  # on CUDA the wrapper does not read the ids (next test: they are dropped)
+        with pytest.raises(ValueError, match=rf"topk_ids holds 1 expert id\(s\) in \[{bad}, {bad}\].*E = 4"):
+            MO.fused_moe_w4a16(**args)
+    with pytest.raises(ValueError, match=rf"\[{bad}, {bad}\].*E = 4"):
+        R.moe_w4a16_ref(**args)
+
+
+def test_moe_unchecked_out_of_range_ids_are_dropped(monkeypatch):
+    # unchecked (on CUDA the wrapper does not read the ids) the kernels drop an id outside [0, E) like -1: no
+    # garbage, no write out of bounds
+    args = _moe_inputs(m=2, num_experts=4, g=128)
+    ids = torch.tensor([[0, 7], [-5, 2]], device=DEV)
+    want = MO.fused_moe_w4a16(**{**args, "topk_ids": torch.where((ids < 0) | (ids >= 4), -1, ids)})
+    monkeypatch.setattr(MO, "_check_expert_ids", lambda ids, e: None)  # as on CUDA
+    _nan_empty(monkeypatch)
+    assert torch.equal(MO.fused_moe_w4a16(**{**args, "topk_ids": ids}), want)
+
+
+@pytest.mark.gpu
+@gpu
+def test_moe_dropped_ids_in_cuda_graph_gpu():
+    args = _moe_inputs(m=5, hidden=256, inter=256, num_experts=8, topk=4, g=128)
+    ids = args["topk_ids"].clone()
+    ids[::2, 1:3] = -1  # experts not on this rank
+    want = R.moe_w4a16_ref(**{**args, "topk_ids": ids})
+    out = torch.full_like(args["x"], float("nan"))
+    graph = _graph_of(lambda: MO.fused_moe_w4a16(**{**args, "topk_ids": ids}, out=out))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, want, torch.bfloat16)
+
+
 def test_choose_moe_config():
     decode = MO.choose_moe_config(1, 8, 256, 2048, 6144)
     assert decode.block_m == 16 and decode.swap
