@@ -243,8 +243,8 @@ class LayerBuilder:
 
     def __init__(self, source: Source, device: torch.device, dtype: torch.dtype,
                  attn_implementation: str = "sdpa"):
-        if torch.device(device).type == "cuda" and not torch.cuda.is_available():  # the CLI checks first
-            raise ValueError("--device cuda: no CUDA device is visible to PyTorch; use --device cpu")
+        if (missing := ops.cuda_missing(device)) is not None:  # the CLI checks first
+            raise ValueError(missing)
         self.source = source
         self._kwargs: dict = {}  # layer_kwargs per batch shape
         self.spec, self.mod = _hf(source.family.name)

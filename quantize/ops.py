@@ -28,6 +28,14 @@ def _fused(t: torch.Tensor):
     return fused_cpu if fused_cpu.available() else None
 
 
+def cuda_missing(device: str | torch.device) -> str | None:
+    """The error for `device` naming CUDA where PyTorch sees none, else None: one wording for the command line,
+    the engines and validate, each of which raises it as its own error type."""
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        return "--device cuda: no CUDA device is visible to PyTorch; use --device cpu"
+    return None
+
+
 def check_finite(t: torch.Tensor) -> None:
     """Raise NonFiniteWeightError naming the rows of `t` `[r, c]` that hold NaN or Inf, as the fused kernels do.
 

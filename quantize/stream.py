@@ -286,8 +286,8 @@ def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True,
     lead = world is None or world.is_lead
     phases: dict[str, float] = {}
     dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():  # the CLI checks first; this guards other callers
-        raise ValueError("--device cuda: no CUDA device is visible to PyTorch; use --device cpu")
+    if (missing := ops.cuda_missing(dev)) is not None:  # the CLI checks first; this guards other callers
+        raise ValueError(missing)
     config_job = ConfigJob(plan, own_session=world is not None) if lead else None
     phases["import"] = time.perf_counter() - t0
     out = Path(out)

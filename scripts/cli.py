@@ -59,10 +59,10 @@ class DeviceUnavailable(click.ClickException):
 
 
 def _check_cuda() -> None:
-    import torch
+    from glmq.quantize import ops
 
-    if not torch.cuda.is_available():
-        raise DeviceUnavailable("--device cuda: no CUDA device is visible to PyTorch; use --device cpu")
+    if (missing := ops.cuda_missing("cuda")) is not None:
+        raise DeviceUnavailable(missing)
 
 
 def _fail(e: Exception, code: int = 1) -> None:

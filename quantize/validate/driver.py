@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from glmq.formats.safetensors_io import XXH3_128
+from glmq.quantize import ops
 from glmq.quantize.validate.checkpoint import load_checkpoint, modules_of
 from glmq.quantize.validate.config import _ct, check_config, group_for, read_quant_config
 from glmq.quantize.validate.integrity import check_integrity, checksum_choice
@@ -120,8 +121,8 @@ def _check_arguments(source, sample: float, device: str, tp: int) -> None:
         raise CannotValidate(f"tp must be >= 1, got {tp}")
     if device not in ("cpu", "cuda"):
         raise CannotValidate(f"device must be cpu or cuda, got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise CannotValidate("--device cuda: no CUDA device is visible to PyTorch; use --device cpu")
+    if device == "cuda" and (missing := ops.cuda_missing(device)) is not None:
+        raise CannotValidate(missing)
     if source is not None and not (Path(source) / "config.json").is_file():
         raise CannotValidate(f"--source {source}: no config.json there; point it at the source checkpoint folder")
 
