@@ -301,8 +301,7 @@ class _Run:
             if stale:
                 log.warning("%s: hidden states of another run (%s); deleting them", self.act_dir,
                             (old or {}).get("output", "unknown owner"))
-                self.drop_states()
-                self.drop_partial_states()
+                self.drop_states()  # .bin and .tmp alike
             atomic_write_text(path, json.dumps(owner, indent=1) + "\n")
 
     def hidden_path(self, i: int, kind: str = "hidden") -> Path:

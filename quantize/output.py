@@ -172,7 +172,7 @@ def config_request(plan: Plan) -> dict:
 
     Ignore is applied before any config group by compressed-tensors, vLLM and SGLang, so it must not match a module
     kept FP8 (keep_fp8): a class with kept members is not ignored by its class pattern; its members that stay BF16
-    (demoted fused partners, BF16 in the source) are listed one by one instead."""
+    (demoted fused partners, BF16 in the source) get entries of their own instead (`_member_patterns`)."""
     present = {it.cls for it in plan.items if it.cls in LINEAR_CLASSES and it.name.endswith(".weight")}
     unquantized = present - set(plan.recipe.targets)
     actions = plan.linear_modules()
