@@ -23,6 +23,9 @@ SINGLE_NAME = "model.safetensors"
 # files never copied as side files: the shards and index are rewritten, glmq's own bookkeeping is ours, and the
 # source's model card describes the source model (`glmq upload` writes the output's own card)
 _NOT_SIDE = {INDEX_NAME, "config.json", "README.md", MANIFEST_NAME, REPORT_NAME}
+# The source digest (a resumed run must be of the same source) covers the headers and a sample of every shard's
+# data: another model of the same architecture (a fine-tune, the next release) has the very same config and headers.
+SAMPLE_WINDOWS, SAMPLE_BYTES = 17, 4096
 
 
 class SourceFormat(str, enum.Enum):
@@ -40,6 +43,8 @@ class Source:
         shards: shard file names in index order.
         block: FP8 block size (bn, bk) for fp8-block sources.
         side_files: other files to copy (tokenizer, generation config, chat template, custom code).
+        header_digest: sha256 of config.json, every shard header and a sample of every shard's data (the
+            source in a resumed run's identity).
     """
 
     root: Path
@@ -63,26 +68,32 @@ class Source:
 
 def _load_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        obj = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: not found; point --model at a Hugging Face checkpoint folder") from None
     except ValueError as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: holds a JSON {type(obj).__name__}, not an object; re-download it")
+    return obj
 
 
 def detect_format(config: dict, config_path: Path) -> tuple[SourceFormat, tuple[int, int] | None]:
     qc = config.get("quantization_config")
     if not qc:
         return SourceFormat.DENSE, None
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"{config_path}: quantization_config is a JSON {type(qc).__name__}, not an object")
     method = qc.get("quant_method")
     if method == "fp8":
         if qc.get("fmt", "e4m3") != "e4m3":
             raise CheckpointError(f"{config_path}: FP8 fmt {qc.get('fmt')!r} is not supported (only e4m3)")
         block = qc.get("weight_block_size")
-        if not (isinstance(block, list) and len(block) == 2):
+        if not (isinstance(block, list) and len(block) == 2
+                and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
             raise CheckpointError(
-                f"{config_path}: quant_method 'fp8' without a 2-element weight_block_size; glmq reads "
-                f"DeepSeek-style block FP8 only"
+                f"{config_path}: quant_method 'fp8' without a weight_block_size of 2 positive integers (it has "
+                f"{block!r}); glmq reads DeepSeek-style block FP8 only"
             )
         return SourceFormat.FP8_BLOCK, (int(block[0]), int(block[1]))
     if method == "compressed-tensors":
@@ -98,12 +109,32 @@ def detect_format(config: dict, config_path: Path) -> tuple[SourceFormat, tuple[
     )
 
 
+def _data_sample(path: Path, start: int, size: int) -> bytes:
+    """SAMPLE_WINDOWS windows of SAMPLE_BYTES spread evenly over a shard's data section (first and last
+    included): a few page reads per shard, so that two models with identical headers get different digests."""
+    n = size - start
+    if n <= 0:
+        return b""
+    w = min(SAMPLE_BYTES, n)
+    offsets = sorted({start + (n - w) * i // (SAMPLE_WINDOWS - 1) for i in range(SAMPLE_WINDOWS)})
+    out = []
+    with open(path, "rb") as f:
+        for off in offsets:
+            f.seek(off)
+            out.append(f.read(w))
+    return b"".join(out)
+
+
 def _weight_map(root: Path) -> dict[str, str]:
     index = root / INDEX_NAME
     if index.exists():
         wm = _load_json(index).get("weight_map")
         if not isinstance(wm, dict) or not wm:
             raise CheckpointError(f"{index}: has no weight_map")
+        bad = next((n for n, f in wm.items() if not isinstance(f, str) or not f), None)
+        if bad is not None:
+            raise CheckpointError(f"{index}: weight_map places tensor {bad} in {wm[bad]!r}, not a shard file name; "
+                                  f"re-download the index")
         return wm
     single = root / SINGLE_NAME
     if single.exists():
@@ -139,6 +170,7 @@ def open_source(path: str | Path) -> Source:
         found, _, start = read_header(p)
         shard_bytes[shard] = p.stat().st_size
         digest.update(f"{shard}:{shard_bytes[shard]}:".encode())
+        digest.update(_data_sample(p, start, shard_bytes[shard]))
         for name, e in sorted(found.items()):
             digest.update(f"{name}:{e.dtype}:{e.shape}:{e.begin}:{e.end};".encode())
             if wm.get(name) != shard:

@@ -1,0 +1,68 @@
+"""Reading a source checkpoint (formats/source.py): what identifies it, and clear errors for broken metadata."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from glmq import recipes
+from glmq.formats.safetensors_io import CheckpointError
+from glmq.formats.source import open_source
+from glmq.quantize import stream
+from glmq.quantize.output import OutputDirError
+from glmq.quantize.plan import make_plan
+
+
+def test_another_model_with_the_same_config_and_headers_is_another_source(make_ckpt, tmp_path):
+    """Two models of one architecture (a fine-tune, the next release) have identical config.json and shard
+    headers; an interrupted run of one must not be resumed with the other's weights."""
+    a, b = make_ckpt("glm_moe_dsa", "fp8-block"), make_ckpt("glm_moe_dsa", "fp8-block", seed=1)
+    assert (a / "config.json").read_text() == (b / "config.json").read_text()
+    moved = tmp_path / "moved"
+    shutil.copytree(a, moved)
+    assert open_source(moved).header_digest == open_source(a).header_digest  # a copied source still resumes
+    assert open_source(a).header_digest != open_source(b).header_digest
+    rec = recipes.load("int4-w4a16")
+    out = tmp_path / "out"
+    stream.run(make_plan(open_source(a), rec), out, progress=False)
+    (out / "config.json").unlink()  # as if the run of `a` had died just before the end
+    with pytest.raises(OutputDirError, match="source_digest"):
+        stream.run(make_plan(open_source(b), rec), out, progress=False)
+
+
+def _edit(src, tmp_path, name, edit):
+    root = tmp_path / "src"
+    shutil.copytree(src, root)
+    obj = json.loads((root / name).read_text())
+    (root / name).write_text(json.dumps(edit(obj)))
+    return root
+
+
+def _null_shard(index):
+    index["weight_map"]["lm_head.weight"] = None
+    return index
+
+
+def _qc(value):
+    def edit(cfg):
+        cfg["quantization_config"] = value(cfg["quantization_config"])
+        return cfg
+    return edit
+
+
+@pytest.mark.parametrize("name, edit, message", [
+    ("config.json", lambda c: [c], "config.json: holds a JSON list, not an object"),
+    ("model.safetensors.index.json", lambda i: [i], "index.json: holds a JSON list, not an object"),
+    ("model.safetensors.index.json", _null_shard, "places tensor lm_head.weight in None, not a shard file name"),
+    ("config.json", _qc(lambda q: "fp8"), "quantization_config is a JSON str, not an object"),
+    ("config.json", _qc(lambda q: {**q, "weight_block_size": [None, 128]}), r"2 positive integers \(it has \[None, 128\]\)"),
+    ("config.json", _qc(lambda q: {**q, "weight_block_size": [0, 128]}), r"2 positive integers \(it has \[0, 128\]\)"),
+])
+def test_malformed_config_or_index_is_a_checkpoint_error(make_ckpt, tmp_path, name, edit, message):
+    """Wrongly typed JSON in config.json or the index used to surface as AttributeError / TypeError /
+    ZeroDivisionError tracebacks; it is a CheckpointError naming the file (the CLI prints it on one line)."""
+    root = _edit(make_ckpt("glm_moe_dsa", "fp8-block"), tmp_path, name, edit)
+    with pytest.raises(CheckpointError, match=message):
+        make_plan(open_source(root), recipes.load("int4-w4a16"))
