@@ -196,8 +196,9 @@ def make_items(source: Source, recipe: Recipe) -> list[Item]:
 
 
 def _demote_unkeepable_partners(items: list[Item]) -> list[Item]:
-    """With keep_fp8, a fused partner that cannot stay FP8 (e.g. kv_a_proj_with_mqa, 576 rows, not a
-    whole number of 128-row blocks) drags its partners to BF16 too: one fused layer, one scheme."""
+    """With keep_fp8, a fused partner that cannot stay FP8 drags its partners to BF16 too: one fused layer,
+    one scheme. It cannot when it is FP8 but not a whole number of 128-row blocks (kv_a_proj_with_mqa, 576
+    rows), or when it is BF16 in the source (GLM-5's indexer.weights_proj, fused with the FP8 wk)."""
     from dataclasses import replace
 
     from glmq.formats.families import FUSED_PARTNERS
@@ -205,7 +206,7 @@ def _demote_unkeepable_partners(items: list[Item]) -> list[Item]:
     acts = {it.module: it.action for it in items if it.name.endswith(".weight")}
     demote = set()
     for module, act in acts.items():
-        if act is not Action.DEQUANTIZE:
+        if act not in (Action.DEQUANTIZE, Action.COPY):
             continue
         parent, leaf = _split(module)
         for group in FUSED_PARTNERS:

@@ -94,7 +94,9 @@ JOBS = {
     "glm5-all-linear-tiny-mla": ("glm_moe_dsa", "int4-w4a16-all-linear", {}),
     "glm5-g32": ("glm_moe_dsa", "int4-w4a16-g32", {}),
     "glm5-asym": ("glm_moe_dsa", "asym", {}),
-    "glm5-keep-fp8": ("glm_moe_dsa", "keep", {}),
+    # the real index_head_dim: the indexer's wk then has 128 rows and could stay FP8, but its fused partner
+    # weights_proj is BF16 in the source
+    "glm5-keep-fp8": ("glm_moe_dsa", "keep", {"config_overrides": {"index_head_dim": 128}}),
     "glm4": ("glm4_moe", "int4-w4a16", {}),
     "deepseek-v3": ("deepseek_v3", "int4-w4a16", {}),
 }
@@ -197,6 +199,8 @@ def test_keep_fp8_output_is_read_by_compressed_tensors_as_stored(converted, tmp_
     assert {"int", "float", "bf16"} <= set(stored.values())
     assert stored["model.layers.1.mlp.shared_experts.up_proj"] == "float"
     assert stored["model.layers.1.self_attn.q_a_proj"] == "bf16"  # fused with kv_a_proj_with_mqa (160 rows)
+    assert shapes["model.layers.1.self_attn.indexer.wk"][0] == 128 and stored["model.layers.1.self_attn.indexer.wq_b"] == "float"
+    assert stored["model.layers.1.self_attn.indexer.wk"] == "bf16"  # fused with weights_proj, BF16 in the source
     root = torch.nn.Module()
     with init_empty_weights():
         for module, (n, k) in shapes.items():
@@ -222,6 +226,26 @@ def test_keep_fp8_output_is_read_by_compressed_tensors_as_stored(converted, tmp_
     assert failed_checks(rep) == {"structure"}
     msgs = failures(rep, "structure")
     assert msgs and all("is F8_E4M3 but matches ignore entry" in m and "shared_experts" in m for m in msgs)
+
+
+def test_fused_members_stored_in_different_forms_fail_serving(make_ckpt, tmp_path, monkeypatch):
+    """vLLM fuses indexer.wk with weights_proj (and q_a with kv_a, gate with up) into one layer of one scheme. A
+    mixed-precision checkpoint whose wk stayed FP8 beside a BF16 weights_proj (what keep_fp8 wrote before the
+    plan demoted wk) fails the serving check, naming the forms; the plan's own output passes."""
+    from glmq.quantize import plan as plan_mod
+
+    src = make_ckpt("glm_moe_dsa", "fp8-block", config_overrides={"index_head_dim": 128})
+    (tmp_path / "keep.yaml").write_text(KEEP_FP8)
+    monkeypatch.setattr(stream, "ConfigJob", InProcessConfigJob)
+    good = convert(src, tmp_path / "good", str(tmp_path / "keep.yaml"))
+    rep = v.validate(good)
+    assert rep.valid and not failures(rep, "serving"), v.format_report(rep)
+    monkeypatch.setattr(plan_mod, "_demote_unkeepable_partners", lambda items: items)
+    bad = convert(src, tmp_path / "bad", str(tmp_path / "keep.yaml"))
+    rep = v.validate(bad)
+    assert failed_checks(rep) == {"serving"}
+    msgs = [m for m in failures(rep, "serving") if "indexer" in m]
+    assert msgs and all("2 fused members stored as 1 BF16 (e.g. weights_proj), 1 FP8 (e.g. wk)" in m for m in msgs)
 
 
 def test_serving_rules_name_the_class_rule_and_numbers(converted):

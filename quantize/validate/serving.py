@@ -117,21 +117,26 @@ def check_serving(modules: dict[str, Module], groups: list[Group], shapes: dict,
 
 
 def _check_partners(modules: dict[str, Module], res: CheckResult) -> None:
-    """Modules an engine fuses (q/k/v, gate/up, q_a/kv_a; all experts of a layer) need one scheme."""
-    by_parent: dict[str, dict[str, bool]] = defaultdict(dict)
+    """Modules an engine fuses (q/k/v, gate/up, q_a/kv_a, wk/weights_proj; all experts of a layer) need one
+    scheme: all INT, all FP8 (a mixed-precision checkpoint) or all BF16."""
+    by_parent: dict[str, dict[str, str]] = defaultdict(dict)
     for name, m in modules.items():
         if m.is_int or ("weight" in m.parts and m.cls in LINEAR_CLASSES):
+            form = "INT" if m.is_int else "FP8" if m.is_fp8 else "BF16"
             parent, _, leaf = name.rpartition(".")
-            by_parent[parent][leaf] = m.is_int
+            by_parent[parent][leaf] = form
             if (hit := _EXPERT.match(name)) is not None:
-                by_parent[f"model.layers.{hit[1]}.mlp.experts"][f"{hit[2]}.{hit[3]}_proj"] = m.is_int
+                by_parent[f"model.layers.{hit[1]}.mlp.experts"][f"{hit[2]}.{hit[3]}_proj"] = form
     for parent, leaves in sorted(by_parent.items()):
         if parent.endswith(".mlp.experts"):
             sets = [list(leaves)]
         else:
             sets = [[x for x in grp if x in leaves] for grp in FUSED_PARTNERS]
         for members in sets:
-            if len({leaves[x] for x in members}) > 1:
-                q = sorted(x for x in members if leaves[x])
-                res.fail(f"{parent}: {len(q)} of {len(members)} fused members quantized (e.g. {q[0]}); vLLM/SGLang "
-                         f"fuse them into one layer with one scheme and raise", tensor=parent)
+            forms = defaultdict(list)
+            for x in members:
+                forms[leaves[x]].append(x)
+            if len(forms) > 1:
+                parts = ", ".join(f"{len(v)} {f} (e.g. {sorted(v)[0]})" for f, v in sorted(forms.items()))
+                res.fail(f"{parent}: {len(members)} fused members stored as {parts}; vLLM/SGLang fuse them into "
+                         f"one layer with one scheme and raise", tensor=parent)
