@@ -174,9 +174,10 @@ def open_source(path: str | Path) -> Source:
         for name, e in sorted(found.items()):
             digest.update(f"{name}:{e.dtype}:{e.shape}:{e.begin}:{e.end};".encode())
             if wm.get(name) != shard:
+                where = f"places in {wm[name]}" if name in wm else "does not list"
                 raise CheckpointError(
-                    f"{p}: holds tensor {name}, which {INDEX_NAME} places in {wm.get(name)}; the index is "
-                    f"stale or the shard is from another revision"
+                    f"{p}: holds tensor {name}, which {INDEX_NAME} {where}; the index is stale or the shard is "
+                    f"from another revision"
                 )
             entries[name] = e
     missing = [n for n in wm if n not in entries]

@@ -152,7 +152,7 @@ def make_items(source: Source, recipe: Recipe) -> list[Item]:
                                 f"incomplete, re-download the shard that should hold it")
                 continue
             if s.dtype not in FLOAT_DTYPES:
-                problems.append(f"{source.path(s.shard)}: tensor {s.name} has dtype {s.dtype}; an FP8 scale must be F32/BF16")
+                problems.append(f"{source.path(s.shard)}: tensor {s.name} has dtype {s.dtype}; an FP8 scale must be F32, BF16 or F16")
                 continue
             if source.fmt is SourceFormat.FP8_BLOCK:
                 bn, bk = source.block

@@ -45,6 +45,11 @@ def _null_shard(index):
     return index
 
 
+def _unlisted(index):
+    del index["weight_map"]["lm_head.weight"]
+    return index
+
+
 def _qc(value):
     def edit(cfg):
         cfg["quantization_config"] = value(cfg["quantization_config"])
@@ -56,6 +61,7 @@ def _qc(value):
     ("config.json", lambda c: [c], "config.json: holds a JSON list, not an object"),
     ("model.safetensors.index.json", lambda i: [i], "index.json: holds a JSON list, not an object"),
     ("model.safetensors.index.json", _null_shard, "places tensor lm_head.weight in None, not a shard file name"),
+    ("model.safetensors.index.json", _unlisted, "holds tensor lm_head.weight, which model.safetensors.index.json does not list"),
     ("config.json", _qc(lambda q: "fp8"), "quantization_config is a JSON str, not an object"),
     ("config.json", _qc(lambda q: {**q, "weight_block_size": [None, 128]}), r"2 positive integers \(it has \[None, 128\]\)"),
     ("config.json", _qc(lambda q: {**q, "weight_block_size": [0, 128]}), r"2 positive integers \(it has \[0, 128\]\)"),
