@@ -8,12 +8,41 @@ Per-layer error: for decoder layer l, ||h_q - h_s||_F / ||h_s||_F over all windo
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import torch
 
 from glmq.calibration.evaluate import load_model, mean_kl, perplexity, token_windows
+from glmq.formats.safetensors_io import CheckpointError
+
+# config.json keys that must agree between the source and a quantized checkpoint: the same token ids, the same
+# hidden states layer by layer (a checkpoint of another model gives a traceback or numbers that mean nothing).
+SAME_MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")
+
+
+def _config(checkpoint: str | Path) -> dict:
+    path = Path(checkpoint) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{checkpoint}: no config.json; not a checkpoint folder, or one whose writing did not "
+                              f"finish (glmq writes config.json last)")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+
+
+def check_same_model(source: str | Path, quantized: list[str | Path]) -> None:
+    """Every checkpoint has a config.json, and each quantized one is of the source's model (SAME_MODEL_KEYS);
+    checked before anything is loaded. Raises CheckpointError naming the checkpoint and the keys that differ."""
+    src = _config(source)
+    for q in quantized:
+        cfg = _config(q)
+        diff = [f"{k} {cfg.get(k)!r} (source: {src.get(k)!r})" for k in SAME_MODEL_KEYS if cfg.get(k) != src.get(k)]
+        if diff:
+            raise CheckpointError(f"{q}: not a checkpoint of the source's model {source}: {', '.join(diff)}; "
+                                  f"compare only checkpoints quantized from the source")
 
 
 @torch.no_grad()
@@ -50,6 +79,7 @@ def compare(source: str | Path, quantized: list[str | Path], text: str | Path, s
         {"text", "seq_len", "windows", "models": [{"checkpoint", "perplexity", "kl_to_source",
         "layer_rel_error": [per decoder layer] | None}]}; the source row has KL 0 and no layer error.
     """
+    check_same_model(source, quantized)
     ids = token_windows(source, text, seq_len, windows)
     lp_src, ref = forward(load_model(source, dtype), ids)
     rows = [{"checkpoint": str(source), "perplexity": perplexity(lp_src, ids), "kl_to_source": 0.0,

@@ -16,10 +16,16 @@ import torch
 from safetensors.torch import save_file
 
 from glmq.formats.dense import dense_config, iter_dense
+from glmq.formats.safetensors_io import CheckpointError
 
 
 def load_model(checkpoint: str | Path, dtype: torch.dtype = torch.float32):
-    """A transformers CausalLM holding the checkpoint's weights, dequantized to `dtype`."""
+    """A transformers CausalLM holding the checkpoint's weights, dequantized to `dtype`.
+
+    Raises:
+        CheckpointError: a parameter of the model has no tensor in the checkpoint (transformers would leave it
+            randomly initialised and every figure would be wrong) or transformers cannot build one from them.
+    """
     import json
 
     from transformers import AutoModelForCausalLM
@@ -29,7 +35,16 @@ def load_model(checkpoint: str | Path, dtype: torch.dtype = torch.float32):
         save_file(tensors, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
         del tensors
         (Path(tmp) / "config.json").write_text(json.dumps(dense_config(checkpoint)))
-        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype)
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, output_loading_info=True)
+        except RuntimeError as e:
+            raise CheckpointError(f"{checkpoint}: transformers cannot build the model from its tensors ({e}); the "
+                                  f"checkpoint is incomplete or of another layout") from e
+    bad = sorted(info["missing_keys"]) + sorted(k if isinstance(k, str) else k[0] for k in info["mismatched_keys"])
+    if bad:
+        raise CheckpointError(f"{checkpoint}: {len(bad)} parameter(s) of {type(model).__name__} have no tensor of "
+                              f"their shape in the checkpoint (e.g. {', '.join(bad[:3])}); transformers would leave "
+                              f"them random. The checkpoint is incomplete: re-write or re-download it")
     return model.eval()
 
 
@@ -37,7 +52,13 @@ def token_windows(tokenizer_dir: str | Path, text_file: str | Path, seq_len: int
     """The first `count` non-overlapping windows of `seq_len` tokens of a text file, `[count, seq_len]`."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    except (OSError, ValueError) as e:
+        why = " ".join(str(e).split())
+        raise CheckpointError(f"{tokenizer_dir}: cannot load its tokenizer ({why}); the text is tokenized "
+                              f"with the source checkpoint's tokenizer: copy tokenizer.json and tokenizer_config.json "
+                              f"from the original model into it") from e
     ids = tok(Path(text_file).read_text(), return_tensors="pt", add_special_tokens=False).input_ids[0]
     n = min(count, ids.numel() // seq_len)
     if n == 0:

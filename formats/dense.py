@@ -12,9 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from glmq.formats import fp8
+from glmq.formats.safetensors_io import CheckpointError, read_header
 from glmq.formats.source import INDEX_NAME, SINGLE_NAME
 from glmq.quantize.pack import unpack_int32, unpack_zero_point
 
@@ -23,14 +24,28 @@ def _weight_map(root: Path) -> dict[str, str]:
     idx = root / INDEX_NAME
     if idx.exists():
         return json.loads(idx.read_text())["weight_map"]
+    if not (root / SINGLE_NAME).exists():
+        raise CheckpointError(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME}; not a checkpoint folder, or one "
+                              f"whose writing did not finish")
+    read_header(root / SINGLE_NAME)
     with safe_open(str(root / SINGLE_NAME), "pt") as f:
         return {k: SINGLE_NAME for k in f.keys()}
 
 
 def dequantize_packed(packed: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int], num_bits: int,
-                      group_size: int, zero_point: torch.Tensor | None = None) -> torch.Tensor:
-    """pack-quantized tensors of one Linear -> `[N, K]` in the scale dtype: (q - zp) * scale."""
+                      group_size: int, zero_point: torch.Tensor | None = None,
+                      g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """pack-quantized tensors of one Linear -> `[N, K]` in the scale dtype: (q - zp) * scale.
+
+    `g_idx` (`weight_g_idx`, activation-ordered groups): column k takes the scale and zero point of group
+    g_idx[k] instead of k // group_size, as compressed-tensors (before 0.19) and vLLM read it."""
     n, k = shape
+    if g_idx is not None:
+        gi = g_idx.to(torch.int64)
+        q = unpack_int32(packed, k, num_bits).to(scale.dtype)
+        if zero_point is not None:
+            q = q - unpack_zero_point(zero_point, n, num_bits).to(scale.dtype)[:, gi]
+        return q * scale[:, gi]
     q = unpack_int32(packed, k, num_bits).view(n, k // group_size, group_size).to(scale.dtype)
     if zero_point is not None:
         q = q - unpack_zero_point(zero_point, n, num_bits).to(scale.dtype).unsqueeze(-1)
@@ -48,11 +63,23 @@ def iter_dense(root: str | Path, dtype: torch.dtype = torch.bfloat16) -> Iterato
     wm = _weight_map(root)
     handles: dict[str, object] = {}
 
-    def get(name: str) -> torch.Tensor:
+    def get(name: str, needed_by: str | None = None) -> torch.Tensor:
+        if name not in wm:
+            raise CheckpointError(f"{root}: tensor {name} is not in the checkpoint, but {needed_by} needs it; the "
+                                  f"checkpoint is incomplete, re-write or re-download it")
         shard = wm[name]
         if shard not in handles:
-            handles[shard] = safe_open(str(root / shard), "pt")
-        return handles[shard].get_tensor(name)
+            path = root / shard
+            if not path.exists():
+                raise CheckpointError(f"{path}: missing (its index lists tensor {name} in it); re-download or "
+                                      f"re-write the checkpoint")
+            read_header(path)  # a truncated or corrupt shard: a CheckpointError naming it
+            handles[shard] = safe_open(str(path), "pt")
+        try:
+            return handles[shard].get_tensor(name)
+        except SafetensorError as e:  # listed in the index but not in the shard
+            raise CheckpointError(f"{root / shard}: cannot read tensor {name} ({e}); the index does not match the "
+                                  f"shard, re-download or re-write the checkpoint") from e
 
     int_args = _int_args(qc)
     block = tuple(qc["weight_block_size"]) if qc.get("quant_method") == "fp8" else None
@@ -63,29 +90,40 @@ def iter_dense(root: str | Path, dtype: torch.dtype = torch.bfloat16) -> Iterato
         if leaf in skip:
             continue
         if leaf == "weight_packed":
+            if int_args is None:
+                raise CheckpointError(f"{root}: {name} is packed, but config.json's quantization_config has no "
+                                      f"config group with int weights to say how to read it")
             bits, group = int_args
             zp = get(f"{module}.weight_zero_point") if f"{module}.weight_zero_point" in wm else None
-            shape = tuple(int(x) for x in get(f"{module}.weight_shape").tolist())
-            w = dequantize_packed(get(name), get(f"{module}.weight_scale"), shape, bits, group, zp)
+            gi = get(f"{module}.weight_g_idx") if f"{module}.weight_g_idx" in wm else None
+            shape = tuple(int(x) for x in get(f"{module}.weight_shape", name).tolist())
+            group = shape[1] if group is None or group > shape[1] else group  # channel strategy: one group per row
+            packed, scale = get(name), get(f"{module}.weight_scale", name)
+            try:
+                w = dequantize_packed(packed, scale, shape, bits, group, zp, gi)
+            except (RuntimeError, ValueError, IndexError) as e:
+                raise CheckpointError(f"{root}: {module}: weight_packed {list(packed.shape)}, weight_scale "
+                                      f"{list(scale.shape)} and weight_shape {list(shape)} do not fit {bits}-bit "
+                                      f"groups of {group} ({e}); the checkpoint is damaged, re-write it") from e
             yield f"{module}.weight", w.to(dtype)
             continue
         t = get(name)
         if t.dtype == torch.float8_e4m3fn:
             if block is not None:
-                t = fp8.dequantize_block(t, get(f"{module}.weight_scale_inv"), block)
-            elif ct_block is not None and (s := get(f"{module}.weight_scale")).shape == (
+                t = fp8.dequantize_block(t, get(f"{module}.weight_scale_inv", name), block)
+            elif ct_block is not None and (s := get(f"{module}.weight_scale", name)).shape == (
                     -(-t.shape[0] // ct_block[0]), -(-t.shape[1] // ct_block[1])) and s.shape != (t.shape[0], 1):
                 t = fp8.dequantize_block(t, s, ct_block)
             else:
-                t = fp8.dequantize_channel(t, get(f"{module}.weight_scale"))
+                t = fp8.dequantize_channel(t, get(f"{module}.weight_scale", name))
         yield name, t.to(dtype) if t.is_floating_point() else t
 
 
-def _int_args(qc: dict) -> tuple[int, int] | None:
+def _int_args(qc: dict) -> tuple[int, int | None] | None:
     for g in (qc.get("config_groups") or {}).values():
         w = g.get("weights") or {}
-        if w.get("type") == "int":
-            return int(w["num_bits"]), int(w["group_size"])
+        if w.get("type") == "int":  # group_size None: channel strategy, one group of K per row
+            return int(w["num_bits"]), None if w.get("group_size") in (None, -1) else int(w["group_size"])
     return None
 
 

@@ -16,9 +16,9 @@ DEFAULT_MODEL = "builtin:glm5-tiny"
 DEFAULT_CACHE = Path(".glmq-cache")
 
 
-def _json_path(ctx, param, value):
-    """--json FILE: its folder must exist, checked when the options are parsed (exit 2, one line), not when the
-    report is written at the end of a run (a traceback after the work was done)."""
+def _out_file(ctx, param, value):
+    """--json FILE, --plot FILE: the folder must exist, checked when the options are parsed (exit 2, one line),
+    not when the file is written at the end of a run (a traceback after the work was done)."""
     if value is not None:
         parent = Path(value).resolve().parent
         if not parent.is_dir():
@@ -127,7 +127,7 @@ def _skip_triton() -> None:
 @click.option("--scheme", type=click.Choice(["rtn", "gptq"]), default=None, help="Override the recipe's method.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_json_path,
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_out_file,
               help="Also write the run report here.")
 @click.option("--calibration", default=None, metavar="FILE_OR_DATASET",
               help="GPTQ calibration text: a .txt, .jsonl ('text' field) or .parquet file, or a Hugging Face dataset NAME[:CONFIG] (needs `datasets`).")
@@ -242,7 +242,7 @@ def _print_summary(rep: dict, out: Path) -> None:
               help="GPTQ: the bounded Hessian variant shown next to 'all experts at once'.")
 @click.option("--throughput", multiple=True, metavar="KEY=VALUE",
               help="Override a measured figure of glmq/quantize/estimate.py FIGURES, e.g. gptq_cuda_s_per_column=0.002.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_json_path,
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_out_file,
               help="Write the plan summary as JSON.")
 def plan_cmd(model, recipe, max_shard_size, ranks, device, samples, seq_len, dtype, experts_per_pass, throughput, json_out):
     """Predict output size per tensor class, peak memory per rank and wall time for RTN and GPTQ, from headers or a config.json alone."""
@@ -289,7 +289,7 @@ def recipes_cmd():
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
               help="Tensor-parallel degree the vLLM Marlin / Marlin-MoE shape rules are checked at.")
 @click.option("--no-serving", is_flag=True, help="Skip the serving rules (a checkpoint not meant for vLLM/SGLang).")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_json_path,
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_out_file,
               help="Also write the report as JSON.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the activations and the sample.")
 @click.option("--sha256", is_flag=True,
@@ -322,9 +322,10 @@ def validate_cmd(checkpoint, source, sample, device, tp, no_serving, json_out, s
 @click.option("--text", required=True, type=click.Path(exists=True, dir_okay=False), help="Evaluation text file.")
 @click.option("--seq-len", default=256, show_default=True, type=click.IntRange(min=2), help="Tokens per window.")
 @click.option("--windows", default=96, show_default=True, type=click.IntRange(min=1), help="First N windows of the text.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_json_path,
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_out_file,
               help="Write the results as JSON.")
-@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="PNG plot of the per-layer error (needs matplotlib).")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, callback=_out_file,
+              help="PNG plot of the per-layer error (needs matplotlib).")
 def eval_cmd(source, quantized, text, seq_len, windows, json_out, plot):
     """Perplexity and KL(source || quantized) on a text file, and per-layer hidden-state error."""
     from glmq.calibration.compare import compare, format_table, plot_layer_errors

@@ -1,0 +1,177 @@
+"""`glmq eval` and the dense reader under it: the checkpoints it must refuse with one clear line instead of a
+traceback or figures of another model, and the pack-quantized variants it must read as compressed-tensors does."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from glmq import recipes
+from glmq.calibration.evaluate import load_model
+from glmq.formats import fixtures
+from glmq.formats.dense import iter_dense
+from glmq.formats.safetensors_io import CheckpointError
+from glmq.formats.source import INDEX_NAME, open_source
+from glmq.quantize import stream
+from glmq.quantize.pack import pack_int32
+from glmq.quantize.plan import make_plan
+from glmq.scripts.cli import main
+
+
+@pytest.fixture(scope="module")
+def glm4(make_ckpt, tmp_path_factory):
+    """(source with a byte tokenizer, its int4-w4a16 RTN output, an evaluation text)."""
+    tmp = tmp_path_factory.mktemp("eval")
+    src = tmp / "src"
+    shutil.copytree(make_ckpt("glm4_moe", "fp8-block"), src)
+    fixtures.write_byte_tokenizer(src)
+    stream.run(make_plan(open_source(src), recipes.load("int4-w4a16"), 300_000), tmp / "rtn", progress=False)
+    rng = random.Random(0)
+    (tmp / "eval.txt").write_text(" ".join(rng.choice(["expert", "router", "the", "of", "scale"]) for _ in range(300)))
+    return src, tmp / "rtn", tmp / "eval.txt"
+
+
+def _eval(*args) -> tuple[int, str, BaseException | None]:
+    r = CliRunner().invoke(main, ["eval", *map(str, args)])
+    return r.exit_code, r.output, None if isinstance(r.exception, SystemExit) else r.exception
+
+
+def _drop(ckpt: Path, out: Path, prefix: str) -> Path:
+    """A copy of `ckpt` whose index no longer lists the tensors named `prefix*`."""
+    shutil.copytree(ckpt, out)
+    index = json.loads((out / INDEX_NAME).read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not k.startswith(prefix)}
+    (out / INDEX_NAME).write_text(json.dumps(index))
+    return out
+
+
+def test_eval_source_and_quantized(glm4):
+    src, rtn, text = glm4
+    code, out, exc = _eval(src, rtn, "--text", text, "--seq-len", "32", "--windows", "3")
+    assert code == 0 and exc is None, out
+    assert str(rtn)[-60:] in out
+
+
+@pytest.mark.parametrize("family,overrides,key", [("glm_moe_dsa", {}, "model_type"),
+                                                  ("glm4_moe", {"num_hidden_layers": 4}, "num_hidden_layers")])
+def test_eval_refuses_a_checkpoint_of_another_model(glm4, tmp_path, family, overrides, key):
+    """Another architecture with the same vocabulary gave a KL and layer errors between unrelated models; one
+    more layer crashed in the table (None error); a smaller vocabulary an IndexError traceback."""
+    src, _, text = glm4
+    other = fixtures.make_checkpoint(tmp_path / "other", family, preset="tiny", config_overrides=overrides)
+    code, out, exc = _eval(src, other, "--text", text, "--seq-len", "32", "--windows", "3")
+    assert exc is None and code == 1, out
+    assert f"{other}: not a checkpoint of the source's model" in out and key in out
+
+
+def test_eval_refuses_a_checkpoint_with_a_weight_missing(glm4, tmp_path):
+    """A parameter without a tensor was left randomly initialised by transformers, and eval reported figures."""
+    src, rtn, text = glm4
+    broken = _drop(rtn, tmp_path / "broken", "model.layers.1.self_attn.o_proj.")
+    code, out, exc = _eval(src, broken, "--text", text, "--seq-len", "32", "--windows", "3")
+    assert exc is None and code == 1, out
+    assert f"error: {broken}: 1 parameter(s)" in out and "model.layers.1.self_attn.o_proj.weight" in out
+    with pytest.raises(CheckpointError, match="transformers would leave them random"):
+        load_model(broken)
+
+
+def test_eval_names_a_truncated_shard_and_a_missing_companion(glm4, tmp_path):
+    src, rtn, text = glm4
+    trunc = tmp_path / "trunc"
+    shutil.copytree(rtn, trunc)
+    shard = sorted(trunc.glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    code, out, exc = _eval(src, trunc, "--text", text, "--seq-len", "32", "--windows", "3")
+    assert exc is None and code == 1, out  # was SafetensorError's traceback
+    assert f"{shard}: file is" in out and "truncated" in out
+    module = "model.layers.1.mlp.experts.0.down_proj"
+    noshape = _drop(rtn, tmp_path / "noshape", f"{module}.weight_shape")
+    with pytest.raises(CheckpointError, match=rf"{module}\.weight_shape is not in the checkpoint.*{module}\.weight_packed"):
+        list(iter_dense(noshape))  # was a KeyError
+    badshape = tmp_path / "badshape"
+    shutil.copytree(rtn, badshape)
+    shard = badshape / json.loads((badshape / INDEX_NAME).read_text())["weight_map"][f"{module}.weight_shape"]
+    t = load_file(shard)
+    t[f"{module}.weight_shape"] = t[f"{module}.weight_shape"] * torch.tensor([1, 2])
+    save_file(t, str(shard), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"{module}: weight_packed \[256, 16\], weight_scale \[256, 1\] and "
+                                              r"weight_shape \[256, 256\] do not fit 4-bit groups of 128"):
+        list(iter_dense(badshape))  # was a RuntimeError from view()
+
+
+def test_eval_names_a_folder_without_config_or_tokenizer(glm4, tmp_path):
+    src, rtn, text = glm4
+    (tmp_path / "empty").mkdir()
+    code, out, exc = _eval(src, tmp_path / "empty", "--text", text)
+    assert exc is None and code == 1 and f"{tmp_path / 'empty'}: no config.json" in out, out
+    notok = tmp_path / "notok"
+    shutil.copytree(rtn, notok, ignore=shutil.ignore_patterns("tokenizer*"))
+    code, out, exc = _eval(notok, "--text", text, "--seq-len", "32")
+    assert exc is None and code == 1 and f"{notok}: cannot load its tokenizer" in out, out
+
+
+def _packed_checkpoint(out: Path, tensors: dict, weights: dict) -> Path:
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"))
+    qc = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "format": "pack-quantized"}}}
+    (out / "config.json").write_text(json.dumps({"quantization_config": qc}))
+    return out
+
+
+def test_activation_ordered_groups_use_g_idx(tmp_path):
+    """weight_g_idx (actorder "group"): column k takes the scale of group g_idx[k], as compressed-tensors before
+    0.19 and vLLM read it; it was ignored (contiguous groups assumed), 63 % of the largest weight off."""
+    n, k, g = 16, 256, 64
+    gen = torch.Generator().manual_seed(0)
+    g_idx = (torch.arange(k) // g)[torch.randperm(k, generator=gen)].to(torch.int32)
+    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
+    scale = (torch.rand(n, k // g, generator=gen) + 0.5).bfloat16()
+    zp = torch.randint(-8, 8, (n, k // g), generator=gen, dtype=torch.int8)
+    from glmq.quantize.pack import pack_zero_point
+
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": g,
+               "actorder": "group", "dynamic": False}
+    sym = _packed_checkpoint(tmp_path / "sym", {"m.weight_packed": pack_int32(q), "m.weight_scale": scale,
+                                                "m.weight_shape": torch.tensor([n, k]), "m.weight_g_idx": g_idx}, weights)
+    want = q.to(torch.bfloat16) * scale[:, g_idx.long()]
+    assert torch.equal(dict(iter_dense(sym, torch.bfloat16))["m.weight"], want)
+    asym = _packed_checkpoint(tmp_path / "asym", {"m.weight_packed": pack_int32(q), "m.weight_scale": scale,
+                                                  "m.weight_zero_point": pack_zero_point(zp),
+                                                  "m.weight_shape": torch.tensor([n, k]), "m.weight_g_idx": g_idx},
+                              weights | {"symmetric": False})
+    want = (q.to(torch.bfloat16) - zp.to(torch.bfloat16)[:, g_idx.long()]) * scale[:, g_idx.long()]
+    assert torch.equal(dict(iter_dense(asym, torch.bfloat16))["m.weight"], want)
+
+
+def test_channel_strategy_reads_as_compressed_tensors(tmp_path):
+    """strategy "channel" (group_size null, e.g. compressed-tensors' W8A16 preset): was int(None), a TypeError."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    w = torch.randn(16, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    for bits in (4, 8):
+        args = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="channel")
+        scheme = QuantizationScheme(targets=["Linear"], weights=args)
+        scale = (w.float().abs().amax(1, keepdim=True) / (2 ** (bits - 1) - 0.5)).bfloat16()
+        comp = BaseCompressor.load_from_registry("pack-quantized")
+        packed = comp.compress({"weight": w, "weight_scale": scale}, scheme)
+        theirs = comp.decompress(dict(packed), scheme)["weight"]
+        ck = _packed_checkpoint(tmp_path / f"c{bits}", {f"m.{k}": v.contiguous() for k, v in packed.items()},
+                                json.loads(args.model_dump_json()))
+        assert torch.equal(dict(iter_dense(ck, torch.bfloat16))["m.weight"], theirs)
+
+
+def test_plot_folder_is_checked_before_the_work(glm4, tmp_path):
+    """--plot in a folder that does not exist: refused when the options are parsed, as --json is; it was found
+    only by matplotlib's savefig after the evaluation, a FileNotFoundError traceback (without matplotlib: exit 0)."""
+    src, _, text = glm4
+    code, out, exc = _eval(src, "--text", text, "--plot", tmp_path / "nodir" / "layers.png")
+    assert code == 2 and f"folder {tmp_path / 'nodir'} does not exist" in out, out
