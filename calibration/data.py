@@ -1,10 +1,11 @@
 """Calibration sets: text in, `[samples, seq_len]` token ids out, tokenized by the checkpoint's tokenizer.
 
 Sources (`spec`):
-- a local file: `.jsonl` (one JSON object per line with a "text" field), `.parquet` (a "text" column;
-  needs pyarrow), anything else is read as plain UTF-8 text;
-- otherwise a Hugging Face dataset name, `NAME` or `NAME:CONFIG` (split "train", field "text"), read
-  through the `datasets` package when it is installed (needs network or a local HF cache).
+- a local file: `.jsonl` (one JSON object per line with a "text" field), `.json` (the same JSON Lines, as
+  `datasets`' `to_json` writes them, or one JSON array of such objects), `.parquet` (a "text" column; needs
+  pyarrow), anything else is read as plain UTF-8 text;
+- otherwise a Hugging Face dataset name, `NAME` or `NAME:CONFIG`, or a local dataset folder (split "train",
+  field "text"), read through the `datasets` package when it is installed (needs network or a local HF cache).
 
 Packing: documents are tokenized without special tokens and joined into one stream, separated by the
 tokenizer's EOS token when it has one; the stream is cut into non-overlapping windows of `seq_len`
@@ -58,7 +59,7 @@ def calibration_tokens(checkpoint: str | Path, spec: str, samples: int = 128, se
     tok = tokenizer or load_tokenizer(checkpoint)
     need = samples * seq_len
     path = Path(spec)
-    if path.exists():
+    if path.is_file():
         docs = iter_file(path)
         budget = None  # a local file is used whole
     else:
@@ -97,6 +98,8 @@ def iter_file(path: Path):
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         yield from _jsonl(path)
+    elif suffix == ".json":  # read as plain text, its JSON syntax and escapes would be calibrated on
+        yield from _json(path)
     elif suffix == ".parquet":
         yield from _parquet(path)
     else:
@@ -107,8 +110,12 @@ def iter_file(path: Path):
 
 
 def _jsonl(path: Path):
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise CalibrationDataError(f"{path}:{n}: not UTF-8 text ({e})") from e
             if not line.strip():
                 continue
             try:
@@ -119,6 +126,24 @@ def _jsonl(path: Path):
                 raise CalibrationDataError(f"{path}:{n}: each line must be an object with a string "
                                            f"{TEXT_FIELD!r} field")
             yield row[TEXT_FIELD]
+
+
+def _json(path: Path):
+    """A `.json` file: one JSON array of objects with a "text" field, else JSON Lines (`_jsonl`)."""
+    with open(path, "rb") as f:
+        first = f.read(4096).lstrip()
+    if not first.startswith(b"["):
+        yield from _jsonl(path)
+        return
+    try:
+        rows = json.loads(path.read_bytes().decode("utf-8"))
+    except ValueError as e:  # (UnicodeDecodeError is one)
+        raise CalibrationDataError(f"{path}: not a valid JSON array ({e})") from e
+    for n, row in enumerate(rows):
+        if not isinstance(row, dict) or not isinstance(row.get(TEXT_FIELD), str):
+            raise CalibrationDataError(f"{path}: item {n} of the array must be an object with a string "
+                                       f"{TEXT_FIELD!r} field")
+        yield row[TEXT_FIELD]
 
 
 def _parquet(path: Path):

@@ -193,6 +193,7 @@ def run_gptq(plan: Plan, out: str | Path, tokens: torch.Tensor, settings: Calibr
     out = Path(out)
     if tokens.ndim != 2 or tokens.dtype != torch.int64:
         raise ValueError(f"calibration tokens must be an int64 [samples, seq_len] tensor, got {tokens.dtype} {list(tokens.shape)}")
+    check_seq_len(plan, tokens.shape[1])
     if world is not None and plan.recipe.spec.tune_iters:
         raise ValueError(f"{plan.recipe.name}: tune_iters (layer-output tuning) runs in one process; set tune_iters: 0 "
                          "in the recipe to calibrate with several ranks")
@@ -228,9 +229,19 @@ def run_gptq_from_text(plan: Plan, out: str | Path, settings: CalibrationSetting
     """`run_gptq` with the calibration set drawn from `settings.calibration` (calibration/data.py)."""
     from glmq.calibration.data import calibration_tokens
 
+    check_seq_len(plan, settings.seq_len)  # before the text is tokenized
     tokens = calibration_tokens(plan.source.root, settings.calibration, settings.samples, settings.seq_len,
                                 settings.seed)
     return run_gptq(plan, out, tokens, settings, device, progress, world)
+
+
+def check_seq_len(plan: Plan, seq_len: int) -> None:
+    """Calibration windows longer than the model's `max_position_embeddings` would calibrate on positions it does
+    not serve (vLLM and SGLang refuse longer prompts): a ValueError naming the limit."""
+    limit = plan.source.config.get("max_position_embeddings")
+    if limit and seq_len > limit:
+        raise ValueError(f"{plan.source.root}: --seq-len {seq_len} is longer than the model's max_position_embeddings "
+                         f"({limit}); use --seq-len {limit} or less")
 
 
 def targets_by_layer(plan: Plan) -> dict[int, list[Target]]:
@@ -528,8 +539,10 @@ def _united(metas: list[dict]) -> dict:
     for m in metas:
         if "tokens_per_expert" in m:
             out["tokens_per_expert"], out["under_covered"] = m["tokens_per_expert"], m["under_covered"]
-            out["all_token_hessian_tokens"] = m.get("all_token_hessian_tokens")
             break
+    # from a part that took all-token down Hessians: in a true-sequential layer the down stage, not gate/up's
+    out["all_token_hessian_tokens"] = next((m["all_token_hessian_tokens"] for m in metas
+                                            if m.get("all_token_hessian_tokens")), None)
     return out
 
 

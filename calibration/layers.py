@@ -103,14 +103,20 @@ class SourceTensors:
             # safetensors hands out small tensors as views of the shard's memory map: one such view (a norm,
             # the router bias) kept the whole map, and every page of the layer's FP8 bytes read through it
             # (~55 MB resident per layer of the scaling model), alive after `close()`. A copy owns its bytes.
-            return t.clone() if t.device.type == "cpu" else t
-        module = name.rpartition(".")[0]
-        if self.source.fmt is SourceFormat.FP8_BLOCK:
-            w = fp8.dequantize_block(t, self.raw(f"{module}.weight_scale_inv").to(dev), self.source.block)
+            w = t.clone() if t.device.type == "cpu" else t
         else:
-            w = fp8.dequantize_channel(t, self.raw(f"{module}.weight_scale").to(dev))
-        try:  # as the RTN path rejects it (quantize/ops.py): NaN would spread through every later layer's states
-            ops.check_finite(w)
+            module = name.rpartition(".")[0]
+            if self.source.fmt is SourceFormat.FP8_BLOCK:
+                w = fp8.dequantize_block(t, self.raw(f"{module}.weight_scale_inv").to(dev), self.source.block)
+            else:
+                w = fp8.dequantize_channel(t, self.raw(f"{module}.weight_scale").to(dev))
+        if not w.is_floating_point():
+            return w
+        # as the RTN path rejects a target holding NaN/Inf (quantize/ops.py); here every tensor of the layer (BF16
+        # norms, router, kept Linears, the embeddings too): NaN would spread through every later layer's states and
+        # surface as a Hessian error naming nothing. Rows of a 1-D tensor are its elements.
+        try:
+            ops.check_finite(w.reshape(w.shape[0], -1) if w.ndim else w.reshape(1, 1))
         except ValueError as e:
             raise CheckpointError(f"{self.source.path(self.source.entries[name].shard)}: tensor {name}: {e}; the "
                                   f"source weight is corrupt, re-download the shard") from e
@@ -220,7 +226,10 @@ class ChunkedExperts:
         expert_ids_g, perm = torch.sort(top_k_index.reshape(-1))  # as transformers sorts: the same order
         weights_g = top_k_weights.reshape(-1)[perm]
         ends = torch.bincount(expert_ids_g, minlength=ex.num_experts).cumsum(0).tolist()
-        out = torch.empty(n_tok * top_k, hidden, dtype=dt, device=hidden_states.device)  # (T * k, H) token-major
+        # (T * k, H) token-major, in the weighted products' dtype: float32 routing weights promote a bf16/f16
+        # layer's outputs, summed over top-k in float32 and cast back, as transformers does
+        out = torch.empty(n_tok * top_k, hidden, dtype=torch.promote_types(dt, top_k_weights.dtype),
+                          device=hidden_states.device)
         e0 = r0 = 0
         while e0 < ex.num_experts:
             e1 = e0 + 1  # a run of experts: at least one, at most `rows` pairs beyond the first
@@ -235,7 +244,7 @@ class ChunkedExperts:
                 y = torch.nn.functional.grouped_mm(y, ex.down_proj[e0:e1].to(dt).transpose(-2, -1), offs=offs)
                 out[perm[r0:r1]] = y * weights_g[r0:r1].unsqueeze(-1)
             e0, r0 = e1, r1
-        return out.view(n_tok, top_k, hidden).sum(dim=1)
+        return out.view(n_tok, top_k, hidden).sum(dim=1).to(dt)
 
 
 class LayerBuilder:

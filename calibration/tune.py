@@ -187,6 +187,9 @@ class _Batches:
 
 
 def _output(layer, weights: dict, x: torch.Tensor, kw: dict) -> torch.Tensor:
+    """The layer's output on `x` with `weights` (float32, differentiable) cast to the layer's compute dtype, the
+    hidden states' (the cast is the identity in float32; in a bf16/f16 layer a float32 weight is an error)."""
+    weights = {k: v.to(x.dtype) for k, v in weights.items()}
     y = torch.func.functional_call(layer, weights, (x,), kw)
     return y[0] if isinstance(y, tuple) else y
 

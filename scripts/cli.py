@@ -130,7 +130,7 @@ def _skip_triton() -> None:
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_out_file,
               help="Also write the run report here.")
 @click.option("--calibration", default=None, metavar="FILE_OR_DATASET",
-              help="GPTQ calibration text: a .txt, .jsonl ('text' field) or .parquet file, or a Hugging Face dataset NAME[:CONFIG] (needs `datasets`).")
+              help="GPTQ calibration text: a .txt, .jsonl or .json ('text' field) or .parquet file, or a Hugging Face dataset NAME[:CONFIG] or local dataset folder (needs `datasets`).")
 @click.option("--samples", default=128, show_default=True, type=click.IntRange(min=1), help="GPTQ: calibration sequences.")
 @click.option("--seq-len", default=256, show_default=True, type=click.IntRange(min=2), help="GPTQ: tokens per calibration sequence.")
 @click.option("--seed", default=0, show_default=True, type=int, help="GPTQ: seed of the calibration sample draw.")

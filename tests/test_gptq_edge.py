@@ -1,0 +1,136 @@
+"""Edge cases of GPTQ calibration (calibration/data.py, engine.py, layers.py, tune.py).
+
+What is asserted:
+- A `.json` calibration file (JSON Lines, as `datasets`' `to_json` writes them, or one JSON array) gives the
+  documents' text, the same tokens as the `.jsonl` file, never its JSON syntax; a folder, or a `.jsonl` with a
+  line that is not UTF-8, is a CalibrationDataError naming the input (and the line), not a traceback.
+- Calibration windows longer than the model's `max_position_embeddings` are refused before anything is written.
+- A bf16 compute dtype (`CalibrationSettings.dtype`): ChunkedExperts returns transformers' grouped_mm output bit for
+  bit, and a GPTQ run with layer-output tuning completes with finite losses.
+- A NaN in a BF16 source tensor (a target, a Linear kept BF16, a norm) stops a GPTQ run with an error naming its
+  shard and tensor, as an FP8 one does, not a Hessian error naming nothing.
+- A true-sequential layer reports the tokens its all-token down Hessians took (the down stage's), as a one-pass
+  layer does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from glmq.calibration.data import CalibrationDataError, calibration_tokens, load_tokenizer
+from glmq.calibration.engine import run_gptq
+from glmq.calibration.layers import ChunkedExperts, LayerBuilder
+from glmq.formats import fixtures
+from glmq.formats.source import open_source
+from glmq.formats.safetensors_io import CheckpointError
+from test_gptq_engine import calib_ids, gptq_plan, settings
+from test_stream import tensors
+
+DOCS = ["The router sends each token to two experts.\nEach expert is a gated MLP.",
+        "Group-wise INT4 keeps one scale per 128 weights; \"quotes\" and \\ slashes stay text.",
+        "A third document, with unicode: caf\u00e9 \u2014 na\u00efve."] * 20
+
+
+@pytest.fixture(scope="module")
+def tok_src(make_ckpt, tmp_path_factory):
+    """A generated GLM-4.x checkpoint (max_position_embeddings 16) with a byte-level tokenizer."""
+    src = tmp_path_factory.mktemp("edge") / "src"
+    shutil.copytree(make_ckpt("glm4_moe", "fp8-block", config_overrides={"max_position_embeddings": 16}), src)
+    fixtures.write_byte_tokenizer(src)
+    return src
+
+
+def test_json_file_is_read_as_json_lines_or_an_array(tok_src, tmp_path):
+    lines = "".join(json.dumps({"text": d}) + "\n" for d in DOCS)
+    (tmp_path / "c.jsonl").write_text(lines)
+    (tmp_path / "lines.json").write_text(lines)  # what datasets.Dataset.to_json("lines.json") writes
+    (tmp_path / "array.json").write_text(json.dumps([{"text": d} for d in DOCS], indent=1))
+    want = calibration_tokens(tok_src, str(tmp_path / "c.jsonl"), samples=8, seq_len=16, seed=0)
+    for name in ("lines.json", "array.json"):
+        got = calibration_tokens(tok_src, str(tmp_path / name), samples=8, seq_len=16, seed=0)
+        assert torch.equal(got, want), name
+    text = load_tokenizer(tok_src).decode(calibration_tokens(tok_src, str(tmp_path / "lines.json"), 40, 16).flatten())
+    assert '"text"' not in text and "\\n" not in text
+    (tmp_path / "bad.json").write_text(json.dumps([{"text": "a"}, {"body": "b"}]))
+    with pytest.raises(CalibrationDataError, match="item 1"):
+        calibration_tokens(tok_src, str(tmp_path / "bad.json"), samples=1, seq_len=2)
+
+
+def test_a_folder_or_non_utf8_jsonl_is_a_clear_error(tok_src, tmp_path):
+    (tmp_path / "texts").mkdir()
+    with pytest.raises(CalibrationDataError, match="is not a file"):
+        calibration_tokens(tok_src, str(tmp_path / "texts"), samples=1, seq_len=2)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')  # latin-1 on line 2
+    with pytest.raises(CalibrationDataError, match=r"bad\.jsonl:2: not UTF-8"):
+        calibration_tokens(tok_src, str(bad), samples=1, seq_len=2)
+
+
+def test_seq_len_longer_than_the_models_positions_is_refused(tok_src, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"max_position_embeddings \(16\)"):
+        run_gptq(gptq_plan(tok_src), out, calib_ids(samples=2, seq=32), settings(samples=2, seq_len=32),
+                 progress=False)
+    assert not out.exists()
+
+
+def test_chunked_experts_match_transformers_in_bf16(make_ckpt):
+    b = LayerBuilder(open_source(make_ckpt("glm4_moe", "fp8-block")), torch.device("cpu"), torch.bfloat16)
+    i = b.config.first_k_dense_replace
+    state = b.tensors.layer_state(i)
+    ref = b.build(i, state).mlp.experts
+    ex = b.build(i, state, chunked_experts=True).mlp.experts
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(200, b.config.hidden_size, generator=g).bfloat16()
+    top_w, top_i = (torch.rand(200, b.config.n_routed_experts, generator=g) ** 3).topk(b.config.num_experts_per_tok, -1)
+    with torch.no_grad():
+        want = ref(x, top_i, top_w)  # float32 routing weights, as the router returns them
+        for rows in (1, 100, 10**9):
+            got = ChunkedExperts(ex, rows)(x, top_i, top_w)
+            assert got.dtype == torch.bfloat16 and torch.equal(got, want), rows
+
+
+def test_bf16_compute_dtype_with_layer_output_tuning(make_ckpt, tmp_path):
+    src = make_ckpt("glm4_moe", "fp8-block")
+    rep = run_gptq(gptq_plan(src, "int4-w4a16-all-linear", tune_iters=2), tmp_path / "o", calib_ids(samples=4, seq=32),
+                   settings(samples=4, seq_len=32, dtype="bfloat16"), progress=False)["gptq"]
+    tunes = [lay["tune"] for lay in rep["layers"]]
+    assert len(tunes) == 3 and all(t["tensors"] and math.isfinite(t["loss_gptq"]) and math.isfinite(t["loss_tuned"])
+                                   for t in tunes), tunes
+    assert any(k.endswith("experts.0.down_proj.weight_packed") for k in tensors(tmp_path / "o"))
+
+
+def test_true_sequential_reports_the_all_token_hessian_tokens(make_ckpt, tmp_path):
+    src = make_ckpt("glm4_moe", "fp8-block")
+    rep = run_gptq(gptq_plan(src), tmp_path / "o", calib_ids(samples=2, seq=32),
+                   settings(samples=2, seq_len=32, sequential=True, clip_search=False), progress=False)["gptq"]
+    moe = [lay for lay in rep["layers"] if lay["tokens_per_expert"]]
+    assert moe and all(lay["all_token_hessian_tokens"] == 64 for lay in moe), \
+        [lay["all_token_hessian_tokens"] for lay in moe]  # 2 x 32 tokens, fewer than 4 x I
+
+
+def _with_nan(src, dst, name):
+    """A copy of checkpoint `src` in `dst` with one NaN in tensor `name`; returns (dst, the tensor's shard)."""
+    shutil.copytree(src, dst)
+    shard = dst / open_source(dst).entries[name].shard
+    with safe_open(str(shard), "pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    t[name].view(-1)[7] = float("nan")
+    save_file(t, str(shard), metadata={"format": "pt"})
+    return dst, shard
+
+
+@pytest.mark.parametrize("name", ["model.layers.1.self_attn.o_proj.weight", "model.layers.1.mlp.experts.2.up_proj.weight",
+                                  "model.layers.1.post_attention_layernorm.weight"])
+def test_nan_in_a_bf16_source_tensor_names_it(make_ckpt, tmp_path, name):
+    src, shard = _with_nan(make_ckpt("glm4_moe", "bf16"), tmp_path / "src", name)
+    with pytest.raises(CheckpointError, match=f"{shard.name}: tensor {name}: NaN or Inf"):
+        run_gptq(gptq_plan(src), tmp_path / "o", calib_ids(samples=2, seq=32), settings(samples=2, seq_len=32),
+                 progress=False)
