@@ -72,7 +72,7 @@ def forward(model, windows: torch.Tensor, batch: int = 8, ref: list[torch.Tensor
 
 
 def compare(source: str | Path, quantized: list[str | Path], text: str | Path, seq_len: int = 256,
-            windows: int = 96, dtype: torch.dtype = torch.float32) -> dict:
+            windows: int = 96, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> dict:
     """Evaluate the source and each quantized checkpoint on the first `windows` windows of `text`.
 
     Returns:
@@ -80,7 +80,7 @@ def compare(source: str | Path, quantized: list[str | Path], text: str | Path, s
         "layer_rel_error": [per decoder layer] | None}]}; the source row has KL 0 and no layer error.
     """
     check_same_model(source, quantized)
-    ids = token_windows(source, text, seq_len, windows)
+    ids = token_windows(source, text, seq_len, windows, trust_remote_code)
     lp_src, ref = forward(load_model(source, dtype), ids)
     rows = [{"checkpoint": str(source), "perplexity": perplexity(lp_src, ids), "kl_to_source": 0.0,
              "layer_rel_error": None}]

@@ -31,19 +31,24 @@ class CalibrationDataError(ValueError):
     pass
 
 
-def load_tokenizer(checkpoint: str | Path):
+def load_tokenizer(checkpoint: str | Path, trust_remote_code: bool = False):
+    """The checkpoint's own tokenizer. `trust_remote_code` lets a tokenizer whose class is code in the model folder
+    run it (Kimi K2's tiktoken tokenizer); it is passed explicitly either way, so transformers never prompts."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(checkpoint))
-    except (OSError, ValueError, TypeError) as e:
+        return AutoTokenizer.from_pretrained(str(checkpoint), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError, ImportError) as e:
+        why = " ".join(str(e).split())
+        hint = ("; its tokenizer is code in the model folder: if you trust that code, pass --trust-remote-code"
+                if not trust_remote_code and "trust_remote_code" in why else "")
         raise CalibrationDataError(
-            f"{checkpoint}: no usable tokenizer ({e}); GPTQ calibration tokenizes the text with the "
+            f"{checkpoint}: no usable tokenizer ({why}){hint}; GPTQ calibration tokenizes the text with the "
             f"checkpoint's own tokenizer (tokenizer.json + tokenizer_config.json in the model folder)") from e
 
 
 def calibration_tokens(checkpoint: str | Path, spec: str, samples: int = 128, seq_len: int = 256,
-                       seed: int = 0, tokenizer=None) -> torch.Tensor:
+                       seed: int = 0, tokenizer=None, trust_remote_code: bool = False) -> torch.Tensor:
     """The calibration set: int64 `[samples, seq_len]` token ids.
 
     Args:
@@ -51,12 +56,13 @@ def calibration_tokens(checkpoint: str | Path, spec: str, samples: int = 128, se
         spec: a .txt/.jsonl/.parquet path or a Hugging Face dataset name (module docstring).
         samples, seq_len: windows drawn and their length in tokens.
         seed: seeds the window draw (and the document order of a dataset).
+        trust_remote_code: see `load_tokenizer`.
     Raises:
         CalibrationDataError: unreadable source, missing "text" field, too little text, no tokenizer.
     """
     if samples <= 0 or seq_len <= 1:
         raise CalibrationDataError(f"need samples >= 1 and seq_len >= 2, got {samples} and {seq_len}")
-    tok = tokenizer or load_tokenizer(checkpoint)
+    tok = tokenizer or load_tokenizer(checkpoint, trust_remote_code)
     need = samples * seq_len
     path = Path(spec)
     if path.is_file():

@@ -72,7 +72,8 @@ UNDER_COVERED = ("all_tokens", "rtn")
 
 
 ACTIVATIONS = ("disk", "memory")
-NOT_IDENTITY = ("experts_per_pass", "activations", "offload_activations")  # settings that change no bit
+# settings that change no bit (trust_remote_code: the tokens, hashed in the identity, are what counts)
+NOT_IDENTITY = ("experts_per_pass", "activations", "offload_activations", "trust_remote_code")
 GPTQ_BATCH = {"cuda": 16, "cpu": 2}  # CalibrationSettings.gptq_batch when None, by device type
 
 
@@ -130,6 +131,8 @@ class CalibrationSettings:
             pass through the layer with every earlier stage already quantized, as the GPTQ reference's
             `--true-sequential`. One calibration pass per stage instead of one per layer. False: every
             Hessian of the layer from one pass through its unquantized weights.
+        trust_remote_code: load a tokenizer whose class is code in the checkpoint folder (Kimi K2's), running
+            that code (`calibration.data.load_tokenizer`).
     """
 
     calibration: str = ""
@@ -148,6 +151,7 @@ class CalibrationSettings:
     activations: str = "disk"
     offload_activations: str | None = None
     sequential: bool = False
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         if self.under_covered not in UNDER_COVERED:
@@ -231,7 +235,7 @@ def run_gptq_from_text(plan: Plan, out: str | Path, settings: CalibrationSetting
 
     check_seq_len(plan, settings.seq_len)  # before the text is tokenized
     tokens = calibration_tokens(plan.source.root, settings.calibration, settings.samples, settings.seq_len,
-                                settings.seed)
+                                settings.seed, trust_remote_code=settings.trust_remote_code)
     return run_gptq(plan, out, tokens, settings, device, progress, world)
 
 

@@ -608,7 +608,9 @@ def write_byte_tokenizer(folder) -> None:
     generated checkpoint can be calibrated from text (ids < 257 fit every preset's vocabulary)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    # sorted: alphabet() comes out of a hash set, in another order at every call, so the ids (and the calibration
+    # tokens drawn with them) would differ between two checkpoints generated with the same arguments
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     vocab["<|endoftext|>"] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

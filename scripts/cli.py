@@ -155,8 +155,12 @@ def _skip_triton() -> None:
               help="GPTQ: quantize each layer's Linears in the order its forward reaches them (attention inputs, "
                    "attention output, MLP gate/up, down), each stage calibrated on the layer with the earlier "
                    "stages already quantized; one calibration pass per stage.")
+@click.option("--trust-remote-code", is_flag=True,
+              help="GPTQ: run the tokenizer code in the model folder when its tokenizer is a custom class (Kimi K2's); "
+                   "only for checkpoints you trust.")
 def quantize(model, recipe, max_shard_size, output, scheme, device, no_progress, json_out, calibration, samples,
-             seq_len, seed, activations, offload_activations, min_expert_tokens, all_token_limit, true_sequential):
+             seq_len, seed, activations, offload_activations, min_expert_tokens, all_token_limit, true_sequential,
+             trust_remote_code):
     """Convert a checkpoint, streaming one shard at a time (GPTQ: calibrated one decoder layer at a time)."""
     import os
 
@@ -188,7 +192,7 @@ def quantize(model, recipe, max_shard_size, output, scheme, device, no_progress,
                 raise click.UsageError("--offload-activations DIR needs --activations disk (the default)")
             settings = CalibrationSettings(calibration=calibration, samples=samples, seq_len=seq_len, seed=seed,
                                            activations=activations, offload_activations=offload_activations,
-                                           sequential=true_sequential, **extra)
+                                           sequential=true_sequential, trust_remote_code=trust_remote_code, **extra)
             world = dist.init(device) if dist.launched() else None  # torchrun: this process is one rank
             try:
                 report = run_gptq_from_text(plan, out, settings, device=world.device if world else device,
@@ -326,13 +330,15 @@ def validate_cmd(checkpoint, source, sample, device, tp, no_serving, json_out, s
               help="Write the results as JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, callback=_out_file,
               help="PNG plot of the per-layer error (needs matplotlib).")
-def eval_cmd(source, quantized, text, seq_len, windows, json_out, plot):
+@click.option("--trust-remote-code", is_flag=True,
+              help="Run the tokenizer code in the model folder when its tokenizer is a custom class (Kimi K2's); only for checkpoints you trust.")
+def eval_cmd(source, quantized, text, seq_len, windows, json_out, plot, trust_remote_code):
     """Perplexity and KL(source || quantized) on a text file, and per-layer hidden-state error."""
     from glmq.calibration.compare import compare, format_table, plot_layer_errors
     from glmq.formats.safetensors_io import CheckpointError
 
     try:
-        result = compare(source, list(quantized), text, seq_len, windows)
+        result = compare(source, list(quantized), text, seq_len, windows, trust_remote_code=trust_remote_code)
     except (CheckpointError, ValueError, OSError) as e:
         _fail(e)
     click.echo(format_table(result))

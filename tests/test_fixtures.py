@@ -220,6 +220,14 @@ def test_same_arguments_give_byte_identical_files(matrix, tmp_path):
     assert not torch.equal(one.view(torch.uint8), other.view(torch.uint8))
 
 
+def test_byte_tokenizer_is_the_same_at_every_call(tmp_path):
+    """Its vocabulary came from a hash set's order, another at every call: the same text got other token ids."""
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        fx.write_byte_tokenizer(tmp_path / d)
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+
+
 def test_glm4_moe_bf16_loads_in_transformers_with_only_mtp_keys_unexpected(matrix):
     from transformers import AutoModelForCausalLM
 

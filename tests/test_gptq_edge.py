@@ -11,6 +11,8 @@ What is asserted:
   shard and tensor, as an FP8 one does, not a Hessian error naming nothing.
 - A true-sequential layer reports the tokens its all-token down Hessians took (the down stage's), as a one-pass
   layer does.
+- A tokenizer whose class is code in the model folder (Kimi K2's) is refused with a hint to pass
+  --trust-remote-code (never an interactive prompt), and loads with it, in calibration and in `glmq eval`.
 """
 
 from __future__ import annotations
@@ -134,3 +136,40 @@ def test_nan_in_a_bf16_source_tensor_names_it(make_ckpt, tmp_path, name):
     with pytest.raises(CheckpointError, match=f"{shard.name}: tensor {name}: NaN or Inf"):
         run_gptq(gptq_plan(src), tmp_path / "o", calib_ids(samples=2, seq=32), settings(samples=2, seq_len=32),
                  progress=False)
+
+
+def _custom_code_tokenizer(folder):
+    """A byte tokenizer whose class lives in the folder, as Kimi K2's tiktoken tokenizer does."""
+    fixtures.write_byte_tokenizer(folder)
+    cfg = {"tokenizer_class": "CustomByteTokenizer", "eos_token": "<|endoftext|>",
+           "auto_map": {"AutoTokenizer": [None, "tokenization_custom.CustomByteTokenizer"]}}
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (folder / "tokenization_custom.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\nclass CustomByteTokenizer(PreTrainedTokenizerFast):\n"
+        "    pass\n")
+
+
+def test_custom_code_tokenizer_needs_trust_remote_code(tmp_path):
+    from click.testing import CliRunner
+
+    from glmq.calibration.evaluate import token_windows
+    from glmq.scripts.cli import main
+
+    custom, plain = tmp_path / "custom", tmp_path / "plain"
+    custom.mkdir(), plain.mkdir()
+    _custom_code_tokenizer(custom)
+    fixtures.write_byte_tokenizer(plain)
+    (plain / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                             "eos_token": "<|endoftext|>"}))
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(DOCS))
+    with pytest.raises(CalibrationDataError, match="custom|trust_remote_code") as e:
+        calibration_tokens(custom, str(text), 4, 32)
+    assert "pass --trust-remote-code" in str(e.value)
+    ours = calibration_tokens(custom, str(text), 4, 32, trust_remote_code=True)
+    assert torch.equal(ours, calibration_tokens(plain, str(text), 4, 32))
+    with pytest.raises(CheckpointError, match="pass --trust-remote-code"):
+        token_windows(custom, text, 32, 2)
+    assert torch.equal(token_windows(custom, text, 32, 2, trust_remote_code=True), token_windows(plain, text, 32, 2))
+    res = CliRunner().invoke(main, ["quantize", "--help"])
+    assert "--trust-remote-code" in res.output

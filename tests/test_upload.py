@@ -222,7 +222,7 @@ def test_card_command_tables_match_the_cli_and_calibration_settings():
     in_card = {"max_shard_size", "calibration", "true_sequential", "device"} | {
         f.lstrip("-").replace("-", "_") for _, f, _ in mc.GPTQ_OPTIONS}
     placeholders_or_no_bit = {"model", "recipe", "output", "scheme", "no_progress", "json_out", "activations",
-                              "offload_activations"}  # --scheme: the recipe file carries the method
+                              "offload_activations", "trust_remote_code"}  # --scheme: the recipe file carries the method
     assert set(cli) == in_card | placeholders_or_no_bit, set(cli) ^ (in_card | placeholders_or_no_bit)
 
 
