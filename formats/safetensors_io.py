@@ -162,10 +162,10 @@ def _header_entries(path: Path, header) -> tuple[dict[str, TensorEntry], dict[st
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a contiguous CPU tensor, without a copy."""
-    t = t.detach().contiguous()
+    t = t.detach().contiguous().reshape(-1)  # 1-D first: a 0-dim tensor (e.g. a KV-cache scale) cannot view as bytes
     if t.device.type != "cpu":
         t = t.cpu()
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+    return memoryview(t.view(torch.uint8).numpy())
 
 
 @dataclass(frozen=True)
@@ -182,6 +182,9 @@ class OutSpec:
         for d in self.shape:
             numel *= d
         return numel * ITEMSIZE[self.dtype]
+
+
+PT_METADATA = {"format": "pt"}  # the `__metadata__` of every file glmq writes
 
 
 def layout(specs: list[OutSpec], metadata: dict[str, str]) -> tuple[bytes, dict[str, int]]:
@@ -218,7 +221,7 @@ class StreamingWriter:
         self.path = Path(path)
         self.tmp = self.path.with_name(self.path.name + TMP_SUFFIX)
         self.specs = {s.name: s for s in specs}
-        head, self.offsets = layout(specs, metadata or {"format": "pt"})
+        head, self.offsets = layout(specs, metadata or PT_METADATA)
         self.written = {s.name: 0 for s in specs}
         self.hashes = {s.name: hashlib.sha256() for s in specs}
         self.fast = {s.name: xxhash.xxh3_128() for s in specs}

@@ -2,10 +2,10 @@
 the last steps that make it a checkpoint (side files, index, config.json).
 
 A folder is either new and empty, or holds an interrupted run of the very same plan (`glmq_manifest.json`
-with the same identity): then every recorded file is verified against its recorded tensor checksums and
-kept, and everything else of the interrupted run (half-written temporary files, rank fragments) is
-cleaned up. The index and config.json are written last, so a folder without them is never mistaken for
-a finished checkpoint.
+with the same identity): then every recorded file is verified against its planned header and its recorded
+tensor checksums and kept, and everything else of the interrupted run (half-written temporary files, rank
+fragments) is cleaned up. The index and config.json are written last (and removed before a file of a finished
+folder is converted again), so that an interrupted run never leaves them beside missing files.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from glmq import __version__
 from glmq.formats.families import LINEAR_CLASSES, ignore_list
 from glmq.formats import manifest
 from glmq.formats.manifest import CHECKSUM_KEYS, MANIFEST_NAME, Manifest, fragment_name
-from glmq.formats.safetensors_io import (SHA256, TMP_SUFFIX, XXH3_128, CheckpointError, atomic_write_text,
-                                         file_tensor_checksums)
+from glmq.formats.safetensors_io import (PT_METADATA, SHA256, TMP_SUFFIX, XXH3_128, CheckpointError,
+                                         atomic_write_text, file_tensor_checksums, layout)
 from glmq.formats.source import INDEX_NAME
 from glmq.quantize import config_child
 from glmq.quantize.plan import Action, OutFile, Plan
@@ -65,6 +65,10 @@ def prepare_output(plan: Plan, out: Path, world=None) -> Manifest:
         diff = sorted(k for k, v in plan_identity(plan).items() if man.identity.get(k) != v)
         raise world.failure("planning", f"this rank's plan differs from rank 0's in {', '.join(diff)}; every rank "
                                         f"must see the same source, recipe, options and glmq version")
+    if not (Path(out) / MANIFEST_NAME).is_file():  # e.g. --output on each node's local disk
+        raise world.failure(f"output folder {out}", f"{Path(out) / MANIFEST_NAME}, which rank 0 has just written, is "
+                                                    f"not there: every rank must write into the same folder (across "
+                                                    f"nodes: one on a shared file system)")
     return man
 
 
@@ -99,11 +103,12 @@ def _prepare_output(plan: Plan, out: Path) -> Manifest:
     for p in existing:  # half-written files of the interrupted run
         if p.name.endswith(TMP_SUFFIX):
             p.unlink()
-    kept = {}
+    planned = {f.name: f for f in plan.files}
+    kept, redo = {}, []
     for name, rec in man.files.items():
         path = out / name
         try:
-            sums = file_tensor_checksums(path) if path.exists() else None
+            sums = file_tensor_checksums(path) if name in planned and _planned_header(path, planned[name]) else None
         except (CheckpointError, OSError):
             sums = None
         # a record written before the fast checksum gets it here, from the bytes its sha256 just verified
@@ -112,13 +117,29 @@ def _prepare_output(plan: Plan, out: Path) -> Manifest:
             kept[name] = {**rec, CHECKSUM_KEYS[XXH3_128]: sums[XXH3_128]}
         else:
             log.warning("%s: recorded as finished but does not check out; converting it again", path)
-            path.unlink(missing_ok=True)
+            redo.append(path)
+    if len(kept) < len(plan.files):  # a finished folder being repaired is no checkpoint until its end again
+        for name in ("config.json", INDEX_NAME):
+            (out / name).unlink(missing_ok=True)
+    for path in redo:
+        path.unlink(missing_ok=True)
     man.files = kept
     man.complete = man.complete and len(kept) == len(plan.files)
     man.save(out)
     for p in fragments:  # now in the manifest
         manifest.remove(out, p.name)
     return man
+
+
+def _planned_header(path: Path, f: OutFile) -> bool:
+    """Whether `path` starts with the header glmq writes for `f` (names, dtypes, shapes, offsets): the tensor
+    checksums cover the data only, so a file whose header was edited or written otherwise would pass them."""
+    head, _ = layout([o for it in f.items for o in it.outputs], PT_METADATA)
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(len(head)) == head
+    except FileNotFoundError:
+        return False
 
 
 class FileBook:

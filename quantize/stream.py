@@ -38,7 +38,7 @@ from glmq.formats.manifest import FRAGMENT_GLOB, REPORT_NAME, Manifest
 from glmq.formats.safetensors_io import XXH3_128, CheckpointError, StreamingWriter, atomic_write_text
 from glmq.formats.source import Source
 from glmq.quantize import ops
-from glmq.quantize.output import ConfigJob, FileBook, finish_checkpoint, prepare_output
+from glmq.quantize.output import ConfigJob, FileBook, OutputDirError, finish_checkpoint, prepare_output
 from glmq.quantize.plan import Action, Item, OutFile, Plan
 
 log = logging.getLogger("glmq")
@@ -364,6 +364,13 @@ def _finish(plan: Plan, out: Path, man: Manifest, qc: dict, stats: RunStats, ran
     missing = [f.name for f in plan.files if f.name not in man.files]
     if missing:  # an engine bug, never a user error: the ranks' shares must cover the plan
         raise RuntimeError(f"{out}: {len(missing)} planned file(s) were written by no rank, e.g. {missing[0]}")
+    absent = [f.name for f in plan.files if not _on_disk(out / f.name, man.files[f.name].get("bytes"))]
+    if absent:  # e.g. a run over several nodes whose --output is not one shared folder: other ranks wrote elsewhere
+        raise OutputDirError(
+            f"{out}: {len(absent)} file(s) recorded as written are not in this folder (or have another size), e.g. "
+            f"{absent[0]}; every rank must write into the same folder (across nodes: one on a shared file system). "
+            f"No index or config.json was written; re-run the same command to convert them again"
+        )
     t_fin = time.perf_counter()
     man.save(out)  # the merged records first: then the ranks' fragments may go
     for p in out.glob(FRAGMENT_GLOB):
@@ -377,6 +384,13 @@ def _finish(plan: Plan, out: Path, man: Manifest, qc: dict, stats: RunStats, ran
     report["ranks"] = ranks
     report["phase_seconds"] = {k: round(v, 3) for k, v in phases.items()}
     return report
+
+
+def _on_disk(path: Path, size: int | None) -> bool:
+    try:
+        return size is None or path.stat().st_size == size
+    except FileNotFoundError:
+        return False
 
 
 def convert_files(plan: Plan, out: Path, files: list[OutFile], dev: torch.device, quantized, record,
@@ -428,7 +442,11 @@ def convert_files(plan: Plan, out: Path, files: list[OutFile], dev: torch.device
                     pending.append((nxt[0], pool.submit(load, nxt[1])))
                 if f.name not in writers:
                     specs = [o for it in f.items for o in it.outputs]
-                    writers[f.name] = StreamingWriter(out / f.name, specs)
+                    try:
+                        writers[f.name] = StreamingWriter(out / f.name, specs)
+                    except OSError:
+                        writer.failed = f.name
+                        raise
                 t_conv = time.perf_counter()
                 try:
                     results = convert_unit(u, plan, dev)
@@ -454,6 +472,9 @@ def convert_files(plan: Plan, out: Path, files: list[OutFile], dev: torch.device
         writer.shutdown()
         for w in writers.values():
             w.abort()
+        if world is None and isinstance(e, OSError) and writer.failed:  # e.g. the disk is full
+            raise OutputDirError(f"{out / writer.failed}: writing it failed: {e}; free space or fix the output "
+                                 f"folder, then re-run the same command (finished files are kept)") from e
         if world is None or not isinstance(e, Exception):
             raise
         name = writer.failed or (current.name if current else "its first file")

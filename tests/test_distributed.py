@@ -175,6 +175,33 @@ def test_failed_rank_stops_the_job_and_any_world_size_resumes(reference, tmp_pat
     assert (one_rank / MANIFEST_NAME).exists() and not list(one_rank.glob(FRAGMENT_GLOB))
 
 
+def test_two_nodes_without_a_shared_output_folder_are_refused(reference, tmp_path):
+    """Two "nodes" (one torchrun each, one rank each) whose --output is not one folder, as with each node's local disk:
+    rank 1 converted its files into its own folder and rank 0 wrote the index and config.json over half the shards
+    missing (exit 0). Now rank 1 stops at once, naming the folder, and rank 0 writes no config.json."""
+    import socket
+
+    src, plan, ref = reference
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outs = [tmp_path / "node0", tmp_path / "node1"]
+    outs[1].mkdir()  # exists on node 1, as a local folder of the same path would
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    logs = [tmp_path / f"node{n}.log" for n in (0, 1)]  # files, not pipes: neither launch may block on a full pipe
+    procs = []
+    for n in (0, 1):
+        with logs[n].open("w") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+                                           str(n), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
+                                           str(port), *_quantize_args(src, outs[n])], stdout=log,
+                                          stderr=subprocess.STDOUT, env=env))
+    assert [p.wait(timeout=300) for p in procs] != [0, 0]
+    err = logs[1].read_text()
+    assert "glmq: rank 1 failed on output folder" in err and "every rank must write into the same folder" in err, err[-3000:]
+    assert not (outs[0] / "config.json").exists() and not (outs[0] / "model.safetensors.index.json").exists()
+
+
 # ----------------------------------------------------------------------------------------- GPTQ
 # One rank of a GPTQ job whose batched GPTQ solver kills rank 1 (os._exit, as a crash would) at its
 # `limit`-th call: with 8 experts split over 2 ranks, each rank solves 2 * ceil(4 / GPTQ_BATCH["cpu"])

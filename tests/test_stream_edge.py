@@ -1,0 +1,157 @@
+"""Edge cases of the streaming engine and of resuming: scalar tensors, edited headers, a repair that dies, a full
+disk, and files recorded as written that are not in the output folder."""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from glmq import recipes
+from glmq.formats import safetensors_io
+from glmq.formats.manifest import REPORT_NAME
+from glmq.formats.safetensors_io import OutSpec, StreamingWriter
+from glmq.formats.source import INDEX_NAME, open_source
+from glmq.quantize import stream
+from glmq.quantize.output import FileBook, OutputDirError
+from glmq.quantize.plan import make_plan
+
+SHARD = 300_000
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(root.iterdir()) if p.name != REPORT_NAME}
+
+
+@pytest.fixture(scope="module")
+def reference(make_ckpt, tmp_path_factory):
+    src = make_ckpt("glm_moe_dsa", "fp8-block")
+    plan = make_plan(open_source(src), recipes.load("int4-w4a16"), SHARD)
+    ref = tmp_path_factory.mktemp("edge-ref") / "ref"
+    stream.run(plan, ref, progress=False)
+    return plan, ref
+
+
+def test_a_zero_dim_tensor_is_written(make_ckpt, tmp_path):
+    """A 0-dim tensor (an FP8 checkpoint's KV-cache scale) is copied: it crashed the writer ("self.dim() cannot be 0
+    to view Float as Byte")."""
+    w = StreamingWriter(tmp_path / "s.safetensors", [OutSpec("k_scale", "F32", ())])
+    w.write("k_scale", torch.tensor(0.5))
+    w.commit()
+    with safe_open(str(tmp_path / "s.safetensors"), "pt") as f:
+        assert f.get_tensor("k_scale").shape == () and f.get_tensor("k_scale").item() == 0.5
+
+    src = tmp_path / "src"
+    shutil.copytree(make_ckpt("glm4_moe", "fp8-ct"), src)
+    idx = json.loads((src / INDEX_NAME).read_text())
+    name = "model.layers.0.self_attn.k_scale"
+    shard = idx["weight_map"]["model.layers.0.self_attn.q_proj.weight"]
+    t = load_file(str(src / shard))
+    t[name] = torch.tensor(0.25)
+    save_file(t, str(src / shard), metadata={"format": "pt"})
+    idx["weight_map"][name] = shard
+    (src / INDEX_NAME).write_text(json.dumps(idx))
+    out = tmp_path / "out"
+    stream.run(make_plan(open_source(src), recipes.load("int4-w4a16"), SHARD), out, progress=False)
+    wm = json.loads((out / INDEX_NAME).read_text())["weight_map"]
+    with safe_open(str(out / wm[name]), "pt") as f:
+        got = f.get_tensor(name)
+    assert got.shape == () and got.dtype == torch.float32 and got.item() == 0.25
+
+
+def test_resume_redoes_a_shard_whose_header_was_edited(reference, tmp_path):
+    """The tensor checksums cover the data only: a finished shard whose header was edited (lm_head's shape
+    transposed, same bytes) was kept by a resume, and the checkpoint served a [256, 512] lm_head."""
+    plan, ref = reference
+    out = tmp_path / "out"
+    shutil.copytree(ref, out)
+    victim = out / plan.files[0].name
+    data = victim.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    name = next(k for k, v in header.items() if k != "__metadata__" and len(v["shape"]) == 2
+                and v["shape"][0] != v["shape"][1])
+    header[name]["shape"] = header[name]["shape"][::-1]
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    victim.write_bytes(data[:8] + raw + b" " * (n - len(raw)) + data[8 + n:])
+    (out / "config.json").unlink()  # as if the run had died before the end
+    report = stream.run(plan, out, progress=False)
+    assert report["files_skipped_resumed"] == len(plan.files) - 1
+    assert _files(out) == _files(ref)
+
+
+def test_a_repair_that_dies_leaves_no_config_json(reference, tmp_path, monkeypatch):
+    """Re-running the command on a finished folder with a corrupt shard deletes that shard to convert it again: a
+    run that died then left config.json and the index beside a missing shard, a checkpoint that looked finished."""
+    plan, ref = reference
+    out = tmp_path / "out"
+    shutil.copytree(ref, out)
+    victim = out / plan.files[2].name
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0xFF
+    victim.write_bytes(bytes(data))
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(stream, "convert_files", killed)
+        with pytest.raises(KeyboardInterrupt):
+            stream.run(plan, out, progress=False)
+    assert not victim.exists()
+    assert not (out / "config.json").exists() and not (out / INDEX_NAME).exists()
+    report = stream.run(plan, out, progress=False)
+    assert report["files_skipped_resumed"] == len(plan.files) - 1
+    assert _files(out) == _files(ref)
+
+
+def test_a_full_disk_names_the_file_and_resumes(reference, tmp_path, monkeypatch):
+    """A write that fails (ENOSPC) is an OutputDirError naming the file (the CLI prints one line), not a bare OSError
+    traceback; the rerun resumes to the same bytes."""
+    plan, ref = reference
+    out = tmp_path / "out"
+    orig, calls = safetensors_io.StreamingWriter.write, [0]
+
+    def write(self, name, t):
+        calls[0] += 1
+        if calls[0] > 30:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return orig(self, name, t)
+
+    with monkeypatch.context() as m:
+        m.setattr(safetensors_io.StreamingWriter, "write", write)
+        with pytest.raises(OutputDirError, match=r"model-\d+-of-\d+\.safetensors: writing it failed: .*No space left"):
+            stream.run(plan, out, progress=False)
+    assert not (out / "config.json").exists()
+    report = stream.run(plan, out, progress=False)
+    assert 0 < report["files_skipped_resumed"] < len(plan.files)
+    assert _files(out) == _files(ref)
+
+
+def test_no_config_json_when_a_recorded_file_is_not_in_the_folder(reference, tmp_path, monkeypatch):
+    """What a run over several nodes without a shared --output folder does (the other ranks' files land in their own
+    folders, their records reach rank 0): rank 0 wrote the index and config.json over missing shards, exit 0."""
+    plan, ref = reference
+    out = tmp_path / "out"
+    elsewhere = plan.files[3].name
+    orig = FileBook.record
+
+    def record(self, f, *a):
+        orig(self, f, *a)
+        if f.name == elsewhere:
+            (self.out / f.name).unlink()
+
+    with monkeypatch.context() as m:
+        m.setattr(FileBook, "record", record)
+        with pytest.raises(OutputDirError, match=f"1 file.* not in this folder.*{elsewhere}"):
+            stream.run(plan, out, progress=False)
+    assert not (out / "config.json").exists() and not (out / INDEX_NAME).exists()
+    stream.run(plan, out, progress=False)
+    assert _files(out) == _files(ref)
