@@ -52,7 +52,10 @@ if numba is not None:
     def _round_bf16_inplace(bits):
         for c in range(bits.shape[0]):
             b = bits[c]
-            bits[c] = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+            r = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+            # NaN stays NaN (c10's 0x7FC0): the carry took a NaN whose payload fills the high mantissa bits (a scale
+            # of ff ff ff ff bytes, an F16 NaN widened) to +-0, which then passed the NaN check as a zero block
+            bits[c] = np.uint32(0x7FC00000) if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else r
 
     @njit(inline="always")
     def _not_finite(big, total):
