@@ -151,6 +151,13 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
     return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
+def _kept_fp8(config: dict) -> bool:
+    """A `mixed-precision` checkpoint (recipe keep_fp8): FP8 block groups beside the INT one, whose layers run with
+    dynamic FP8 activations (formats.md §3c), so the checkpoint is not weight-only."""
+    groups = (config.get("quantization_config") or {}).get("config_groups") or {}
+    return any((g.get("weights") or {}).get("type") == "float" for g in groups.values())
+
+
 def _title(inp: CardInputs, base: str | None, origin: str) -> list[str]:
     version = (inp.report or {}).get("glmq_version") or ((inp.manifest or {}).get("identity") or {}).get("glmq_version")
     recipe = ((inp.report or {}).get("recipe") or {}).get("name")
@@ -161,8 +168,13 @@ def _title(inp: CardInputs, base: str | None, origin: str) -> list[str]:
     if (inp.validation or {}).get("valid") is not True:
         lines += [f"> [!WARNING]\n> **{UNVALIDATED_WARNING}** ({_verdict(inp.validation)}). "
                   "Check the Validation section before serving it.", ""]
-    return lines + [f"Weight-only quantization of {of} in the compressed-tensors `pack-quantized` format "
-                    f"(INT weights, BF16 activations), {made}{how}.", ""]
+    fmt = (inp.config.get("quantization_config") or {}).get("format") or "pack-quantized"
+    if _kept_fp8(inp.config):  # was "Weight-only ... `pack-quantized` ... BF16 activations" for these too
+        what = ("Quantization", "INT weights with BF16 activations; the layers kept in FP8 as 128×128 FP8 blocks with "
+                                "dynamic FP8 activations")
+    else:
+        what = ("Weight-only quantization", "INT weights, BF16 activations")
+    return lines + [f"{what[0]} of {of} in the compressed-tensors `{fmt}` format ({what[1]}), {made}{how}.", ""]
 
 
 def _group_rows(config: dict) -> list[list]:
@@ -187,8 +199,10 @@ def _by_class_rows(report: dict) -> list[list]:
 def quantization_section(inp: CardInputs) -> list[str]:
     """Config groups, ignore list, recipe and the per-class table of the report."""
     qc = inp.config.get("quantization_config") or {}
+    how = ("INT weights quantized per group with BF16 activations, FP8 weights per 128×128 block with dynamic FP8 "
+           "activations" if _kept_fp8(inp.config) else "weights quantized per group, activations stay BF16")
     lines = ["## Quantization", "", f"compressed-tensors format `{qc.get('format')}` (config written with "
-             f"compressed-tensors {qc.get('version', '?')}); weights quantized per group, activations stay BF16.", ""]
+             f"compressed-tensors {qc.get('version', '?')}); {how}.", ""]
     lines += _table(["group", "targets", "type", "bits", "group size", "symmetric", "act order", "format"],
                     _group_rows(inp.config)) + [""]
     ignore = qc.get("ignore") or []

@@ -35,6 +35,11 @@ class RecipeError(ValueError):
     pass
 
 
+def _servable() -> list[str]:
+    """The target classes a recipe may name (the ones an error message offers)."""
+    return sorted(c.value for c in LINEAR_CLASSES - UNSERVABLE_TARGETS.keys())
+
+
 @dataclass(frozen=True)
 class Recipe:
     """What to quantize and how.
@@ -95,8 +100,7 @@ def _check_types(d: dict, origin: str) -> None:
         if key == "targets":
             if not isinstance(value, list) or not value or not all(isinstance(t, str) for t in value):
                 raise RecipeError(f"{origin}: key 'targets' is {value!r}; expected a non-empty list of tensor class "
-                                  f"names, e.g. `targets: [routed_expert]` (classes: "
-                                  f"{sorted(c.value for c in LINEAR_CLASSES)})")
+                                  f"names, e.g. `targets: [routed_expert]` (classes: {_servable()})")
             continue
         want = type_mismatch(KEY_TYPES[key], value)
         if want is not None:
@@ -113,13 +117,13 @@ def from_dict(d: dict, origin: str) -> Recipe:
     try:
         targets = tuple(TensorClass(t) for t in d.get("targets", []))
     except ValueError as e:
-        raise RecipeError(f"{origin}: {e}; targets are among {sorted(c.value for c in LINEAR_CLASSES)}") from None
+        raise RecipeError(f"{origin}: {e}; targets are among {_servable()}") from None
     bad = [t.value for t in targets if t not in LINEAR_CLASSES]
     if bad or not targets:
-        raise RecipeError(f"{origin}: targets {bad or '[]'} invalid; choose among {sorted(c.value for c in LINEAR_CLASSES)}")
+        raise RecipeError(f"{origin}: targets {bad or '[]'} invalid; choose among {_servable()}")
     never = [t for t in targets if t in UNSERVABLE_TARGETS]
     if never:
-        servable = sorted(c.value for c in LINEAR_CLASSES - UNSERVABLE_TARGETS.keys())
+        servable = _servable()
         raise RecipeError(f"{origin}: key 'targets' includes {never[0].value!r}, which cannot be served quantized at "
                           f"any tensor-parallel degree or shape: {UNSERVABLE_TARGETS[never[0]]} (glmq validate would "
                           f"fail the whole conversion). Remove it from targets (it then stays BF16, listed in the "
@@ -137,11 +141,17 @@ def load(name_or_path: str) -> Recipe:
     if not (p.suffix in (".yaml", ".yml") and p.exists()):
         p = RECIPE_DIR / f"{name_or_path}.yaml"
     if not p.exists():
-        raise RecipeError(f"recipe {name_or_path!r}: no such file and not a shipped recipe ({', '.join(available())})")
+        shipped = ", ".join(available())
+        if Path(name_or_path).is_file():  # was "no such file" for a file that is there
+            raise RecipeError(f"recipe {name_or_path!r}: a recipe file's name must end in .yaml or .yml; rename it "
+                              f"(shipped recipes: {shipped})")
+        raise RecipeError(f"recipe {name_or_path!r}: no such file and not a shipped recipe ({shipped})")
     try:
         d = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
         raise RecipeError(f"{p}: not valid YAML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:  # a folder, a binary file: was a traceback / a message without the file
+        raise RecipeError(f"{p}: cannot read it as a recipe (a UTF-8 YAML file): {e}") from None
     if not isinstance(d, dict):
         raise RecipeError(f"{p}: a recipe is a mapping of keys to values")
     return from_dict(d, str(p))

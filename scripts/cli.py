@@ -46,9 +46,42 @@ def resolve_model(model: str) -> Path:
         raise click.BadParameter(f"unknown built-in model {name!r}; choose one of {sorted(builtins)}", param_hint="--model")
     path = DEFAULT_CACHE / f"{name}-fp8"
     if not (path / "config.json").exists():
+        import contextlib
+        import os
+        import shutil
+        import tempfile
+
         click.echo(f"generating the built-in {name} FP8 checkpoint ({builtins[name]} layout) in {path}", err=True)
-        fixtures.make_checkpoint(path, builtins[name], preset="tiny", source_format="fp8-block")
+        # Generated in a folder of this process's own and renamed into place whole: an interrupted generation
+        # leaves no half checkpoint that every later run refuses ("not empty"), and the ranks of `torchrun ...
+        # glmq quantize` (each resolves the default model) do not write into one folder at once.
+        DEFAULT_CACHE.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=DEFAULT_CACHE))
+        try:
+            fixtures.make_checkpoint(tmp / "ckpt", builtins[name], preset="tiny", source_format="fp8-block")
+            for _ in range(2):
+                with contextlib.suppress(OSError):  # the target exists: another rank's whole checkpoint, or a
+                    os.rename(tmp / "ckpt", path)   # half one that an interrupted generation left in place
+                if (path / "config.json").exists():
+                    break
+                with contextlib.suppress(OSError):  # the half one: moved aside (atomically), removed with tmp
+                    os.rename(path, tmp / "stale")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def default_output(source: Path, recipe: str) -> Path:
+    """`--output`'s default: `<source folder name without a -fp8 suffix>-<recipe>`, in the working directory.
+    The name is the absolute path's (`-m .` is the folder's own name, not "", which made "-int4-w4a16", a name
+    every later command reads as options), and the suffix is dropped in any case (the releases spell it -FP8).
+    Symbolic links are not followed: a link's own name is the one the user gave."""
+    import os
+
+    name = Path(os.path.abspath(source)).name
+    if name.lower().endswith("-fp8"):
+        name = name[: -len("-fp8")]
+    return Path(f"{name}-{recipe}")
 
 
 class DeviceUnavailable(click.ClickException):
@@ -83,16 +116,30 @@ def _plan(model: str, recipe: str, scheme: str | None, max_shard_size: str):
     from glmq.formats.source import open_source
     from glmq.quantize.plan import make_plan
 
-    rec = recipes.load(recipe).with_method(scheme)
-    return make_plan(open_source(resolve_model(model)), rec, parse_size(max_shard_size))
+    rec, shard_bytes = recipes.load(recipe).with_method(scheme), parse_size(max_shard_size)
+    return make_plan(open_source(resolve_model(model)), rec, shard_bytes)
 
 
 def parse_size(text: str) -> int:
+    """--max-shard-size: a number of bytes with an optional unit (B, KB, MB, GB, KiB, MiB, GiB; any case).
+
+    Raises:
+        ValueError naming the option and the accepted spellings (the CLI prints it as `error: ...`).
+    """
     t = text.strip().upper()
-    for suffix, mult in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
+    number, mult = t, 1
+    for suffix, m in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
         if t.endswith(suffix):
-            return int(float(t[: -len(suffix)]) * mult)
-    return int(t)
+            number, mult = t[: -len(suffix)], m
+            break
+    try:
+        n = int(float(number) * mult)
+    except (ValueError, OverflowError):  # "5G", "abc"; "inf"
+        n = None
+    if n is None or n <= 0:
+        raise ValueError(f"--max-shard-size {text!r}: expected a positive size such as 5GB, 500MB, 4GiB or a number "
+                         f"of bytes")
+    return n
 
 
 _common = [
@@ -123,7 +170,9 @@ def _skip_triton() -> None:
 
 @main.command()
 @common
-@click.option("--output", "-o", default=None, help="Output folder (default: <model name>-<recipe>). Resumes an interrupted run of the same job.")
+@click.option("--output", "-o", default=None,
+              help="Output folder (default: <model folder name without -FP8>-<recipe>, in the working directory). "
+                   "Resumes an interrupted run of the same job.")
 @click.option("--scheme", type=click.Choice(["rtn", "gptq"]), default=None, help="Override the recipe's method.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
@@ -151,6 +200,11 @@ def _skip_triton() -> None:
               help="GPTQ: the experts' all-token down-projection Hessians (the prior blended into every expert's, "
                    "and an under-covered expert's own) take the first N x I calibration tokens, I the experts' "
                    "intermediate size [default: 4; a large N takes every token].")
+@click.option("--experts-per-pass", default=None, type=click.IntRange(min=1),
+              help="GPTQ: routed experts whose Hessians are held at once; a layer's experts are calibrated in that "
+                   "many passes over its hidden states instead of one, for less memory (`glmq plan "
+                   "--experts-per-pass` predicts both) [default: all of a layer's at once]. On a CPU the output is "
+                   "the same bits.")
 @click.option("--true-sequential", is_flag=True,
               help="GPTQ: quantize each layer's Linears in the order its forward reaches them (attention inputs, "
                    "attention output, MLP gate/up, down), each stage calibrated on the layer with the earlier "
@@ -158,9 +212,10 @@ def _skip_triton() -> None:
 @click.option("--trust-remote-code", is_flag=True,
               help="GPTQ: run the tokenizer code in the model folder when its tokenizer is a custom class (Kimi K2's); "
                    "only for checkpoints you trust.")
-def quantize(model, recipe, max_shard_size, output, scheme, device, no_progress, json_out, calibration, samples,
-             seq_len, seed, activations, offload_activations, min_expert_tokens, all_token_limit, true_sequential,
-             trust_remote_code):
+@click.pass_context
+def quantize(ctx, model, recipe, max_shard_size, output, scheme, device, no_progress, json_out, calibration, samples,
+             seq_len, seed, activations, offload_activations, min_expert_tokens, experts_per_pass, all_token_limit,
+             true_sequential, trust_remote_code):
     """Convert a checkpoint, streaming one shard at a time (GPTQ: calibrated one decoder layer at a time)."""
     import os
 
@@ -179,15 +234,24 @@ def quantize(model, recipe, max_shard_size, output, scheme, device, no_progress,
 
     try:
         plan = _plan(model, recipe, scheme, max_shard_size)
-        out = Path(output) if output else Path(f"{plan.source.root.name.removesuffix('-fp8')}-{plan.recipe.name}")
-        if plan.recipe.spec.method.value == "gptq":
+        out = Path(output) if output else default_output(plan.source.root, plan.recipe.name)
+        method = plan.recipe.spec.method.value
+        how = f"--scheme {scheme}" if scheme else f"recipe {plan.recipe.name!r} (method: {method})"
+        given = [f"--{name.replace('_', '-')}" for name in GPTQ_ONLY
+                 if ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT)]
+        if method != "gptq" and given:  # they would be dropped without a word, and the output RTN's
+            raise click.UsageError(f"{', '.join(given)}: GPTQ option(s), but {how} is round-to-nearest; add "
+                                   f"--scheme gptq, or leave them out")
+        if method == "gptq":
             from glmq.calibration.engine import CalibrationSettings, run_gptq_from_text
 
             if not calibration:
-                raise click.UsageError("--scheme gptq needs --calibration FILE_OR_DATASET (text to calibrate on)")
+                raise click.UsageError(f"{how} needs --calibration FILE_OR_DATASET (text to calibrate on)")
             extra = {} if min_expert_tokens is None else {"min_expert_tokens": min_expert_tokens}
             if all_token_limit is not None:
                 extra["all_token_limit"] = all_token_limit
+            if experts_per_pass is not None:
+                extra["experts_per_pass"] = experts_per_pass
             if offload_activations and activations != "disk":
                 raise click.UsageError("--offload-activations DIR needs --activations disk (the default)")
             settings = CalibrationSettings(calibration=calibration, samples=samples, seq_len=seq_len, seed=seed,
@@ -225,6 +289,12 @@ def quantize(model, recipe, max_shard_size, output, scheme, device, no_progress,
         Path(json_out).write_text(json.dumps(report, indent=1) + "\n")
 
 
+# `glmq quantize` options that only GPTQ reads (their parameter names), refused with RTN: a user who gives one means
+# GPTQ. --trust-remote-code is left out: harmless with RTN, and passed out of habit for models with custom code.
+GPTQ_ONLY = ("calibration", "samples", "seq_len", "seed", "activations", "offload_activations", "min_expert_tokens",
+             "experts_per_pass", "all_token_limit", "true_sequential")
+
+
 def _print_summary(rep: dict, out: Path) -> None:
     click.echo(f"\nwrote {out}  ({rep['files']} shards, {rep['files_skipped_resumed']} resumed)")
     click.echo(f"{'class:action':32s} {'tensors':>8s} {'in':>10s} {'out':>10s}")
@@ -243,7 +313,8 @@ def _print_summary(rep: dict, out: Path) -> None:
 @click.option("--seq-len", default=256, show_default=True, type=click.IntRange(min=1), help="GPTQ: tokens per calibration sequence.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True, help="GPTQ: compute dtype.")
 @click.option("--experts-per-pass", default=32, show_default=True, type=click.IntRange(min=1),
-              help="GPTQ: the bounded Hessian variant shown next to 'all experts at once'.")
+              help="GPTQ: the `glmq quantize --experts-per-pass` whose bounded Hessians are shown next to 'all "
+                   "experts at once' (quantize's default).")
 @click.option("--throughput", multiple=True, metavar="KEY=VALUE",
               help="Override a measured figure of glmq/quantize/estimate.py FIGURES, e.g. gptq_cuda_s_per_column=0.002.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_out_file,

@@ -144,8 +144,12 @@ def gate(folder: Path, o: UploadOptions) -> dict:
     click.echo(v.format_report(rep), err=True)
     failed = sorted(k for k, c in rep.checks.items() if c.status is v.Status.FAIL)
     if not rep.valid and not o.allow_invalid:
+        # the serving rules depend on --tp (default 8; `glmq validate`'s is 1): a checkpoint that passes
+        # `glmq validate` may fail here only because it cannot be served at this degree
+        tp = ("If you serve it at another tensor-parallel degree, pass that as --tp N (the card's serve commands "
+              "use it); otherwise fix" if "serving" in failed else "Fix")
         raise UploadError(f"{folder} did not pass glmq validate (failed checks: {', '.join(failed)}; at --tp {o.tp}); "
-                          f"nothing was uploaded. Fix the checkpoint, or pass --allow-invalid to upload it with a "
+                          f"nothing was uploaded. {tp} the checkpoint, or pass --allow-invalid to upload it with a "
                           f"warning in its model card", 1)
     if not rep.valid:
         _loud(f"uploading {folder} although it did not pass glmq validate (failed checks: {', '.join(failed)}); "
@@ -339,7 +343,9 @@ def upload(o: UploadOptions) -> None:
 @click.option("--revision", default=None, metavar="BRANCH",
               help="Branch to upload to, created if missing [default: main].")
 @click.option("--base-model", default=None, metavar="ORG/NAME",
-              help="Base model for the card's metadata [default: from config.json _name_or_path or the source path].")
+              help="Base model for the card's metadata [default: config.json's _name_or_path when it is an "
+                   "ORG/NAME id, or ORG/NAME of a source in the Hugging Face cache (models--ORG--NAME); a local "
+                   "source folder's name is not guessed from].")
 @click.option("--license", "license_", default=None, help="License id for the card's metadata (e.g. mit, apache-2.0).")
 @click.option("--tp", type=click.IntRange(min=1), default=8, show_default=True,
               help="Tensor-parallel degree: the serving rules are validated at it and the serve commands use it.")

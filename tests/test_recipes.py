@@ -142,3 +142,38 @@ def test_router_and_indexer_targets_are_refused_at_load(tmp_path, cls, leaf):
 def test_classes_servable_under_some_shapes_still_load(tmp_path, cls):
     # lm_head, eh_proj (mtp_proj), attention, ...: the serving check only applies shape rules to them
     assert [t.value for t in recipes.load(str(write(tmp_path, targets=[cls]))).targets] == [cls]
+
+
+@pytest.mark.parametrize("targets", ["routed_expert", [], ["experts"]])
+def test_target_errors_offer_only_classes_a_recipe_may_name(tmp_path, targets):
+    """The list of choices in a targets error held router and indexer, which the loader then refuses."""
+    with pytest.raises(recipes.RecipeError) as e:
+        recipes.load(str(write(tmp_path, targets=targets)))
+    msg = str(e.value)
+    assert "'routed_expert'" in msg and "'shared_expert'" in msg, msg
+    assert "'router'" not in msg and "'indexer'" not in msg, msg
+
+
+# ----------------------------------------------------------------------------------------- files
+def test_recipe_file_without_a_yaml_suffix_is_named_as_such_not_as_missing(tmp_path):
+    p = tmp_path / "mine.json"
+    p.write_text(yaml.safe_dump(BASE))
+    with pytest.raises(recipes.RecipeError, match=r"must end in \.yaml or \.yml; rename it") as e:
+        recipes.load(str(p))
+    assert "no such file" not in str(e.value)
+    with pytest.raises(recipes.RecipeError, match="no such file and not a shipped recipe"):
+        recipes.load(str(tmp_path / "absent.yaml"))
+
+
+def test_unreadable_recipe_file_is_a_recipe_error_naming_it(tmp_path):
+    """A folder named *.yaml was a traceback (IsADirectoryError), a binary file an error without the file's name."""
+    from glmq.scripts.cli import main
+
+    folder, binary = tmp_path / "d.yaml", tmp_path / "b.yaml"
+    folder.mkdir()
+    binary.write_bytes(b"\xff\xfe\x00")
+    for p in (folder, binary):
+        with pytest.raises(recipes.RecipeError, match=f"{p}: cannot read it as a recipe"):
+            recipes.load(str(p))
+        r = CliRunner().invoke(main, ["plan", "-m", str(tmp_path / "no-model"), "-r", str(p)])
+        assert r.exit_code == 1 and f"error: {p}: cannot read it" in r.output, (r.output, r.exception)

@@ -120,6 +120,23 @@ def test_card_body_quantization_sizes_and_serve_commands(written):
     assert f"--tensor-parallel-size 8 --revision int4-g128" in rev and f"--tp 8 --revision int4-g128" in rev
 
 
+def test_card_of_a_keep_fp8_checkpoint_says_mixed_precision_and_fp8_activations(written):
+    """keep_fp8 writes a `mixed-precision` config whose FP8 block group runs with dynamic FP8 activations: the card
+    said "Weight-only ... `pack-quantized` format (INT weights, BF16 activations)" for it too."""
+    config = json.loads((written / "config.json").read_text())
+    qc = config["quantization_config"]
+    qc["format"] = "mixed-precision"
+    qc["config_groups"]["group_1"] = {
+        "targets": ["re:^model\\.layers\\.0\\.mlp\\.down_proj$"], "format": "float-quantized",
+        "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block", "block_structure": [128, 128]},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128, "dynamic": True}}
+    text = str(mc.build_card(card_inputs(written, config=config)))
+    assert "Weight-only" not in text and "`pack-quantized` format" not in text and "activations stay BF16" not in text
+    assert "in the compressed-tensors `mixed-precision` format" in text and "dynamic FP8 activations" in text
+    plain = str(mc.build_card(card_inputs(written)))  # the INT-only checkpoint keeps its wording
+    assert "Weight-only quantization of" in plain and "`pack-quantized` format (INT weights, BF16 activations)" in plain
+
+
 def test_eval_table_appears_iff_an_eval_report_is_given(written):
     without = str(mc.build_card(card_inputs(written)))
     with_eval = str(mc.build_card(card_inputs(written, eval_result=EVAL)))
@@ -206,6 +223,7 @@ def test_card_command_tables_match_the_cli_and_calibration_settings():
     """Every `glmq quantize` option is either in the card's command or known not to change the output."""
     import dataclasses
 
+    from glmq.calibration import engine
     from glmq.calibration.engine import CalibrationSettings
     from glmq.scripts.cli import parse_size, quantize
 
@@ -222,7 +240,9 @@ def test_card_command_tables_match_the_cli_and_calibration_settings():
     in_card = {"max_shard_size", "calibration", "true_sequential", "device"} | {
         f.lstrip("-").replace("-", "_") for _, f, _ in mc.GPTQ_OPTIONS}
     placeholders_or_no_bit = {"model", "recipe", "output", "scheme", "no_progress", "json_out", "activations",
-                              "offload_activations", "trust_remote_code"}  # --scheme: the recipe file carries the method
+                              "offload_activations", "experts_per_pass",  # --scheme: the recipe file carries the method
+                              "trust_remote_code"}
+    assert set(engine.NOT_IDENTITY) <= placeholders_or_no_bit
     assert set(cli) == in_card | placeholders_or_no_bit, set(cli) ^ (in_card | placeholders_or_no_bit)
 
 
@@ -232,6 +252,7 @@ def test_gate_refuses_a_corrupt_checkpoint_without_calling_the_hub(ckpt, hub):
     r = run(str(ckpt), "--repo-id", REPO, "--tp", "1")
     assert r.exit_code == 1, r.output
     assert "did not pass glmq validate (failed checks: integrity" in r.output and "--allow-invalid" in r.output
+    assert "--tp N" not in r.output  # a damaged checkpoint is not fixed by another tensor-parallel degree
     assert shard in r.output and f"{EXPERT}.weight_packed" in r.output  # validate's table names the damage
     assert hub == [] and not (ckpt / "README.md").exists()
 
@@ -239,6 +260,8 @@ def test_gate_refuses_a_corrupt_checkpoint_without_calling_the_hub(ckpt, hub):
 def test_gate_checks_serving_at_the_tp_of_the_serve_commands(ckpt, hub):
     r = run(str(ckpt), "--repo-id", REPO)  # default --tp 8: the tiny experts (128 rows) do not split 8 ways
     assert r.exit_code == 1 and "failed checks: serving" in r.output and "--tp 8" in r.output
+    # the fix a serving failure needs most often (`glmq validate` passed at its default --tp 1) is named
+    assert "pass that as --tp N" in r.output.splitlines()[-1], r.output[-600:]
     assert hub == []
 
 
