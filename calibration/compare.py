@@ -33,10 +33,16 @@ def _config(checkpoint: str | Path) -> dict:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from e
 
 
-def check_same_model(source: str | Path, quantized: list[str | Path]) -> None:
+def check_same_model(source: str | Path, quantized: list[str | Path], seq_len: int | None = None) -> None:
     """Every checkpoint has a config.json, and each quantized one is of the source's model (SAME_MODEL_KEYS);
-    checked before anything is loaded. Raises CheckpointError naming the checkpoint and the keys that differ."""
+    checked before anything is loaded. Raises CheckpointError naming the checkpoint and the keys that differ, and
+    ValueError for windows longer than the model's `max_position_embeddings` (positions it was never trained on
+    or served at: the perplexity would be meaningless, as GPTQ's calibration refuses them too)."""
     src = _config(source)
+    limit = src.get("max_position_embeddings")
+    if seq_len is not None and limit and seq_len > limit:
+        raise ValueError(f"{source}: --seq-len {seq_len} is longer than the model's max_position_embeddings "
+                         f"({limit}); use --seq-len {limit} or less")
     for q in quantized:
         cfg = _config(q)
         diff = [f"{k} {cfg.get(k)!r} (source: {src.get(k)!r})" for k in SAME_MODEL_KEYS if cfg.get(k) != src.get(k)]
@@ -79,7 +85,7 @@ def compare(source: str | Path, quantized: list[str | Path], text: str | Path, s
         {"text", "seq_len", "windows", "models": [{"checkpoint", "perplexity", "kl_to_source",
         "layer_rel_error": [per decoder layer] | None}]}; the source row has KL 0 and no layer error.
     """
-    check_same_model(source, quantized)
+    check_same_model(source, quantized, seq_len)
     ids = token_windows(source, text, seq_len, windows, trust_remote_code)
     lp_src, ref = forward(load_model(source, dtype), ids)
     rows = [{"checkpoint": str(source), "perplexity": perplexity(lp_src, ids), "kl_to_source": 0.0,

@@ -30,11 +30,15 @@ def load_model(checkpoint: str | Path, dtype: torch.dtype = torch.float32):
 
     from transformers import AutoModelForCausalLM
 
+    from glmq.formats.families import layer_index, mtp_layers
+
+    config = dense_config(checkpoint)
+    mtp = set(mtp_layers(config))  # transformers' model has no MTP layer: its tensors would be reported unexpected
     with tempfile.TemporaryDirectory(prefix="glmq-eval-") as tmp:
-        tensors = dict(iter_dense(checkpoint, dtype))
+        tensors = {k: t for k, t in iter_dense(checkpoint, dtype) if layer_index(k) not in mtp}
         save_file(tensors, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
         del tensors
-        (Path(tmp) / "config.json").write_text(json.dumps(dense_config(checkpoint)))
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
         try:
             model, info = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, output_loading_info=True)
         except RuntimeError as e:

@@ -175,3 +175,28 @@ def test_plot_folder_is_checked_before_the_work(glm4, tmp_path):
     src, _, text = glm4
     code, out, exc = _eval(src, "--text", text, "--plot", tmp_path / "nodir" / "layers.png")
     assert code == 2 and f"folder {tmp_path / 'nodir'} does not exist" in out, out
+
+
+def test_windows_longer_than_the_models_positions_are_refused(glm4):
+    """--seq-len past max_position_embeddings scored positions the model never saw (perplexity 196 on the shared
+    model, exit 0); GPTQ's calibration refuses them, and so does eval, before loading anything."""
+    src, rtn, text = glm4
+    limit = json.loads((src / "config.json").read_text())["max_position_embeddings"]
+    code, out, exc = _eval(src, rtn, "--text", text, "--seq-len", str(limit + 1), "--windows", "1")
+    assert exc is None and code == 1, out
+    assert f"--seq-len {limit + 1} is longer than the model's max_position_embeddings ({limit})" in out
+
+
+def test_the_mtp_layer_is_not_handed_to_transformers(glm4, capfd):
+    """transformers' model has no MTP layer: its tensors were loaded as unexpected keys, one warning line each."""
+    from glmq.formats.families import mtp_layers
+
+    src, rtn, _ = glm4
+    cfg = json.loads((src / "config.json").read_text())
+    (mtp,) = mtp_layers(cfg)
+    assert any(f"layers.{mtp}." in k for k in json.loads((rtn / INDEX_NAME).read_text())["weight_map"])
+    capfd.readouterr()
+    model = load_model(rtn)
+    err = capfd.readouterr().err
+    assert f"layers.{mtp}." not in err and "unexpected" not in err.lower(), err
+    assert len(model.model.layers) == cfg["num_hidden_layers"]
