@@ -405,6 +405,16 @@ def test_source_mismatch_fails(converted, make_ckpt):
     assert "lm_head.weight: stored unquantized but differs from the source" in msgs
 
 
+def test_a_quantized_checkpoint_as_source_cannot_validate(converted):
+    """`--source` pointing at a quantized output (the checkpoint itself, here) passed the source check against its
+    own rounding, VALID; it is not a checkpoint glmq converts from: exit 2, naming it."""
+    _, out = converted["glm5"]
+    with pytest.raises(v.CannotValidate, match=r"--source .*: not a checkpoint glmq converts from .*pack-quantized"):
+        v.validate(out, out)
+    res = CliRunner().invoke(main, ["validate", str(out), "--source", str(out)])
+    assert res.exit_code == 2 and "point it at the FP8 or BF16 checkpoint" in res.output
+
+
 def test_numerics_catch_a_wrong_kernel(damaged, monkeypatch):
     from glmq.kernels import reference
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sysconfig
 import threading
@@ -125,6 +126,17 @@ def _check_arguments(source, sample: float, device: str, tp: int) -> None:
         raise CannotValidate(missing)
     if source is not None and not (Path(source) / "config.json").is_file():
         raise CannotValidate(f"--source {source}: no config.json there; point it at the source checkpoint folder")
+    if source is not None:  # a format glmq converts from: a quantized output (even the checkpoint itself) passed
+        # the source check against its own rounding, which says nothing about the conversion
+        from glmq.formats.source import detect_format
+
+        path = Path(source) / "config.json"
+        try:
+            config = json.loads(path.read_text())
+            detect_format(config if isinstance(config, dict) else {}, path)
+        except ValueError as e:  # CheckpointError is one; so is invalid JSON
+            raise CannotValidate(f"--source {source}: not a checkpoint glmq converts from ({e}); point it at the "
+                                 f"FP8 or BF16 checkpoint the output was converted from") from e
 
 
 def _cores() -> int:
