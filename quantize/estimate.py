@@ -544,16 +544,18 @@ def _gptq_lines(g: dict, sc: dict, figures: dict[str, Figure], rtn: dict) -> lis
             ("integers of the layer's targets, int8 (host)", p["integers"]),
             (f"rebuild with the integers: dequantized + fused ({where})", p["rebuild"]),
             (f"Hessians, all {g['rank_experts']} experts of the rank at once ({where})", p["hessians"]),
-            (f"Hessians, experts_per_pass {epp} ({where})", q["hessians"]),
+            (f"Hessians, --experts-per-pass {epp} ({where})", q["hessians"]),
             ("GPTQ solve workspace, largest target (" + where + ")", p["solve"]),
             (f"one batch's forward workspace, estimate ({where})", p["workspace"]),
-            (f"hidden states [S, T, H] in memory (host)", p["hidden"]),
-            (f"hidden states offloaded: one batch in, one out (host)", q["hidden"])]
+            (f"hidden states [S, T, H] in memory, --activations memory (host)", p["hidden"]),
+            (f"hidden states on disk: one batch in, one out (host)", q["hidden"])]
     if p["carry"]:
         rows.append(("carried top-k indices, int32, in + out (host)", p["carry"]))
     lines += [f"  {label:62s} {_gb(n)}" for label, n in rows]
-    for key, label in (("all/memory", "all experts at once, hidden states in memory"),
-                       (f"{epp or 'all'}/disk", f"experts_per_pass {epp}, hidden states offloaded")):
+    # glmq quantize's defaults first (all of a layer's experts at once, --activations disk), then each option
+    for key, label in (("all/disk", "quantize's defaults (all experts at once, hidden states on disk)"),
+                       ("all/memory", "with --activations memory"),
+                       (f"{epp or 'all'}/disk", f"with --experts-per-pass {epp}")):
         m = v[key]
         lines.append(f"peak per rank, {label}: host {_gb(m['host']).strip()}"
                      + (f", GPU {_gb(m['device']).strip()}" if dev == "cuda" else ""))

@@ -308,7 +308,9 @@ def test_cli_prints_every_section(make_ckpt):
     for text in ("== predicted output", "routed_expert:quantize", "total", "== RTN on 2 rank(s)",
                  "output files split by bytes read + written", "peak RSS per rank",
                  "model check", "wall: ", "== GPTQ on 2 rank(s)", "largest decoder layer", "Hessians, all",
-                 "Hessians, experts_per_pass", "hidden states offloaded", "carried top-k", "peak per rank",
+                 "Hessians, --experts-per-pass", "hidden states on disk", "carried top-k",
+                 "peak per rank, quantize's defaults (all experts at once, hidden states on disk)",
+                 "peak per rank, with --activations memory", "peak per rank, with --experts-per-pass 32",
                  "measured part:", "wall: not measured yet; a lower bound", "gptq_cpu_forward_TFLOPs"):
         assert text in res.output, text
     res = CliRunner().invoke(main, ["plan", "-m", str(src / "config.json"), "--device", "cpu",
