@@ -14,6 +14,9 @@ from glmq import __version__
 BUILTIN_PREFIX = "builtin:"
 DEFAULT_MODEL = "builtin:glm5-tiny"
 DEFAULT_CACHE = Path(".glmq-cache")
+# The built-in models are servable at tp 1 under every shipped recipe: rope 64 gives the MLA's kv_a_proj_with_mqa
+# 128 + 64 = 192 rows (the tiny preset's 160 fails Marlin's 64-row rule under int4-w4a16-all-linear; GLM-5's is 576)
+BUILTIN_OVERRIDES = {"glm_moe_dsa": {"qk_rope_head_dim": 64}, "deepseek_v3": {"qk_rope_head_dim": 64}}
 
 
 def _out_file(ctx, param, value):
@@ -58,7 +61,8 @@ def resolve_model(model: str) -> Path:
         DEFAULT_CACHE.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=DEFAULT_CACHE))
         try:
-            fixtures.make_checkpoint(tmp / "ckpt", builtins[name], preset="tiny", source_format="fp8-block")
+            fixtures.make_checkpoint(tmp / "ckpt", builtins[name], preset="tiny", source_format="fp8-block",
+                                     config_overrides=BUILTIN_OVERRIDES.get(builtins[name]))
             for _ in range(2):
                 with contextlib.suppress(OSError):  # the target exists: another rank's whole checkpoint, or a
                     os.rename(tmp / "ckpt", path)   # half one that an interrupted generation left in place

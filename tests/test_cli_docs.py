@@ -199,3 +199,19 @@ def test_ranks_generating_the_builtin_at_once_share_the_first_whole_one(cache, m
     path = cli.resolve_model("builtin:glm4-tiny")
     assert (path / "other-rank").read_text() == "mine" and (path / "config.json").is_file()
     assert [p.name for p in cli.DEFAULT_CACHE.iterdir()] == [cache.name]
+
+
+@pytest.mark.parametrize("name", ["glm5-tiny", "deepseek-v3-tiny"])
+def test_builtin_mla_models_pass_validate_under_every_shipped_recipe(name, tmp_path, monkeypatch):
+    """The tiny preset's kv_a_proj_with_mqa has 160 rows, which no Marlin tile divides: `glmq quantize --recipe
+    int4-w4a16-all-linear` on the built-in model gave a checkpoint `glmq validate` called INVALID at tp 1."""
+    from glmq import recipes
+
+    monkeypatch.chdir(tmp_path)
+    for recipe in recipes.available():
+        out = tmp_path / recipe
+        r = CliRunner().invoke(main, ["quantize", "-m", f"builtin:{name}", "--recipe", recipe, "-o", str(out),
+                                      "--no-progress"])
+        assert r.exit_code == 0, r.output
+        r = CliRunner().invoke(main, ["validate", str(out)])
+        assert r.exit_code == 0, r.output
