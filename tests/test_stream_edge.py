@@ -7,7 +7,6 @@ import errno
 import json
 import shutil
 import struct
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,27 +15,12 @@ from safetensors.torch import load_file, save_file
 
 from glmq import recipes
 from glmq.formats import safetensors_io
-from glmq.formats.manifest import REPORT_NAME
 from glmq.formats.safetensors_io import OutSpec, StreamingWriter
 from glmq.formats.source import INDEX_NAME, open_source
 from glmq.quantize import stream
 from glmq.quantize.output import FileBook, OutputDirError
 from glmq.quantize.plan import make_plan
-
-SHARD = 300_000
-
-
-def _files(root: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(root.iterdir()) if p.name != REPORT_NAME}
-
-
-@pytest.fixture(scope="module")
-def reference(make_ckpt, tmp_path_factory):
-    src = make_ckpt("glm_moe_dsa", "fp8-block")
-    plan = make_plan(open_source(src), recipes.load("int4-w4a16"), SHARD)
-    ref = tmp_path_factory.mktemp("edge-ref") / "ref"
-    stream.run(plan, ref, progress=False)
-    return plan, ref
+from test_distributed import SHARD, _files, reference  # noqa: F401  (reference: a fixture)
 
 
 def test_a_zero_dim_tensor_is_written(make_ckpt, tmp_path):
@@ -69,7 +53,7 @@ def test_a_zero_dim_tensor_is_written(make_ckpt, tmp_path):
 def test_resume_redoes_a_shard_whose_header_was_edited(reference, tmp_path):
     """The tensor checksums cover the data only: a finished shard whose header was edited (lm_head's shape
     transposed, same bytes) was kept by a resume, and the checkpoint served a [256, 512] lm_head."""
-    plan, ref = reference
+    _, plan, ref = reference
     out = tmp_path / "out"
     shutil.copytree(ref, out)
     victim = out / plan.files[0].name
@@ -90,7 +74,7 @@ def test_resume_redoes_a_shard_whose_header_was_edited(reference, tmp_path):
 def test_a_repair_that_dies_leaves_no_config_json(reference, tmp_path, monkeypatch):
     """Re-running the command on a finished folder with a corrupt shard deletes that shard to convert it again: a
     run that died then left config.json and the index beside a missing shard, a checkpoint that looked finished."""
-    plan, ref = reference
+    _, plan, ref = reference
     out = tmp_path / "out"
     shutil.copytree(ref, out)
     victim = out / plan.files[2].name
@@ -115,7 +99,7 @@ def test_a_repair_that_dies_leaves_no_config_json(reference, tmp_path, monkeypat
 def test_a_full_disk_names_the_file_and_resumes(reference, tmp_path, monkeypatch):
     """A write that fails (ENOSPC) is an OutputDirError naming the file (the CLI prints one line), not a bare OSError
     traceback; the rerun resumes to the same bytes."""
-    plan, ref = reference
+    _, plan, ref = reference
     out = tmp_path / "out"
     orig, calls = safetensors_io.StreamingWriter.write, [0]
 
@@ -138,7 +122,7 @@ def test_a_full_disk_names_the_file_and_resumes(reference, tmp_path, monkeypatch
 def test_no_config_json_when_a_recorded_file_is_not_in_the_folder(reference, tmp_path, monkeypatch):
     """What a run over several nodes without a shared --output folder does (the other ranks' files land in their own
     folders, their records reach rank 0): rank 0 wrote the index and config.json over missing shards, exit 0."""
-    plan, ref = reference
+    _, plan, ref = reference
     out = tmp_path / "out"
     elsewhere = plan.files[3].name
     orig = FileBook.record
