@@ -315,7 +315,9 @@ def _print_summary(rep: dict, out: Path) -> None:
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--samples", default=128, show_default=True, type=click.IntRange(min=1), help="GPTQ: calibration sequences.")
 @click.option("--seq-len", default=256, show_default=True, type=click.IntRange(min=1), help="GPTQ: tokens per calibration sequence.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True, help="GPTQ: compute dtype.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="GPTQ: compute dtype. `glmq quantize` computes in float32; bfloat16 is the Python API's "
+                   "CalibrationSettings(dtype='bfloat16').")
 @click.option("--experts-per-pass", default=32, show_default=True, type=click.IntRange(min=1),
               help="GPTQ: the `glmq quantize --experts-per-pass` whose bounded Hessians are shown next to 'all "
                    "experts at once' (quantize's default).")
