@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from compressed_tensors import __version__ as CT_VERSION
 from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
-from compressed_tensors.utils.match import match_name
 
+import functools
 import json
+import re
 import sys
 
-from glmq.formats.families import ignore_list  # noqa: F401  (re-exported: the ignore list is part of the config)
+from glmq.formats.families import IGNORE_PATTERNS, TensorClass, ignore_list  # noqa: F401  (ignore_list re-exported)
 from glmq.quantize.spec import QuantSpec
 
 # QuantizationArgs keys present in every compressed-tensors release from 0.9 to 0.20
@@ -24,6 +25,10 @@ _ARGS_KEYS = ("num_bits", "type", "symmetric", "group_size", "strategy", "block_
 _SCHEME_KEYS = ("targets", "weights", "input_activations", "output_activations", "format")
 _TOP_KEYS = ("config_groups", "quant_method", "kv_cache_scheme", "format", "quantization_status",
              "global_compression_ratio", "ignore")
+# group_0's target naming the routed experts in a mixed-precision config: transformers (get_experts_scheme) takes the
+# first group with a `re:` target containing "experts" as the fused experts' scheme, and the FP8 group's exact
+# targets name `mlp.shared_experts.*`; without this, transformers looked for FP8 `.weight`s of INT4 experts.
+_EXPERTS_TARGET = IGNORE_PATTERNS[TensorClass.ROUTED_EXPERT][0]
 
 
 def quantization_args(spec: QuantSpec) -> QuantizationArgs:
@@ -54,7 +59,8 @@ def _strip_scheme(d: dict) -> dict:
     return out
 
 
-def build_config(spec: QuantSpec, ignore: list[str], keep_fp8_targets: list[str] | None = None) -> dict:
+def build_config(spec: QuantSpec, ignore: list[str], keep_fp8_targets: list[str] | None = None,
+                 int_targets: list[str] | None = None) -> dict:
     """The `quantization_config` dict for config.json.
 
     Args:
@@ -63,8 +69,10 @@ def build_config(spec: QuantSpec, ignore: list[str], keep_fp8_targets: list[str]
         ignore: anchored `re:` patterns / exact names of unquantized Linear modules.
         keep_fp8_targets: module regexes kept in FP8-block form (group_1, float-quantized); the
             top-level format then becomes "mixed-precision".
+        int_targets: group_0's targets after "Linear" (modules it holds, named for loaders that look a scheme up
+            by name; `config_from_request`).
     """
-    groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=quantization_args(spec),
+    groups = {"group_0": QuantizationScheme(targets=["Linear", *(int_targets or [])], weights=quantization_args(spec),
                                             format="pack-quantized")}
     if keep_fp8_targets:
         groups["group_1"] = _fp8_block_scheme(keep_fp8_targets)
@@ -81,8 +89,20 @@ def build_config(spec: QuantSpec, ignore: list[str], keep_fp8_targets: list[str]
 
 
 def is_ignored(module: str, ignore: list[str]) -> bool:
-    """Whether a module matches an ignore entry, by compressed-tensors' own matcher (as loaders do)."""
-    return any(match_name(module, pat) for pat in ignore)
+    """Whether a module matches an ignore entry, as compressed-tensors' `match_name` (and the loaders) match: an
+    exact name, or `re:` + a regex matched at the start (`re.match`).
+
+    The regexes are compiled once per list: `match_name` hands each to `re.match`, whose cache holds 512 patterns,
+    so a list longer than that (a GLM-5 keep_fp8 config's ~550 exact FP8 targets) recompiled every pattern for
+    every module, 15 minutes and more for a GLM-5 plan, past ConfigJob's 10-minute wait (and in `glmq validate`)."""
+    exact, regexes = _compiled(tuple(ignore))
+    return module in exact or any(r.match(module) for r in regexes)
+
+
+@functools.lru_cache(maxsize=1024)
+def _compiled(patterns: tuple[str, ...]) -> tuple[frozenset[str], tuple[re.Pattern[str], ...]]:
+    return (frozenset(p for p in patterns if not p.startswith("re:")),
+            tuple(re.compile(p.removeprefix("re:")) for p in patterns if p.startswith("re:")))
 
 
 def config_from_request(req: dict) -> dict:
@@ -103,7 +123,10 @@ def config_from_request(req: dict) -> dict:
         if got != want:
             raise ValueError(f"internal: the config disagrees with the plan for {module} ({action}): "
                              f"ignored={got[0]}, kept FP8={got[1]}")
-    return build_config(spec, ignore, keep or None)
+    # routed experts all INT4 (the ignored aside) beside an FP8 group: group_0 names them (_EXPERTS_TARGET)
+    experts = {a for m, a in req["modules"].items() if is_ignored(m, [_EXPERTS_TARGET]) and not is_ignored(m, ignore)}
+    int_targets = [_EXPERTS_TARGET] if keep and experts == {"quantize"} else []
+    return build_config(spec, ignore, keep or None, int_targets)
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ conversion. This module imports nothing heavy, so that the CLI can call `prestar
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import subprocess
 import sys
 
@@ -30,10 +31,30 @@ def prestart(own_session: bool = False) -> None:
         atexit.register(kill, proc)
 
 
+class ConfigChildError(ValueError):
+    """The child cannot build the config: raised when the run starts, not after the conversion it would end."""
+
+
 def take(own_session: bool = False) -> subprocess.Popen:
-    """The prestarted child (if started with the same session choice), else a fresh one."""
-    if _STARTED and _STARTED[0][1] == own_session and _STARTED[0][0].poll() is None:
-        return _STARTED.pop()[0]
+    """The prestarted child (if started with the same session choice), else a fresh one.
+
+    Raises:
+        ConfigChildError: compressed-tensors is not installed, or the prestarted child already failed (its import
+            did: a fresh child's would too). The child reads its request only after the conversion, so without this
+            check the whole conversion (or, with GPTQ, the writer after the calibration) ran before the error.
+    """
+    if _STARTED and _STARTED[0][1] == own_session:
+        proc = _STARTED.pop()[0]
+        if proc.poll() is None:
+            return proc
+        if proc.returncode > 0:  # killed by a signal (< 0): a fresh one may do; an error exit is the import's
+            err = proc.stderr.read() if proc.stderr else ""
+            raise ConfigChildError(f"the child building the compressed-tensors config (python -m "
+                                   f"glmq.formats.compressed_tensors) failed at start-up, exit code {proc.returncode}; "
+                                   f"fix the installation and run again:\n{err[-3000:]}")
+    if importlib.util.find_spec("compressed_tensors") is None:
+        raise ConfigChildError("compressed-tensors is not installed; glmq writes the output's quantization_config "
+                               "with it: pip install 'compressed-tensors>=0.12,<0.21'")
     return spawn(own_session)
 
 

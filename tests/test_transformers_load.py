@@ -58,3 +58,39 @@ def _expert_weight_error(src, out) -> float:
     num = sum(((a[k] - b[k]) ** 2).sum() for k in a)
     den = sum((a[k] ** 2).sum() for k in a)
     return (num / den).sqrt().item()
+
+
+def test_transformers_loads_keep_fp8_int4_experts_beside_fp8_shared_experts(make_ckpt, tmp_path):
+    """keep_fp8 (mixed-precision): transformers takes the first config group with a `re:` target containing "experts"
+    as the fused experts' scheme (integrations/compressed_tensors.get_experts_scheme). The FP8 group's exact targets
+    name `mlp.shared_experts.*`, so it took FP8 for the INT4 routed experts, found no `.weight` for them and refused
+    the checkpoint ("Concatenate on tensors destined for ...experts.gate_up_proj. Ckpt contains: 0")."""
+    import dataclasses
+    import json
+
+    from glmq.formats.dense import iter_dense
+
+    src = make_ckpt("glm4_moe", "fp8-block")
+    out = tmp_path / "mixed"
+    stream.run(make_plan(open_source(src), dataclasses.replace(recipes.load("int4-w4a16"), keep_fp8=True)), out,
+               progress=False)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "mixed-precision"
+    assert any("shared_experts" in t for t in qc["config_groups"]["group_1"]["targets"])
+
+    quant = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    cfg = quant.config
+    ours = dict(iter_dense(out, torch.float32))
+    inter = cfg.moe_intermediate_size
+    for i in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
+        experts = quant.model.layers[i].mlp.experts
+        for e in range(cfg.n_routed_experts):
+            p = f"model.layers.{i}.mlp.experts.{e}"
+            assert torch.equal(experts.gate_up_proj[e][:inter], ours[f"{p}.gate_proj.weight"])
+            assert torch.equal(experts.gate_up_proj[e][inter:], ours[f"{p}.up_proj.weight"])
+            assert torch.equal(experts.down_proj[e], ours[f"{p}.down_proj.weight"])
+    shared = quant.model.layers[1].mlp.shared_experts.up_proj  # kept FP8: the stored bytes and block scales
+    assert shared.weight.dtype == torch.float8_e4m3fn and shared.quantization_scheme.weights.strategy == "block"
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.isfinite(quant(ids).logits).all()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from glmq.quantize.validate.report import CheckResult
@@ -59,7 +60,22 @@ def read_quant_config(config: dict | None, error: str | None) -> QuantConfig:
     if not (isinstance(ignore, list) and all(isinstance(p, str) for p in ignore)):
         problems.append("quantization_config.ignore is not a list of strings")
         ignore = []
+    ignore = _valid_patterns(ignore, f"{_WHERE}.ignore", problems)
     return QuantConfig(qc, groups, ignore, problems)
+
+
+def _valid_patterns(patterns: list[str], where: str, problems: list[str]) -> list[str]:
+    """`patterns` without the `re:` entries that do not compile, each reported (vLLM and compressed-tensors
+    `re.match` them at load and stop with re.error; matching them here raised it as a traceback)."""
+    out = []
+    for p in patterns:
+        try:
+            if p.startswith("re:"):
+                re.compile(p.removeprefix("re:"))
+            out.append(p)
+        except re.error as e:
+            problems.append(f"{where} entry {p!r} is not a valid regex ({e}); loaders stop at it: fix config.json")
+    return out
 
 
 def check_config(q: QuantConfig) -> CheckResult:
@@ -117,7 +133,7 @@ def _parse_groups(groups: dict, top_format: str | None, problems: list[str]) -> 
         if not (isinstance(raw_targets, list) and all(isinstance(t, str) for t in raw_targets)):
             problems.append(f"{where}.targets is {raw_targets!r:.60}, not a list of strings; fix config.json")
             continue
-        targets = tuple(raw_targets)
+        targets = tuple(_valid_patterns(raw_targets, f"{where}.targets", problems))
         if w.get("type") == "float" and fmt == "float-quantized":
             bs, bits = w.get("block_structure"), w.get("num_bits", 8)
             if not (bs is None or (isinstance(bs, list) and len(bs) == 2 and all(type(b) is int and b > 0 for b in bs))
