@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import shutil
+import subprocess
 import threading
 from collections import defaultdict
 from pathlib import Path
@@ -208,6 +209,9 @@ def config_request(plan: Plan) -> dict:
     return {"spec": spec, "ignore": ignore, "keep": keep, "modules": modules}
 
 
+CONFIG_TIMEOUT_S = 600  # a GLM-5 keep_fp8 config takes ~5 s; the child's import ~10 s on a busy machine
+
+
 class ConfigJob:
     """Builds the quantization_config in a child process while the conversion runs (see
     `glmq.quantize.config_child` for why, and for the child the CLI starts before anything else)."""
@@ -220,9 +224,24 @@ class ConfigJob:
         self.request = json.dumps(config_request(plan))
 
     def result(self) -> dict:
-        out, err = self.proc.communicate(self.request, timeout=600)
-        if self.proc.returncode != 0:
-            raise RuntimeError(f"building the compressed-tensors config failed:\n{err[-3000:]}")
+        """The config the child built.
+
+        Raises:
+            ConfigChildError (a ValueError: the CLI prints it on one line): the child failed, was killed or did not
+                answer in CONFIG_TIMEOUT_S. The converted files are recorded by then, so the same command resumes.
+        """
+        again = "; the converted files are kept: run the same command again to write the config (it resumes)"
+        try:
+            out, err = self.proc.communicate(self.request, timeout=CONFIG_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            config_child.kill(self.proc)
+            raise config_child.ConfigChildError(f"the child building the compressed-tensors config did not answer in "
+                                                f"{CONFIG_TIMEOUT_S} s{again}") from None
+        code = self.proc.returncode
+        if code != 0:
+            how = f"was killed by signal {-code}" if code < 0 else f"failed (exit code {code})"
+            raise config_child.ConfigChildError(f"the child building the compressed-tensors config {how}{again}"
+                                                + (f":\n{err[-3000:]}" if err else ""))
         return json.loads(out)
 
     def cancel(self) -> None:
