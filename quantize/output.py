@@ -173,7 +173,7 @@ def _exact(module: str) -> str:
 
 
 def _member_patterns(names: set[str], every: set[str]) -> list[str]:
-    """Ignore entries matching exactly `names` among `every` module: one `re:^model\\.layers\\.\\d+\\.<path>$` for a
+    """Ignore (or target) entries matching exactly `names` among `every` module: one `re:^model\\.layers\\.\\d+\\.<path>$` for a
     path whose modules in all layers are in `names` (e.g. every `self_attn.q_a_proj`), else the modules one by one."""
     def path(m: str) -> str:
         return re.sub(r"^model\.layers\.\d+\.", "", m)
@@ -203,7 +203,9 @@ def config_request(plan: Plan) -> dict:
     ignore = ignore_list(unquantized - kept_classes) + _member_patterns(
         {m for m, a in actions.items() if classes[m] in kept_classes and a not in (Action.QUANTIZE, Action.KEEP_FP8)},
         set(actions))
-    keep = sorted(_exact(m) for m, a in actions.items() if a is Action.KEEP_FP8)
+    # per path across the layers where it can (GLM-5: ~10 entries, not ~550 exact names, which loaders match one by
+    # one against every module with `re.match`, past its 512-pattern cache)
+    keep = _member_patterns({m for m, a in actions.items() if a is Action.KEEP_FP8}, set(actions))
     spec = {k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(plan.recipe.spec).items()}
     modules = {m: a.value for m, a in actions.items()}
     return {"spec": spec, "ignore": ignore, "keep": keep, "modules": modules}
