@@ -1,5 +1,9 @@
 """The output's quantization_config at its edges: long keep_fp8 target lists, the group transformers reads the experts'
-scheme from, invalid `re:` patterns in validate, and the config child that cannot start."""
+scheme from, invalid `re:` patterns in validate, and the config child that cannot start.
+
+(Its name sorts after the Triton test modules on purpose: it imports compressed-tensors at collection, which imports
+triton; collected before them, they could not set TRITON_INTERPRET=1 in this process and reran in a subprocess,
+conftest.triton_interpreter_guard.)"""
 
 from __future__ import annotations
 
