@@ -204,7 +204,10 @@ def run_gptq(plan: Plan, out: str | Path, tokens: torch.Tensor, settings: Calibr
     lead = world is None or world.is_lead
     man = prepare_output(plan, out, world)  # the manifest first: then the cache may live inside `out`
     cache = out / cc.CACHE_DIR
-    identity = {"plan": plan_identity(plan), "settings": settings.identity(),
+    # the calibration spec itself is left out: the tokens' digest is what it contributes, and `./c.txt` after
+    # `c.txt` (or the file moved) refused the resume of the very same run
+    identity = {"plan": plan_identity(plan),
+                "settings": {k: v for k, v in settings.identity().items() if k != "calibration"},
                 "tokens_sha256": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(), "tokens_shape": list(tokens.shape)}
     if world is None:
         cc.check_identity(cache, identity)

@@ -396,6 +396,9 @@ def test_rerun_of_a_finished_job_and_foreign_folders(glm4, tmp_path, monkeypatch
     again = run_gptq(gptq_plan(src), out, calib_ids(), settings(), progress=False)
     assert again["files_skipped_resumed"] == again["files"] and "calibration not re-run" in again["gptq"]["note"]
     assert _files(out) == _files(gptq)
+    # the same tokens from a calibration spec spelled otherwise (`./c.txt` after `c.txt`) are the same run
+    again = run_gptq(gptq_plan(src), out, calib_ids(), settings(calibration="./elsewhere/calib.txt"), progress=False)
+    assert "calibration not re-run" in again["gptq"]["note"] and _files(out) == _files(gptq)
     with pytest.raises(CalibrationCacheError, match="differs in: settings"):
         run_gptq(gptq_plan(src), out, calib_ids(), settings(seed=1), progress=False)
     with pytest.raises(CalibrationCacheError, match="tokens_sha256"):
