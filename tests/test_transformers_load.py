@@ -30,15 +30,7 @@ def test_transformers_loads_int4_glm4_and_logits_stay_close(make_ckpt, tmp_path)
     #    forms q * scale in float32, which is exact; glmq's bf16 product is that value rounded to bf16.)
     from glmq.formats.dense import iter_dense
 
-    ours = dict(iter_dense(out, torch.bfloat16))
-    inter = cfg.moe_intermediate_size
-    for i in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
-        experts = quant.model.layers[i].mlp.experts
-        for e in range(cfg.n_routed_experts):
-            p = f"model.layers.{i}.mlp.experts.{e}"
-            assert torch.equal(experts.gate_up_proj[e][:inter].to(torch.bfloat16), ours[f"{p}.gate_proj.weight"])
-            assert torch.equal(experts.gate_up_proj[e][inter:].to(torch.bfloat16), ours[f"{p}.up_proj.weight"])
-            assert torch.equal(experts.down_proj[e].to(torch.bfloat16), ours[f"{p}.down_proj.weight"])
+    _assert_experts_are(quant, dict(iter_dense(out, torch.bfloat16)))
     # 2. Bound against the FP8 source. Only the routed experts changed; their relative RMS weight error
     #    is measured below (about 10 % for INT4 g128 on Gaussian weights: step = absmax/7.5 ~ 0.35 sigma,
     #    RMS error = step/sqrt(12)). Errors of independent weights add in quadrature through a forward
@@ -48,6 +40,21 @@ def test_transformers_loads_int4_glm4_and_logits_stay_close(make_ckpt, tmp_path)
     werr = _expert_weight_error(src, out)
     rel = ((lq - ls).norm() / (ls - ls.mean(-1, keepdim=True)).norm()).item()
     assert 0 < rel < 1.5 * werr, (rel, werr)
+
+
+def _assert_experts_are(quant, ours: dict) -> None:
+    """transformers' fused routed experts (gate_up_proj, down_proj) equal glmq's dense reading `ours` of each
+    expert's Linears, compared in `ours`' dtype."""
+    cfg = quant.config
+    inter = cfg.moe_intermediate_size
+    for i in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
+        experts = quant.model.layers[i].mlp.experts
+        for e in range(cfg.n_routed_experts):
+            p = f"model.layers.{i}.mlp.experts.{e}"
+            dt = ours[f"{p}.down_proj.weight"].dtype
+            assert torch.equal(experts.gate_up_proj[e][:inter].to(dt), ours[f"{p}.gate_proj.weight"])
+            assert torch.equal(experts.gate_up_proj[e][inter:].to(dt), ours[f"{p}.up_proj.weight"])
+            assert torch.equal(experts.down_proj[e].to(dt), ours[f"{p}.down_proj.weight"])
 
 
 def _expert_weight_error(src, out) -> float:
@@ -80,15 +87,7 @@ def test_transformers_loads_keep_fp8_int4_experts_beside_fp8_shared_experts(make
 
     quant = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     cfg = quant.config
-    ours = dict(iter_dense(out, torch.float32))
-    inter = cfg.moe_intermediate_size
-    for i in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
-        experts = quant.model.layers[i].mlp.experts
-        for e in range(cfg.n_routed_experts):
-            p = f"model.layers.{i}.mlp.experts.{e}"
-            assert torch.equal(experts.gate_up_proj[e][:inter], ours[f"{p}.gate_proj.weight"])
-            assert torch.equal(experts.gate_up_proj[e][inter:], ours[f"{p}.up_proj.weight"])
-            assert torch.equal(experts.down_proj[e], ours[f"{p}.down_proj.weight"])
+    _assert_experts_are(quant, dict(iter_dense(out, torch.float32)))
     shared = quant.model.layers[1].mlp.shared_experts.up_proj  # kept FP8: the stored bytes and block scales
     assert shared.weight.dtype == torch.float8_e4m3fn and shared.quantization_scheme.weights.strategy == "block"
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
