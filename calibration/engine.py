@@ -63,7 +63,7 @@ from glmq.calibration.report import summarize
 from glmq.formats.families import layer_index
 from glmq.formats.safetensors_io import atomic_write_text
 from glmq.quantize import stream
-from glmq.quantize.output import plan_identity, prepare_output
+from glmq.quantize.output import OutputLock, plan_identity, prepare_output
 from glmq.quantize.plan import Action, Plan
 from glmq.quantize.rtn import QWeight, dequantize
 
@@ -191,7 +191,8 @@ def run_gptq(plan: Plan, out: str | Path, tokens: torch.Tensor, settings: Calibr
     Returns:
         stream.run's report with a "gptq" section (calibration_report), also in glmq_report.json.
     Raises:
-        CheckpointError (OutputDirError, CalibrationCacheError): the folder holds another run.
+        CheckpointError (OutputDirError, CalibrationCacheError): the folder holds another run, or another process is
+            writing into it.
         ValueError: bad tokens or a layer that does not match transformers' class.
     """
     out = Path(out)
@@ -201,8 +202,14 @@ def run_gptq(plan: Plan, out: str | Path, tokens: torch.Tensor, settings: Calibr
     if world is not None and plan.recipe.spec.tune_iters:
         raise ValueError(f"{plan.recipe.name}: tune_iters (layer-output tuning) runs in one process; set tune_iters: 0 "
                          "in the recipe to calibrate with several ranks")
+    with OutputLock(out) as lock:  # from the folder's check through calibration to the written checkpoint
+        return _run_gptq(plan, out, lock, tokens, settings, device, progress, world)
+
+
+def _run_gptq(plan: Plan, out: Path, lock: OutputLock, tokens: torch.Tensor, settings: CalibrationSettings,
+              device: str, progress: bool, world) -> dict:
     lead = world is None or world.is_lead
-    man = prepare_output(plan, out, world)  # the manifest first: then the cache may live inside `out`
+    man = prepare_output(plan, out, lock, world)  # the manifest first: then the cache may live inside `out`
     cache = out / cc.CACHE_DIR
     # the calibration spec itself is left out: the tokens' digest is what it contributes, and `./c.txt` after
     # `c.txt` (or the file moved) refused the resume of the very same run

@@ -11,6 +11,7 @@ folder is converted again), so that an interrupted run never leaves them beside 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -38,6 +39,76 @@ class OutputDirError(CheckpointError):
     pass
 
 
+class OutputLock:
+    """An exclusive `flock` on the output folder for the whole run, so that a second glmq process started into
+    the same folder (a scheduler's retry while the first still runs, a command typed twice) is refused before it
+    deletes the first one's temporary files or writes the same files; the kernel drops it when the process dies,
+    so a killed run never leaves a stale lock, and nothing is written into the folder for it.
+
+    Re-entrant within a process (GPTQ holds it around calibration and then around `stream.run`): flock conflicts
+    between two open descriptions of one folder even in one process, so the descriptor is shared by path.
+    Hand-written: filelock and portalocker lock a file of their own, which would be a stray file in the checkpoint.
+    """
+
+    _held: dict[str, list] = {}  # realpath -> [fd, holders]
+    _guard = threading.Lock()
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        self.key: str | None = None
+
+    def acquire(self) -> None:
+        """Take the lock (the folder must exist); a no-op if this object holds it already.
+
+        Raises:
+            OutputDirError: another process holds it.
+        """
+        if self.key is not None:
+            return
+        key = os.path.realpath(self.out)
+        with self._guard:
+            if key in self._held:
+                self._held[key][1] += 1
+                self.key = key
+                return
+            fd = os.open(key, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            try:
+                import fcntl
+
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except ImportError:  # no flock (Windows): the run goes on unguarded
+                pass
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                    # e.g. NFS without lock support: warn, do not refuse the run
+                    log.warning("%s: cannot lock the output folder (%s); make sure no other glmq run writes into it",
+                                self.out, e.strerror or e)
+                else:
+                    os.close(fd)
+                    raise OutputDirError(
+                        f"{self.out}: another glmq process is writing into this folder (it holds the folder's lock); "
+                        f"wait for it to end (or stop it), then re-run to resume, or choose another --output") from None
+            self._held[key] = [fd, 1]
+            self.key = key
+
+    def release(self) -> None:
+        if self.key is None:
+            return
+        with self._guard:
+            held = self._held[self.key]
+            held[1] -= 1
+            if held[1] == 0:
+                os.close(held[0])  # closing the last descriptor drops the flock
+                del self._held[self.key]
+        self.key = None
+
+    def __enter__(self) -> "OutputLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 def plan_identity(plan: Plan) -> dict:
     return {
         "glmq_version": __version__,
@@ -49,19 +120,21 @@ def plan_identity(plan: Plan) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- output dir
-def prepare_output(plan: Plan, out: Path, world=None) -> Manifest:
+def prepare_output(plan: Plan, out: Path, lock: OutputLock, world=None) -> Manifest:
     """Create the output folder, or resume the interrupted run of this very plan that it holds.
 
     Args:
+        lock: the caller's lock on `out`, taken here once the folder exists (by rank 0 alone in a distributed
+            run); the caller releases it when the run ends.
         world: a `dist.World`: rank 0 prepares the folder while the others wait, then every rank
             gets rank 0's manifest (whose `files` are the verified finished files).
     Raises:
-        OutputDirError: the folder holds anything else.
+        OutputDirError: the folder holds anything else, or another process is writing into it.
         RankFailure: (distributed) rank 0 could not prepare the folder.
     """
     if world is None:
-        return _prepare_output(plan, Path(out))
-    man = world.on_lead(f"output folder {out}", lambda: _prepare_output(plan, Path(out)), share=True)
+        return _prepare_output(plan, Path(out), lock)
+    man = world.on_lead(f"output folder {out}", lambda: _prepare_output(plan, Path(out), lock), share=True)
     if man.identity != plan_identity(plan):  # e.g. another glmq version or source copy on another node
         diff = sorted(k for k, v in plan_identity(plan).items() if man.identity.get(k) != v)
         raise world.failure("planning", f"this rank's plan differs from rank 0's in {', '.join(diff)}; every rank "
@@ -73,7 +146,7 @@ def prepare_output(plan: Plan, out: Path, world=None) -> Manifest:
     return man
 
 
-def _prepare_output(plan: Plan, out: Path) -> Manifest:
+def _prepare_output(plan: Plan, out: Path, lock: OutputLock) -> Manifest:
     identity = plan_identity(plan)
     if out.exists() and not out.is_dir():
         raise OutputDirError(f"{out}: exists and is not a directory; choose another --output")
@@ -83,6 +156,7 @@ def _prepare_output(plan: Plan, out: Path) -> Manifest:
         blocker = next((p for p in reversed(out.parents) if p.exists() and not p.is_dir()), None)
         why = f"{blocker} is a file, not a directory" if blocker is not None else (e.strerror or str(e))
         raise OutputDirError(f"{out}: cannot create the output folder: {why}; choose another --output") from None
+    lock.acquire()  # before anything in the folder is read, deleted or written
     existing = [p for p in out.iterdir()]
     man = Manifest.load(out)
     if man is None:

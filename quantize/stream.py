@@ -38,7 +38,8 @@ from glmq.formats.manifest import FRAGMENT_GLOB, REPORT_NAME, Manifest
 from glmq.formats.safetensors_io import XXH3_128, CheckpointError, StreamingWriter, atomic_write_text
 from glmq.formats.source import Source
 from glmq.quantize import ops
-from glmq.quantize.output import ConfigJob, FileBook, OutputDirError, finish_checkpoint, prepare_output
+from glmq.quantize.output import (ConfigJob, FileBook, OutputDirError, OutputLock, finish_checkpoint,
+                                  prepare_output)
 from glmq.quantize.plan import Action, Item, OutFile, Plan
 
 log = logging.getLogger("glmq")
@@ -281,7 +282,14 @@ def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True,
         the report; in a distributed run every rank gets rank 0's.
     Raises:
         RankFailure: (distributed) this rank failed; the message names the rank and the file.
+        OutputDirError: `out` holds something else, or another glmq process is writing into it.
     """
+    with OutputLock(Path(out)) as lock:  # held from the folder's check to the report (rank 0's)
+        return _run(plan, Path(out), lock, device, progress, quantized, extra_report, world)
+
+
+def _run(plan: Plan, out: Path, lock: OutputLock, device: str, progress: bool, quantized, extra_report: dict | None,
+         world) -> dict:
     t0 = time.perf_counter()
     lead = world is None or world.is_lead
     phases: dict[str, float] = {}
@@ -290,12 +298,11 @@ def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True,
         raise ValueError(missing)
     config_job = ConfigJob(plan, own_session=world is not None) if lead else None
     phases["import"] = time.perf_counter() - t0
-    out = Path(out)
     if dev.type == "cuda":
         torch.zeros(1, device=dev)  # the CUDA context now, so that the start-up RSS below includes it
     rss_start = current_rss_bytes()
     try:
-        man = prepare_output(plan, out, world)
+        man = prepare_output(plan, out, lock, world)
         phases["prepare_output"] = time.perf_counter() - t0 - phases["import"]
         t_pipe = time.perf_counter()
         todo = [f for f in plan.files if f.name not in man.files]

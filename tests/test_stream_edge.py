@@ -1,5 +1,5 @@
 """Edge cases of the streaming engine and of resuming: scalar tensors, edited headers, a repair that dies, a full
-disk, and files recorded as written that are not in the output folder."""
+disk, files recorded as written that are not in the output folder, and a second process into the same folder."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import errno
 import json
 import shutil
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ from glmq.formats import safetensors_io
 from glmq.formats.safetensors_io import OutSpec, StreamingWriter
 from glmq.formats.source import INDEX_NAME, open_source
 from glmq.quantize import stream
-from glmq.quantize.output import FileBook, OutputDirError
+from glmq.quantize.output import FileBook, OutputDirError, OutputLock
 from glmq.quantize.plan import make_plan
 from test_distributed import SHARD, _files, reference  # noqa: F401  (reference: a fixture)
 
@@ -139,3 +141,55 @@ def test_no_config_json_when_a_recorded_file_is_not_in_the_folder(reference, tmp
     assert not (out / "config.json").exists() and not (out / INDEX_NAME).exists()
     stream.run(plan, out, progress=False)
     assert _files(out) == _files(ref)
+
+
+_HOLD = """import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_second_process_into_the_same_folder_is_refused(reference, tmp_path, monkeypatch):
+    """Another process holding the folder (a scheduler's retry while the first run still writes): the second run
+    deleted the first one's temporary files and wrote the same files beside it. Now it is refused before it touches
+    anything, and once the other process is gone the same command resumes."""
+    _, plan, ref = reference
+    out = tmp_path / "out"
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:  # an interrupted run: a manifest, and the other process's file being written
+        m.setattr(stream, "convert_files", killed)
+        with pytest.raises(KeyboardInterrupt):
+            stream.run(plan, out, progress=False)
+    busy = out / (plan.files[0].name + safetensors_io.TMP_SUFFIX)
+    busy.write_bytes(b"being written")
+    before = sorted(p.name for p in out.iterdir())
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(OutputDirError, match=f"{out}: another glmq process is writing into this folder"):
+            stream.run(plan, out, progress=False)
+        assert sorted(p.name for p in out.iterdir()) == before and busy.read_bytes() == b"being written"
+    finally:
+        holder.communicate("")
+    assert OutputLock._held == {}  # released after the refusal as after every run
+    stream.run(plan, out, progress=False)
+    assert _files(out) == _files(ref) and not busy.exists()
+    assert OutputLock._held == {}
+
+
+def test_the_output_lock_is_reentrant_in_one_process(tmp_path):
+    """GPTQ holds the folder through calibration and then runs the streaming engine, which takes it again."""
+    outer, inner = OutputLock(tmp_path), OutputLock(tmp_path / ".." / tmp_path.name)
+    outer.acquire()
+    inner.acquire()
+    assert len(OutputLock._held) == 1
+    inner.release()
+    assert len(OutputLock._held) == 1
+    outer.release()
+    assert OutputLock._held == {}
