@@ -52,10 +52,15 @@ def dequantize_packed(packed: torch.Tensor, scale: torch.Tensor, shape: tuple[in
     return (q * scale.unsqueeze(-1)).reshape(n, k)
 
 
+KEEP_DTYPE = frozenset({"e_score_correction_bias"})  # tensors iter_dense never casts (its docstring says why)
+
+
 def iter_dense(root: str | Path, dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) with every quantized weight turned back into a `dtype` `.weight`.
 
-    Scale/packing companions are consumed; other tensors pass through (float ones cast to `dtype`).
+    Scale/packing companions are consumed; other tensors pass through, float ones cast to `dtype` except the
+    router's `e_score_correction_bias`, which keeps its dtype (float32 in the sources; transformers keeps it float32
+    in a bf16 model, `_keep_in_fp32_modules_strict`, since rounding it shifts which experts are picked).
     """
     root = Path(root)
     config = json.loads((root / "config.json").read_text())
@@ -116,7 +121,7 @@ def iter_dense(root: str | Path, dtype: torch.dtype = torch.bfloat16) -> Iterato
                 t = fp8.dequantize_block(t, s, ct_block)
             else:
                 t = fp8.dequantize_channel(t, get(f"{module}.weight_scale", name))
-        yield name, t.to(dtype) if t.is_floating_point() else t
+        yield name, t.to(dtype) if t.is_floating_point() and leaf not in KEEP_DTYPE else t
 
 
 def _int_args(qc: dict) -> tuple[int, int | None] | None:

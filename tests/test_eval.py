@@ -200,3 +200,18 @@ def test_the_mtp_layer_is_not_handed_to_transformers(glm4, capfd):
     err = capfd.readouterr().err
     assert f"layers.{mtp}." not in err and "unexpected" not in err.lower(), err
     assert len(model.model.layers) == cfg["num_hidden_layers"]
+
+
+def test_the_router_bias_keeps_float32_in_a_dense_bf16_copy(glm4):
+    """iter_dense(bf16) rounded the float32 e_score_correction_bias to bf16 (transformers keeps it float32 in a bf16
+    model): the dense copy that peers calibrate on (scripts/bench_gptq.py) routed tokens to other experts."""
+    src, rtn, _ = glm4
+    for root in (src, rtn):
+        dense = dict(iter_dense(root, torch.bfloat16))
+        biases = [k for k in dense if k.endswith("e_score_correction_bias")]
+        assert biases
+        for k in biases:
+            assert dense[k].dtype == torch.float32
+        stored = {k: t for shard in sorted(Path(root).glob("*.safetensors")) for k, t in load_file(shard).items()}
+        assert all(torch.equal(dense[k], stored[k]) for k in biases)
+        assert dense["model.norm.weight"].dtype == torch.bfloat16

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from glmq.formats import fp8
+from glmq.formats.dense import KEEP_DTYPE
 from glmq.formats.families import layer_index
 from glmq.formats.manifest import REPORT_NAME
 from glmq.formats.safetensors_io import DTYPE_NAMES, DTYPES, CheckpointError, TensorEntry, read_header
@@ -122,7 +123,7 @@ class SourceReader:
         return out
 
     def dense(self, name: str) -> torch.Tensor:
-        """Tensor `name` as `iter_dense` gives it: quantized weights dequantized, floats in bf16.
+        """Tensor `name` as `iter_dense` gives it: quantized weights dequantized, floats in bf16 (but the router bias).
 
         Raises:
             CannotValidate: a read fails or a companion is missing or malformed.
@@ -148,7 +149,7 @@ class SourceReader:
             if self.block is not None:
                 return _dequantize_block_rows(t, self.raw(f"{module}.weight_scale_inv"), self.block)
             return fp8.dequantize_channel(t, self.raw(f"{module}.weight_scale"))
-        return t.to(torch.bfloat16) if t.is_floating_point() else t
+        return t.to(torch.bfloat16) if t.is_floating_point() and name.rpartition(".")[2] not in KEEP_DTYPE else t
 
     def unchanged(self, name: str, t: torch.Tensor) -> bool:
         """Whether `t`, stored unquantized in the checkpoint, is what glmq writes for source tensor `name`
