@@ -22,6 +22,7 @@ an uninterrupted run, so both paths give the same bits).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,8 +37,11 @@ from glmq.quantize.pack import unpack_int32, unpack_zero_point
 from glmq.quantize.rtn import QWeight
 from glmq.quantize.spec import QuantSpec
 
+log = logging.getLogger("glmq")
+
 CACHE_DIR = ".glmq-gptq"
 IDENTITY_NAME = "calibration.json"
+DEVICES_KEY = "devices"  # in calibration.json: the device types that calibrated this run, in order
 REPORT_NAME = "report.json"
 
 
@@ -57,9 +61,13 @@ def drop_parts(cache: Path, index: int) -> None:
         p.unlink()
 
 
-def check_identity(cache: Path, identity: dict) -> None:
+def check_identity(cache: Path, identity: dict, device: str | None = None) -> None:
     """Record `identity` in a new cache, or check that an existing cache holds the same run.
 
+    Args:
+        device: the device type calibrating this time ("cpu", "cuda"); recorded beside the identity but not part
+            of it (refusing a resume on another device would throw away hours of finished layers), so a resume
+            on another device warns that the output will not be bit-identical to one run on either.
     Raises:
         CalibrationCacheError: the cache belongs to a run with other calibration settings or data.
     """
@@ -67,12 +75,21 @@ def check_identity(cache: Path, identity: dict) -> None:
     path = cache / IDENTITY_NAME
     if path.exists():
         old = json.loads(path.read_text())
+        devices = old.pop(DEVICES_KEY, [])
         if old != identity:
             diff = sorted(k for k in set(old) | set(identity) if old.get(k) != identity.get(k))
             raise CalibrationCacheError(
                 f"{path}: this output folder holds a GPTQ run with other calibration settings or data "
                 f"(differs in: {', '.join(diff)}); use a new --output folder, or remove this one to start over")
-        return
+        if device is None or device in devices:
+            return
+        if devices:
+            log.warning("%s: this GPTQ run was calibrated on %s so far and resumes on %s: the finished layers keep "
+                        "their results, so the checkpoint will not be bit-identical to one run on either device (the "
+                        "two differ in floating-point rounding only)", cache.parent, " and ".join(devices), device)
+        identity = {**identity, DEVICES_KEY: devices + [device]}
+    elif device is not None:
+        identity = {**identity, DEVICES_KEY: [device]}
     atomic_write_text(path, json.dumps(identity, indent=1, sort_keys=True) + "\n")
 
 

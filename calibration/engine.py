@@ -216,11 +216,12 @@ def _run_gptq(plan: Plan, out: Path, lock: OutputLock, tokens: torch.Tensor, set
     identity = {"plan": plan_identity(plan),
                 "settings": {k: v for k, v in settings.identity().items() if k != "calibration"},
                 "tokens_sha256": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(), "tokens_shape": list(tokens.shape)}
-    if world is None:
-        cc.check_identity(cache, identity)
-    else:
-        world.on_lead("checking the calibration cache", lambda: cc.check_identity(cache, identity))
     finished = man.complete and len(man.files) == len(plan.files) and (cache / cc.REPORT_NAME).exists()
+    calibrating_on = None if finished else torch.device(device).type  # recorded; another device warns
+    if world is None:
+        cc.check_identity(cache, identity, calibrating_on)
+    else:
+        world.on_lead("checking the calibration cache", lambda: cc.check_identity(cache, identity, calibrating_on))
     if finished:
         report = json.loads((cache / cc.REPORT_NAME).read_text())
         report["note"] = "output already complete: calibration not re-run"

@@ -507,6 +507,28 @@ def test_foreign_calibration_cache_is_refused(tmp_path):
         check_identity(tmp_path, {"settings": {"seed": 1}})
 
 
+def test_a_resume_on_another_device_warns(tmp_path, caplog):
+    """The device is no part of the identity (a resume on the GPU keeps the layers the CPU finished), but the
+    output is then not bit-identical to one run on either device: said once, and recorded in calibration.json."""
+    from glmq.calibration.cache import IDENTITY_NAME, check_identity
+
+    ident = {"settings": {"seed": 0}}
+    check_identity(tmp_path, ident, "cpu")
+    with caplog.at_level("WARNING", logger="glmq"):
+        check_identity(tmp_path, ident, "cpu")
+        assert not caplog.records
+        check_identity(tmp_path, ident, "cuda")
+        assert any("calibrated on cpu so far and resumes on cuda" in r.getMessage() and "not be bit-identical"
+                   in r.getMessage() for r in caplog.records)
+        caplog.clear()
+        check_identity(tmp_path, ident, "cuda")
+        check_identity(tmp_path, ident)  # a finished run's rerun calibrates nothing
+        assert not caplog.records
+    assert json.loads((tmp_path / IDENTITY_NAME).read_text())["devices"] == ["cpu", "cuda"]
+    with pytest.raises(CalibrationCacheError, match="settings"):
+        check_identity(tmp_path, {"settings": {"seed": 1}}, "cpu")
+
+
 # ----------------------------------------------------------------------------------------- quality
 
 RTN_KL, RTN_PPL = 0.01345, 3.9317  # BENCHMARKS.md: glmq int4-w4a16 RTN on the same protocol
