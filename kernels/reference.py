@@ -55,7 +55,14 @@ def dequantize_packed(
         )
     q = unpack_int32(weight_packed, k).float()  # (N, K) values in [-8, 7]
     if zero_point is not None:
-        zp = unpack_zero_point(zero_point, n) if zero_point.dtype == torch.int32 else zero_point
+        zp = zero_point
+        if zero_point.dtype == torch.int32:  # packed: unpacking an int32 [N, groups] of plain values would give
+            # [N, groups] of garbage that the check below lets through
+            if zero_point.shape != (-(-n // 8), groups):
+                raise ValueError(f"int32 zero_point {list(zero_point.shape)} is not the checkpoint's form packed along "
+                                 f"dim 0, [ceil(N/8), K/group_size] = [{-(-n // 8)}, {groups}]; pass unpacked zero "
+                                 f"points as int8 [{n}, {groups}]")
+            zp = unpack_zero_point(zero_point, n)
         if zp.shape != (n, groups):
             raise ValueError(f"zero_point unpacks to {list(zp.shape)}, expected [{n}, {groups}]")
         q = q - zp.float().repeat_interleave(group_size, dim=1)

@@ -396,10 +396,16 @@ def prepack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size:
         raise ValueError(f"the {layout.value} layout is for group-{MMA_CHUNK} weights (its kernels scale once per "
                          f"128-column chunk), got group_size {group_size}; use layout='planes'")
     chunk_major = layout.mma if chunk_major is None else chunk_major
+    if chunk_major and chunk != MMA_CHUNK:  # only the transposed MMA kernel reads chunk-major words, 128 columns a chunk
+        raise ValueError(f"chunk_major=True needs K to be a multiple of {MMA_CHUNK} (K = {k}: prepack chunk {chunk}); "
+                         "no kernel reads it otherwise: use chunk_major=False")
     words = prepack_words(weight_packed.contiguous(), chunk, layout)
     if chunk_major:
         *lead, n, kw = words.shape
-        words = words.view(*lead, n, kw // (chunk // 8), chunk // 8).transpose(-2, -3).contiguous()
+        words = words.view(*lead, n, kw // (chunk // 8), chunk // 8).transpose(-2, -3)
+        # row-major strides even for N = 1, where `.contiguous()` keeps the transposed view's (the decode kernel
+        # reads rows 16 words apart and refuses other strides)
+        words = words.clone(memory_format=torch.contiguous_format)
     return PackedW4(words, weight_scale.contiguous(), group_size, chunk, layout, chunk_major)
 
 
@@ -1251,11 +1257,12 @@ def tuned_entry(section: str, key: str, m: int, device: str, layout: Layout = La
 
 
 def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT_SM_COUNT,
-                     layout: Layout = Layout.PLANES) -> DenseConfig:
+                     layout: Layout = Layout.PLANES, chunk_major: bool = False) -> DenseConfig:
     """Deterministic launch configuration by M bucket (no tuning table).
 
     M <= GEMV_MAX_M (or K not a multiple of 128): GEMV, 8 KB of words per step, split-K up to ~4
-        programs per SM: decode is bandwidth-bound and needs loads in flight.
+        programs per SM: decode is bandwidth-bound and needs loads in flight. Not for weights the GEMV cannot
+        read (PAIRS/SPANS, or chunk-major `chunk_major`): those take the transposed tiles below at every M.
     M <= 64: transposed tensor-core tiles (`swap`) of 16..64 tokens x 128 weight rows, split-K up to
         ~2 programs per SM (still bandwidth-bound, few tiles); at M = 1 the mailbox reduction when each
         split runs >= MAILBOX_MIN_CHUNKS chunks.
@@ -1264,7 +1271,7 @@ def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT
         warpgroup below M = 1024, else 128 x 128 on two; split-K only when there are fewer tiles than SMs.
     """
     chunk = chunk_for(k)
-    if (m <= GEMV_MAX_M and not layout.mma) or chunk != MMA_CHUNK:
+    if (m <= GEMV_MAX_M and not (layout.mma or chunk_major)) or chunk != MMA_CHUNK:
         block_m = min(8, _next_pow2(m))
         p = chunk // 8
         block_n = 32 if block_m <= 2 else 16
@@ -1291,9 +1298,12 @@ def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT
 
 
 def choose_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT_SM_COUNT, device: str = "cpu",
-                  layout: Layout = Layout.PLANES) -> DenseConfig:
-    """The tuned configuration for this GPU, shape and weight layout if there is one, else `heuristic_config`."""
+                  layout: Layout = Layout.PLANES, chunk_major: bool = False) -> DenseConfig:
+    """The tuned configuration for this GPU, shape and weight layout if there is one, else `heuristic_config`.
+    chunk_major: the weights' words are chunk-major (`PackedW4.chunk_major`), which only the transposed kernel reads."""
     ent = tuned_entry("dense", f"{n},{k},{group_size}", m, device, layout)
+    if ent is not None and chunk_major and not DenseConfig(**ent).swap:
+        ent = None  # a GEMV or per-plane entry: those kernels read row-major words only
     if ent is not None:
         cfg = DenseConfig(**ent)
         if cfg.kind is KernelKind.GEMV:
@@ -1301,7 +1311,7 @@ def choose_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT_SM
                 return DenseConfig(**{**ent, "block_m": min(cfg.block_m, _next_pow2(m))})
         elif chunk_for(k) == MMA_CHUNK:
             return cfg
-    return heuristic_config(m, n, k, group_size, sms, layout)
+    return heuristic_config(m, n, k, group_size, sms, layout, chunk_major)
 
 
 _TICKETS: dict[torch.device, torch.Tensor] = {}
@@ -1500,7 +1510,8 @@ def w4a16_matmul_packed(
         return DK.decode_matmul(x, w, out, decode, pdl=pdl and pdl_supported(x.device))
     if m == 0 or n == 0:
         return out
-    cfg = config or choose_config(m, n, k, w.group_size, sm_count(x.device), device_name(x.device), w.layout)
+    cfg = config or choose_config(m, n, k, w.group_size, sm_count(x.device), device_name(x.device), w.layout,
+                                  w.chunk_major)
     check_config(cfg, w)
     _launch(x, w, out, cfg, pdl)
     return out

@@ -52,3 +52,55 @@ def test_out_sharing_memory_with_x_is_refused():
     with pytest.raises(ValueError, match="must not share memory with x"):
         dense.check_out(inside, (4, 64), xs)  # what w4a16_matmul[_packed] and fused_moe_w4a16 check `out` with
     dense.check_out(big[4 * 256:].view(4, 64), (4, 64), xs)  # the same storage, after x: fine
+
+
+def test_default_config_reads_chunk_major_planes_weights(monkeypatch):
+    """`prepack(..., layout="planes", chunk_major=True)` is a documented option, but at M <= 2 the default config was
+    the GEMV, which cannot read chunk-major words: every decode call was a ValueError."""
+    launched = []
+    monkeypatch.setattr(dense, "_INTERPRETED", True)  # CPU x accepted; no kernel runs: `_launch` is recorded
+    monkeypatch.setattr(dense, "_launch", lambda x, w, out, cfg, pdl=False: launched.append(cfg))
+    packed, scale = _weight(5)
+    w = dense.prepack(packed, scale, 128, layout="planes", chunk_major=True)
+    for m in (1, 2, 16):
+        dense.w4a16_matmul_packed(torch.zeros(m, 256, dtype=torch.bfloat16), w)
+    assert [c.swap for c in launched] == [True] * 3
+    assert dense.choose_config(1, 64, 256, 128, chunk_major=True).swap
+    assert dense.choose_config(1, 64, 256, 128).kind is dense.KernelKind.GEMV  # row-major PLANES: still the GEMV
+
+
+def test_chunk_major_needs_128_column_chunks():
+    """Only the transposed MMA kernel reads chunk-major words, 128-column chunks: K = 192 so prepacked ran nowhere."""
+    g = torch.Generator().manual_seed(6)
+    packed = torch.randint(-2**31, 2**31 - 1, (64, 24), dtype=torch.int32, generator=g)  # K = 192: chunk 64
+    scale = torch.rand(64, 3, generator=g).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="chunk_major=True needs K to be a multiple of 128"):
+        dense.prepack(packed, scale, 64, layout="planes", chunk_major=True)
+    assert not dense.prepack(packed, scale, 64).chunk_major
+
+
+def test_reference_refuses_int32_zero_points_not_packed():
+    """An int32 zero point is the checkpoint's form, packed 8 rows a word: an int32 [N, groups] of plain values
+    unpacked to garbage of the right shape (max error 18 against the truth) instead of an error."""
+    from glmq.kernels import reference
+    from glmq.quantize.pack import pack_int32, pack_zero_point
+
+    g = torch.Generator().manual_seed(7)
+    q = torch.randint(-8, 8, (16, 256), dtype=torch.int8, generator=g)
+    zp = torch.randint(-8, 8, (16, 4), dtype=torch.int8, generator=g)
+    scale = torch.rand(16, 4, generator=g) + 0.5
+    want = (q.float() - zp.float().repeat_interleave(64, dim=1)) * scale.repeat_interleave(64, dim=1)
+    assert torch.equal(reference.dequantize_packed(pack_int32(q), scale, 64, pack_zero_point(zp)), want)
+    assert torch.equal(reference.dequantize_packed(pack_int32(q), scale, 64, zp), want)
+    with pytest.raises(ValueError, match=r"int32 zero_point \[16, 4\] is not the checkpoint's form"):
+        reference.dequantize_packed(pack_int32(q), scale, 64, zp.to(torch.int32))
+
+
+def test_chunk_major_words_have_row_major_strides_for_one_row():
+    """`.contiguous()` kept the transposed view's strides of an N = 1 weight (rows 64 words apart here), which the
+    Gluon decode kernel refuses ("needs contiguous chunk-major words (as `prepack` makes them)")."""
+    g = torch.Generator().manual_seed(8)
+    packed = torch.randint(-2**31, 2**31 - 1, (1, 64), dtype=torch.int32, generator=g)  # N = 1, K = 512
+    w = dense.prepack(packed, torch.rand(1, 4, generator=g).to(torch.bfloat16), 128)
+    assert w.chunk_major and w.qweight.shape == (4, 1, 16) and w.qweight.stride() == (16, 16, 1)
+    assert w.word_strides() == (16, 16)
