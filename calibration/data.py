@@ -31,9 +31,15 @@ class CalibrationDataError(ValueError):
     pass
 
 
-def load_tokenizer(checkpoint: str | Path, trust_remote_code: bool = False):
+def load_tokenizer(checkpoint: str | Path, trust_remote_code: bool = False, *, error: type[Exception] = None,
+                   fix: str = "GPTQ calibration tokenizes the text with the checkpoint's own tokenizer "
+                              "(tokenizer.json + tokenizer_config.json in the model folder)"):
     """The checkpoint's own tokenizer. `trust_remote_code` lets a tokenizer whose class is code in the model folder
-    run it (Kimi K2's tiktoken tokenizer); it is passed explicitly either way, so transformers never prompts."""
+    run it (Kimi K2's tiktoken tokenizer); it is passed explicitly either way, so transformers never prompts.
+
+    Raises:
+        `error` (default CalibrationDataError) naming the folder, why, and `fix` (what to do).
+    """
     from transformers import AutoTokenizer
 
     try:
@@ -42,9 +48,7 @@ def load_tokenizer(checkpoint: str | Path, trust_remote_code: bool = False):
         why = " ".join(str(e).split())
         hint = ("; its tokenizer is code in the model folder: if you trust that code, pass --trust-remote-code"
                 if not trust_remote_code and "trust_remote_code" in why else "")
-        raise CalibrationDataError(
-            f"{checkpoint}: no usable tokenizer ({why}){hint}; GPTQ calibration tokenizes the text with the "
-            f"checkpoint's own tokenizer (tokenizer.json + tokenizer_config.json in the model folder)") from e
+        raise (error or CalibrationDataError)(f"{checkpoint}: cannot load its tokenizer ({why}){hint}; {fix}") from e
 
 
 def calibration_tokens(checkpoint: str | Path, spec: str, samples: int = 128, seq_len: int = 256,

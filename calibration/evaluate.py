@@ -56,18 +56,11 @@ def token_windows(tokenizer_dir: str | Path, text_file: str | Path, seq_len: int
                   trust_remote_code: bool = False) -> torch.Tensor:
     """The first `count` non-overlapping windows of `seq_len` tokens of a text file, `[count, seq_len]`
     (`trust_remote_code`: as `calibration.data.load_tokenizer`)."""
-    from transformers import AutoTokenizer
+    from glmq.calibration.data import load_tokenizer
 
-    try:
-        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, ImportError) as e:
-        why = " ".join(str(e).split())
-        if not trust_remote_code and "trust_remote_code" in why:
-            raise CheckpointError(f"{tokenizer_dir}: its tokenizer is code in the model folder ({why}); if you "
-                                  f"trust that code, pass --trust-remote-code") from e
-        raise CheckpointError(f"{tokenizer_dir}: cannot load its tokenizer ({why}); the text is tokenized "
-                              f"with the source checkpoint's tokenizer: copy tokenizer.json and tokenizer_config.json "
-                              f"from the original model into it") from e
+    tok = load_tokenizer(tokenizer_dir, trust_remote_code, error=CheckpointError,
+                         fix="the text is tokenized with the source checkpoint's tokenizer: copy tokenizer.json and "
+                             "tokenizer_config.json from the original model into it")
     ids = tok(Path(text_file).read_text(), return_tensors="pt", add_special_tokens=False).input_ids[0]
     n = min(count, ids.numel() // seq_len)
     if n == 0:
