@@ -26,7 +26,8 @@ Presets (`preset`; any config key can be overridden):
              from random FP8 bytes in about half a minute, mostly disk time.
 
 Everything is deterministic: each tensor draws from its own generator seeded by
-sha256(seed, tensor name), so the same arguments give byte-identical files.
+sha256(seed, tensor name), so the same arguments give byte-identical files. A checkpoint appears whole
+or not at all: it is written in a hidden folder beside out_dir and renamed into place at the end.
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import pathlib
+import secrets
+import shutil
 from typing import Iterator
 
 import torch
@@ -535,7 +539,10 @@ def make_checkpoint(out_dir, family: str = "glm_moe_dsa", *, preset: str = "tiny
     """Write a random checkpoint with the real on-disk layout of `family` and return its directory.
 
     Args:
-        out_dir: new or empty directory (created).
+        out_dir: new or empty directory (created). Everything is written in a hidden folder beside it,
+            `.<name>.<pid>.<random>.partial`, renamed to out_dir at the end: an interrupted run leaves no
+            half checkpoint (callers take an existing config.json for a whole one), nor, unless killed
+            outright, the hidden folder.
         family: one of FAMILIES; `config_overrides={"model_type": "kimi_k2"}` gives Kimi K2.
         preset: "tiny" (few MB, < 1 s) or "bench" (real GLM-5 expert shapes, GBs).
         source_format: "fp8-block", "fp8-ct" or "bf16" (module docstring).
@@ -562,15 +569,31 @@ def make_checkpoint(out_dir, family: str = "glm_moe_dsa", *, preset: str = "tiny
                           split_partners=split_partners)
     breaks = _mtp_scale_break(units) if split_partners else set()
     shards = plan_shards(units, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES[preset], breaks)
-    out.mkdir(parents=True, exist_ok=True)
     fast = preset == "bench" if random_fp8_bytes is None else random_fp8_bytes
-    index = write_shards(out, shards, source_format, seed, fp8_ct_strategy=fp8_ct_strategy, random_fp8_bytes=fast)
-    _write_json(out / "model.safetensors.index.json", index)
-    _write_json(out / "config.json", config)
-    if side_files or "auto_map" in config:
-        (out / CUSTOM_CODE_FILE).write_text(_custom_code(family, config["model_type"]))
-    if side_files:
-        _write_side_files(out, config)
+    # Written aside and renamed whole: Ctrl-C in the middle of a (bench: 6 GB) generation left out_dir with some
+    # shards, which the next run refused as "not empty", or with config.json but no side files, which the bench
+    # scripts' `config.json exists` check took for a whole checkpoint. (Path.mkdir, not mkdtemp: the umask's mode.)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.partial"
+    tmp.mkdir()
+    try:
+        index = write_shards(tmp, shards, source_format, seed, fp8_ct_strategy=fp8_ct_strategy, random_fp8_bytes=fast)
+        _write_json(tmp / "model.safetensors.index.json", index)
+        _write_json(tmp / "config.json", config)
+        if side_files or "auto_map" in config:
+            (tmp / CUSTOM_CODE_FILE).write_text(_custom_code(family, config["model_type"]))
+        if side_files:
+            _write_side_files(tmp, config)
+        try:
+            os.rename(tmp, out)  # POSIX: replaces an empty out_dir, refuses one another writer filled meanwhile
+        except OSError as e:
+            if not (out.is_dir() and any(out.iterdir())):
+                raise
+            raise ValueError(f"{out} is not empty (another process wrote into it meanwhile); make_checkpoint "
+                             f"writes into a new or empty directory") from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 

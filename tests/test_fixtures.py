@@ -220,6 +220,34 @@ def test_same_arguments_give_byte_identical_files(matrix, tmp_path):
     assert not torch.equal(one.view(torch.uint8), other.view(torch.uint8))
 
 
+@pytest.mark.parametrize("where", ["shard", "side_files"])
+def test_an_interrupted_generation_leaves_nothing_and_the_rerun_works(tmp_path, monkeypatch, where):
+    """Ctrl-C in the third shard left two shards in out_dir (the rerun: `... is not empty`); in the side files it left
+    config.json without them, which the bench scripts' `config.json exists` check takes for a whole checkpoint."""
+    real_save, calls = fx.save_file, []
+
+    def save(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real_save(tensors, path, metadata=metadata)
+
+    def side_files(out, config):
+        raise KeyboardInterrupt
+
+    if where == "shard":
+        monkeypatch.setattr(fx, "save_file", save)
+    else:
+        monkeypatch.setattr(fx, "_write_side_files", side_files)
+    with pytest.raises(KeyboardInterrupt):
+        fx.make_checkpoint(tmp_path / "c", "glm_moe_dsa")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    path = fx.make_checkpoint(tmp_path / "c", "glm_moe_dsa")
+    assert (path / "config.json").is_file() and (path / "chat_template.jinja").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["c"]
+
+
 def test_byte_tokenizer_is_the_same_at_every_call(tmp_path):
     """Its vocabulary came from a hash set's order, another at every call: the same text got other token ids."""
     for d in ("a", "b"):
