@@ -73,6 +73,7 @@ class CardInputs:
     license: str | None = None
     tp: int = 8
     revision: str | None = None
+    tokenizer_config: dict | None = None  # tokenizer_config.json (its auto_map: a tokenizer that is custom code)
 
 
 def is_repo_id(text: str) -> bool:
@@ -332,19 +333,32 @@ def validation_section(validation: dict | None) -> list[str]:
     return lines + _table(["check", "result", "checked", "failed"], rows) + [""]
 
 
-def serve_section(repo_id: str, tp: int, revision: str | None) -> list[str]:
-    """vLLM (`--tensor-parallel-size`) and SGLang (`--tp`) commands; both take `--revision`."""
-    rev = f" --revision {revision}" if revision and revision != "main" else ""
-    return ["## Serving", "", "vLLM:", "", "```bash", f"vllm serve {repo_id} --tensor-parallel-size {tp}{rev}", "```",
-            "", "SGLang:", "", "```bash", f"python -m sglang.launch_server --model-path {repo_id} --tp {tp}{rev}",
-            "```", ""]
+def remote_code(inp: CardInputs) -> bool:
+    """The checkpoint ships custom code that loading it runs: an `auto_map` in config.json or tokenizer_config.json
+    (Kimi K2's configuration_deepseek.py and TikToken tokenizer; DeepSeek-V3's). transformers refuses such a folder
+    without trust_remote_code (kimi_k2 is no model type it knows), so the serve commands need the flag."""
+    return any((c or {}).get("auto_map") for c in (inp.config, inp.tokenizer_config))
+
+
+def serve_section(repo_id: str, tp: int, revision: str | None, trust_remote_code: bool = False) -> list[str]:
+    """vLLM (`--tensor-parallel-size`) and SGLang (`--tp`) commands; both take `--revision` and
+    `--trust-remote-code`."""
+    flags = f" --revision {revision}" if revision and revision != "main" else ""
+    why = []
+    if trust_remote_code:
+        flags += " --trust-remote-code"
+        why = ["The checkpoint ships custom code (an `auto_map` in its config files), which both engines run only with "
+               "`--trust-remote-code`.", ""]
+    return ["## Serving", "", *why, "vLLM:", "", "```bash", f"vllm serve {repo_id} --tensor-parallel-size {tp}{flags}",
+            "```", "", "SGLang:", "", "```bash",
+            f"python -m sglang.launch_server --model-path {repo_id} --tp {tp}{flags}", "```", ""]
 
 
 def build_card(inp: CardInputs) -> ModelCard:
     """The whole card: YAML metadata from `card_data`, then the body sections."""
     body = _title(inp, *base_model(inp)) + quantization_section(inp) + sizes_section(inp)
     body += eval_section(inp.eval_result, inp.checkpoint_name) + validation_section(inp.validation)
-    body += serve_section(inp.repo_id, inp.tp, inp.revision)
+    body += serve_section(inp.repo_id, inp.tp, inp.revision, remote_code(inp))
     return ModelCard(f"---\n{card_data(inp).to_yaml()}\n---\n\n" + "\n".join(body))
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path, PurePath
@@ -67,14 +68,16 @@ class UploadOptions:
 # ----------------------------------------------------------------------------------------- files
 def ignore_patterns() -> list[str]:
     """glmq's working files, which never belong on the Hub: the GPTQ cache folder (calibration/cache.py),
-    half-written files (safetensors_io.TMP_SUFFIX; `*.tmp` activation files of the GPTQ engine), and the
+    half-written files (safetensors_io.TMP_SUFFIX; `*.tmp` activation files of the GPTQ engine), the
     manifest's journal and the ranks' fragments (formats/manifest.py), which a rerun of a finished
-    distributed job leaves beside the complete manifest if it is stopped."""
+    distributed job leaves beside the complete manifest if it is stopped, and the eval report the card is
+    made from (EVAL_NAME: the card has its table; the file holds the local paths of the source, of every
+    checkpoint evaluated and of the text)."""
     from glmq.calibration.cache import CACHE_DIR
     from glmq.formats.manifest import FRAGMENT_GLOB, journal_name
     from glmq.formats.safetensors_io import TMP_SUFFIX
 
-    return [f"{CACHE_DIR}/*", f"*{TMP_SUFFIX}", "*.tmp", FRAGMENT_GLOB, journal_name("glmq_manifest*.json")]
+    return [f"{CACHE_DIR}/*", f"*{TMP_SUFFIX}", "*.tmp", FRAGMENT_GLOB, journal_name("glmq_manifest*.json"), EVAL_NAME]
 
 
 def split_files(folder: Path) -> tuple[dict[str, int], list[str]]:
@@ -189,6 +192,9 @@ def read_eval(folder: Path, given: Path | None) -> dict | None:
                                                          for r in rows):
         raise UploadError(f"{path}: not a `glmq eval --json` result (expected \"models\": [{{{', '.join(keys)}, "
                           f"layer_rel_error}}, ...]); pass the file `glmq eval --json` wrote", 2)
+    for r in rows:  # "." names no folder (`glmq eval SOURCE . --json glmq_eval.json` run in the checkpoint folder):
+        if not PurePath(str(r["checkpoint"])).name:  # taken from where the report lies; the card shows names only
+            r["checkpoint"] = str((path.parent / str(r["checkpoint"])).resolve())
     name = folder.resolve().name
     names = [PurePath(str(r["checkpoint"])).name for r in rows[1:]]  # rows[0] is the source
     if name not in names:  # the card would show other models' numbers and none of this one's
@@ -214,7 +220,8 @@ def make_card(folder: Path, o: UploadOptions, validation: dict):
                      config=_read_json(folder / "config.json", "config.json") or {},
                      report=_read_json(folder / REPORT_NAME, "glmq report"), manifest=manifest,
                      eval_result=read_eval(folder, o.eval_report), validation=validation, base_model=o.base_model,
-                     license=o.license, tp=o.tp, revision=o.revision)
+                     license=o.license, tp=o.tp, revision=o.revision,
+                     tokenizer_config=_read_json(folder / "tokenizer_config.json", "tokenizer_config.json"))
     base, origin = base_model(inp)
     if base is None:
         click.secho(f"warning: base model unknown, {origin}; the card leaves base_model out", fg="yellow", err=True)
@@ -280,17 +287,39 @@ def _hub_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+# the request id huggingface_hub writes into its messages, on a line of its own before a 400's or 403's text
+_REQUEST_ID = re.compile(r"^\([\w ]+ ID: [^)]*\)$")
+
+
+def _hub_reason(e: BaseException) -> str:
+    """The Hub's own reason on one line: huggingface_hub's `server_message` (the response's error text, which its
+    message puts after its own lines: a 400's "Bad request for commit endpoint:" then the reason), else the first
+    line of the message that is not the request id."""
+    server = getattr(e, "server_message", None)
+    if server:
+        return " ".join(line.strip() for line in server.splitlines() if line.strip())
+    lines = [line.strip() for line in str(e).splitlines() if line.strip() and not _REQUEST_ID.match(line.strip())]
+    return (lines or [""])[0]
+
+
 def push_or_explain(folder: Path, o: UploadOptions, api, method: str) -> None:
-    """`push`, with any Hub failure turned into one line naming the checkpoint and what to do (exit 3)."""
+    """`push`, with any Hub failure turned into one line naming the checkpoint, the Hub's reason and what to do
+    (exit 3)."""
     try:
         push(folder, o, api, method)
     except _hub_errors() as e:
         status = getattr(getattr(e, "response", None), "status_code", None)
-        hint = ("check that your token (`hf auth login` or HF_TOKEN) has write access to "
-                f"{o.repo_id.split('/')[0]}" if status in (401, 403)
-                else "check the network and rerun the same command: files already on the Hub are not sent again")
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise UploadError(f"uploading {folder} to {o.repo_id} failed ({type(e).__name__}: {first}); {hint}", 3) from e
+        if status in (401, 403):
+            hint = f"check that your token (`hf auth login` or HF_TOKEN) has write access to {o.repo_id.split('/')[0]}"
+        elif status is not None and 400 <= status < 500 and status not in (408, 409, 429):
+            # refused for what was sent (a 400 for README metadata it rejects: a --base-model it cannot resolve, a
+            # --license not on its list; 413 storage quota): the same command gets the same answer
+            hint = ("the Hub refused the request: fix what it says (the card's metadata comes from --base-model and "
+                    "--license), then rerun the same command")
+        else:
+            hint = "check the network and rerun the same command: files already on the Hub are not sent again"
+        raise UploadError(f"uploading {folder} to {o.repo_id} failed ({type(e).__name__}: {_hub_reason(e)}); {hint}",
+                          3) from e
 
 
 # ----------------------------------------------------------------------------------------- driver
@@ -304,7 +333,7 @@ def _print_listing(files: dict[str, int], skipped: list[str], o: UploadOptions, 
         click.echo(f"{size:>15,d}  {name}")
     click.echo(f"{sum(files.values()):>15,d}  total ({human_bytes(sum(files.values()))})")
     for name in skipped:
-        click.echo(f"{'skipped':>15s}  {name} (glmq working file or Hub client cache)")
+        click.echo(f"{'skipped':>15s}  {name} (glmq working file, eval report or Hub client cache)")
 
 
 def upload(o: UploadOptions) -> None:

@@ -137,6 +137,29 @@ def test_card_of_a_keep_fp8_checkpoint_says_mixed_precision_and_fp8_activations(
     assert "Weight-only quantization of" in plain and "`pack-quantized` format (INT weights, BF16 activations)" in plain
 
 
+def test_serve_commands_trust_remote_code_when_the_checkpoint_ships_custom_code(written):
+    """Kimi K2 (and DeepSeek-V3) checkpoints carry an auto_map to code in the folder; transformers refuses a kimi_k2
+    config without trust_remote_code, so the card's vLLM and SGLang commands did not start such a checkpoint."""
+    config = json.loads((written / "config.json").read_text())
+    plain = str(mc.build_card(card_inputs(written, tp=4)))
+    assert "--trust-remote-code" not in plain  # GLM-5: no custom code, no flag
+    kimi = {**config, "model_type": "kimi_k2", "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}}
+    text = str(mc.build_card(card_inputs(written, config=kimi, tp=4, revision="int4")))
+    assert f"vllm serve {REPO} --tensor-parallel-size 4 --revision int4 --trust-remote-code\n" in text
+    assert f"python -m sglang.launch_server --model-path {REPO} --tp 4 --revision int4 --trust-remote-code\n" in text
+    tokenizer = {"tokenizer_class": "TikTokenTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_kimi.X", None]}}
+    text = str(mc.build_card(card_inputs(written, tokenizer_config=tokenizer)))
+    assert text.count(" --trust-remote-code\n") == 2
+
+
+def test_upload_card_reads_the_tokenizers_auto_map(ckpt, hub):
+    tok = json.loads((ckpt / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({**tok, "auto_map": {"AutoTokenizer": ["tok.T", None]}}))
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--dry-run")
+    assert r.exit_code == 0, r.output
+    assert f"vllm serve {REPO} --tensor-parallel-size 1 --trust-remote-code\n" in r.stdout
+
+
 def test_eval_table_appears_iff_an_eval_report_is_given(written):
     without = str(mc.build_card(card_inputs(written)))
     with_eval = str(mc.build_card(card_inputs(written, eval_result=EVAL)))
@@ -346,7 +369,7 @@ def test_upload_calls_the_hub_with_repo_private_revision_and_patterns(ckpt, hub)
     assert call["repo_id"] == REPO and Path(call["folder_path"]) == ckpt and call["revision"] is None
     assert call["ignore_patterns"] == upload.ignore_patterns() == [".glmq-gptq/*", "*.glmq-tmp", "*.tmp",
                                                                   "glmq_manifest.rank*.json",
-                                                                  "glmq_manifest*.journal.jsonl"]
+                                                                  "glmq_manifest*.journal.jsonl", "glmq_eval.json"]
     assert call["repo_type"] == "model"
     meta = yaml_block((ckpt / "README.md").read_text())
     assert meta["base_model"] == "zai-org/GLM-5"
@@ -401,6 +424,28 @@ def test_hub_errors_are_one_line_naming_checkpoint_and_fix(ckpt, hub, monkeypatc
     assert r.exit_code == 3 and "ConnectError" in r.output and "rerun the same command" in r.output
 
 
+def test_hub_refusal_says_the_hubs_reason_not_check_the_network(ckpt, hub, monkeypatch):
+    """The Hub answers README metadata it rejects (a --base-model it cannot resolve) with a 400 whose reason
+    huggingface_hub puts after a line holding only the request id: the error was "(BadRequestError: (Request ID:
+    ...)); check the network and rerun the same command", which names neither the cause nor the fix."""
+    from huggingface_hub.utils import hf_raise_for_status
+
+    reason = '"base_model" with value "zai-org/GLM-5-FP9" is not valid. Use a model id from https://hf.co/models.'
+
+    def commit(self, *a, **kw):
+        request = httpx.Request("POST", f"https://huggingface.co/api/models/{REPO}/commit/main")
+        hf_raise_for_status(httpx.Response(400, request=request, headers={"x-request-id": "Root=1-abc"},
+                                           json={"error": reason}), endpoint_name="commit")
+
+    monkeypatch.setattr(HfApi, "upload_folder", commit)
+    monkeypatch.setattr(HfApi, "upload_large_folder", commit)
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--base-model", "zai-org/GLM-5-FP9")
+    assert r.exit_code == 3 and "Traceback" not in r.output
+    last = r.output.strip().splitlines()[-1]
+    assert f"(BadRequestError: {reason})" in last and "--base-model" in last, last
+    assert "check the network" not in last and "Request ID" not in last
+
+
 def test_no_token_fails_before_validating(ckpt, hub, monkeypatch):
     monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
     r = run(str(ckpt), "--repo-id", REPO)
@@ -443,6 +488,21 @@ def test_eval_report_from_the_folder_or_the_option(ckpt, hub, tmp_path):
     (ckpt / "glmq_eval.json").write_text(json.dumps(other))
     r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--dry-run")
     assert r.exit_code == 0 and "not this checkpoint (ckpt)" in r.output and "## Evaluation" not in r.stdout
+
+
+def test_eval_report_of_dot_in_the_folder_is_this_checkpoint_and_is_not_published(ckpt, hub):
+    """`glmq eval SOURCE . --json glmq_eval.json`, run in the checkpoint folder, records the checkpoint as ".", whose
+    name is "": the card dropped the evaluation, warning that the report "evaluates no quantized model". And the
+    report itself was uploaded, with the local paths of the source, the checkpoints and the text in it."""
+    dot = {**EVAL, "models": [EVAL["models"][0], {**EVAL["models"][1], "checkpoint": "."}]}
+    (ckpt / "glmq_eval.json").write_text(json.dumps(dot))
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--dry-run")
+    assert r.exit_code == 0 and "not this checkpoint" not in r.output, r.output
+    assert "| **this checkpoint** (`ckpt`) | 3.9342 | 0.01234 |" in r.stdout
+    assert "glmq_eval.json" not in listing(r.stdout) and "skipped  glmq_eval.json" in r.stdout
+    assert "/data/prose.txt" not in r.stdout  # the card names the text file only
+    assert run(str(ckpt), "--repo-id", REPO, "--tp", "1").exit_code == 0
+    assert "glmq_eval.json" in hub[-1][1]["ignore_patterns"] and "glmq_eval.json" not in upload.split_files(ckpt)[0]
 
 
 def test_missing_folder_not_a_checkpoint_and_bad_ids(ckpt, hub, tmp_path):
