@@ -102,6 +102,14 @@ def detect_format(config: dict, config_path: Path) -> tuple[SourceFormat, tuple[
                 f"{config_path}: compressed-tensors format {qc.get('format')!r} as a source is not "
                 f"supported; glmq reads 'float-quantized' FP8 (it writes pack-quantized itself)"
             )
+        for gname, group in (qc.get("config_groups") or {}).items():
+            w = (group or {}).get("weights") or {}
+            if w.get("strategy") not in (None, "channel", "tensor"):
+                # e.g. llm-compressor's FP8_BLOCK: its [N/128, K/128] weight_scale would be refused tensor by tensor
+                raise CheckpointError(
+                    f"{config_path}: quantization_config group {gname} has FP8 weights of strategy "
+                    f"{w.get('strategy')!r}; glmq reads compressed-tensors FP8 per channel or per tensor, and block FP8 "
+                    f"in DeepSeek's layout (quant_method 'fp8', weight_scale_inv)")
         return SourceFormat.FP8_CT, None
     raise CheckpointError(
         f"{config_path}: quantization_config.quant_method {method!r} is not a source glmq reads "

@@ -72,3 +72,19 @@ def test_malformed_config_or_index_is_a_checkpoint_error(make_ckpt, tmp_path, na
     root = _edit(make_ckpt("glm_moe_dsa", "fp8-block"), tmp_path, name, edit)
     with pytest.raises(CheckpointError, match=message):
         make_plan(open_source(root), recipes.load("int4-w4a16"))
+
+
+def test_compressed_tensors_block_fp8_source_is_refused_up_front(make_ckpt, tmp_path):
+    """llm-compressor's FP8_BLOCK (strategy "block", weight_scale [N/128, K/128]): one line naming the config and the
+    strategy, before anything is read or created; it was ~100 lines of 'neither per-channel nor per-tensor'."""
+    src = tmp_path / "src"
+    shutil.copytree(make_ckpt("glm4_moe", "fp8-ct"), src)
+    cfg = json.loads((src / "config.json").read_text())
+    weights = cfg["quantization_config"]["config_groups"]["group_0"]["weights"]
+    assert weights["strategy"] in ("channel", "tensor")
+    open_source(src)  # as generated: read
+    weights.update(strategy="block", block_structure=[128, 128])
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config\.json: quantization_config group group_0 has FP8 weights of "
+                                              r"strategy 'block'; glmq reads"):
+        open_source(src)
