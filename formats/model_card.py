@@ -284,11 +284,16 @@ def sizes_section(inp: CardInputs) -> list[str]:
     r = inp.report or {}
     if "bytes_in_total" not in r or "bytes_out" not in r:
         return ["## Size", "", "Unknown: glmq_report.json is missing.", ""]
-    src, out = r["bytes_in_total"], r["bytes_out"]
+    # like with like: bytes_in_total is the source's shard files (headers included), bytes_out the output's tensors;
+    # the manifest records each output file's size
+    files = ((inp.manifest or {}).get("files") or {}).values()
+    sizes = [f.get("bytes") for f in files if isinstance(f, dict)]
+    whole = bool(sizes) and all(isinstance(b, int) for b in sizes)
+    src, out = r["bytes_in_total"], sum(sizes) if whole else r["bytes_out"]
     ratio = f" ({out / src:.2f}x)" if src else ""
     rows = [[f"source ({r.get('source_format', '?')})", human_bytes(src)],
-            ["this checkpoint", human_bytes(out) + ratio]]
-    return ["## Size", "", *_table(["checkpoint", "tensor bytes"], rows), ""]
+            ["this checkpoint", human_bytes(out) + ratio + ("" if whole else " (tensors only)")]]
+    return ["## Size", "", *_table(["checkpoint", "safetensors files"], rows), ""]
 
 
 def eval_section(result: dict | None, checkpoint_name: str) -> list[str]:

@@ -112,7 +112,11 @@ def test_card_body_quantization_sizes_and_serve_commands(written):
     assert "| routed_expert | quantize | 72 |" in text and "| attention | dequantize | 20 |" in text
     assert "`lm_head`" in text  # kept unquantized, from the config's ignore list
     assert "name: int4-w4a16" in text and "method: rtn" in text  # the recipe, as a recipe file
-    assert mc.human_bytes(report["bytes_in_total"]) in text and mc.human_bytes(report["bytes_out"]) in text
+    # both rows are file sizes: the source's shards and this folder's (bytes_out counts tensors only: headers not in)
+    files = sum(p.stat().st_size for p in written.glob("*.safetensors"))
+    assert files > report["bytes_out"]
+    assert (f"| source (fp8-block) | {mc.human_bytes(report['bytes_in_total'])} |" in text
+            and f"| this checkpoint | {mc.human_bytes(files)} ({files / report['bytes_in_total']:.2f}x) |" in text)
     assert f"vllm serve {REPO} --tensor-parallel-size 4\n" in text
     assert f"python -m sglang.launch_server --model-path {REPO} --tp 4\n" in text
     assert "## Evaluation" not in text and mc.UNVALIDATED_WARNING not in text
