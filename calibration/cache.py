@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from glmq.formats.safetensors_io import TMP_SUFFIX, CheckpointError, atomic_write_text
+from glmq.formats.safetensors_io import TMP_SUFFIX, CheckpointError, atomic_write_text, replaced_atomically
 from glmq.quantize import ops
 from glmq.quantize.pack import unpack_int32, unpack_zero_point
 from glmq.quantize.rtn import QWeight
@@ -145,12 +145,8 @@ def save_layer(cache: Path, index: int, tensors: dict[str, torch.Tensor], meta: 
                part: int | None = None) -> None:
     """Write layer `index`'s quantized targets (`pack_layer`'s tensors) and diagnostics atomically
     (`part`: a rank's share)."""
-    path = layer_file(cache, index, part)
-    tmp = Path(str(path) + TMP_SUFFIX)
-    save_file(tensors, str(tmp), metadata={"glmq_gptq": json.dumps(meta, sort_keys=True)})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with replaced_atomically(layer_file(cache, index, part)) as tmp:
+        save_file(tensors, str(tmp), metadata={"glmq_gptq": json.dumps(meta, sort_keys=True)})
 
 
 def layer_meta(cache: Path, index: int) -> dict | None:

@@ -13,6 +13,7 @@ hand-written because the library does not offer them:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -266,14 +267,25 @@ class StreamingWriter:
         self.tmp.unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def replaced_atomically(path: Path):
+    """Yield a temporary name beside `path` to write; then fsync it and rename it to `path`. On any failure (a full
+    disk, Ctrl-C) the temporary file is removed: no half file is left beside the folder's real ones."""
+    tmp = Path(str(path) + TMP_SUFFIX)
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write a small text file under a temporary name, fsync, rename."""
-    tmp = Path(str(path) + TMP_SUFFIX)
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with replaced_atomically(path) as tmp:
+        tmp.write_text(text)
 
 
 def file_tensor_hashes(path: Path, algorithm: str = SHA256) -> dict[str, str]:

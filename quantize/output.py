@@ -27,7 +27,8 @@ from glmq.formats.families import LINEAR_CLASSES, ignore_list
 from glmq.formats import manifest
 from glmq.formats.manifest import CHECKSUM_KEYS, MANIFEST_NAME, Manifest, fragment_name
 from glmq.formats.safetensors_io import (PT_METADATA, SHA256, TMP_SUFFIX, XXH3_128, CheckpointError,
-                                         atomic_write_text, file_tensor_checksums, layout)
+                                         atomic_write_text, file_tensor_checksums, layout,
+                                         replaced_atomically)
 from glmq.formats.source import INDEX_NAME
 from glmq.quantize import config_child
 from glmq.quantize.plan import Action, OutFile, Plan
@@ -334,13 +335,8 @@ def output_config(plan: Plan, quantization_config: dict) -> dict:
 def finish_checkpoint(plan: Plan, out: Path, man: Manifest, quantization_config: dict) -> None:
     """Side files, then the index, then config.json (the file that makes the folder a checkpoint)."""
     for name in plan.source.side_files:  # fsynced like the shards: config.json must not outlive an empty tokenizer
-        dst = out / name
-        tmp = Path(str(dst) + TMP_SUFFIX)
-        with open(plan.source.root / name, "rb") as fi, open(tmp, "wb") as fo:
+        with replaced_atomically(out / name) as tmp, open(plan.source.root / name, "rb") as fi, open(tmp, "wb") as fo:
             shutil.copyfileobj(fi, fo, 1 << 20)
-            fo.flush()
-            os.fsync(fo.fileno())
-        os.replace(tmp, dst)
     weight_map = {o.name: f.name for f in plan.files for it in f.items for o in it.outputs}
     index = {"metadata": {"total_size": sum(f.nbytes for f in plan.files)}, "weight_map": dict(sorted(weight_map.items()))}
     atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")

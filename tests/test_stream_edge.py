@@ -193,3 +193,30 @@ def test_the_output_lock_is_reentrant_in_one_process(tmp_path):
     assert len(OutputLock._held) == 1
     outer.release()
     assert OutputLock._held == {}
+
+
+def test_a_failed_side_file_or_index_write_leaves_no_temporary_file(reference, tmp_path, monkeypatch):
+    """A full disk while the side files, the index or config.json were written left `*.glmq-tmp` beside the shards
+    until the next run, and the CLI printed an OSError traceback; now the temporary file is removed at once, the error
+    is one line naming the folder, and the rerun finishes the same checkpoint."""
+    _, plan, ref = reference
+    assert plan.source.side_files
+    out = tmp_path / "out"
+    import glmq.quantize.output as output
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def index_fills_the_disk(path, text):  # atomic_write_text, failing half-way through the write
+        with safetensors_io.replaced_atomically(path) as tmp:
+            tmp.write_text(text[:100])
+            full()
+
+    for target, name, fn in ((output.shutil, "copyfileobj", full), (output, "atomic_write_text", index_fills_the_disk)):
+        with monkeypatch.context() as m:
+            m.setattr(target, name, fn)
+            with pytest.raises(OutputDirError, match="writing the side files, index or config.json failed: .*No space"):
+                stream.run(plan, out, progress=False)
+        assert not list(out.glob("*" + safetensors_io.TMP_SUFFIX)) and not (out / "config.json").exists()
+    stream.run(plan, out, progress=False)
+    assert _files(out) == _files(ref)
