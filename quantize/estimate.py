@@ -20,7 +20,9 @@ Models (small pure functions, below):
   Hessians, the all-token expert work and the GPTQ solves divide. Memory per rank: the largest decoder layer
   in the compute dtype, its source copy in BF16 and the integers, the Hessians (float32 K x K per site, bounded
   by `experts_per_pass`), the hidden states [S, T, H] (in memory, or on disk with one batch in memory), GLM-5's
-  carried top-k indices [S, T, index_topk] int32 and one batch's forward workspace.
+  carried top-k indices [S, T, index_topk] int32 and one batch's forward workspace, on top of a GPTQ process
+  (transformers, numba, the tokenizer: larger than RTN's). Time: `glmq quantize`'s defaults (all of a layer's
+  experts in one pass), and beside it the `experts_per_pass` variant, one calibration pass per chunk of experts.
 """
 
 from __future__ import annotations
@@ -33,13 +35,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from glmq.formats.families import TensorClass, family_for, layer_index
-from glmq.formats.safetensors_io import DTYPE_NAMES, TensorEntry
-from glmq.formats.source import Source, detect_format
+from glmq.formats.safetensors_io import DTYPE_NAMES, ITEMSIZE, TensorEntry
+from glmq.formats.source import Source, SourceFormat, detect_format
 from glmq.quantize.plan import DEFAULT_MAX_SHARD_BYTES, Action, make_plan
 from glmq.quantize.stream import CHUNK_BYTES, PENDING_BYTES, PREFETCH, Reader
 from glmq.recipes import load as load_recipe
 
 ASSUMED_SHARD_BYTES = int(5.3e9)
+_DENSE_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # config dtype -> safetensors dtype
 # What an RTN run holds beside the process, whatever the shard size (quantize/stream.py): source pages still
 # mapped (a Reader handle is dropped every RELEASE_BYTES; the row blocks prefetched or being converted may
 # still view the one before), the converted rows waiting for the write lanes (PENDING_BYTES), and the block
@@ -77,6 +80,11 @@ FIGURES: dict[str, Figure] = {
     "rss_process_cuda_GB": Figure(0.653, "GB", _GPU_RUN + ": median rss_at_start_bytes (imports and the CUDA context)"),
     "rss_bench_cpu_GB": Figure(0.801, "GB peak RSS", _CPU_RUN + ": median glmq peak RSS, largest input shard 0.491 GB"),
     "rss_bench_cuda_GB": Figure(1.465, "GB peak RSS", _GPU_RUN + ": median glmq peak RSS, largest input shard 0.499 GB"),
+    "gptq_process_extra_GB": Figure(0.477, "GB above rss_process_<device>_GB", "BENCHMARKS.md 'GPTQ time and memory at "
+                                    "4 and 8 layers, session 7' (CPU, 2026-12-01, `python -m glmq.scripts.bench_gptq "
+                                    "scaling`): a GPTQ process holds 660-680 MiB at the start of a MoE layer with no "
+                                    "tensor alive (transformers' modeling code, numba and its kernels, the tokenizer, "
+                                    "heap), 0.713 GB - rss_process_cpu_GB 0.236"),
     "gptq_cpu_forward_TFLOPs": Figure(None, "TFLOP/s", _GPTQ_TODO),
     "gptq_cuda_forward_TFLOPs": Figure(31.2, "TFLOP/s", _GPTQ_GPU_RUN + ": layer 1, 48.77 s, of which 35.79 s solving "
                                        "and 6.04 s loading at rtn_cuda_GBps: 216 TFLOP of layer_work in the other 6.93 s"),
@@ -176,14 +184,21 @@ def virtual_source(config_path: Path) -> Source:
     with _config_keys(config, config_path):
         layout = fixtures.tensor_layout(config, fmt.value if fmt.value != "dense" else "bf16", family=family.name,
                                         fp8_ct_strategy="tensor" if weights.get("strategy") == "tensor" else "channel")
+    # the fixture layout stores an unquantized checkpoint in bf16; a plain FP16/FP32 one says so in its config
+    # (`torch_dtype`, `dtype` since transformers 5), and an FP32 one reads, and copies, twice the bytes
+    dense_dtype = None
+    if fmt is SourceFormat.DENSE:
+        dense_dtype = _DENSE_DTYPES.get(str(config.get("dtype") or config.get("torch_dtype") or "bfloat16"))
     entries, pos, shard, shard_bytes = {}, 0, 0, {}
     for unit in layout:
         for st in unit:
-            nbytes = math.prod(st.shape) * st.dtype.itemsize
+            dtype = DTYPE_NAMES[st.dtype]
+            dtype = dense_dtype if dense_dtype is not None and dtype == "BF16" else dtype
+            nbytes = math.prod(st.shape) * ITEMSIZE[dtype]
             if pos + nbytes > ASSUMED_SHARD_BYTES and pos:
                 shard, pos = shard + 1, 0
             name = f"virtual-{shard:05d}"
-            entries[st.name] = TensorEntry(st.name, name, DTYPE_NAMES[st.dtype], tuple(st.shape), pos, pos + nbytes)
+            entries[st.name] = TensorEntry(st.name, name, dtype, tuple(st.shape), pos, pos + nbytes)
             pos += nbytes
             shard_bytes[name] = shard_bytes.get(name, 0) + nbytes
     return Source(Path(config_path).parent, config, family, fmt, entries, sorted(shard_bytes), shard_bytes, block, [],
@@ -433,7 +448,8 @@ def gptq_estimate(plan, scale: Scale, figures: dict[str, Figure]) -> dict:
     big = max(layers.values(), key=lambda la: la.params)
     per_rank = rank_units(big, scale.ranks)
     worst = max(per_rank, key=lambda ts: hessian_bytes(ts, None, scale.expert_prior > 0))
-    process = figures[f"rss_process_{scale.device}_GB"].value * 1e9
+    # not RTN's process: GPTQ's imports transformers and numba, and tokenizes the calibration text
+    process = (figures[f"rss_process_{scale.device}_GB"].value + figures["gptq_process_extra_GB"].value) * 1e9
     variants = {}
     for epp in (None, scale.experts_per_pass):
         for offload in (False, True):
@@ -443,22 +459,30 @@ def gptq_estimate(plan, scale: Scale, figures: dict[str, Figure]) -> dict:
     rate = figures[f"gptq_{scale.device}_forward_TFLOPs"].value
     per_col = figures[f"gptq_{scale.device}_s_per_column"].value
     load_rate = figures[f"rtn_{scale.device}_GBps"].value
-    flops = columns = seconds = 0.0
     load = sum(la.bytes_in for la in layers.values()) / (load_rate * 1e9) if load_rate else None
-    for la in layers.values():
-        works = [layer_work(la, ts, cfg, scale) for ts in rank_units(la, scale.ranks)]
-        flops += max(w["flops"] for w in works)
-        columns += max(w["columns"] for w in works)
-    if rate is not None and per_col is not None and load is not None:
-        seconds = load + flops / (rate * 1e12) + columns * per_col
+
+    def work(epp: int | None) -> tuple[float, float, float | None]:
+        """(FLOPs, columns, seconds) on the busiest rank over every layer, `epp` experts' Hessians a pass."""
+        sc, flops, columns = replace(scale, experts_per_pass=epp), 0.0, 0.0
+        for la in layers.values():
+            works = [layer_work(la, ts, cfg, sc) for ts in rank_units(la, scale.ranks)]
+            flops += max(w["flops"] for w in works)
+            columns += max(w["columns"] for w in works)
+        known = rate is not None and per_col is not None and load is not None
+        return flops, columns, load + flops / (rate * 1e12) + columns * per_col if known else None
+
+    # the time of glmq quantize's defaults (all of a layer's experts in one pass, as the GPTQ figures were
+    # measured), and of the bounded variant shown beside it: each chunk of experts is one more calibration pass
+    flops, columns, seconds = work(None)
+    b_flops, _, b_seconds = work(scale.experts_per_pass)
     return {"targets": sum(len(la.targets) for la in layers.values()), "layers": len(layers),
             "largest_layer": big.index, "largest_params": big.params, "largest_expert_params": big.expert_params,
             "largest_targets": len(big.targets), "rank_targets": max(len(ts) for ts in per_rank),
             "rank_experts": len({t.expert for t in worst if t.expert is not None}),
             "experts": len({t.expert for t in big.targets if t.expert is not None}),
-            "memory": variants, "flops": flops, "columns": columns, "load_seconds": load,
-            "tune_iters": plan.recipe.spec.tune_iters,
-            "seconds": seconds if rate is not None and per_col is not None and load is not None else None}
+            "memory": variants, "process_rss": process, "flops": flops, "columns": columns, "load_seconds": load,
+            "tune_iters": plan.recipe.spec.tune_iters, "seconds": seconds,
+            "bounded": {"experts_per_pass": scale.experts_per_pass, "flops": b_flops, "seconds": b_seconds}}
 
 
 def rates_from_layer_report(row: dict, layer: Layer, cfg: dict, scale: Scale, load_GBps: float) -> dict[str, float]:
@@ -551,6 +575,7 @@ def _gptq_lines(g: dict, sc: dict, figures: dict[str, Figure], rtn: dict) -> lis
             (f"hidden states on disk: one batch in, one out (host)", q["hidden"])]
     if p["carry"]:
         rows.append(("carried top-k indices, int32, in + out (host)", p["carry"]))
+    rows.append(("process: imports, tokenizer, heap (host)", g["process_rss"]))
     lines += [f"  {label:62s} {_gb(n)}" for label, n in rows]
     # glmq quantize's defaults first (all of a layer's experts at once, --activations disk), then each option
     for key, label in (("all/disk", "quantize's defaults (all experts at once, hidden states on disk)"),
@@ -559,7 +584,8 @@ def _gptq_lines(g: dict, sc: dict, figures: dict[str, Figure], rtn: dict) -> lis
         m = v[key]
         lines.append(f"peak per rank, {label}: host {_gb(m['host']).strip()}"
                      + (f", GPU {_gb(m['device']).strip()}" if dev == "cuda" else ""))
-    lines.append(f"work: {g['flops'] / 1e15:.1f} PFLOP of calibration passes and {g['columns'] / 1e6:.2f} M solved input "
+    lines.append(f"work: {g['flops'] / 1e15:.1f} PFLOP of calibration passes ({g['bounded']['flops'] / 1e15:.1f} with "
+                 f"--experts-per-pass {epp}) and {g['columns'] / 1e6:.2f} M solved input "
                  f"columns on the busiest rank, over {g['layers']} decoder layers")
     keys = [f"gptq_{dev}_forward_TFLOPs", f"gptq_{dev}_s_per_column"]
     missing = [k for k in keys if figures[k].value is None]
@@ -573,8 +599,10 @@ def _gptq_lines(g: dict, sc: dict, figures: dict[str, Figure], rtn: dict) -> lis
     elif g["seconds"] is not None:
         lines.append(f"wall: {_duration(g['seconds'] + (rtn['seconds'] or 0))} = measured part + calibration passes "
                      f"{_duration(g['flops'] / (figures[keys[0]].value * 1e12))} + solves "
-                     f"{_duration(g['columns'] * figures[keys[1]].value)}; EXTRAPOLATION from "
-                     + "; ".join(f"{k} = {figures[k].value} ({figures[k].basis})" for k in keys))
+                     f"{_duration(g['columns'] * figures[keys[1]].value)} (quantize's defaults, all experts at once; "
+                     f"with --experts-per-pass {epp}: {_duration(g['bounded']['seconds'] + (rtn['seconds'] or 0))}, "
+                     f"calibration passes {_duration(g['bounded']['flops'] / (figures[keys[0]].value * 1e12))}); "
+                     "EXTRAPOLATION from " + "; ".join(f"{k} = {figures[k].value} ({figures[k].basis})" for k in keys))
     if g.get("tune_iters"):
         f = figures[f"gptq_{dev}_tune_s_per_step"]
         cost = (f"about {_duration(f.value * g['tune_iters'] * g['layers'])} more if every layer steps as fast as a GLM-5 "

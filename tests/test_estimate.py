@@ -64,6 +64,22 @@ def test_config_only_prediction_is_exact_for_a_converted_tiny_checkpoint(name, m
     assert pred["by_class"] == estimate.from_plan(plan)["by_class"]
 
 
+def test_config_only_prediction_of_a_plain_fp32_checkpoint(make_ckpt, tmp_path):
+    """A plain FP32 checkpoint (torch_dtype float32) reads and copies 4 bytes a weight: the config-only plan
+    sized it as bf16 (half the input, the copied tensors at half their size)."""
+    from safetensors.torch import load_file, save_file
+
+    src, dst = make_ckpt("glm4_moe", "bf16"), tmp_path / "fp32"
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        save_file({k: v.float() for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "float32"}))
+    pred = estimate.from_config_file(dst / "config.json", "int4-w4a16")
+    assert pred["bytes_in"] == sum(data_bytes_by_class(dst).values())
+    assert pred["by_class"] == estimate.from_plan(make_plan(open_source(dst), recipes.load("int4-w4a16")))["by_class"]
+
+
 # ----------------------------------------------------------------------------------- real configs
 @pytest.fixture(scope="module")
 def real():
@@ -283,6 +299,41 @@ def test_gptq_estimate_on_a_tiny_plan(make_ckpt):
     g = estimate.gptq_estimate(plan, Scale(device="cuda"), figs)
     assert g["load_seconds"] == pytest.approx(sum(la.bytes_in for la in layers.values()) / (FIGURES["rtn_cuda_GBps"].value * 1e9))
     assert g["seconds"] == pytest.approx(g["load_seconds"] + g["flops"] / 10e12 + g["columns"] * 1e-4)
+
+
+def test_gptq_wall_is_quantizes_defaults_whatever_experts_per_pass(make_ckpt):
+    """The wall is that of `glmq quantize`'s defaults (all of a layer's experts in one pass, as the GPTQ figures
+    were measured); --experts-per-pass only adds its own, slower, variant beside it (it used to replace it)."""
+    plan = make_plan(open_source(make_ckpt("glm_moe_dsa", "fp8-block")), recipes.load("int4-w4a16"))
+    every = estimate.gptq_estimate(plan, Scale(device="cuda", experts_per_pass=None), FIGURES)
+    one = estimate.gptq_estimate(plan, Scale(device="cuda", experts_per_pass=1), FIGURES)
+    assert one["experts"] > 1 and one["seconds"] == every["seconds"] and one["flops"] == every["flops"]
+    assert one["bounded"]["experts_per_pass"] == 1 and one["bounded"]["seconds"] > one["seconds"]
+    assert one["bounded"]["flops"] > one["flops"] and every["bounded"]["seconds"] == every["seconds"]
+    res = CliRunner().invoke(main, ["plan", "-m", str(plan.source.root), "--device", "cuda", "--experts-per-pass", "1"])
+    line = next(x for x in res.output.splitlines() if x.startswith("wall: ") and "EXTRAPOLATION" in x)
+    assert f"wall: {estimate._duration(one['seconds'] + one_rtn_seconds(plan))} = " in line, line
+    assert "quantize's defaults, all experts at once; with --experts-per-pass 1: " in line, line
+
+
+def one_rtn_seconds(plan) -> float:
+    return estimate.from_plan(plan, Scale(device="cuda"))["rtn"]["seconds"]
+
+
+def test_gptq_host_peak_holds_a_gptq_process(make_ckpt):
+    """GPTQ's host peak starts from a GPTQ process (transformers, numba, the tokenizer: 660-680 MiB with no tensor
+    alive, BENCHMARKS.md session 7), not RTN's 0.24 GB: the shared model's GPTQ run (16 x 128 tokens) peaked at
+    0.76 GB where the plan said 0.27 GB."""
+    plan = make_plan(open_source(make_ckpt("glm4_moe", "fp8-block")), recipes.load("int4-w4a16"))
+    for dev in ("cpu", "cuda"):
+        g = estimate.gptq_estimate(plan, Scale(device=dev, samples=16, seq_len=128), FIGURES)
+        assert all(v["host"] > 680 * 2**20 for v in g["memory"].values()), (dev, g["memory"])
+        process = (FIGURES[f"rss_process_{dev}_GB"].value + FIGURES["gptq_process_extra_GB"].value) * 1e9
+        assert g["process_rss"] == pytest.approx(process), dev
+        for v in g["memory"].values():
+            assert v["host"] == pytest.approx(estimate.peak_memory(v["parts"], dev, process)["host"]), dev
+    assert FIGURES["rss_process_cpu_GB"].value + FIGURES["gptq_process_extra_GB"].value == pytest.approx(
+        680 * 2**20 / 1e9, abs=0.001)
 
 
 def test_rates_from_a_layer_report_invert_the_time_model():
