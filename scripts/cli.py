@@ -319,8 +319,8 @@ def _print_summary(rep: dict, out: Path) -> None:
               help="GPTQ: compute dtype. `glmq quantize` computes in float32; bfloat16 is the Python API's "
                    "CalibrationSettings(dtype='bfloat16').")
 @click.option("--experts-per-pass", default=32, show_default=True, type=click.IntRange(min=1),
-              help="GPTQ: the `glmq quantize --experts-per-pass` whose bounded Hessians are shown next to 'all "
-                   "experts at once' (quantize's default).")
+              help="GPTQ: the `glmq quantize --experts-per-pass` whose bounded Hessians and time are shown next to "
+                   "'all experts at once' (quantize's default).")
 @click.option("--throughput", multiple=True, metavar="KEY=VALUE",
               help="Override a measured figure of glmq/quantize/estimate.py FIGURES, e.g. gptq_cuda_s_per_column=0.002.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_out_file,
