@@ -86,6 +86,8 @@ class HessianCollector:
                  all_token_experts: set[int] = frozenset(), device: torch.device | None = None,
                  all_token_limit: float | None = None, routed_output: bool = True):
         self.layer, self.device = layer, device
+        # for error messages, which come after the pass (the layer is dropped at exit)
+        self.layer_index = getattr(getattr(layer, "self_attn", None), "layer_idx", None)
         self.experts_module = getattr(getattr(layer, "mlp", None), "experts", None)
         n_exp = getattr(self.experts_module, "num_experts", 0)
         self.active = set(range(n_exp)) if experts is None else set(experts)
@@ -157,7 +159,12 @@ class HessianCollector:
     def hessian(self, site: str) -> tuple[torch.Tensor | None, int]:
         """(H float32 [K, K] or None if the site saw nothing, tokens) for a site."""
         acc = self.acc.get(site)
-        return (None, 0) if acc is None else (acc.finalize(), acc.num_tokens)
+        if acc is None:
+            return None, 0
+        try:
+            return acc.finalize(), acc.num_tokens
+        except ValueError as e:  # the accumulator knows no names: say which layer and input overflowed
+            raise ValueError(f"layer {self.layer_index}, input of {site}: {e}") from e
 
 
 class _ExpertTap:

@@ -99,10 +99,16 @@ def quantize_layer(run: _Run, i: int, build, state: dict, targets: list[Target],
             counts = col.tokens.tolist()
             under = {e for e, n in enumerate(counts) if n < run.s.min_expert_tokens}
             meta["tokens_per_expert"], meta["under_covered"] = counts, sorted(under)
-            meta["all_token_hessian_tokens"] = col.all_token_tokens or None  # None: no down_all Hessian taken
+            meta["all_token_hessian_tokens"] = None  # None: no down_all Hessian taken
             all_h = col.hessian(ALL_TOKENS)
             if all_tok and under & chunk & down_experts and not prior:  # this chunk's all-token down Hessians: one more pass
-                col.acc.update(_collect(run, layer, set(), set(), under & chunk & down_experts, src, carry, tps).acc)
+                extra = _collect(run, layer, set(), set(), under & chunk & down_experts, src, carry, tps)
+                col.acc.update(extra.acc)
+                col.all_token_tokens = extra.all_token_tokens
+        # whichever pass took the down_all Hessians (without the prior: pass 0's extra one, or a later chunk's own
+        # for its under-covered experts), they took the same first tokens
+        if col.all_token_tokens:
+            meta["all_token_hessian_tokens"] = col.all_token_tokens
         if p == len(chunks) - 1:
             del layer
             stream.release_free_memory()  # the passes' activations, before the solves

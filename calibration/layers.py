@@ -160,10 +160,15 @@ def fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             rest[k] = v
     if not experts:
         return rest
-    n = len(experts)
-    if sorted(experts) != list(range(n)) or any(len(p) != 3 for p in experts.values()):
-        raise ValueError(f"routed experts are incomplete: found indices {sorted(experts)[:8]}... with "
-                         f"projections {sorted({k for p in experts.values() for k in p})}")
+    n = max(experts) + 1
+    # named per expert: the union of the projections found (all three) and the first indices said nothing of which
+    # expert lacked which
+    lacking = {e: [p for p in ("gate", "up", "down") if p not in experts.get(e, {})] for e in range(n)}
+    lacking = {e: ps for e, ps in lacking.items() if ps}
+    if lacking:
+        raise ValueError(f"routed experts are incomplete ({len(lacking)} of {n}): " + ", ".join(
+            f"expert {e} has no {'/'.join(ps)}_proj" for e, ps in list(lacking.items())[:8])
+            + (", ..." if len(lacking) > 8 else ""))
     rest["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([experts[e]["gate"], experts[e]["up"]]) for e in range(n)])
     rest["mlp.experts.down_proj"] = torch.stack([experts[e]["down"] for e in range(n)])
     return rest
@@ -274,7 +279,12 @@ class LayerBuilder:
         """
         from accelerate import init_empty_weights
 
-        state = fuse_experts(self.tensors.layer_state(index) if state is None else state)
+        state = self.tensors.layer_state(index) if state is None else state
+        try:
+            state = fuse_experts(state)
+        except ValueError as e:
+            raise ValueError(f"{self.source.root}: layer {index}: {e}; the checkpoint lacks these tensors (an "
+                             "incomplete download or conversion): fetch its shards and index again") from e
         with init_empty_weights():
             layer = getattr(self.mod, self.spec.layer)(self.config, index)
         expected = layer.state_dict()

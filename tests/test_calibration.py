@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import weakref
 from pathlib import Path
 
@@ -133,6 +134,19 @@ def test_fuse_experts_puts_gate_rows_first():
     assert torch.equal(fused["mlp.experts.down_proj"][0], d)
     with pytest.raises(ValueError, match="incomplete"):
         fuse_experts({"mlp.experts.1.gate_proj.weight": g})
+
+
+def test_a_missing_expert_projection_is_named_with_the_checkpoint_and_layer(make_ckpt):
+    """An expert tensor absent from the checkpoint: the error names the checkpoint, the layer, the expert and the
+    projection (it listed the first 8 indices and all three projections: every one present, to read it)."""
+    src = make_ckpt("glm4_moe", "fp8-block")
+    b = LayerBuilder(open_source(src), torch.device("cpu"), torch.float32)
+    i = b.config.first_k_dense_replace
+    state = b.tensors.layer_state(i)
+    del state["mlp.experts.5.up_proj.weight"]
+    with pytest.raises(ValueError, match=rf"{re.escape(str(src))}: layer {i}: routed experts are incomplete \(1 of \d+\): "
+                                         r"expert 5 has no up_proj; "):
+        b.build(i, state)
 
 
 @pytest.mark.parametrize("family", ["glm4_moe", "glm_moe_dsa"])
@@ -393,3 +407,41 @@ def test_hessian_panels_hold_the_block_upper_triangle_bit_for_bit():
     for i0, i1 in symmetric_panels(k):
         assert torch.equal(full[i0:i1, i0:], ref[i0:i1, i0:])
     assert torch.equal(full, full.T)
+
+
+# ----------------------------------------------------------------------------------------- coverage report
+
+
+def _gptq_report(src, out, **kw) -> dict:
+    """The "gptq" report of a GPTQ run (int4-w4a16, no clip search, no layer-output tuning) on 2 x 32 random tokens."""
+    import dataclasses
+
+    from glmq import recipes
+    from glmq.calibration.engine import CalibrationSettings, run_gptq
+    from glmq.quantize.plan import make_plan
+
+    r = recipes.load("int4-w4a16").with_method("gptq")
+    r = dataclasses.replace(r, spec=dataclasses.replace(r.spec, tune_iters=0))
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    s = CalibrationSettings(samples=2, seq_len=32, batch_size=2, clip_search=False, **kw)
+    return run_gptq(make_plan(open_source(src), r, 300_000), out, ids, s, progress=False)["gptq"]
+
+
+def test_under_covered_all_token_down_hessians_without_prior_are_reported(make_ckpt, tmp_path):
+    """Without the prior, the under-covered experts' all-token down Hessians come from an extra pass (chunk 0) or
+    a later chunk's own pass; the report gives the tokens they took (it said None: "none taken")."""
+    rep = _gptq_report(make_ckpt("glm4_moe", "fp8-block"), tmp_path / "o", expert_prior=0.0,
+                       min_expert_tokens=10**9, experts_per_pass=3)
+    moe = [lay for lay in rep["layers"] if lay["tokens_per_expert"]]
+    assert moe and all(lay["under_covered_experts"] == list(range(len(lay["tokens_per_expert"]))) for lay in moe)
+    assert [lay["all_token_hessian_tokens"] for lay in moe] == [64] * len(moe)  # 2 x 32 tokens, fewer than 4 x I
+
+
+def test_overflowing_activations_name_the_layer_and_the_input(moe_layer):
+    """A Hessian of NaN/Inf activations (float16 calibration overflowing) is an error naming the layer and the input
+    (it named neither: one line about "the calibration activations" of a whole model's run)."""
+    b, layer, x = moe_layer
+    with torch.no_grad(), collect.HessianCollector(layer, {"self_attn.q_a_proj"}) as col:
+        layer(x.clone().index_fill_(1, torch.tensor([3]), float("inf")), **b.layer_kwargs(x))
+    with pytest.raises(ValueError, match=r"layer 1, input of self_attn\.q_a_proj: .*NaN/Inf"):
+        col.hessian("self_attn.q_a_proj")
