@@ -73,7 +73,7 @@ CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 class Fallback(str, enum.Enum):
     """Why GPTQ returned RTN's result instead."""
 
-    EMPTY_HESSIAN = "empty_hessian"  # H == 0: no calibration tokens reached this layer
+    EMPTY_HESSIAN = "empty_hessian"  # H == 0: no calibration tokens reached this layer, or all its inputs were zero
     NOT_POSITIVE_DEFINITE = "not_positive_definite"  # Cholesky failed even at MAX_DAMP
 
 
