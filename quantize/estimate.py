@@ -309,6 +309,7 @@ class Layer:
     bytes_in: int  # source bytes (weights and scales) every rank reads and dequantizes to build the layer
     linear_flops: int  # 2 N K summed over every 2-D weight, routed experts weighted by top_k / E
     targets: tuple[Target, ...]
+    routed_flops: int = 0  # the routed experts' part of linear_flops
 
 
 def decoder_layers(plan) -> dict[int, Layer]:
@@ -320,7 +321,7 @@ def decoder_layers(plan) -> dict[int, Layer]:
         i = layer_index(it.name)
         if i is None or i >= n_layers:
             continue
-        a = acc.setdefault(i, {"params": 0, "expert": 0, "bytes": 0, "flops": 0.0, "targets": []})
+        a = acc.setdefault(i, {"params": 0, "expert": 0, "bytes": 0, "flops": 0.0, "routed_flops": 0.0, "targets": []})
         numel = math.prod(it.src.shape)
         routed = it.cls is TensorClass.ROUTED_EXPERT
         a["params"] += numel
@@ -328,12 +329,13 @@ def decoder_layers(plan) -> dict[int, Layer]:
         a["bytes"] += it.in_bytes
         if len(it.src.shape) == 2:
             a["flops"] += 2 * numel * (share if routed else 1)
+            a["routed_flops"] += 2 * numel * share if routed else 0
         if it.action is Action.QUANTIZE:
             m = _EXPERT.match(it.module)
             e = int(m.group(1)) if m else None
             site = it.module if m is None else f"{e}.{'down' if m.group(2) == 'down' else 'gate_up'}"
             a["targets"].append(Target(it.module, it.src.shape[0], it.src.shape[1], e, site))
-    return {i: Layer(i, a["params"], a["expert"], a["bytes"], round(a["flops"]), tuple(a["targets"]))
+    return {i: Layer(i, a["params"], a["expert"], a["bytes"], round(a["flops"]), tuple(a["targets"]), round(a["routed_flops"]))
             for i, a in sorted(acc.items())}
 
 
@@ -420,7 +422,8 @@ def layer_work(layer: Layer, targets: list[Target], cfg: dict, scale: Scale) -> 
     """FLOPs of one rank's calibration passes and input columns of its GPTQ solves, for one layer.
 
     Passes: one per chunk of this rank's experts (at least one) plus the output forward of the quantized
-    layer, each a full forward over S x T tokens. Hessian sums cost 2 K^2 per token and site (routed sites
+    layer, each a full forward over S x T tokens, except that a chunk pass runs only its own routed experts
+    (calibration/collect.py `_ExpertTap`): the chunk passes together run the routed experts once. Hessian sums cost 2 K^2 per token and site (routed sites
     see top_k / E of the tokens on average); with `expert_prior` every expert of the rank also runs gate/up
     over every token (2 * 2 H I) and sums its all-token down Hessian (2 I^2), over the first
     `all_token_limit` x I tokens only (CalibrationSettings.all_token_limit).
@@ -436,7 +439,9 @@ def layer_work(layer: Layer, targets: list[Target], cfg: dict, scale: Scale) -> 
     hess += (gate_k**2 if experts else 0) + len(experts) * share * (gate_k**2 + down_k**2)
     prior = len(experts) * (2 * gate_k * down_k + down_k**2) if scale.expert_prior > 0 else 0
     prior_tokens = tokens if not scale.all_token_limit else min(tokens, int(scale.all_token_limit * down_k))
-    return {"passes": passes + 1, "flops": (passes + 1) * forward + 2 * (tokens * hess + prior_tokens * prior),
+    unrouted = tokens * (layer.linear_flops - layer.routed_flops + attention_flops_per_token(cfg, scale.seq_len))
+    passes_flops = (min(passes, 1) + 1) * forward + max(passes - 1, 0) * unrouted  # + the output forward
+    return {"passes": passes + 1, "flops": passes_flops + 2 * (tokens * hess + prior_tokens * prior),
             "columns": sum(t.k for t in targets)}
 
 

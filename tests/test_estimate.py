@@ -316,6 +316,24 @@ def test_gptq_wall_is_quantizes_defaults_whatever_experts_per_pass(make_ckpt):
     assert "quantize's defaults, all experts at once; with --experts-per-pass 1: " in line, line
 
 
+def test_chunk_passes_run_only_their_own_routed_experts(make_ckpt):
+    """--experts-per-pass N: every chunk pass but the first adds the layer's forward without its routed experts (a pass
+    runs only its own chunk's, calibration/collect.py), not a whole forward, which it counted until session 31."""
+    plan = make_plan(open_source(make_ckpt("glm_moe_dsa", "fp8-block")), recipes.load("int4-w4a16"))
+    cfg = plan.source.config
+    layer = next(la for la in estimate.decoder_layers(plan).values() if la.targets)
+    n = cfg["n_routed_experts"]
+    share = cfg["num_experts_per_tok"] / n
+    assert layer.routed_flops == round(sum(2 * t.n * t.k * share for t in layer.targets if t.expert is not None))
+    assert 0 < layer.routed_flops < layer.linear_flops
+    sc = Scale(samples=4, seq_len=32, experts_per_pass=None)
+    one = estimate.layer_work(layer, list(layer.targets), cfg, sc)
+    chunked = estimate.layer_work(layer, list(layer.targets), cfg, replace_scale(sc, experts_per_pass=1))
+    assert (one["passes"], chunked["passes"]) == (2, n + 1)
+    rest = 4 * 32 * (layer.linear_flops - layer.routed_flops + estimate.attention_flops_per_token(cfg, 32))
+    assert chunked["flops"] - one["flops"] == pytest.approx((n - 1) * rest)
+
+
 def one_rtn_seconds(plan) -> float:
     return estimate.from_plan(plan, Scale(device="cuda"))["rtn"]["seconds"]
 
