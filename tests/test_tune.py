@@ -71,6 +71,53 @@ def test_rounding_offsets_are_the_coordinate_optima():
     assert torch.allclose(off_rtn, expect.clamp(-OFFSET_BOUND, OFFSET_BOUND))
 
 
+def test_rounding_offsets_with_dead_columns_are_gptqs_coordinate_optima():
+    """With dead inputs (diag(H) == 0) GPTQ sets their diag to 1 before taking the dampening's mean; the offsets are
+    the optima of that objective (not of H + damp * mean(raw diag) I: up to 0.37 off with diag(H) ~ 0.01)."""
+    w, h = _problem()
+    h = h * 1e-2
+    h[:64, :] = h[:, :64] = 0
+    spec = QuantSpec(method=Method.GPTQ)
+    r = quantize_gptq(w, h, spec)
+    assert r.dead_columns == 64
+    off = rounding_offsets(w, r.qweight, h, r.damp, spec.group_size)
+    H = h.double().clone()
+    dead = torch.diagonal(H) == 0
+    torch.diagonal(H)[dead] = 1
+    hd = H + r.damp * torch.diagonal(H).mean() * torch.eye(256, dtype=torch.float64)
+    wz = w.double().masked_fill(dead, 0)  # GPTQ's weights: dead columns zeroed
+    s = r.qweight.scale.double().repeat_interleave(spec.group_size, dim=1)
+    t = ((wz - dequantize(r.qweight, spec.group_size).double()) @ hd) / (torch.diagonal(hd) * s)
+    inside = t[:, ~dead].abs() < OFFSET_BOUND
+    assert int(inside.sum()) > 0.9 * inside.numel()
+    torch.testing.assert_close(off[:, ~dead].double()[inside], t[:, ~dead][inside], rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_tuned_weight_is_the_written_one(dtype):
+    """The weight the tuning optimizes is bit for bit what it writes: at the start (V = A = 0) GPTQ's result as
+    the checkpoint dequantizes it, and after a move the dequantized `results` (scales rounded to their dtype, q * s
+    rounded as `rtn.dequantize` rounds it; the float32 product was up to 0.4 % off at the start)."""
+    from glmq.calibration.tune import _Tuned
+
+    w, h = _problem(n=64)
+    spec = QuantSpec(method=Method.GPTQ, full_range=True)
+    r = quantize_gptq(w.to(dtype), h, spec)
+    qws = {"m": r.qweight}
+    t = _Tuned.start("m.weight", [("m", ())], qws, {"m": rounding_offsets(w.to(dtype), r.qweight, h, r.damp, 128)},
+                     None, torch.device("cpu"))
+    lo, hi = spec.q_min, spec.q_max
+    assert torch.equal(t.weight(lo, hi, 128).detach().float(), t.dequantized(qws, 128))
+    with torch.no_grad():
+        t.a.uniform_(-0.01, 0.01, generator=torch.Generator().manual_seed(0))
+        t.v.uniform_(-0.3, 0.3, generator=torch.Generator().manual_seed(1))
+    res = t.results(lo, hi)
+    assert not torch.equal(res["m"].q, r.qweight.q) and not torch.equal(res["m"].scale, r.qweight.scale)
+    assert torch.equal(t.weight(lo, hi, 128).detach().float(), t.dequantized(res, 128))
+    t.weight(lo, hi, 128).float().square().sum().backward()  # the gradient reaches both through the roundings
+    assert t.v.grad.abs().sum() > 0 and t.a.grad.abs().sum() > 0
+
+
 def _tuned_plan(src, recipe="int4-w4a16-all-linear", iters=40):
     r = recipes.load(recipe).with_method("gptq")
     r = dataclasses.replace(r, spec=dataclasses.replace(r.spec, tune_iters=iters, tune_lr=None))
