@@ -131,7 +131,8 @@ def format_report(rep: dict) -> str:
             lines.append(f"layer {lay['layer']} output tuning ({t['tensors']} tensors, {t['iters']} iters, reference "
                          f"{t['reference']}): loss {t['loss_gptq']:.4g} -> {t['loss_tuned']:.4g} "
                          f"({'kept' if t['kept'] else 'not kept: GPTQ result written'}), "
-                         f"{100 * t['integers_changed']:.2f} % of integers moved, {t['seconds']:.1f} s"
+                         f"{100 * t['integers_changed']:.2f} % of integers {'moved' if t['kept'] else 'would have moved'}, "
+                         f"{t['seconds']:.1f} s"
                          + (f"; routed experts not tuned: {t['experts_not_tuned']}" if t.get("experts_not_tuned") else ""))
     cov = rep["expert_coverage"]
     lines.append(f"experts under {cov['min_expert_tokens']} tokens: {len(cov['under_covered'])}"

@@ -183,6 +183,19 @@ def test_a_kept_tuning_lowers_the_layer_output_error(tuned):
     assert t["kept"] and errs["tuned"] < errs["gptq"], (t, errs)
 
 
+def test_the_report_says_a_rejected_tuning_moved_nothing(tuned):
+    """A tuning that is not kept writes GPTQ's integers: its line said "x % of integers moved" all the same."""
+    from glmq.calibration.report import format_report
+
+    rep = json.loads(json.dumps(tuned[3]["gptq"]))
+    t = rep["layers"][0]["tune"]
+    assert t["kept"] and t["integers_changed"] > 0
+    assert "% of integers moved" in format_report(rep)
+    t["kept"] = False
+    text = format_report(rep)
+    assert "not kept: GPTQ result written" in text and "% of integers would have moved" in text
+
+
 def test_tuning_is_deterministic(tuned, tmp_path):
     src, _, out, _ = tuned
     run_gptq(_tuned_plan(src), tmp_path / "again", calib_ids(), settings(), progress=False)
