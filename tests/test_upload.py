@@ -227,6 +227,16 @@ def test_card_command_remakes_every_recorded_gptq_setting(written):
     assert "--device" not in cmd and "Python API" not in gptq_card(written, settings)
 
 
+def test_card_command_leaves_the_local_folders_of_the_calibration_file_out(written):
+    """The public card printed `--calibration /home/alice/private/calib.jsonl`, the uploader's folders."""
+    from glmq.calibration.engine import CalibrationSettings
+
+    base = "glmq quantize --model FP8_SOURCE_FOLDER --recipe recipe.yaml -o OUT --calibration "
+    for spec, shown in (("/home/alice/private/calib.jsonl", "calib.jsonl"), ("../d/c.txt", "c.txt"),
+                        ("allenai/c4", "allenai/c4"), ("data/c.txt", "data/c.txt")):
+        assert made_with(gptq_card(written, CalibrationSettings(calibration=spec), 5 * 10**9)) == base + shown, spec
+
+
 def test_card_command_prints_only_what_differs_from_the_defaults(written):
     from glmq.calibration.engine import CalibrationSettings
 
