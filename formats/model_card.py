@@ -230,9 +230,9 @@ def _number(v) -> str:
     return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
 
 
-def _public_spec(spec: str) -> str:
-    """A calibration file's name without the folders of the machine it was on (`/home/alice/data/c.jsonl` in a public
-    card); a dataset name (`org/name`) or a relative path stays as recorded."""
+def public_path(spec: str) -> str:
+    """A local path's last component, without the folders of the machine it was on (`/home/alice/data/c.jsonl` in a
+    public card or report); a dataset name (`org/name`) or a relative path stays as recorded."""
     return PurePath(spec).name if spec.startswith(("/", "~", "./", "../")) or PurePath(spec).drive else spec
 
 
@@ -249,7 +249,7 @@ def made_with(report: dict | None, manifest: dict | None) -> tuple[list[str], li
     api = []
     if str((report or {}).get("device", "")).startswith("cuda"):  # GPTQ's CUDA kernels sum in another order
         args.append("--device cuda")
-    args.append(f"--calibration {shlex.quote(_public_spec(str(s.get('calibration'))))}")
+    args.append(f"--calibration {shlex.quote(public_path(str(s.get('calibration'))))}")
     for key, flag, default in GPTQ_OPTIONS:
         if key not in s or s[key] == default:
             continue

@@ -267,12 +267,43 @@ def push(folder: Path, o: UploadOptions, api, method: str) -> None:
     api.create_repo(o.repo_id, repo_type="model", private=private, exist_ok=True)
     if o.revision not in (None, MAIN):
         api.create_branch(o.repo_id, branch=o.revision, repo_type="model", exist_ok=True)
+    from glmq.formats.manifest import REPORT_NAME
+
+    report = public_report(folder / REPORT_NAME)
     kw = {"repo_id": o.repo_id, "folder_path": str(folder), "repo_type": "model", "revision": o.revision,
-          "ignore_patterns": ignore_patterns()}  # a fresh list: huggingface_hub appends its defaults to it
+          # a fresh list: huggingface_hub appends its defaults to it
+          "ignore_patterns": ignore_patterns() + ([REPORT_NAME] if report is not None else [])}
     if method == "upload_large_folder":
         api.upload_large_folder(private=private, **kw)
     else:
         api.upload_folder(commit_message=f"glmq upload of {folder.resolve().name}", **kw)
+    if report is not None:  # after the weights: a failure here leaves a checkpoint that loads, and the rerun sends it
+        api.upload_file(path_or_fileobj=report, path_in_repo=REPORT_NAME, repo_id=o.repo_id, repo_type="model",
+                        revision=o.revision, commit_message=f"glmq run report of {folder.resolve().name}")
+
+
+def public_report(path: Path) -> bytes | None:
+    """The run report as published: every string that is a path on the uploader's machine (the source folder, a
+    GPTQ calibration file, an --offload-activations folder) reduced to its last component, as the card shows them;
+    None without a report. The local file keeps the paths (the card reads the source's Hub cache path from it)."""
+    from glmq.formats.model_card import public_path
+
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UploadError(f"{path}: not readable JSON ({e}); rerun `glmq quantize` with the same arguments to "
+                          f"rewrite it, or remove it", 2) from e
+
+    def clean(v):
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        return public_path(v) if isinstance(v, str) else v
+
+    return (json.dumps(clean(doc), indent=1) + "\n").encode()
 
 
 def _hub_errors() -> tuple[type[BaseException], ...]:

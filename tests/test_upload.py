@@ -62,7 +62,7 @@ class Calls(list):
 def hub(monkeypatch):
     """Record every HfApi call glmq upload can make; a token is set, no request leaves the machine."""
     calls = Calls()
-    for name in ("create_repo", "create_branch", "upload_folder", "upload_large_folder", "create_commit",
+    for name in ("create_repo", "create_branch", "upload_folder", "upload_large_folder", "upload_file", "create_commit",
                  "_validate_yaml"):
         monkeypatch.setattr(HfApi, name, calls.recorder(name, getattr(HfApi, name).__doc__))
     monkeypatch.setattr("huggingface_hub.get_token", lambda: "hf_test_token")
@@ -307,7 +307,7 @@ def test_allow_invalid_uploads_with_the_warning_in_the_card(ckpt, hub):
     r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--allow-invalid")
     assert r.exit_code == 0, r.output
     assert "WARNING: uploading" in r.output and "did not pass glmq validate" in r.output
-    assert [c[0] for c in hub] == ["create_repo", upload.upload_method(HfApi(), None)]
+    assert [c[0] for c in hub] == ["create_repo", upload.upload_method(HfApi(), None), "upload_file"]
     card = (ckpt / "README.md").read_text()
     assert mc.UNVALIDATED_WARNING in card and "glmq validate: INVALID, failed integrity" in card
     assert "| integrity | fail |" in card
@@ -319,7 +319,7 @@ def test_validation_that_cannot_run_refuses_unless_allowed(ckpt, hub):
     assert r.exit_code == 2 and "glmq validate could not run" in r.output and "no CUDA device" in r.output
     assert hub == []
     r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--device", "cuda", "--allow-invalid")
-    assert r.exit_code == 0 and "WARNING: uploading" in r.output and len(hub) == 2
+    assert r.exit_code == 0 and "WARNING: uploading" in r.output and len(hub) == 3
     card = (ckpt / "README.md").read_text()
     assert mc.UNVALIDATED_WARNING in card and "glmq validate could not run" in card
 
@@ -376,15 +376,22 @@ def test_real_upload_sends_what_the_dry_run_listed(ckpt, hub):
 def test_upload_calls_the_hub_with_repo_private_revision_and_patterns(ckpt, hub):
     r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--private", "--base-model", "zai-org/GLM-5")
     assert r.exit_code == 0, r.output
-    (name, create), (method, call) = hub
+    (name, create), (method, call), (report, sent) = hub
     assert name == "create_repo" and create["args"] == (REPO,)
     assert create["private"] is True and create["exist_ok"] is True and create["repo_type"] == "model"
     assert method == upload.upload_method(HfApi(), None)
     assert call["repo_id"] == REPO and Path(call["folder_path"]) == ckpt and call["revision"] is None
-    assert call["ignore_patterns"] == upload.ignore_patterns() == [".glmq-gptq/*", "*.glmq-tmp", "*.tmp",
-                                                                  "glmq_manifest.rank*.json",
-                                                                  "glmq_manifest*.journal.jsonl", "glmq_eval.json"]
+    assert upload.ignore_patterns() == [".glmq-gptq/*", "*.glmq-tmp", "*.tmp", "glmq_manifest.rank*.json",
+                                        "glmq_manifest*.journal.jsonl", "glmq_eval.json"]
+    assert call["ignore_patterns"] == upload.ignore_patterns() + ["glmq_report.json"]  # sent on its own, below
     assert call["repo_type"] == "model"
+    # the run report without the uploader's folders (the source's path, here a pytest folder)
+    local = json.loads((ckpt / "glmq_report.json").read_text())
+    assert report == "upload_file" and sent["path_in_repo"] == "glmq_report.json" and sent["repo_id"] == REPO
+    published = json.loads(sent["path_or_fileobj"])
+    assert Path(local["source"]).is_absolute() and published["source"] == Path(local["source"]).name
+    assert str(Path(local["source"]).parent) not in sent["path_or_fileobj"].decode()
+    assert {k: v for k, v in published.items() if k != "source"} == {k: v for k, v in local.items() if k != "source"}
     meta = yaml_block((ckpt / "README.md").read_text())
     assert meta["base_model"] == "zai-org/GLM-5"
 
@@ -392,10 +399,10 @@ def test_upload_calls_the_hub_with_repo_private_revision_and_patterns(ckpt, hub)
 def test_upload_large_folder_when_offered_and_not_deprecated(ckpt, hub, monkeypatch):
     monkeypatch.setattr(HfApi, "upload_large_folder", hub.recorder("upload_large_folder", "Upload a large folder."))
     assert run(str(ckpt), "--repo-id", REPO, "--tp", "1").exit_code == 0
-    (_, create), (method, call) = hub
+    (_, create), (method, call), _ = hub
     assert method == "upload_large_folder" and call["repo_id"] == REPO and call["private"] is None
     assert create["private"] is None  # no --private: the namespace's default visibility
-    assert call["ignore_patterns"] == upload.ignore_patterns()
+    assert call["ignore_patterns"] == upload.ignore_patterns() + ["glmq_report.json"]
 
 
 def test_deprecated_upload_large_folder_gives_way_to_upload_folder_with_hf_xet(monkeypatch):
@@ -414,9 +421,9 @@ def test_deprecated_upload_large_folder_gives_way_to_upload_folder_with_hf_xet(m
 def test_revision_creates_the_branch_and_uses_upload_folder(ckpt, hub, monkeypatch):
     monkeypatch.setattr(HfApi, "upload_large_folder", hub.recorder("upload_large_folder", "Upload a large folder."))
     assert run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--revision", "int4-g128").exit_code == 0
-    assert [c[0] for c in hub] == ["create_repo", "create_branch", "upload_folder"]
+    assert [c[0] for c in hub] == ["create_repo", "create_branch", "upload_folder", "upload_file"]
     assert hub[1][1]["branch"] == "int4-g128" and hub[1][1]["exist_ok"] is True
-    assert hub[2][1]["revision"] == "int4-g128"
+    assert hub[2][1]["revision"] == "int4-g128" and hub[3][1]["revision"] == "int4-g128"
     assert "--revision int4-g128" in (ckpt / "README.md").read_text()
 
 
@@ -516,7 +523,7 @@ def test_eval_report_of_dot_in_the_folder_is_this_checkpoint_and_is_not_publishe
     assert "glmq_eval.json" not in listing(r.stdout) and "skipped  glmq_eval.json" in r.stdout
     assert "/data/prose.txt" not in r.stdout  # the card names the text file only
     assert run(str(ckpt), "--repo-id", REPO, "--tp", "1").exit_code == 0
-    assert "glmq_eval.json" in hub[-1][1]["ignore_patterns"] and "glmq_eval.json" not in upload.split_files(ckpt)[0]
+    assert "glmq_eval.json" in hub[-2][1]["ignore_patterns"] and "glmq_eval.json" not in upload.split_files(ckpt)[0]
 
 
 def test_missing_folder_not_a_checkpoint_and_bad_ids(ckpt, hub, tmp_path):
