@@ -335,8 +335,8 @@ def decoder_layers(plan) -> dict[int, Layer]:
             e = int(m.group(1)) if m else None
             site = it.module if m is None else f"{e}.{'down' if m.group(2) == 'down' else 'gate_up'}"
             a["targets"].append(Target(it.module, it.src.shape[0], it.src.shape[1], e, site))
-    return {i: Layer(i, a["params"], a["expert"], a["bytes"], round(a["flops"]), tuple(a["targets"]), round(a["routed_flops"]))
-            for i, a in sorted(acc.items())}
+    return {i: Layer(i, a["params"], a["expert"], a["bytes"], round(a["flops"]), tuple(a["targets"]),
+                     round(a["routed_flops"])) for i, a in sorted(acc.items())}
 
 
 def rank_units(layer: Layer, ranks: int) -> list[list[Target]]:
@@ -423,10 +423,11 @@ def layer_work(layer: Layer, targets: list[Target], cfg: dict, scale: Scale) -> 
 
     Passes: one per chunk of this rank's experts (at least one) plus the output forward of the quantized
     layer, each a full forward over S x T tokens, except that a chunk pass runs only its own routed experts
-    (calibration/collect.py `_ExpertTap`): the chunk passes together run the routed experts once. Hessian sums cost 2 K^2 per token and site (routed sites
-    see top_k / E of the tokens on average); with `expert_prior` every expert of the rank also runs gate/up
-    over every token (2 * 2 H I) and sums its all-token down Hessian (2 I^2), over the first
-    `all_token_limit` x I tokens only (CalibrationSettings.all_token_limit).
+    (calibration/collect.py `_ExpertTap`): the chunk passes together run the routed experts once. Hessian
+    sums cost 2 K^2 per token and site (routed sites see top_k / E of the tokens on average); with
+    `expert_prior` every expert of the rank also runs gate/up over every token (2 * 2 H I) and sums its
+    all-token down Hessian (2 I^2), over the first `all_token_limit` x I tokens only
+    (CalibrationSettings.all_token_limit).
     """
     tokens = scale.samples * scale.seq_len
     experts = sorted({t.expert for t in targets if t.expert is not None})
