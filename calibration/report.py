@@ -42,7 +42,7 @@ def _class_rows(targets: dict[str, dict]) -> dict[str, dict]:
 def summarize(plan: Plan, metas: list[dict], settings, tokens: torch.Tensor, resumed_from: int,
               seconds: float) -> dict:
     """The report merged into glmq_report.json under "gptq"."""
-    layers, fallbacks, damped, under = [], [], [], []
+    layers, fallbacks, damped, under, unreached = [], [], [], [], []
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0])
     counts_all: list[int] = []
     for meta in metas:
@@ -62,6 +62,9 @@ def summarize(plan: Plan, metas: list[dict], settings, tokens: torch.Tensor, res
         counts_all += counts
         under += [{"layer": meta["layer"], "expert": e, "tokens": counts[e], "hessian": settings.under_covered}
                   for e in meta.get("under_covered", [])]
+        # whatever the threshold: with --min-expert-tokens 0 they are in no list above, yet get the all-token
+        # Hessian whole (expert_prior) or none (a round-to-nearest fallback)
+        unreached += [{"layer": meta["layer"], "expert": e} for e, n in enumerate(counts) if n == 0]
         layers.append({"layer": meta["layer"], "seconds": meta["seconds"], "classes": rows,
                        "calibration_tokens_per_s": meta.get("calibration_tokens_per_s"),
                        "gptq_seconds": meta.get("gptq_seconds"), "gptq_phase_seconds": meta.get("gptq_phase_seconds"),
@@ -87,7 +90,7 @@ def summarize(plan: Plan, metas: list[dict], settings, tokens: torch.Tensor, res
         "by_class": by_class,
         "layers": layers,
         "expert_coverage": {"min_expert_tokens": settings.min_expert_tokens, "tokens_per_expert": _spread(counts_all),
-                            "under_covered": under},
+                            "under_covered": under, "unreached": unreached},
         "fallbacks": fallbacks,
         "damp_increased": damped,
         "mtp": mtp_note(plan),
@@ -138,6 +141,8 @@ def format_report(rep: dict) -> str:
     lines.append(f"experts under {cov['min_expert_tokens']} tokens: {len(cov['under_covered'])}"
                  + "".join(f"\n  layer {u['layer']} expert {u['expert']}: {u['tokens']} tokens -> {u['hessian']}"
                            for u in cov["under_covered"][:20]))
+    lines.append(f"experts no calibration token reached: {len(cov.get('unreached', []))}" + "".join(
+        f"\n  layer {u['layer']} expert {u['expert']}" for u in cov.get("unreached", [])[:20]))
     lines.append(f"fallbacks: {len(rep['fallbacks'])}" + "".join(
         f"\n  {f['module']}: {f['reason']}" for f in rep["fallbacks"][:20]))
     mtp = rep["mtp"]

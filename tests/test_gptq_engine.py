@@ -240,19 +240,26 @@ def _with_dead_expert(src: Path, dst: Path, layer: int, expert: int) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("min_tokens", [0, 1])
-def test_expert_without_tokens_is_reported(make_ckpt, tmp_path, min_tokens):
+@pytest.mark.parametrize("min_tokens, prior", [(0, 0.0), (1, 1.0), (0, 1.0)])
+def test_expert_without_tokens_is_reported(make_ckpt, tmp_path, min_tokens, prior):
+    """An expert no calibration token reaches is listed whatever the settings (README: "all listed in the report");
+    with --min-expert-tokens 0 and the prior (the all-token Hessian whole) it was in no list."""
+    from glmq.calibration.report import format_report
+
     src = _with_dead_expert(make_ckpt("glm4_moe", "fp8-block"), tmp_path / "src", layer=1, expert=3)
-    s = settings(min_expert_tokens=min_tokens, expert_prior=0.0 if min_tokens == 0 else 1.0, clip_search=False)
+    s = settings(min_expert_tokens=min_tokens, expert_prior=prior, clip_search=False)
     rep = run_gptq(gptq_plan(src), tmp_path / "o", calib_ids(), s, progress=False)["gptq"]
     assert rep["layers"][1]["expert_tokens"]["zero"] >= 1
+    assert {"layer": 1, "expert": 3} in rep["expert_coverage"]["unreached"]
+    assert "experts no calibration token reached: " in format_report(rep) and "\n  layer 1 expert 3" in format_report(rep)
     dead = [f"model.layers.1.mlp.experts.3.{p}_proj" for p in ("gate", "up", "down")]
-    if min_tokens == 0:  # no threshold, no prior: no Hessian at all, so RTN, recorded per tensor
+    if prior:
+        assert not any(f["module"] in dead for f in rep["fallbacks"])
+    if min_tokens == 0 and not prior:  # no threshold, no prior: no Hessian at all, so RTN, recorded per tensor
         assert {f["module"]: f["reason"] for f in rep["fallbacks"] if f["module"] in dead} == \
             {m: "empty_hessian" for m in dead}
-    else:  # under-covered: quantized with the all-token Hessian, listed
+    elif min_tokens:  # under-covered: quantized with the all-token Hessian, listed
         assert {"layer": 1, "expert": 3, "tokens": 0, "hessian": "all_tokens"} in rep["expert_coverage"]["under_covered"]
-        assert not any(f["module"] in dead for f in rep["fallbacks"])
 
 
 # ----------------------------------------------------------------------------------------- resume
