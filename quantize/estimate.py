@@ -512,7 +512,10 @@ def rates_from_layer_report(row: dict, layer: Layer, cfg: dict, scale: Scale, lo
 
 # --------------------------------------------------------------------------------------------- text
 def _gb(n: float) -> str:
-    return f"{n / 1e9:9.2f} GB"
+    """GB at real scale; MB or KB below 10 MB, where every row of a small model read 0.00 GB."""
+    if abs(n) >= 1e7 or n == 0:
+        return f"{n / 1e9:9.2f} GB"
+    return f"{n / 1e6:9.2f} MB" if abs(n) >= 1e5 else f"{n / 1e3:9.2f} KB"
 
 
 def _duration(seconds: float) -> str:

@@ -451,3 +451,9 @@ def test_layer_index_of_the_largest_layer_is_a_moe_layer(real):
         assert cfg["first_k_dense_replace"] <= s["gptq"]["largest_layer"] < cfg["num_hidden_layers"], n
         assert s["gptq"]["experts"] == cfg["n_routed_experts"]
         assert layer_index(f"model.layers.{s['gptq']['largest_layer']}.x") == s["gptq"]["largest_layer"]
+
+
+def test_small_sizes_are_not_printed_as_zero_gb():
+    """Every row of a small model's plan read 0.00 GB; GLM-5-scale rows keep GB."""
+    assert estimate._gb(5_120).split() == ["5.12", "KB"] and estimate._gb(3_010_000).split() == ["3.01", "MB"]
+    assert estimate._gb(13.04e9).split() == ["13.04", "GB"] and estimate._gb(0).split() == ["0.00", "GB"]
