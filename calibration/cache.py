@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from glmq.formats.safetensors_io import TMP_SUFFIX, CheckpointError, atomic_write_text, replaced_atomically
+from glmq.formats.safetensors_io import CheckpointError, atomic_write_text, replaced_atomically
 from glmq.quantize import ops
 from glmq.quantize.pack import unpack_int32, unpack_zero_point
 from glmq.quantize.rtn import QWeight
@@ -247,15 +247,12 @@ class Activations:
 
     def save(self, path: Path) -> None:
         """Make the states durable at `path` (tmp + rename); a file store is fsynced and renamed."""
-        tmp = Path(str(path) + TMP_SUFFIX)
-        if self.data is not None:
-            with open(tmp, "wb") as f:
-                f.write(self.data.contiguous().reshape(-1).view(torch.uint8).numpy())
-        else:
-            os.replace(self.path, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with replaced_atomically(path) as tmp:
+            if self.data is not None:
+                with open(tmp, "wb") as f:
+                    f.write(self.data.contiguous().reshape(-1).view(torch.uint8).numpy())
+            else:
+                os.replace(self.path, tmp)
         if self.data is None:
             self.path = path
 
