@@ -288,13 +288,9 @@ def public_report(path: Path) -> bytes | None:
     None without a report. The local file keeps the paths (the card reads the source's Hub cache path from it)."""
     from glmq.formats.model_card import public_path
 
-    if not path.is_file():
+    doc = _read_json(path, "glmq report")
+    if doc is None:
         return None
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise UploadError(f"{path}: not readable JSON ({e}); rerun `glmq quantize` with the same arguments to "
-                          f"rewrite it, or remove it", 2) from e
 
     def clean(v):
         if isinstance(v, dict):
