@@ -432,7 +432,8 @@ def layer_work(layer: Layer, targets: list[Target], cfg: dict, scale: Scale) -> 
     tokens = scale.samples * scale.seq_len
     experts = sorted({t.expert for t in targets if t.expert is not None})
     passes = max(1, math.ceil(len(experts) / (scale.experts_per_pass or max(len(experts), 1)))) if targets else 0
-    forward = tokens * (layer.linear_flops + attention_flops_per_token(cfg, scale.seq_len))
+    attention = attention_flops_per_token(cfg, scale.seq_len)
+    forward = tokens * (layer.linear_flops + attention)
     share = cfg.get("num_experts_per_tok", 0) / max(cfg.get("n_routed_experts", 1), 1)
     hess = sum(t.k**2 for t in {t.site: t for t in targets if t.expert is None}.values())
     gate_k = max((t.k for t in layer.targets if t.site.endswith("gate_up")), default=0)
@@ -440,7 +441,7 @@ def layer_work(layer: Layer, targets: list[Target], cfg: dict, scale: Scale) -> 
     hess += (gate_k**2 if experts else 0) + len(experts) * share * (gate_k**2 + down_k**2)
     prior = len(experts) * (2 * gate_k * down_k + down_k**2) if scale.expert_prior > 0 else 0
     prior_tokens = tokens if not scale.all_token_limit else min(tokens, int(scale.all_token_limit * down_k))
-    unrouted = tokens * (layer.linear_flops - layer.routed_flops + attention_flops_per_token(cfg, scale.seq_len))
+    unrouted = tokens * (layer.linear_flops - layer.routed_flops + attention)  # a chunk pass after the first
     passes_flops = (min(passes, 1) + 1) * forward + max(passes - 1, 0) * unrouted  # + the output forward
     return {"passes": passes + 1, "flops": passes_flops + 2 * (tokens * hess + prior_tokens * prior),
             "columns": sum(t.k for t in targets)}
