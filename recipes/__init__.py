@@ -108,12 +108,37 @@ def _check_types(d: dict, origin: str) -> None:
                               f"write e.g. `{key}: {_example(KEY_TYPES[key], key, value)}`")
 
 
+# Keys of llm-compressor / compressed-tensors recipes (stages of modifiers, schemes, config groups, ignore lists), which
+# users try as they are: the unknown-key error then says how glmq's flat recipe expresses the same thing.
+_LLMC_KEYS = {"scheme", "schemes", "ignore", "config_groups", "quant_modifiers", "modifiers", "quantization_config",
+              "QuantizationModifier", "GPTQModifier", "weights"}
+
+
+def _llmc_hint(unknown: list[str]) -> str:
+    if not any(str(k) in _LLMC_KEYS or str(k).endswith(("_stage", "_modifiers")) for k in unknown):
+        return ""
+    return ("; this looks like an llm-compressor recipe (stages of modifiers, `scheme`, `config_groups`, `ignore`), "
+            "which glmq does not read. A glmq recipe is flat: list the tensor classes to quantize in `targets` "
+            f"(every other Linear stays unquantized and is written to the config's ignore for you; classes: "
+            f"{_servable()}) and set the weight format with `num_bits`, `group_size` and `symmetric`; e.g. W4A16 on "
+            f"the routed experts: `targets: [routed_expert]`, `num_bits: 4`, `group_size: 128`, `symmetric: true` "
+            f"(as in {RECIPE_DIR / 'int4-w4a16.yaml'})")
+
+
 def from_dict(d: dict, origin: str) -> Recipe:
     allowed = {"name", "description", "targets", "keep_fp8"} | _SPEC_FIELDS
-    unknown = sorted(set(d) - allowed)
+    unknown = sorted(set(d) - allowed, key=str)
     if unknown:
-        raise RecipeError(f"{origin}: unknown key(s) {unknown}; allowed keys are {sorted(allowed)}")
+        raise RecipeError(f"{origin}: unknown key(s) {unknown}; allowed keys are {sorted(allowed)}{_llmc_hint(unknown)}")
     _check_types(d, origin)
+    name = d.get("name", Path(origin).stem)
+    if not name.strip() or "/" in name or "\\" in name:
+        # it names the default output folder, `<model>-<name>` in the working directory: "w4/g128" wrote into a
+        # sub-folder "<model>-w4/g128", "" gave "<model>-"
+        fix = "-".join(x for x in name.replace("\\", "/").split("/") if x.strip(". ")) or "my-recipe"
+        raise RecipeError(f"{origin}: key 'name' is {name!r}; a recipe name is part of the default output folder's "
+                          f"name (<model>-<name>), so it must be a non-empty name without '/' or '\\': write e.g. "
+                          f"`name: {fix}`")
     try:
         targets = tuple(TensorClass(t) for t in d.get("targets", []))
     except ValueError as e:
@@ -132,7 +157,32 @@ def from_dict(d: dict, origin: str) -> Recipe:
         spec = QuantSpec(**{k: d[k] for k in _SPEC_FIELDS if k in d})
     except (TypeError, ValueError) as e:
         raise RecipeError(f"{origin}: {e}") from None
-    return Recipe(d.get("name", Path(origin).stem), targets, spec, d.get("keep_fp8", False), d.get("description", ""))
+    return Recipe(name, targets, spec, d.get("keep_fp8", False), d.get("description", ""))
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping: safe_load keeps the last value without a word, so
+    `group_size: 32` followed later by `group_size: 128` quantized at 128."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: keys given after it override it on purpose
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if first is not key_node:
+                raise _DuplicateKey(f"key {key!r} is given twice (lines {first.start_mark.line + 1} and "
+                                    f"{key_node.start_mark.line + 1}); YAML would keep only the last one silently. "
+                                    f"Remove one of them")
+        return super().construct_mapping(node, deep)
 
 
 def load(name_or_path: str) -> Recipe:
@@ -147,7 +197,9 @@ def load(name_or_path: str) -> Recipe:
                               f"(shipped recipes: {shipped})")
         raise RecipeError(f"recipe {name_or_path!r}: no such file and not a shipped recipe ({shipped})")
     try:
-        d = yaml.safe_load(p.read_text())
+        d = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)
+    except _DuplicateKey as e:
+        raise RecipeError(f"{p}: {e}") from None
     except yaml.YAMLError as e:
         raise RecipeError(f"{p}: not valid YAML: {e}") from None
     except (OSError, UnicodeDecodeError) as e:  # a folder, a binary file: was a traceback / a message without the file
