@@ -16,7 +16,7 @@ from glmq.formats.families import LINEAR_CLASSES, TensorClass, classify, layer_i
 from glmq.formats.safetensors_io import CheckpointError, OutSpec, TensorEntry
 from glmq.formats.source import Source, SourceFormat
 from glmq.quantize.pack import packed_shape
-from glmq.recipes import Recipe
+from glmq.recipes import UNSERVABLE_TARGETS, Recipe
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -190,6 +190,14 @@ def make_items(source: Source, recipe: Recipe) -> list[Item]:
                         f"the checkpoint is inconsistent (a shard from another revision?)")
     if problems:
         raise PlanError(f"{source.root}: {len(problems)} problem(s) found before converting:" + _problem_list(problems))
+    if not any(it.action is Action.QUANTIZE for it in items):
+        # Nothing to quantize wrote a valid "pack-quantized" checkpoint of BF16 weights (every class in the ignore
+        # list, FP8 dequantized: larger than the source), and validate passed it: the recipe was silently ignored.
+        present = sorted({it.cls.value for it in items if it.name.endswith(".weight") and len(it.src.shape) == 2
+                          and it.cls in LINEAR_CLASSES and it.cls not in UNSERVABLE_TARGETS})
+        raise PlanError(f"{source.root}: recipe {recipe.name!r} quantizes nothing here: its targets "
+                        f"{sorted(t.value for t in targets)} match no 2-D weight of this checkpoint, whose quantizable "
+                        f"weights are of the classes {present}; add one of those to the recipe's targets")
     items = _demote_unkeepable_partners(items)
     _check_fused_partners(items, source)
     return items

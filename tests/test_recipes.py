@@ -115,6 +115,20 @@ def test_cli_refuses_a_float_num_bits_before_writing_anything(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------- targets
+def test_a_recipe_whose_targets_match_nothing_is_refused_before_writing(make_ckpt, tmp_path):
+    """Targets present in no weight of the checkpoint (mtp_proj on a model without MTP layers) wrote a valid-looking
+    "pack-quantized" checkpoint of BF16 weights, larger than the FP8 source, that validate passed."""
+    from glmq.scripts.cli import main
+
+    src = make_ckpt("glm4_moe", config_overrides={"num_nextn_predict_layers": 0})
+    p, out = tmp_path / "mtp-only.yaml", tmp_path / "out"
+    p.write_text("targets: [mtp_proj]\n")
+    r = CliRunner().invoke(main, ["quantize", "-m", str(src), "-r", str(p), "-o", str(out), "--no-progress"])
+    assert r.exit_code == 1 and "quantizes nothing" in r.output and "'mtp_proj'" in r.output, r.output
+    assert "routed_expert" in r.output and "'router'" not in r.output, r.output  # offers only classes a recipe may name
+    assert not out.exists()
+
+
 def test_unservable_targets_are_the_layers_the_serving_check_always_refuses():
     from glmq.quantize.validate.serving import NO_QUANT_LAYERS
 
