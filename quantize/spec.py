@@ -142,8 +142,8 @@ class QuantSpec:
             raise ValueError(f"scale_refit must be an integer >= 0, got {self.scale_refit!r}")
         if not isinstance(self.tune_iters, int) or isinstance(self.tune_iters, bool) or self.tune_iters < 0:
             raise ValueError(f"tune_iters must be an integer >= 0, got {self.tune_iters!r}")
-        if self.tune_lr is not None and not self.tune_lr > 0:
-            raise ValueError(f"tune_lr must be positive, got {self.tune_lr!r}")
+        if self.tune_lr is not None and not 0 < self.tune_lr < float("inf"):  # `.inf` is valid YAML for a float
+            raise ValueError(f"tune_lr must be a positive finite number, got {self.tune_lr!r}")
         if self.tune_reference not in TUNE_REFERENCES:
             raise ValueError(f"tune_reference must be one of {TUNE_REFERENCES}, got {self.tune_reference!r}")
         if self.full_range and not self.symmetric:

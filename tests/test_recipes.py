@@ -102,6 +102,14 @@ def test_quantspec_checks_types_on_construction():
     assert type(spec.num_bits) is int and type(spec.group_size) is int
 
 
+@pytest.mark.parametrize("lr", [".inf", ".nan", "-0.1", "0.0"])
+def test_tune_lr_must_be_positive_and_finite(tmp_path, lr):
+    p = tmp_path / "r.yaml"
+    p.write_text(f"targets: [routed_expert]\ntune_iters: 4\ntune_lr: {lr}\n")
+    with pytest.raises(recipes.RecipeError, match="tune_lr must be a positive finite number"):
+        recipes.load(str(p))
+
+
 def test_cli_refuses_a_float_num_bits_before_writing_anything(tmp_path):
     from glmq.scripts.cli import main
 
