@@ -74,7 +74,14 @@ def check_identity(cache: Path, identity: dict, device: str | None = None) -> No
     cache.mkdir(parents=True, exist_ok=True)
     path = cache / IDENTITY_NAME
     if path.exists():
-        old = json.loads(path.read_text())
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as e:  # (UnicodeDecodeError is one)
+            old = e
+        if not isinstance(old, dict):
+            raise CalibrationCacheError(
+                f"{path}: unreadable ({old if isinstance(old, Exception) else 'not a JSON object'}), so the GPTQ "
+                f"results in {cache} cannot be matched to this run; remove {cache} to calibrate from scratch")
         devices = old.pop(DEVICES_KEY, [])
         if old != identity:
             diff = sorted(k for k in set(old) | set(identity) if old.get(k) != identity.get(k))
@@ -154,8 +161,14 @@ def layer_meta(cache: Path, index: int) -> dict | None:
     path = layer_file(cache, index)
     if not path.exists():
         return None
-    with safe_open(str(path), "pt") as f:
-        return json.loads(f.metadata()["glmq_gptq"])
+    try:
+        with safe_open(str(path), "pt") as f:
+            return json.loads((f.metadata() or {})["glmq_gptq"])
+    except Exception as e:  # safetensors' header errors, no or bad glmq_gptq metadata
+        why = "no 'glmq_gptq' metadata" if isinstance(e, KeyError) else " ".join(str(e).split())
+        raise CalibrationCacheError(
+            f"{path}: not a readable GPTQ layer file ({why}); remove it to calibrate decoder layer {index} "
+            f"and the layers after it again") from e
 
 
 def load_qweights(cache: Path, index: int, spec: QuantSpec, part: int | None = None) -> dict[str, QWeight]:

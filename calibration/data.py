@@ -114,7 +114,7 @@ def iter_file(path: Path):
         yield from _parquet(path)
     else:
         try:
-            yield path.read_text(encoding="utf-8")
+            yield path.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark is no text to calibrate on
         except UnicodeDecodeError as e:
             raise CalibrationDataError(f"{path}: not UTF-8 text ({e}); give a .txt, .jsonl or .parquet file") from e
 
@@ -123,7 +123,7 @@ def _jsonl(path: Path):
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # a byte-order mark (Windows editors) is no JSON
             except UnicodeDecodeError as e:
                 raise CalibrationDataError(f"{path}:{n}: not UTF-8 text ({e})") from e
             if not line.strip():
@@ -141,12 +141,12 @@ def _jsonl(path: Path):
 def _json(path: Path):
     """A `.json` file: one JSON array of objects with a "text" field, else JSON Lines (`_jsonl`)."""
     with open(path, "rb") as f:
-        first = f.read(4096).lstrip()
+        first = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()  # past a UTF-8 byte-order mark
     if not first.startswith(b"["):
         yield from _jsonl(path)
         return
     try:
-        rows = json.loads(path.read_bytes().decode("utf-8"))
+        rows = json.loads(path.read_bytes().decode("utf-8-sig"))
     except ValueError as e:  # (UnicodeDecodeError is one)
         raise CalibrationDataError(f"{path}: not a valid JSON array ({e})") from e
     for n, row in enumerate(rows):
@@ -187,4 +187,6 @@ def iter_dataset(name: str, seed: int):
     order = list(range(len(ds)))
     random.Random(seed).shuffle(order)
     for i in order:
-        yield ds[i][TEXT_FIELD]
+        text = ds[i][TEXT_FIELD]
+        if isinstance(text, str):  # a null row is no document (as in a Parquet file)
+            yield text

@@ -1,0 +1,128 @@
+"""Review of calibration/data.py and calibration/cache.py: inputs and cache files those modules mishandled.
+
+What is asserted:
+- A calibration text, JSON Lines or JSON array file saved with a UTF-8 byte-order mark (Windows editors,
+  PowerShell) gives the same tokens as the same file without one: neither an error nor the mark's bytes.
+- A dataset row whose "text" is null is skipped (as in a Parquet file), not a tokenizer crash.
+- A torn `calibration.json` or an unreadable layer file is a CalibrationCacheError naming the file and what to
+  remove; once removed as it says, the run resumes and finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from glmq.calibration import cache as cc
+from glmq.calibration.data import calibration_tokens
+from glmq.formats import fixtures
+
+BOM = b"\xef\xbb\xbf"
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tok")
+    fixtures.write_byte_tokenizer(d)
+    return d
+
+
+def _docs() -> list[str]:
+    return [f"document {i}: " + "the router sends each token to its experts. " * 6 for i in range(6)]
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl", "json-array", "json-lines"])
+def test_a_byte_order_mark_is_no_text(tok_dir, tmp_path, kind):
+    docs = _docs()
+    body = {"txt": "\n".join(docs),
+            "jsonl": "".join(json.dumps({"text": d}) + "\n" for d in docs),
+            "json-array": json.dumps([{"text": d} for d in docs]),
+            "json-lines": "".join(json.dumps({"text": d}) + "\n" for d in docs)}[kind].encode()
+    suffix = {"txt": ".txt", "jsonl": ".jsonl", "json-array": ".json", "json-lines": ".json"}[kind]
+    plain, marked = tmp_path / f"plain{suffix}", tmp_path / f"marked{suffix}"
+    plain.write_bytes(body)
+    marked.write_bytes(BOM + body)
+    want = calibration_tokens(tok_dir, str(plain), samples=8, seq_len=32, seed=1)
+    got = calibration_tokens(tok_dir, str(marked), samples=8, seq_len=32, seed=1)
+    assert torch.equal(got, want)
+
+
+def test_null_text_rows_of_a_dataset_are_skipped(tok_dir, monkeypatch):
+    docs = _docs()
+
+    class Dataset:
+        def __init__(self, rows):
+            self.rows, self.column_names = rows, ["text"]
+
+        def __len__(self):
+            return len(self.rows)
+
+        def __getitem__(self, i):
+            return self.rows[i]
+
+    def load(rows):
+        fake = types.ModuleType("datasets")
+        fake.load_dataset = lambda repo, config=None, split=None: Dataset(rows)
+        monkeypatch.setitem(sys.modules, "datasets", fake)
+
+    rows = [{"text": d} for d in docs]
+    rows[1:1] = rows[4:4] = [{"text": None}]
+    load([r if r["text"] is not None else {"text": ""} for r in rows])  # "": a document of no tokens
+    want = calibration_tokens(tok_dir, "org/calib", samples=8, seq_len=32, seed=0)
+    load(rows)  # the same rows in the same seeded order, null where the other has ""
+    assert torch.equal(calibration_tokens(tok_dir, "org/calib", samples=8, seq_len=32, seed=0), want)
+
+
+def test_a_torn_identity_file_is_a_clear_error(tmp_path):
+    cc.check_identity(tmp_path, {"settings": {"seed": 0}}, "cpu")
+    for torn in ('{"plan": ', "[]", b"\xff\xfe"):
+        path = tmp_path / cc.IDENTITY_NAME
+        path.write_bytes(torn if isinstance(torn, bytes) else torn.encode())
+        with pytest.raises(cc.CalibrationCacheError, match=rf"calibration.json: unreadable .*remove .*{tmp_path.name}"):
+            cc.check_identity(tmp_path, {"settings": {"seed": 0}}, "cpu")
+
+
+def test_an_unreadable_layer_file_is_a_clear_error(tmp_path):
+    good = {"m.weight_packed": torch.zeros(2, 1, dtype=torch.int32)}
+    cc.save_layer(tmp_path, 0, good, {"layer": 0})
+    assert cc.layer_meta(tmp_path, 0) == {"layer": 0}
+    data = cc.layer_file(tmp_path, 0).read_bytes()
+    from safetensors.torch import save_file
+
+    for name, write in [("empty", lambda p: p.write_bytes(b"")),
+                        ("truncated", lambda p: p.write_bytes(data[: len(data) - 4])),
+                        ("foreign", lambda p: save_file(good, str(p)))]:
+        write(cc.layer_file(tmp_path, 3))
+        with pytest.raises(cc.CalibrationCacheError, match=r"layer-00003.safetensors: not a readable GPTQ layer file"
+                                                           r".*remove it to calibrate decoder layer 3"):
+            cc.layer_meta(tmp_path, 3)
+
+
+def test_a_run_with_a_torn_layer_file_stops_and_resumes_once_it_is_removed(make_ckpt, tmp_path, monkeypatch):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from glmq.calibration import engine
+    from test_gptq_engine import calib_ids, gptq_plan, settings
+
+    src, out = make_ckpt("glm4_moe", "fp8-block"), tmp_path / "out"
+    orig = engine._Run.layer
+
+    def dying(self, i, *a):
+        if i == 2:
+            raise KeyboardInterrupt
+        return orig(self, i, *a)
+
+    monkeypatch.setattr(engine._Run, "layer", dying)
+    with pytest.raises(KeyboardInterrupt):
+        engine.run_gptq(gptq_plan(src), out, calib_ids(), settings(), progress=False)
+    monkeypatch.setattr(engine._Run, "layer", orig)
+    layer1 = cc.layer_file(out / cc.CACHE_DIR, 1)
+    layer1.write_bytes(layer1.read_bytes()[:100])  # as a copy or a disk that lost the file's end leaves it
+    with pytest.raises(cc.CalibrationCacheError, match="layer-00001.safetensors: not a readable GPTQ layer file"):
+        engine.run_gptq(gptq_plan(src), out, calib_ids(), settings(), progress=False)
+    layer1.unlink()
+    rep = engine.run_gptq(gptq_plan(src), out, calib_ids(), settings(), progress=False)
+    assert rep["gptq"]["resumed_from_layer"] == 1
