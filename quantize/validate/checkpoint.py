@@ -75,6 +75,9 @@ def load_checkpoint(root: Path) -> Checkpoint:
         ck.manifest = Manifest.load(root)
     except ValueError as e:
         ck.manifest_error = str(e)
+    except OSError as e:  # a folder or an unreadable file in its place: the integrity check fails, naming it
+        ck.manifest_error = f"{root / MANIFEST_NAME}: unreadable ({e}); re-convert, or remove it to skip the " \
+                            f"integrity check"
     if ck.manifest is not None and (why := _manifest_problem(ck.manifest)):
         ck.manifest = None
         ck.manifest_error = f"{root / MANIFEST_NAME}: {why}; re-convert, or remove it to skip the integrity check"
@@ -123,6 +126,9 @@ def _read_index(root: Path, res: CheckResult) -> tuple[dict[str, str], int | Non
         idx = json.loads(path.read_text(), object_pairs_hook=pairs)
     except ValueError as e:
         res.fail(f"{INDEX_NAME}: not valid JSON ({e})")
+        return {}, None
+    except OSError as e:  # a folder, or unreadable: loaders cannot read it either
+        res.fail(f"{path}: unreadable ({e}); re-download or re-write the index")
         return {}, None
     if not isinstance(idx, dict):
         res.fail(f"{INDEX_NAME}: is a JSON {type(idx).__name__}, not an object with a weight_map")

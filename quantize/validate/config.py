@@ -154,8 +154,19 @@ def _parse_groups(groups: dict, top_format: str | None, problems: list[str]) -> 
             problems.append(f"config_groups.{gname}.weights: num_bits {bits!r}, strategy {strategy!r}, "
                             f"group_size {gs}: not a pack-quantized layout (4/8 bits; group with a size, or channel)")
             continue
+        symmetric = w.get("symmetric", True)
+        if type(symmetric) is not bool:  # bool("false") is True; compressed-tensors (so vLLM/SGLang) reads False
+            problems.append(f"{where}.weights.symmetric is {symmetric!r}, not a JSON boolean: vLLM and SGLang "
+                            f"parse it with compressed-tensors, which reads \"false\" as false; write true or false")
+        # vLLM's WNA16 (Marlin) schemes take static weights and no activation quantization (formats.md §3a)
+        if g.get("input_activations") is not None:
+            problems.append(f"{where}.input_activations is {g['input_activations']!r:.80}: a W4A16 group quantizes "
+                            f"no activations, and vLLM picks no WNA16 (Marlin) scheme for it; set it to null")
+        if w.get("dynamic", False) is not False:
+            problems.append(f"{where}.weights.dynamic is {w.get('dynamic')!r}: pack-quantized weights are static, and "
+                            f"vLLM picks no WNA16 (Marlin) scheme for dynamic ones; set it to false")
         out.append(Group(gname, targets, "int", int(w["num_bits"]), gs if strategy == "group" else None,
-                         bool(w.get("symmetric", True)), w.get("actorder")))
+                         bool(symmetric), w.get("actorder")))
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 
@@ -80,9 +81,22 @@ class Report:
         return 0 if self.valid else 1
 
     def to_dict(self) -> dict:
-        return {"checkpoint": self.checkpoint, "valid": self.valid, "exit_code": self.exit_code,
-                "seconds": round(self.seconds, 3), "settings": self.settings, "timings": self.timings,
-                "checks": {k: c.to_dict() for k, c in self.checks.items()}}
+        """The JSON form; non-finite numbers (a NaN scale's `value`, a non-finite matmul's error) as the strings
+        "inf", "-inf", "nan": `json.dumps` writes them as Infinity/NaN, which is not JSON (RFC 8259) and which
+        strict parsers (JavaScript's, Go's) reject, in exactly the reports of failed checks."""
+        return _finite({"checkpoint": self.checkpoint, "valid": self.valid, "exit_code": self.exit_code,
+                        "seconds": round(self.seconds, 3), "settings": self.settings, "timings": self.timings,
+                        "checks": {k: c.to_dict() for k, c in self.checks.items()}})
+
+
+def _finite(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)  # "inf", "-inf", "nan"
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
 
 
 def format_report(rep: Report, worst: int = 5) -> str:

@@ -89,6 +89,17 @@ def check_serving(modules: dict[str, Module], groups: list[Group], shapes: dict,
         for rule, numbers in dense_rules(leaf, *shapes[name], tp, g):
             note(m, rule, numbers)
     for layer, mods in sorted(experts.items()):
+        by_scheme: dict[tuple, list[Module]] = defaultdict(list)  # groups with equal args are one scheme
+        for m in mods:
+            g = group_for(m.name, groups)
+            by_scheme[(g.num_bits, g.group_size, g.symmetric, g.actorder)].append(m)
+        if len(by_scheme) > 1:  # vLLM's get_moe_method: "All MoE projections need to have same quantization scheme"
+            seen = ", ".join(f"{group_for(ms[0].name, groups).name} (num_bits {k[0]}, group_size {k[1]}, symmetric "
+                             f"{k[2]}; e.g. {ms[0].name})" for k, ms in sorted(by_scheme.items(), key=repr))
+            for m in mods:
+                note(m, "one quantization scheme for all expert projections",
+                     f"layer {layer}: {len(by_scheme)} schemes: {seen}; vLLM fuses the experts into one MoE layer "
+                     f"and raises, SGLang reads them all with the 'Linear' group's scheme")
         gate = next((m for m in mods if m.name.endswith(("gate_proj", "up_proj"))), None)
         inter, hidden = shapes[gate.name] if gate else shapes[mods[0].name][::-1]
         for rule, numbers in moe_rules(hidden, inter, tp, group_for(mods[0].name, groups)):

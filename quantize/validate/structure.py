@@ -118,9 +118,11 @@ def check_structure(modules: dict[str, Module], groups: list[Group], shapes: dic
                 res.fail(f"{m.name}.{stray[0]} belongs to no quantized weight (orphan companion)", **where)
             w = m.parts.get("weight")
             if (w is not None and m.cls in LINEAR_CLASSES and len(w.shape) == 2
+                    and (g := group_for(m.name, groups)) is not None  # no group targets it: loaders build it as is
                     and not any(ct.is_ignored(m.name, [p]) for p in ignore)):
+                form, leaf = ("INT", "weight_packed") if g.kind == "int" else ("FP8", "weight_scale")
                 res.fail(f"{m.name}.weight is stored unquantized ({w.dtype}) but matches no ignore entry: vLLM would "
-                         f"build it as INT and find no weight_packed", **where)
+                         f"build it as {form} and find no {leaf}", **where)
     _check_experts(modules, config or {}, res)
     return res
 

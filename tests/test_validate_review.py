@@ -1,0 +1,198 @@
+"""`glmq validate` review: config values loaders read otherwise than glmq did, targets without ignore entries, and
+expert projections under different schemes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from glmq import recipes
+from glmq.formats.source import open_source
+from glmq.quantize import output, stream
+from glmq.quantize import validate as v
+from glmq.quantize.plan import make_plan
+from glmq.scripts.cli import main
+
+G64 = "name: g64\ntargets: [routed_expert]\nnum_bits: 4\ngroup_size: 64\n"
+
+
+class _InProcessConfigJob:
+    """`output.ConfigJob` without its child process (compressed-tensors is already imported here)."""
+
+    def __init__(self, plan, own_session: bool = False):
+        self.request = json.dumps(output.config_request(plan))
+
+    def result(self) -> dict:
+        from glmq.formats.compressed_tensors import config_from_request
+
+        return json.loads(json.dumps(config_from_request(json.loads(self.request))))
+
+    def cancel(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def outputs(make_ckpt, tmp_path_factory):
+    """(int4-w4a16 output, the same source at group size 64)."""
+    base = tmp_path_factory.mktemp("review")
+    (base / "g64.yaml").write_text(G64)
+    src = make_ckpt("glm_moe_dsa", "fp8-block")
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stream, "ConfigJob", _InProcessConfigJob)
+        for key, recipe in (("g128", "int4-w4a16"), ("g64", str(base / "g64.yaml"))):
+            stream.run(make_plan(open_source(src), recipes.load(recipe), 400_000), base / key, progress=False)
+            out[key] = base / key
+    return out
+
+
+@pytest.fixture
+def ckpt(outputs, tmp_path) -> Path:
+    return Path(shutil.copytree(outputs["g128"], tmp_path / "ckpt"))
+
+
+def edit_qc(root: Path, edit) -> None:
+    cfg = json.loads((root / "config.json").read_text())
+    edit(cfg["quantization_config"])
+    (root / "config.json").write_text(json.dumps(cfg))
+
+
+def weights(qc: dict) -> dict:
+    return qc["config_groups"]["group_0"]["weights"]
+
+
+def messages(rep: v.Report, check: str) -> list[str]:
+    return [f.message for f in rep.checks[check].failures]
+
+
+def test_unmodified_output_is_valid(ckpt):
+    rep = v.validate(ckpt)
+    assert rep.valid, v.format_report(rep)
+
+
+def test_symmetric_as_a_string_fails_config(ckpt):
+    """compressed-tensors (as vLLM/SGLang parse it) reads "false" as false: asymmetric, zero points expected and
+    Marlin-MoE refuses it; glmq read bool("false") = True and passed the checkpoint (exit 0)."""
+    from glmq.formats import compressed_tensors as ct
+
+    edit_qc(ckpt, lambda qc: weights(qc).__setitem__("symmetric", "false"))
+    qc = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    assert ct.QuantizationConfig.model_validate(qc).config_groups["group_0"].weights.symmetric is False
+    rep = v.validate(ckpt)
+    assert rep.exit_code == 1 and "config" in {k for k, c in rep.checks.items() if c.status is v.Status.FAIL}
+    assert any(m.startswith("config.json: quantization_config.config_groups.group_0.weights.symmetric is 'false'")
+               for m in messages(rep, "config"))
+
+
+@pytest.mark.parametrize("key, edit", [
+    ("input_activations", lambda qc: qc["config_groups"]["group_0"].__setitem__(
+        "input_activations", {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True,
+                              "symmetric": True})),
+    ("weights.dynamic", lambda qc: weights(qc).__setitem__("dynamic", True)),
+])
+def test_int_group_that_vllm_would_not_load_as_wna16_fails_config(ckpt, tmp_path, key, edit):
+    """formats.md §3a: vLLM's WNA16 schemes need static weights and no input_activations; such a config passed."""
+    edit_qc(ckpt, edit)
+    r = CliRunner().invoke(main, ["validate", str(ckpt), "--json", str(tmp_path / "r.json")])
+    assert r.exit_code == 1, r.output
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["checks"]["config"]["status"] == "fail"
+    assert any(f"config_groups.group_0.{key} is" in f["message"] for f in doc["checks"]["config"]["failures"])
+
+
+def test_unquantized_linear_that_no_group_targets_needs_no_ignore_entry(ckpt):
+    """A group that targets the experts by name (no "Linear"): vLLM builds every other Linear unquantized, so a BF16
+    lm_head without an ignore entry is what it loads; it failed as "vLLM would build it as INT"."""
+    def by_name(qc):
+        qc["config_groups"]["group_0"]["targets"] = [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"]
+        qc["ignore"] = []
+
+    edit_qc(ckpt, by_name)
+    rep = v.validate(ckpt)
+    assert rep.checks["structure"].status is v.Status.PASS, messages(rep, "structure")[:3]
+    assert rep.valid
+    # with "Linear" targeted, the same missing ignore entry still fails
+    edit_qc(ckpt, lambda qc: qc["config_groups"]["group_0"].__setitem__("targets", ["Linear"]))
+    assert "lm_head.weight is stored unquantized (BF16) but matches no ignore entry: vLLM would build it as INT and " \
+           "find no weight_packed" in messages(v.validate(ckpt), "structure")
+
+
+def test_expert_projections_under_different_schemes_fail_serving(ckpt, outputs):
+    """down_proj at group 64 (its own config group), gate/up at 128: vLLM raises "All MoE projections need to have
+    same quantization scheme"; the serving check looked at one projection's group only and passed."""
+    g64 = outputs["g64"]
+    idx64 = json.loads((g64 / "model.safetensors.index.json").read_text())["weight_map"]
+    idx = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    for shard in sorted(set(idx["weight_map"].values())):
+        with safe_open(str(ckpt / shard), "pt") as f:
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        for k in [k for k in t if ".experts." in k and ".down_proj." in k]:
+            with safe_open(str(g64 / idx64[k]), "pt") as f:
+                t[k] = f.get_tensor(k)
+        save_file(t, str(ckpt / shard), metadata={"format": "pt"})
+    idx["metadata"].pop("total_size")
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(idx))
+    (ckpt / "glmq_manifest.json").unlink()  # the shards changed on purpose
+
+    def two_groups(qc):
+        g1 = json.loads(json.dumps(qc["config_groups"]["group_0"]))
+        g1["targets"], g1["weights"]["group_size"] = [r"re:.*mlp\.experts\.\d+\.down_proj$"], 64
+        qc["config_groups"]["group_1"] = g1
+
+    edit_qc(ckpt, two_groups)
+    rep = v.validate(ckpt, sample=1.0)
+    assert {k for k, c in rep.checks.items() if c.status is v.Status.FAIL} == {"serving"}, v.format_report(rep)
+    [msg] = messages(rep, "serving")
+    assert msg.startswith("routed_expert: one quantization scheme for all expert projections fails for 72 module(s)")
+    assert "group_size 64" in msg and "group_size 128" in msg
+    # the same args under two group names are one scheme: valid
+    edit_qc(ckpt, lambda qc: qc["config_groups"]["group_1"]["weights"].__setitem__("group_size", 128))
+    for shard in sorted(set(idx["weight_map"].values())):
+        with safe_open(str(ckpt / shard), "pt") as f:
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        src = json.loads((outputs["g128"] / "model.safetensors.index.json").read_text())["weight_map"]
+        for k in [k for k in t if ".experts." in k and ".down_proj." in k]:
+            with safe_open(str(outputs["g128"] / src[k]), "pt") as f:
+                t[k] = f.get_tensor(k)
+        save_file(t, str(ckpt / shard), metadata={"format": "pt"})
+    rep = v.validate(ckpt, sample=1.0)
+    assert rep.valid, v.format_report(rep)
+
+
+def test_json_report_of_a_nan_scale_is_standard_json(ckpt, tmp_path):
+    """A NaN scale's failure carries value inf: `--json` wrote `"value": Infinity`, which is not JSON (RFC 8259)
+    and which strict parsers reject, in the report of exactly the checkpoint CI must reject."""
+    name = "model.layers.1.mlp.experts.3.down_proj.weight_scale"
+    shard = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"][name]
+    with safe_open(str(ckpt / shard), "pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    t[name][0, 0] = float("nan")
+    save_file(t, str(ckpt / shard), metadata={"format": "pt"})
+    r = CliRunner().invoke(main, ["validate", str(ckpt), "--json", str(tmp_path / "r.json")])
+    assert r.exit_code == 1, r.output
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    doc = json.loads((tmp_path / "r.json").read_text(), parse_constant=refuse)
+    [row] = [f for f in doc["checks"]["numerics"]["failures"] if f["tensor"] == name]
+    assert row["value"] == "inf" and "1 NaN/Inf" in row["message"] and row["shard"] == shard
+
+
+@pytest.mark.parametrize("name, check", [("model.safetensors.index.json", "index"), ("glmq_manifest.json", "integrity")])
+def test_unreadable_index_or_manifest_fails_its_check_instead_of_a_traceback(ckpt, tmp_path, name, check):
+    """An index or manifest that cannot be read (here a folder in its place: an OSError, as a permission error
+    or EIO would be) ended in an IsADirectoryError traceback with exit 1 and no report."""
+    (ckpt / name).unlink()
+    (ckpt / name).mkdir()
+    r = CliRunner().invoke(main, ["validate", str(ckpt), "--json", str(tmp_path / "r.json")])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["checks"][check]["status"] == "fail"
+    assert any(f["message"].startswith(f"{ckpt / name}: unreadable (") for f in doc["checks"][check]["failures"])
