@@ -196,3 +196,19 @@ def test_unreadable_index_or_manifest_fails_its_check_instead_of_a_traceback(ckp
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["checks"][check]["status"] == "fail"
     assert any(f["message"].startswith(f"{ckpt / name}: unreadable (") for f in doc["checks"][check]["failures"])
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int8_rtn_output_passes_the_source_check(make_ckpt, tmp_path, symmetric):
+    """The RTN bound was int4's (1/2 + 1/16 steps): every int8 weight failed it (worst 0.749 steps symmetric, 1.16
+    asymmetric), so no 8-bit recipe's output could pass `validate --source`, though its rounding was right."""
+    src = make_ckpt("glm_moe_dsa", "fp8-block")
+    r = tmp_path / "int8.yaml"
+    r.write_text(f"targets: [routed_expert, shared_expert]\nnum_bits: 8\nsymmetric: {str(symmetric).lower()}\n")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stream, "ConfigJob", _InProcessConfigJob)
+        stream.run(make_plan(open_source(src), recipes.load(str(r)), 400_000), tmp_path / "out", progress=False)
+    rep = v.validate(tmp_path / "out", source=src, sample=1.0, serving=False)
+    res = rep.checks["source"]
+    assert res.status is v.Status.PASS and res.checked > 0, v.format_report(rep)
+    assert v.rtn_bound_steps(symmetric, 8) in (1.5, 2.5) and v.rtn_bound_steps(symmetric, 4) == v.RTN_BOUND_STEPS[symmetric]
