@@ -212,3 +212,15 @@ def test_int8_rtn_output_passes_the_source_check(make_ckpt, tmp_path, symmetric)
     res = rep.checks["source"]
     assert res.status is v.Status.PASS and res.checked > 0, v.format_report(rep)
     assert v.rtn_bound_steps(symmetric, 8) in (1.5, 2.5) and v.rtn_bound_steps(symmetric, 4) == v.RTN_BOUND_STEPS[symmetric]
+
+
+def test_a_nan_scale_fails_the_source_check_too(ckpt, make_ckpt):
+    """max(worst, nan) keeps worst: a NaN scale's weight passed the source comparison (only numerics caught it)."""
+    name = "model.layers.1.mlp.experts.3.down_proj.weight_scale"
+    shard = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"][name]
+    with safe_open(str(ckpt / shard), "pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    t[name][0, 0] = float("nan")
+    save_file(t, str(ckpt / shard), metadata={"format": "pt"})
+    rep = v.validate(ckpt, source=make_ckpt("glm_moe_dsa", "fp8-block"), sample=1.0, serving=False)
+    assert any("experts.3.down_proj" in m for m in messages(rep, "source")), v.format_report(rep)

@@ -89,7 +89,8 @@ def weight_error(packed: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | N
                 x = w_src[r0:r1].float().view(r1 - r0, -1, gs) / s.unsqueeze(-1)
                 q_max = (1 << (g.num_bits - 1)) - 1
                 steps = steps - (x - q_max).clamp_min(0) - (-q_max - 1 - x).clamp_min(0)
-            worst = max(worst, steps.amax().item())
+            # a NaN (from a NaN scale) would lose every comparison: max(0.0, nan) is 0.0, and the weight passed
+            worst = max(worst, steps.nan_to_num(nan=math.inf).amax().item())
     if method == "gptq":
         return math.sqrt(num / den) if den > 0 else math.inf, None
     return worst, rtn_bound_steps(g.symmetric, g.num_bits)
