@@ -14,27 +14,13 @@ from safetensors.torch import save_file
 
 from glmq import recipes
 from glmq.formats.source import open_source
-from glmq.quantize import output, stream
+from glmq.quantize import stream
 from glmq.quantize import validate as v
 from glmq.quantize.plan import make_plan
 from glmq.scripts.cli import main
+from test_validate import InProcessConfigJob  # tests/ is on sys.path (pytest prepends it)
 
 G64 = "name: g64\ntargets: [routed_expert]\nnum_bits: 4\ngroup_size: 64\n"
-
-
-class _InProcessConfigJob:
-    """`output.ConfigJob` without its child process (compressed-tensors is already imported here)."""
-
-    def __init__(self, plan, own_session: bool = False):
-        self.request = json.dumps(output.config_request(plan))
-
-    def result(self) -> dict:
-        from glmq.formats.compressed_tensors import config_from_request
-
-        return json.loads(json.dumps(config_from_request(json.loads(self.request))))
-
-    def cancel(self) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +31,7 @@ def outputs(make_ckpt, tmp_path_factory):
     src = make_ckpt("glm_moe_dsa", "fp8-block")
     out = {}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(stream, "ConfigJob", _InProcessConfigJob)
+        mp.setattr(stream, "ConfigJob", InProcessConfigJob)
         for key, recipe in (("g128", "int4-w4a16"), ("g64", str(base / "g64.yaml"))):
             stream.run(make_plan(open_source(src), recipes.load(recipe), 400_000), base / key, progress=False)
             out[key] = base / key
@@ -165,15 +151,21 @@ def test_expert_projections_under_different_schemes_fail_serving(ckpt, outputs):
     assert rep.valid, v.format_report(rep)
 
 
+def nan_scale(root: Path) -> tuple[str, str]:
+    """Write a NaN into one expert's scale; (the scale's name, its shard)."""
+    name = "model.layers.1.mlp.experts.3.down_proj.weight_scale"
+    shard = json.loads((root / "model.safetensors.index.json").read_text())["weight_map"][name]
+    with safe_open(str(root / shard), "pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    t[name][0, 0] = float("nan")
+    save_file(t, str(root / shard), metadata={"format": "pt"})
+    return name, shard
+
+
 def test_json_report_of_a_nan_scale_is_standard_json(ckpt, tmp_path):
     """A NaN scale's failure carries value inf: `--json` wrote `"value": Infinity`, which is not JSON (RFC 8259)
     and which strict parsers reject, in the report of exactly the checkpoint CI must reject."""
-    name = "model.layers.1.mlp.experts.3.down_proj.weight_scale"
-    shard = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"][name]
-    with safe_open(str(ckpt / shard), "pt") as f:
-        t = {k: f.get_tensor(k) for k in f.keys()}
-    t[name][0, 0] = float("nan")
-    save_file(t, str(ckpt / shard), metadata={"format": "pt"})
+    name, shard = nan_scale(ckpt)
     r = CliRunner().invoke(main, ["validate", str(ckpt), "--json", str(tmp_path / "r.json")])
     assert r.exit_code == 1, r.output
 
@@ -206,7 +198,7 @@ def test_int8_rtn_output_passes_the_source_check(make_ckpt, tmp_path, symmetric)
     r = tmp_path / "int8.yaml"
     r.write_text(f"targets: [routed_expert, shared_expert]\nnum_bits: 8\nsymmetric: {str(symmetric).lower()}\n")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(stream, "ConfigJob", _InProcessConfigJob)
+        mp.setattr(stream, "ConfigJob", InProcessConfigJob)
         stream.run(make_plan(open_source(src), recipes.load(str(r)), 400_000), tmp_path / "out", progress=False)
     rep = v.validate(tmp_path / "out", source=src, sample=1.0, serving=False)
     res = rep.checks["source"]
@@ -216,11 +208,6 @@ def test_int8_rtn_output_passes_the_source_check(make_ckpt, tmp_path, symmetric)
 
 def test_a_nan_scale_fails_the_source_check_too(ckpt, make_ckpt):
     """max(worst, nan) keeps worst: a NaN scale's weight passed the source comparison (only numerics caught it)."""
-    name = "model.layers.1.mlp.experts.3.down_proj.weight_scale"
-    shard = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"][name]
-    with safe_open(str(ckpt / shard), "pt") as f:
-        t = {k: f.get_tensor(k) for k in f.keys()}
-    t[name][0, 0] = float("nan")
-    save_file(t, str(ckpt / shard), metadata={"format": "pt"})
+    nan_scale(ckpt)
     rep = v.validate(ckpt, source=make_ckpt("glm_moe_dsa", "fp8-block"), sample=1.0, serving=False)
     assert any("experts.3.down_proj" in m for m in messages(rep, "source")), v.format_report(rep)
