@@ -383,14 +383,24 @@ def validate_cmd(checkpoint, source, sample, device, tp, no_serving, json_out, s
     """
     from glmq.quantize import validate as v
 
+    def could_not_run(error: str) -> None:
+        if json_out:  # replaces an earlier run's report, which a CI step could read as this run's verdict
+            doc = {"checkpoint": checkpoint, "valid": None, "exit_code": 2, "error": error}
+            Path(json_out).write_text(json.dumps(doc) + "\n")
+
     try:
         report = v.validate(checkpoint, source, sample=v.DEFAULT_SAMPLE if sample is None else sample, device=device,
                             tp=tp, seed=seed, serving=not no_serving, sha256=sha256)
     except v.CannotValidate as e:
-        if json_out:
-            doc = {"checkpoint": checkpoint, "valid": None, "exit_code": 2, "error": str(e)}
-            Path(json_out).write_text(json.dumps(doc) + "\n")
+        could_not_run(str(e))
         _fail(e, code=2)
+    except Exception as e:  # a bug in glmq or its libraries: "could not run" (2), never "invalid" (1), traceback kept
+        import traceback
+
+        traceback.print_exc()
+        could_not_run(f"glmq validate failed unexpectedly: {type(e).__name__}: {e}")
+        _fail(f"glmq validate failed unexpectedly ({type(e).__name__}: {e}); the traceback is above, please report "
+              f"it. Exit 2: could not run", code=2)
     click.echo(v.format_report(report))
     if json_out:
         Path(json_out).write_text(json.dumps(report.to_dict(), indent=1) + "\n")

@@ -211,3 +211,20 @@ def test_a_nan_scale_fails_the_source_check_too(ckpt, make_ckpt):
     nan_scale(ckpt)
     rep = v.validate(ckpt, source=make_ckpt("glm_moe_dsa", "fp8-block"), sample=1.0, serving=False)
     assert any("experts.3.down_proj" in m for m in messages(rep, "source")), v.format_report(rep)
+
+
+def test_a_crash_inside_validate_exits_2_and_replaces_an_old_json_report(ckpt, tmp_path, monkeypatch):
+    """Exit codes are 0 valid, 1 invalid, 2 could not run: an unexpected exception exited 1 (read as INVALID) and left
+    an earlier run's `--json` report in place, which a CI step could take for this run's verdict."""
+    report = tmp_path / "r.json"
+    assert CliRunner().invoke(main, ["validate", str(ckpt), "--json", str(report)]).exit_code == 0
+    assert json.loads(report.read_text())["valid"] is True
+
+    def crash(*a, **kw):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(v, "validate", crash)
+    r = CliRunner().invoke(main, ["validate", str(ckpt), "--json", str(report)])
+    assert r.exit_code == 2 and "failed unexpectedly (RuntimeError: injected)" in r.output, r.output
+    doc = json.loads(report.read_text())
+    assert doc["valid"] is None and doc["exit_code"] == 2 and "injected" in doc["error"]
