@@ -76,12 +76,12 @@ def check_identity(cache: Path, identity: dict, device: str | None = None) -> No
     if path.exists():
         try:
             old = json.loads(path.read_text(encoding="utf-8"))
+            why = None if isinstance(old, dict) else "not a JSON object"
         except ValueError as e:  # (UnicodeDecodeError is one)
-            old = e
-        if not isinstance(old, dict):
-            raise CalibrationCacheError(
-                f"{path}: unreadable ({old if isinstance(old, Exception) else 'not a JSON object'}), so the GPTQ "
-                f"results in {cache} cannot be matched to this run; remove {cache} to calibrate from scratch")
+            why = str(e)
+        if why is not None:
+            raise CalibrationCacheError(f"{path}: unreadable ({why}), so the GPTQ results in {cache} cannot be matched "
+                                        f"to this run; remove {cache} to calibrate from scratch")
         devices = old.pop(DEVICES_KEY, [])
         if old != identity:
             diff = sorted(k for k in set(old) | set(identity) if old.get(k) != identity.get(k))

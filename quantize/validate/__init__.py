@@ -44,13 +44,11 @@ from glmq.quantize.validate.numerics import (ACT_ROWS, DEFAULT_SAMPLE, REL_ERR_B
 from glmq.quantize.validate.reading import ScanStats, scan_shards, work_units
 from glmq.quantize.validate.report import CannotValidate, CheckResult, Finding, Report, Status, format_report
 from glmq.quantize.validate.serving import check_serving, dense_rules, moe_rules
-from glmq.quantize.validate.source import (RTN_BOUND_STEPS, SourceCheck, SourceReader, recipe_method, rtn_bound_steps,
-                                           weight_error)
+from glmq.quantize.validate.source import SourceCheck, SourceReader, recipe_method, rtn_bound_steps, weight_error
 from glmq.quantize.validate.structure import LEAF_DTYPES, check_structure, expected_shapes, int_module_problems
 
 __all__ = [
-    "ACT_ROWS", "COMPANIONS", "DEFAULT_SAMPLE", "INT_LEAVES", "LEAF_DTYPES", "REL_ERR_BOUND", "RTN_BOUND_STEPS",
-    "rtn_bound_steps",
+    "ACT_ROWS", "COMPANIONS", "DEFAULT_SAMPLE", "INT_LEAVES", "LEAF_DTYPES", "REL_ERR_BOUND", "rtn_bound_steps",
     "CannotValidate", "CheckResult", "Checkpoint", "Finding", "Group", "Module", "ModuleScan", "QuantConfig", "Report",
     "ScanStats", "SourceCheck", "SourceReader", "Status", "check_config", "check_index", "check_integrity",
     "check_serving", "check_structure", "dense_rules", "expected_shapes", "format_report", "group_for",

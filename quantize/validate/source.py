@@ -30,12 +30,11 @@ from glmq.quantize.validate.config import Group
 from glmq.quantize.validate.numerics import _row_blocks
 from glmq.quantize.validate.report import CannotValidate, CheckResult
 
+
 # RTN |w_q - w_src| in scale steps. Symmetric: 1/2 + 1/16 (tests/test_stream.py
 # `assert_within_half_step`: two bf16 roundings of 1/32 step each). Asymmetric: the range is
 # bf16(bf16(max - min) / 15), up to 2 u = 2^-7 short of max - min, i.e. 15 * 2^-7 < 1/8 step at the
 # clamped end; the zero point's rounding is the 1/2 (measured worst: 0.616 steps).
-
-
 def rtn_bound_steps(symmetric: bool, num_bits: int) -> float:
     """The bound above for `num_bits` (int4: 1/2 + 1/16 and 1/2 + 1/8): the bf16 roundings' part grows with the
     largest level, 2^(b-1) (symmetric) or 2^b - 1 (asymmetric) steps, so it is 2^(b-8) and 2^(b-7) steps (int8
@@ -43,7 +42,6 @@ def rtn_bound_steps(symmetric: bool, num_bits: int) -> float:
     return 0.5 + 2.0 ** (num_bits - (8 if symmetric else 7))
 
 
-RTN_BOUND_STEPS = {sym: rtn_bound_steps(sym, 4) for sym in (True, False)}  # 1/2 + 1/16, 1/2 + 1/8
 # Source leaves `iter_dense` folds into their weight (never compared on their own).
 SOURCE_COMPANIONS = {"weight_scale", "weight_scale_inv", "weight_shape", "weight_zero_point", "input_scale",
                      "weight_g_idx"}
