@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 from glmq.formats.families import FUSED_PARTNERS, LINEAR_CLASSES, TensorClass, layer_index
 from glmq.quantize.validate.checkpoint import Module
@@ -89,16 +90,17 @@ def check_serving(modules: dict[str, Module], groups: list[Group], shapes: dict,
         for rule, numbers in dense_rules(leaf, *shapes[name], tp, g):
             note(m, rule, numbers)
     for layer, mods in sorted(experts.items()):
-        by_scheme: dict[tuple, list[Module]] = defaultdict(list)  # groups with equal args are one scheme
+        first: dict[Group, tuple[Group, Module]] = {}  # a scheme (a group less name and targets): its first user
         for m in mods:
             g = group_for(m.name, groups)
-            by_scheme[(g.num_bits, g.group_size, g.symmetric, g.actorder)].append(m)
-        if len(by_scheme) > 1:  # vLLM's get_moe_method: "All MoE projections need to have same quantization scheme"
-            seen = ", ".join(f"{group_for(ms[0].name, groups).name} (num_bits {k[0]}, group_size {k[1]}, symmetric "
-                             f"{k[2]}; e.g. {ms[0].name})" for k, ms in sorted(by_scheme.items(), key=repr))
+            first.setdefault(replace(g, name="", targets=()), (g, m))
+        if len(first) > 1:  # vLLM's get_moe_method: "All MoE projections need to have same quantization scheme"
+            seen = ", ".join(f"{g.name} ({g.kind}, num_bits {g.num_bits}, group_size {g.group_size}, symmetric "
+                             f"{g.symmetric}; e.g. {m.name})"
+                             for g, m in sorted(first.values(), key=lambda gm: gm[0].name))
             for m in mods:
                 note(m, "one quantization scheme for all expert projections",
-                     f"layer {layer}: {len(by_scheme)} schemes: {seen}; vLLM fuses the experts into one MoE layer "
+                     f"layer {layer}: {len(first)} schemes: {seen}; vLLM fuses the experts into one MoE layer "
                      f"and raises, SGLang reads them all with the 'Linear' group's scheme")
         gate = next((m for m in mods if m.name.endswith(("gate_proj", "up_proj"))), None)
         inter, hidden = shapes[gate.name] if gate else shapes[mods[0].name][::-1]
