@@ -398,9 +398,9 @@ def validate_cmd(checkpoint, source, sample, device, tp, no_serving, json_out, s
         import traceback
 
         traceback.print_exc()
-        could_not_run(f"glmq validate failed unexpectedly: {type(e).__name__}: {e}")
-        _fail(f"glmq validate failed unexpectedly ({type(e).__name__}: {e}); the traceback is above, please report "
-              f"it. Exit 2: could not run", code=2)
+        why = f"glmq validate failed unexpectedly ({type(e).__name__}: {e})"
+        could_not_run(why)
+        _fail(f"{why}; the traceback is above, please report it. Exit 2: could not run", code=2)
     click.echo(v.format_report(report))
     if json_out:
         Path(json_out).write_text(json.dumps(report.to_dict(), indent=1) + "\n")
