@@ -124,6 +124,19 @@ def _plan(model: str, recipe: str, scheme: str | None, max_shard_size: str):
     return make_plan(open_source(resolve_model(model)), rec, shard_bytes)
 
 
+def _warn_serving(plan) -> None:
+    """Warn, before any work, when vLLM/SGLang will refuse the output (a run of hours, then `glmq validate` fails)."""
+    from glmq.quantize.validate.serving import planned_problems
+
+    problems = planned_problems(plan)
+    if problems:
+        click.secho(f"warning: vLLM and SGLang will not load the output of recipe {plan.recipe.name!r} at any "
+                    f"tensor-parallel degree (`glmq validate` fails it unless given --no-serving; `glmq eval` reads "
+                    f"it):", fg="yellow", err=True)
+        for line in problems:
+            click.secho(f"  {line}", fg="yellow", err=True)
+
+
 def parse_size(text: str) -> int:
     """--max-shard-size: a number of bytes with an optional unit (B, KB, MB, GB, KiB, MiB, GiB; any case).
 
@@ -238,6 +251,8 @@ def quantize(ctx, model, recipe, max_shard_size, output, scheme, device, no_prog
 
     try:
         plan = _plan(model, recipe, scheme, max_shard_size)
+        if os.environ.get("RANK", "0") == "0":
+            _warn_serving(plan)
         out = Path(output) if output else default_output(plan.source.root, plan.recipe.name)
         method = plan.recipe.spec.method.value
         how = f"--scheme {scheme}" if scheme else f"recipe {plan.recipe.name!r} (method: {method})"
@@ -338,7 +353,9 @@ def plan_cmd(model, recipe, max_shard_size, ranks, device, samples, seq_len, dty
         if Path(model).suffix == ".json":
             summary = estimate.from_config_file(Path(model), recipe, scale, figures, parse_size(max_shard_size))
         else:
-            summary = estimate.from_plan(_plan(model, recipe, None, max_shard_size), scale, figures)
+            plan = _plan(model, recipe, None, max_shard_size)
+            _warn_serving(plan)
+            summary = estimate.from_plan(plan, scale, figures)
     except (CheckpointError, RecipeError, ValueError) as e:
         _fail(e)
     click.echo(estimate.format_summary(summary, figures))

@@ -153,3 +153,38 @@ def _check_partners(modules: dict[str, Module], res: CheckResult) -> None:
                 parts = ", ".join(f"{len(v)} {f} (e.g. {sorted(v)[0]})" for f, v in sorted(forms.items()))
                 res.fail(f"{parent}: {len(members)} fused members stored as {parts}; vLLM/SGLang fuse them into "
                          f"one layer with one scheme and raise", tensor=parent)
+
+
+def planned_problems(plan, tp: int = 1) -> list[str]:
+    """The serving rules the output of `plan` (quantize/plan.Plan) will fail at `tp`, from the source shapes and
+    the recipe before anything is written (pure): `glmq quantize` and `glmq plan` warn with them, so a recipe whose
+    output vLLM/SGLang will refuse (asymmetric routed experts, a width Marlin cannot split) is known before an
+    hours-long run, not from `glmq validate` after it. One line per (class, rule), with a count and an example.
+    The same rules as `check_serving` (one recipe: one scheme for every quantized module; recipes refuse to target
+    the layers that take no quantization, recipes.UNSERVABLE_TARGETS)."""
+    from glmq.quantize.plan import Action
+
+    spec = plan.recipe.spec
+    g = Group("recipe", ("Linear",), "int", spec.num_bits, spec.group_size, spec.symmetric)
+    bad: dict[tuple[str, str], list] = {}
+
+    def note(cls: TensorClass, module: str, rule: str, numbers: str) -> None:
+        bad.setdefault((cls.value, rule), [module, numbers, 0])[2] += 1
+
+    experts: dict[int, dict[str, tuple[int, ...]]] = defaultdict(dict)
+    for it in plan.items:
+        if it.action is not Action.QUANTIZE:
+            continue
+        if it.cls is TensorClass.ROUTED_EXPERT:
+            experts[layer_index(it.module)][it.module] = tuple(it.src.shape)
+            continue
+        for rule, numbers in dense_rules(it.module.rpartition(".")[2], *it.src.shape, tp, g):
+            note(it.cls, it.module, rule, numbers)
+    for layer, shapes in sorted(experts.items()):
+        gate = next((n for n in shapes if n.endswith(("gate_proj", "up_proj"))), None)
+        inter, hidden = shapes[gate] if gate else next(iter(shapes.values()))[::-1]
+        for rule, numbers in moe_rules(hidden, inter, tp, g):
+            for name in shapes:
+                note(TensorClass.ROUTED_EXPERT, name, rule, f"layer {layer}: {numbers}")
+    return [f"{cls}: {rule} fails for {count} module(s), e.g. {example}: {numbers}"
+            for (cls, rule), (example, numbers, count) in sorted(bad.items())]

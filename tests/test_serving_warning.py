@@ -1,0 +1,58 @@
+"""`glmq quantize` and `glmq plan` warn, before any work, when vLLM/SGLang will refuse the output: the warning is
+`glmq validate`'s serving check at tp 1, predicted from the plan (quantize/validate/serving.planned_problems)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from glmq import recipes
+from glmq.formats.source import open_source
+from glmq.quantize import stream
+from glmq.quantize import validate as v
+from glmq.quantize.plan import make_plan
+from glmq.quantize.validate.serving import planned_problems
+from glmq.scripts.cli import main
+
+ASYM = "name: asym\ntargets: [routed_expert]\nnum_bits: 4\ngroup_size: 64\nsymmetric: false\n"
+
+
+def _rule_counts(lines: list[str]) -> set[str]:
+    """'<class>: <rule> fails for N module(s)' of each message (the example module may differ)."""
+    return {re.match(r"(.*? fails for \d+ module\(s\))", m).group(1) for m in lines}
+
+
+@pytest.mark.parametrize("case", ["default", "asym", "all-linear-160-rows"])
+def test_planned_problems_are_what_validate_fails(case, make_ckpt, tmp_path):
+    """For servable and unservable outputs alike, the prediction names exactly the (class, rule, count) that
+    `glmq validate`'s serving check fails on the written checkpoint."""
+    src = make_ckpt("glm_moe_dsa")
+    recipe = {"default": "int4-w4a16", "all-linear-160-rows": "int4-w4a16-all-linear"}.get(case)
+    if recipe is None:
+        (tmp_path / f"{case}.yaml").write_text(ASYM)
+        recipe = str(tmp_path / f"{case}.yaml")
+    plan = make_plan(open_source(src), recipes.load(recipe), 400_000)
+    predicted = planned_problems(plan)
+    stream.run(plan, tmp_path / "out", progress=False)
+    rep = v.validate(tmp_path / "out", sample=0.05)
+    found = [f.message for f in rep.checks["serving"].failures]
+    assert _rule_counts(predicted) == _rule_counts(found)
+    assert bool(predicted) == (case != "default"), predicted  # each unservable case is caught
+
+
+def test_quantize_and_plan_warn_before_the_run(make_ckpt, tmp_path):
+    src = make_ckpt("glm_moe_dsa")
+    (tmp_path / "asym.yaml").write_text(ASYM)
+    runner = CliRunner()
+    res = runner.invoke(main, ["plan", "-m", str(src), "--recipe", str(tmp_path / "asym.yaml")])
+    assert res.exit_code == 0, res.output
+    assert "warning: vLLM and SGLang will not load the output of recipe 'asym'" in res.output
+    assert "routed_expert: symmetric weights fails for 72 module(s)" in res.output
+    res = runner.invoke(main, ["quantize", "-m", str(src), "--recipe", str(tmp_path / "asym.yaml"), "-o",
+                               str(tmp_path / "out"), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert res.output.index("warning: vLLM and SGLang") < res.output.index("wrote ")  # before the work
+    res = runner.invoke(main, ["quantize", "-m", str(src), "-o", str(tmp_path / "out2"), "--no-progress"])
+    assert res.exit_code == 0 and "warning" not in res.output, res.output
