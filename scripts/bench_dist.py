@@ -143,12 +143,16 @@ def main() -> None:
     args = ap.parse_args()
 
     from glmq.formats import fixtures
+    from glmq.scripts.bench_rtn import check_source
 
     src = args.work / "src-fp8"
-    if not (src / "config.json").exists():
+    overrides = {"num_hidden_layers": args.layers, "n_routed_experts": args.experts,
+                 "num_experts_per_tok": min(8, args.experts)}
+    if (src / "config.json").exists():
+        check_source(src, overrides)  # one left by a run with other --layers / --experts: refused, not reused
+    else:
         fixtures.make_checkpoint(src, "glm_moe_dsa", preset="bench", max_shard_bytes=args.shard_mb * 10**6,
-                                 config_overrides={"num_hidden_layers": args.layers, "n_routed_experts": args.experts,
-                                                   "num_experts_per_tok": min(8, args.experts)})
+                                 config_overrides=overrides)
     in_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     extra = ["--device", args.device]
     if args.scheme == "gptq":

@@ -5,7 +5,8 @@
 For each shape (batch B, rows N, columns K) a fixed-seed weight and a correlated-activation Hessian
 (rank-64 signal plus noise, as tests/test_gptq.py) are built once; every variant (clip search off /
 "block" / "propagated", coordinate-descent sweeps) is timed as the minimum over `--repeats` calls of
-`quantize_gptq_batch(..., errors=False)` (what the engine calls) on the current torch threads, and its
+`quantize_gptq_batch(..., errors=False)` (what the engine calls) on the current torch threads, after one
+untimed call on the first problem (kernel compilation and loading, a cost of the process, not the solve), and its
 Hessian error reported relative to RTN. The end-to-end run time is `bench_gptq quality`'s; this isolates
 the part the options change. Writes benchmarks/bench_gptq_solver[_<name>].json (`--name`).
 
@@ -101,6 +102,8 @@ def main() -> None:
                 continue
             spec = QuantSpec(method="gptq", group_size=args.group_size, clip_objective=objective, cd_sweeps=sweeps,
                              scale_refit=refit)
+            quantize_gptq_batch(w[:1], h[:1], spec, clip_search=clip, errors=False)  # warm-up: kernels compiled, loaded
+            _sync(w.device)
             times = []
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
@@ -124,13 +127,17 @@ def main() -> None:
 def splits(args) -> None:
     rows = []
     spec = QuantSpec(method="gptq", group_size=args.group_size)
+    dev = torch.device(args.device)
     for b, n, k in args.shape or [(16, 2048, 1024)]:
-        w, h = problem(b, n, k)
+        w, h = problem(b, n, k, device=dev)
+        quantize_gptq_batch(w[:1], h[:1], spec, clip_search=True, errors=False)  # warm-up: kernels compiled, loaded
         for _ in range(args.repeats):  # interleaved rounds: every split size sees the same load
             for c in args.splits:
+                _sync(dev)
                 t0 = time.perf_counter()
                 for b0 in range(0, b, c):
                     quantize_gptq_batch(w[b0:b0 + c], h[b0:b0 + c], spec, clip_search=True, errors=False)
+                _sync(dev)
                 rows.append({"shape": [b, n, k], "per_call": c, "seconds": round(time.perf_counter() - t0, 3)})
                 print(rows[-1], flush=True)
     path = _write(rows, args)
@@ -152,6 +159,7 @@ def backends(args) -> None:
     spec = QuantSpec(method="gptq", group_size=args.group_size)
     for b, n, k in args.shape or [(4, 2048, 1024)]:
         w, h = problem(b, n, k, device=dev)
+        quantize_gptq_batch(w[:1], h[:1], spec, clip_search=True, errors=False)  # warm-up: the kernels compiled, loaded
         out = {}
         for _ in range(args.repeats):  # interleaved rounds: both paths see the same load
             for name, pick in (("torch", lambda *a: None), ("kernels", kernels)):

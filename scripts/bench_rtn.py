@@ -76,6 +76,21 @@ def measure(cmd: list[str], log: Path | None = None, env: dict | None = None) ->
     return res
 
 
+def check_source(src: Path, overrides: dict, preset: str = "bench") -> None:
+    """Refuse a checkpoint left in `src` by an earlier run with other options: it would be benchmarked silently
+    and reported under this run's --layers / --experts."""
+    from glmq.formats.fixtures import make_config
+
+    want = make_config("glm_moe_dsa", preset, **overrides)
+    have = json.loads((src / "config.json").read_text())
+    keys = ["hidden_size", "moe_intermediate_size", *overrides]
+    diff = {k: (have.get(k), want[k]) for k in keys if have.get(k) != want[k]}
+    if diff:
+        raise SystemExit(f"{src}: holds a checkpoint generated with other options than this run's ("
+                         + ", ".join(f"{k} {h} there, {w} asked" for k, (h, w) in diff.items())
+                         + "); give another --work, or delete that folder to have it generated again")
+
+
 def dir_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.iterdir() if f.is_file())
 
@@ -96,13 +111,16 @@ def main() -> None:
     from glmq.formats import fixtures
 
     src = args.work / "src-fp8"
-    if not (src / "config.json").exists():
+    overrides = {"num_hidden_layers": args.layers, "n_routed_experts": args.experts}
+    if (src / "config.json").exists():
+        check_source(src, overrides)
+    else:
         t = time.perf_counter()
         # split_partners=False: llm-compressor's model_free_ptq fails on a shard that holds only scales
         # ("Could not find inverse_weight_map for shard ..."), which the split layout produces.
         fixtures.make_checkpoint(src, "glm_moe_dsa", preset="bench", max_shard_bytes=args.shard_mb * 10**6,
                                  split_partners=False,
-                                 config_overrides={"num_hidden_layers": args.layers, "n_routed_experts": args.experts})
+                                 config_overrides=overrides)
         print(f"generated {dir_bytes(src) / 1e9:.2f} GB in {time.perf_counter() - t:.0f} s", flush=True)
     in_bytes = dir_bytes(src)
     glmq_cmd = (args.glmq.split() if args.glmq else [sys.executable, "-m", "glmq"])

@@ -165,9 +165,13 @@ def jobs_for(args) -> dict[str, dict]:
     jobs = {"default": {}, "sha256": {"sha256": True}, "full": {"sample": 1.0}}
     if args.source:
         jobs["source"] = {"source": str(args.source)}
-    for f in args.also_sample:
-        jobs[f"sample-{f:g}"] = {"sample": f}
-    return {k: v for k, v in jobs.items() if args.jobs is None or k in args.jobs}
+    samples = {f"sample-{f:g}": {"sample": f} for f in args.also_sample}
+    unknown = [k for k in args.jobs or [] if k not in jobs and k not in samples]
+    if unknown:
+        raise SystemExit(f"--jobs {' '.join(unknown)}: no such job here; the jobs are {' '.join(jobs)}"
+                         + ("" if args.source else " (source needs --source)"))
+    jobs = {k: v for k, v in jobs.items() if args.jobs is None or k in args.jobs}
+    return jobs | samples  # asked for by value: run whatever --jobs picks
 
 
 def main() -> None:
@@ -179,7 +183,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="rounds of every job (medians reported)")
     ap.add_argument("--also-sample", type=float, nargs="*", default=[], help="extra jobs at these --sample values")
     ap.add_argument("--jobs", nargs="*", default=None,
-                    help="validate jobs to run (default all): default sha256 full source")
+                    help="validate jobs to run (default all): default sha256 full source; --also-sample's run either way")
     ap.add_argument("--validate-module", default="glmq.quantize.validate",
                     help="module whose validate() is timed (another implementation on PYTHONPATH, for before/after)")
     ap.add_argument("--json", type=Path, default=None, help="also write the result here")

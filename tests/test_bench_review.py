@@ -1,0 +1,123 @@
+"""Review of the benchmark scripts: what they time and what they refuse (behaviour only, never timing)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from glmq.formats import fixtures
+from glmq.scripts import bench_dist, bench_gptq_solver, bench_rtn, bench_validate
+
+
+@pytest.mark.parametrize("script", [bench_rtn, bench_dist])
+def test_reused_source_with_other_options_is_refused(tmp_path, monkeypatch, script):
+    """A checkpoint left under --work by a run with other --layers/--experts was benchmarked silently (and
+    bench_dist reported this run's --layers/--experts for it)."""
+    src = tmp_path / "src-fp8"
+    fixtures.make_checkpoint(src, "glm_moe_dsa", preset="tiny")
+    monkeypatch.setattr(sys, "argv", ["x", "--work", str(tmp_path), "--layers", "1", "--experts", "64"])
+    monkeypatch.setattr(script.subprocess, "run", lambda *a, **k: pytest.fail("a job ran on the wrong source"))
+    with pytest.raises(SystemExit, match=r"src-fp8.*n_routed_experts 8 there, 64 asked.*another --work"):
+        script.main()
+
+
+def test_check_source_accepts_what_make_checkpoint_wrote(tmp_path):
+    src = tmp_path / "s"
+    over = {"num_hidden_layers": 2, "n_routed_experts": 4, "num_experts_per_tok": 2}
+    fixtures.make_checkpoint(src, "glm_moe_dsa", preset="tiny", split_partners=False, config_overrides=over)
+    bench_rtn.check_source(src, over, preset="tiny")  # no error
+    with pytest.raises(SystemExit, match="num_hidden_layers 2 there, 3 asked"):
+        bench_rtn.check_source(src, over | {"num_hidden_layers": 3}, preset="tiny")
+
+
+def _record_solver(monkeypatch, log):
+    real = bench_gptq_solver.quantize_gptq_batch
+    ticks = iter(range(10**6))
+
+    def q(w, h, spec, **kw):
+        log.append(("q", (spec.clip_objective, spec.cd_sweeps, spec.scale_refit, kw.get("clip_search"))))
+        return real(w, h, spec, **kw)
+
+    def clock():
+        log.append(("t", None))
+        return float(next(ticks))
+
+    monkeypatch.setattr(bench_gptq_solver, "quantize_gptq_batch", q)
+    monkeypatch.setattr(bench_gptq_solver.time, "perf_counter", clock)
+
+
+def _timed_calls_are_warm(log):
+    """Every solve between a start and an end clock read (a timed one) had a solve of the same options before
+    it, outside the clock reads (clock reads come in start/end pairs)."""
+    seen_untimed = set()
+    timed = clocks = 0
+    for kind, key in log:
+        if kind == "t":
+            clocks += 1
+            continue
+        if clocks % 2:
+            timed += 1
+            assert key in seen_untimed, f"the first call of {key} is timed: kernel compilation counted as solve time"
+        else:
+            seen_untimed.add(key)
+    assert timed
+
+
+def test_solver_variants_timed_after_a_warm_up(tmp_path, monkeypatch):
+    """With --repeats 1 the first (cold) call was the timed one: 'plain', the ratios' base, carried the numba
+    kernels' loading (2.09 s against 0.009 s warm at 1 x 128 x 256)."""
+    log = []
+    _record_solver(monkeypatch, log)
+    monkeypatch.setattr(sys, "argv", ["x", "--shape", "1", "16", "128", "--repeats", "1", "--variants",
+                                      "clip propagated + cd2 (default)", "--out", str(tmp_path)])
+    bench_gptq_solver.main()
+    _timed_calls_are_warm(log)
+
+
+def test_solver_splits_use_device_and_warm_up(tmp_path, monkeypatch):
+    """--splits built its problems on the CPU whatever --device said (and then labelled the file with the GPU)."""
+    log, devices = [], []
+    real_problem = bench_gptq_solver.problem
+
+    def problem(b, n, k, seed=0, device="cpu"):
+        devices.append(str(device))
+        return real_problem(b, n, k, seed)
+
+    _record_solver(monkeypatch, log)
+    monkeypatch.setattr(bench_gptq_solver, "problem", problem)
+    monkeypatch.setattr(bench_gptq_solver, "_sync", lambda dev: None)
+    args = SimpleNamespace(shape=[(2, 16, 128)], splits=[2, 1], repeats=1, group_size=128, device="meta",
+                           out=str(tmp_path), name="")
+    monkeypatch.setattr(bench_gptq_solver, "_write", lambda rows, a: tmp_path / "r.json")
+    bench_gptq_solver.splits(args)
+    assert devices == ["meta"]
+    _timed_calls_are_warm(log)
+
+
+def test_solver_backends_warm_up(tmp_path, monkeypatch):
+    log = []
+    _record_solver(monkeypatch, log)
+    monkeypatch.setattr(sys, "argv", ["x", "--backends", "--shape", "1", "16", "128", "--repeats", "1",
+                                      "--out", str(tmp_path)])
+    bench_gptq_solver.main()
+    # the torch path and the kernels share options: the warm-up must come before the first timed solve
+    _timed_calls_are_warm(log)
+    assert json.loads((tmp_path / "bench_gptq_solver.json").read_text())["rows"]
+
+
+def test_validate_jobs_unknown_name_refused():
+    """`--jobs defualt` ran no validate job at all (only the hash floors) and reported that as a result."""
+    with pytest.raises(SystemExit, match="defualt: no such job.*default sha256 full"):
+        bench_validate.jobs_for(SimpleNamespace(source=None, also_sample=[], jobs=["defualt"]))
+    with pytest.raises(SystemExit, match="source: no such job.*needs --source"):
+        bench_validate.jobs_for(SimpleNamespace(source=None, also_sample=[], jobs=["source"]))
+
+
+def test_validate_also_sample_kept_with_jobs():
+    """`--also-sample 0.5 --jobs default` dropped the asked-for sample job silently."""
+    jobs = bench_validate.jobs_for(SimpleNamespace(source=None, also_sample=[0.5], jobs=["default"]))
+    assert jobs == {"default": {}, "sample-0.5": {"sample": 0.5}}
