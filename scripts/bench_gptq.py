@@ -138,7 +138,13 @@ def quality(args) -> dict:
             out = work / f"{targets}-{label.replace(' ', '-')}"
             done = work / f"{out.name}.row.json"  # a rerun reuses finished runs (the peers take long)
             if done.exists() and (out / "config.json").exists():
-                rows.append(json.loads(done.read_text()))
+                row = json.loads(done.read_text())
+                asked = {"set": args.set, "cli_args": args.cli_arg}
+                if "set" in row and {k: row.get(k) for k in asked} != asked:  # a glmq gptq row of another variant
+                    raise SystemExit(f"{done}: a finished {label!r} run with --set {row.get('set')} --cli-arg "
+                                     f"{row.get('cli_args')}, not this run's {args.set} {args.cli_arg}; name this "
+                                     f"variant with --tag, or use another --work")
+                rows.append(row)
                 continue
             shutil.rmtree(out, ignore_errors=True)
             print(f"[{targets}] {label} ...", flush=True)

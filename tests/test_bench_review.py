@@ -121,3 +121,22 @@ def test_validate_also_sample_kept_with_jobs():
     """`--also-sample 0.5 --jobs default` dropped the asked-for sample job silently."""
     jobs = bench_validate.jobs_for(SimpleNamespace(source=None, also_sample=[0.5], jobs=["default"]))
     assert jobs == {"default": {}, "sample-0.5": {"sample": 0.5}}
+
+
+def test_gptq_quality_refuses_a_finished_row_of_another_set_variant(tmp_path, monkeypatch):
+    """`bench_gptq quality --set cd_sweeps=0` without --tag labels its run 'glmq gptq', the default's label, and
+    reused the default's finished row in the same --work: the variant's figures were the default's."""
+    from glmq.scripts import bench_gptq
+
+    monkeypatch.setattr(bench_gptq, "dense_copy", lambda src, dst: dst)
+    monkeypatch.setattr(bench_gptq, "glmq_run", lambda *a, **k: pytest.fail("the finished row's check came too late"))
+    out = tmp_path / "experts-glmq-gptq"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    row = {"recipe": "experts", "tool": "glmq gptq", "checkpoint": str(out), "seconds": 1.0, "set": [], "cli_args": []}
+    (tmp_path / "experts-glmq-gptq.row.json").write_text(json.dumps(row))
+    args = SimpleNamespace(shared=str(tmp_path), work=str(tmp_path), peer_seeds=[], recipes=["experts"],
+                           set=["cd_sweeps=0"], tag="", no_rtn=True, seeds=[0], cli_arg=[], peers=[],
+                           peer_python="", peer_path="")
+    with pytest.raises(SystemExit, match=r"glmq gptq.*--set \[\].*\['cd_sweeps=0'\].*--tag"):
+        bench_gptq.quality(args)
