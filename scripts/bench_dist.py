@@ -39,6 +39,8 @@ import threading
 import time
 from pathlib import Path
 
+from glmq.scripts.bench_rtn import positive_int
+
 COMPARED = ("model.safetensors.index.json", "config.json")  # byte for byte; the manifest by its tensor records
 
 
@@ -136,7 +138,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=128, help="GPTQ calibration samples")
     ap.add_argument("--seq-len", type=int, default=256, help="GPTQ calibration sequence length")
     ap.add_argument("--keep", action="store_true", help="keep the outputs (default: deleted once digested)")
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=positive_int, default=1)
     ap.add_argument("--threads-per-rank", type=int, default=None,
                     help="cap torch and numba threads in every process (default: all cores, shared by the ranks)")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON result here")

@@ -36,6 +36,7 @@ import torch
 from glmq.quantize.gptq import hessian_error, quantize_gptq_batch
 from glmq.quantize.rtn import dequantize, quantize_rtn
 from glmq.quantize.spec import QuantSpec
+from glmq.scripts.bench_rtn import positive_int
 
 VARIANTS = {  # name: (clip_search, clip_objective, cd_sweeps, scale_refit)
     "plain": (False, "block", 0, 0),
@@ -67,7 +68,7 @@ def problem(b: int, n: int, k: int, seed: int = 0, device: str | torch.device = 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", nargs=3, type=int, action="append", metavar=("B", "N", "K"))
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), metavar="NAME",
                     help=f"time only these variants (\"plain\" is always timed: the ratios' base); among {list(VARIANTS)}")
     ap.add_argument("--group-size", type=int, default=128)

@@ -76,6 +76,14 @@ def measure(cmd: list[str], log: Path | None = None, env: dict | None = None) ->
     return res
 
 
+def positive_int(text: str) -> int:
+    """argparse type of --repeats: 0 rounds would end, after the setup, in a median of nothing."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text}: expected an integer >= 1")
+    return n
+
+
 def check_source(src: Path, overrides: dict, preset: str = "bench") -> None:
     """Refuse a checkpoint left in `src` by an earlier run with other options: it would be benchmarked silently
     and reported under this run's --layers / --experts."""
@@ -101,7 +109,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2, help="decoder layers (plus one MTP layer)")
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--shard-mb", type=int, default=500)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--peer-python", default=None, help="python of a venv with llmcompressor; omit to skip the peer")
     ap.add_argument("--glmq", default=None, help="command prefix to run glmq (default: this python -m glmq)")

@@ -45,6 +45,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from glmq.scripts.bench_rtn import positive_int
+
 _VALIDATE = r"""
 import importlib, json, sys, time
 t = time.perf_counter()
@@ -180,7 +182,7 @@ def main() -> None:
                     help="where the fixture and its conversion are made when --checkpoint is not given")
     ap.add_argument("--checkpoint", type=Path, default=None, help="a converted checkpoint to validate")
     ap.add_argument("--source", type=Path, default=None, help="its source (default with --work: the fixture)")
-    ap.add_argument("--repeats", type=int, default=1, help="rounds of every job (medians reported)")
+    ap.add_argument("--repeats", type=positive_int, default=1, help="rounds of every job (medians reported)")
     ap.add_argument("--also-sample", type=float, nargs="*", default=[], help="extra jobs at these --sample values")
     ap.add_argument("--jobs", nargs="*", default=None,
                     help="validate jobs to run (default all): default sha256 full source; --also-sample's run either way")

@@ -140,3 +140,15 @@ def test_gptq_quality_refuses_a_finished_row_of_another_set_variant(tmp_path, mo
                            peer_python="", peer_path="")
     with pytest.raises(SystemExit, match=r"glmq gptq.*--set \[\].*\['cd_sweeps=0'\].*--tag"):
         bench_gptq.quality(args)
+
+
+@pytest.mark.parametrize("script", ["bench_rtn", "bench_dist", "bench_gptq_solver", "bench_validate"])
+def test_zero_repeats_refused_when_parsed(script, monkeypatch, capsys):
+    """--repeats 0 ran the setup (a generated checkpoint, a conversion) and then crashed in a median of nothing."""
+    import importlib
+
+    mod = importlib.import_module(f"glmq.scripts.{script}")
+    monkeypatch.setattr(sys, "argv", [script, "--repeats", "0"])
+    with pytest.raises(SystemExit) as e:
+        mod.main()
+    assert e.value.code == 2 and "--repeats: 0: expected an integer >= 1" in capsys.readouterr().err
