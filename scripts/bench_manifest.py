@@ -23,6 +23,7 @@ from glmq import recipes
 from glmq.formats.manifest import MANIFEST_NAME, Manifest
 from glmq.quantize.estimate import virtual_source
 from glmq.quantize.plan import make_plan
+from glmq.scripts.bench_rtn import positive_int
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "glm-5.2-config.json"
 
@@ -57,7 +58,7 @@ def journal(folder: Path, recs: list[tuple[str, dict]]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=positive_int, default=3)
     ap.add_argument("--recipe", default="int4-w4a16")
     ap.add_argument("--work", default=None, help="folder for the manifests (default: a temporary one)")
     ap.add_argument("--json", default=None)
@@ -66,18 +67,20 @@ def main() -> None:
     work = Path(a.work or tempfile.mkdtemp(prefix="glmq-bench-manifest-"))
     times: dict[str, list[float]] = {"rewrite": [], "journal": []}
     size = 0
-    for r in range(a.rounds):
-        for way, fn in (("rewrite", rewrite), ("journal", journal)) if r % 2 == 0 else (("journal", journal),
-                                                                                       ("rewrite", rewrite)):
-            folder = work / way
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir(parents=True)
-            t = time.perf_counter()
-            fn(folder, recs)
-            times[way].append(time.perf_counter() - t)
-            size = (folder / MANIFEST_NAME).stat().st_size
-    if a.work is None:
-        shutil.rmtree(work)
+    try:
+        for r in range(a.rounds):
+            for way, fn in (("rewrite", rewrite), ("journal", journal)) if r % 2 == 0 else (("journal", journal),
+                                                                                           ("rewrite", rewrite)):
+                folder = work / way
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.mkdir(parents=True)
+                t = time.perf_counter()
+                fn(folder, recs)
+                times[way].append(time.perf_counter() - t)
+                size = (folder / MANIFEST_NAME).stat().st_size
+    finally:  # a failed or interrupted run leaves no ~44 MB manifests in the temporary folder
+        if a.work is None:
+            shutil.rmtree(work, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     res = {"recipe": a.recipe, "output_files": len(recs), "tensors": sum(len(r["tensors"]) for _, r in recs),
            "manifest_bytes": size, "rounds": a.rounds, "seconds": times, "median_s": med,

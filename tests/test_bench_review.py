@@ -152,3 +152,16 @@ def test_zero_repeats_refused_when_parsed(script, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         mod.main()
     assert e.value.code == 2 and "--repeats: 0: expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_manifest_bench_removes_its_temporary_folder_on_failure(tmp_path, monkeypatch):
+    from glmq.scripts import bench_manifest
+
+    monkeypatch.setattr(bench_manifest.tempfile, "mkdtemp", lambda prefix: str(tmp_path / "work"))
+    monkeypatch.setattr(bench_manifest, "records", lambda recipe: [])
+    monkeypatch.setattr(bench_manifest, "journal", lambda folder, recs: (_ for _ in ()).throw(OSError("disk full")))
+    monkeypatch.setattr(sys, "argv", ["bench_manifest", "--rounds", "1"])
+    (tmp_path / "work").mkdir()
+    with pytest.raises(OSError, match="disk full"):
+        bench_manifest.main()
+    assert not (tmp_path / "work").exists()
