@@ -1447,7 +1447,8 @@ def w4a16_matmul(
     writing new weights in place through `.data` or into inference tensors, call `clear_prepack_cache()`.
 
     Args:
-        x: float16/bfloat16 `[M, K]`, contiguous.
+        x: float16/bfloat16 `[M, K]`, contiguous; any M (from M x max(N, K) = 2^31 on, in several launches of
+            whole row slices: `INDEX_LIMIT`).
         weight_packed: int32 `[N, K/8]`, contiguous, LSB-first nibbles q + 8 (formats.md §2c).
         weight_scale: float16/bfloat16/float32 `[N, K/group_size]`, contiguous.
         group_size: 32, 64 or 128; K must be a multiple of it (and of 8).
@@ -1513,8 +1514,22 @@ def w4a16_matmul_packed(
     cfg = config or choose_config(m, n, k, w.group_size, sm_count(x.device), device_name(x.device), w.layout,
                                   w.chunk_major)
     check_config(cfg, w)
-    _launch(x, w, out, cfg, pdl)
+    rows = max_rows(n, k)
+    for i in range(0, m, rows):  # one launch unless M x max(N, K) reaches int32 (M ~ 87K at 6144->24576)
+        _launch(x[i:i + rows], w, out[i:i + rows], cfg, pdl)
     return out
+
+
+# The kernels index rows of x, out and the split-K partials as int32 row * row-stride (program ids and aranges are
+# int32, and the offsets are added to the 64-bit base pointer only after the product), so a launch must keep
+# M x max(N, K) below 2^31; larger M is split into row slices of whole launches in the wrappers (as vLLM chunks its
+# fused MoE), which costs nothing below the limit, where the kernels' address arithmetic stays 32-bit.
+INDEX_LIMIT = 2**31
+
+
+def max_rows(*widths: int) -> int:
+    """Rows of one launch whose row offsets (row x width, for each width) stay below INDEX_LIMIT."""
+    return max(1, (INDEX_LIMIT - 1) // max(1, *widths))
 
 
 def pdl_supported(device: torch.device) -> bool:

@@ -66,6 +66,7 @@ from glmq.kernels.w4a16_dense import (
     check_packed,
     device_name,
     layout_for,
+    max_rows,
     sm_count,
     tuned_entry,
 )
@@ -514,7 +515,8 @@ def fused_moe_w4a16(
     `prepack_moe` + `fused_moe_w4a16_packed` to hold that copy yourself.
 
     Args:
-        x: float16/bfloat16 `[M, H]`, contiguous.
+        x: float16/bfloat16 `[M, H]`, contiguous; any M (from M x topk x max(H, I) = 2^31 on, GLM-5's M = 43691,
+            in token slices: w4a16_dense.INDEX_LIMIT).
         w13_packed: int32 `[E, 2I, H/8]`; rows [0, I) gate_proj, [I, 2I) up_proj.
         w13_scale: float16/bfloat16/float32 `[E, 2I, H/group_size]`.
         w2_packed: int32 `[E, H, I/8]` (down_proj).
@@ -564,6 +566,12 @@ def fused_moe_w4a16_packed(
     out = torch.empty(m, hidden, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0 or topk == 0:
         return out.zero_()
+    rows = max_rows(topk * hidden, topk * inter)  # h and y rows are assignments: M x topk x max(H, I) < 2^31
+    if m > rows:  # GLM-5: M > 43690 tokens; token slices, each its own config (w4a16_dense.INDEX_LIMIT)
+        for i in range(0, m, rows):
+            j = i + rows
+            fused_moe_w4a16_packed(x[i:j], w13, w2, topk_weights[i:j], topk_ids[i:j], out=out[i:j], config=config)
+        return out
     _check_expert_ids(topk_ids, num_experts)
     sorted_ids, expert_ids, num_blocks = moe_align_block_size(topk_ids, cfg.block_m, num_experts)
     h = torch.empty(m * topk, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up per assignment

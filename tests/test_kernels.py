@@ -1650,3 +1650,44 @@ def test_dense_pdl_dependent_chain_gpu(n, k, m, mode):
 @pytest.mark.parametrize("m", [1, 16, 256])
 def test_moe_glm_shapes_gpu(m):
     run_moe(m, 6144, 2048, num_experts=256, topk=8, g=128, dtype=torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------
+# int32 row offsets: launches split by rows (a limit lowered so that small shapes cross it)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_dense_rows_beyond_the_int32_index_limit_are_split(monkeypatch):
+    """The kernels compute row offsets in int32, so M x max(N, K) >= 2^31 (M ~ 87K at 6144->24576) would address
+    wrong rows; the wrapper splits such an M into launches of whole row slices, with the same result."""
+    wp, ws = quantized(64, 256, group_size=128)
+    x = acts(37, 256, torch.float16)
+    ref = D.w4a16_matmul(x, wp, ws, 128, config=D.DenseConfig("mma", 16, 64, split_k=2))
+    launched = []
+    real = D._launch
+    monkeypatch.setattr(D, "_launch", lambda x, *a, **k: (launched.append(x.shape[0]), real(x, *a, **k)))
+    monkeypatch.setattr(D, "INDEX_LIMIT", 10 * 256 + 1)  # 10 rows of x [., 256] per launch
+    out = poisoned(37, 64, torch.float16)
+    y = D.w4a16_matmul(x, wp, ws, 128, out=out, config=D.DenseConfig("mma", 16, 64, split_k=2))
+    assert launched == [10, 10, 10, 7] and y is out
+    assert torch.equal(y, ref)  # row slices of one launch: the same bits
+
+
+def test_moe_tokens_beyond_the_int32_index_limit_are_split(monkeypatch):
+    """The grouped launches index assignment rows (M x topk of them) of width H or I in int32: above the limit the
+    wrapper runs token slices, with the same result."""
+    m, hidden, inter, e, topk, g = 21, 128, 128, 4, 2, 64
+    w13p, w13s = quantized(e, 2 * inter, hidden, group_size=g, seed=3)
+    w2p, w2s = quantized(e, hidden, inter, group_size=g, seed=4)
+    x = acts(m, hidden, torch.bfloat16)
+    tw, ti = routing(m, e, topk)
+    cfg = MO.MoeConfig(16, 128, 128)
+    ref = MO.fused_moe_w4a16(x, w13p, w13s, w2p, w2s, tw, ti, g, config=cfg)
+    launched = []
+    real = MO._launch_experts
+    monkeypatch.setattr(MO, "_launch_experts", lambda x, *a: (launched.append(x.shape[0]), real(x, *a)))
+    monkeypatch.setattr(D, "INDEX_LIMIT", 8 * topk * hidden + 1)  # 8 tokens per launch pair
+    out = poisoned(m, hidden, torch.bfloat16)
+    y = MO.fused_moe_w4a16(x, w13p, w13s, w2p, w2s, tw, ti, g, out=out, config=cfg)
+    assert launched == [8, 8, 5] and y is out
+    assert torch.equal(y, ref)
