@@ -381,6 +381,8 @@ def prepack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size:
         raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
     if weight_packed.dtype != torch.int32:
         raise ValueError(f"weight_packed must be int32, got {weight_packed.dtype}")
+    if weight_packed.ndim < 2:
+        raise ValueError(f"weight_packed must be [..., N, K/8] (at least 2-D), got shape {list(weight_packed.shape)}")
     if weight_scale.dtype not in SCALE_DTYPES:
         raise ValueError(f"weight_scale must be float16, bfloat16 or float32, got {weight_scale.dtype}")
     k = weight_packed.shape[-1] * 8

@@ -104,3 +104,9 @@ def test_chunk_major_words_have_row_major_strides_for_one_row():
     w = dense.prepack(packed, torch.rand(1, 4, generator=g).to(torch.bfloat16), 128)
     assert w.chunk_major and w.qweight.shape == (4, 1, 16) and w.qweight.stride() == (16, 16, 1)
     assert w.word_strides() == (16, 16)
+
+
+def test_prepack_of_a_1d_weight_is_a_clear_error():
+    """A 1-D weight_packed (a flattened tensor) ended in a bare 'not enough values to unpack' inside prepack."""
+    with pytest.raises(ValueError, match=r"weight_packed must be \[\.\.\., N, K/8\].*got shape \[32\]"):
+        dense.prepack(torch.zeros(32, dtype=torch.int32), torch.ones(2, dtype=torch.bfloat16), 128)
