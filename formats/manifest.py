@@ -53,9 +53,12 @@ def journal_name(name: str) -> str:
 
 
 def remove(out_dir: Path, name: str) -> None:
-    """Delete manifest `name` and its journal."""
-    (out_dir / name).unlink(missing_ok=True)
+    """Delete manifest `name` and its journal.
+
+    The journal goes first: a run killed in between leaves the manifest, which the next run finds (FRAGMENT_GLOB)
+    and removes; a journal left without its manifest would be matched by nothing and stay in the checkpoint."""
     (out_dir / journal_name(name)).unlink(missing_ok=True)
+    (out_dir / name).unlink(missing_ok=True)
 
 
 def fragment_name(rank: int) -> str:
