@@ -307,7 +307,12 @@ def _run(plan: Plan, out: Path, lock: OutputLock, device: str, progress: bool, q
         t_pipe = time.perf_counter()
         todo = [f for f in plan.files if f.name not in man.files]
         mine = todo if world is None else world.mine(todo, [file_cost(f) for f in todo])
-        book = FileBook(out, man, world)
+        try:
+            book = FileBook(out, man, world)  # distributed: writes this rank's manifest fragment
+        except OSError as e:
+            if world is None:
+                raise
+            raise world.failure(f"writing its manifest fragment in {out}", e) from e
         stats, busy = convert_files(plan, out, mine, dev, quantized, book.record, progress and lead, world)
     except BaseException:
         if config_job is not None:

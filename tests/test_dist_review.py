@@ -77,3 +77,21 @@ def test_remove_deletes_the_journal_before_the_manifest(tmp_path, monkeypatch):
     monkeypatch.setattr(pathlib.Path, "unlink", real_unlink)
     assert gone == [manifest.journal_name(fragment_name(3))]
     assert [p.name for p in tmp_path.glob(manifest.FRAGMENT_GLOB)] == [fragment_name(3)]
+
+
+def test_a_rank_that_cannot_write_its_fragment_is_named(make_ckpt, tmp_path, monkeypatch):
+    """A rank other than 0 whose manifest fragment could not be written (a full disk, a read-only mount) raised a bare
+    OSError: the CLI printed a traceback naming no rank. It is a RankFailure naming the rank and the step now."""
+    from glmq.quantize import dist
+
+    plan = make_plan(open_source(make_ckpt("glm_moe_dsa", "fp8-block")), recipes.load("int4-w4a16"), 2_000_000)
+    (tmp_path / "out").mkdir()
+    monkeypatch.setattr(stream, "prepare_output", lambda plan, out, lock, world: Manifest({}))
+
+    def full(self, out, name):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Manifest, "save", full)
+    world = dist.World(rank=1, size=2, local_rank=1, device="cpu")
+    with pytest.raises(dist.RankFailure, match=r"rank 1 failed on writing its manifest fragment in .*No space left"):
+        stream.run(plan, tmp_path / "out", progress=False, world=world)
