@@ -215,9 +215,20 @@ def from_config_file(config_path: Path, recipe: str, scale: Scale = Scale(), fig
                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
     """Plan a conversion from config.json alone (e.g. GLM-5.2's real dimensions), output files of at most
     `max_shard_bytes` (`--max-shard-size`), each inside one assumed source shard as in a real plan."""
+    return summarize_config_plan(plan_from_config(config_path, recipe, max_shard_bytes), config_path, scale, figures)
+
+
+def plan_from_config(config_path: Path, recipe: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES):
+    """The plan of `from_config_file` (its source: `virtual_source`)."""
     source = virtual_source(config_path)
     with _config_keys(source.config, Path(config_path)):
-        return summarize(make_plan(source, load_recipe(recipe), max_shard_bytes), scale, figures, assumed=True)
+        return make_plan(source, load_recipe(recipe), max_shard_bytes)
+
+
+def summarize_config_plan(plan, config_path: Path, scale: Scale = Scale(), figures: dict[str, Figure] = FIGURES) -> dict:
+    """`from_config_file`'s summary of a `plan_from_config` plan."""
+    with _config_keys(plan.source.config, Path(config_path)):
+        return summarize(plan, scale, figures, assumed=True)
 
 
 @contextmanager

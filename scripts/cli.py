@@ -351,7 +351,9 @@ def plan_cmd(model, recipe, max_shard_size, ranks, device, samples, seq_len, dty
         scale = estimate.Scale(ranks=ranks, device=device, samples=samples, seq_len=seq_len, dtype=dtype,
                                experts_per_pass=experts_per_pass)
         if Path(model).suffix == ".json":
-            summary = estimate.from_config_file(Path(model), recipe, scale, figures, parse_size(max_shard_size))
+            plan = estimate.plan_from_config(Path(model), recipe, parse_size(max_shard_size))
+            _warn_serving(plan)
+            summary = estimate.summarize_config_plan(plan, Path(model), scale, figures)
         else:
             plan = _plan(model, recipe, None, max_shard_size)
             _warn_serving(plan)

@@ -56,3 +56,16 @@ def test_quantize_and_plan_warn_before_the_run(make_ckpt, tmp_path):
     assert res.output.index("warning: vLLM and SGLang") < res.output.index("wrote ")  # before the work
     res = runner.invoke(main, ["quantize", "-m", str(src), "-o", str(tmp_path / "out2"), "--no-progress"])
     assert res.exit_code == 0 and "warning" not in res.output, res.output
+
+
+def test_config_only_plan_warns_too(tmp_path):
+    """`glmq plan -m config.json` (GLM-5.2's real dimensions, no weights) is where a recipe is tried before a run."""
+    from pathlib import Path
+
+    (tmp_path / "asym.yaml").write_text(ASYM)
+    cfg = Path(__file__).resolve().parents[1] / "scripts" / "configs" / "glm-5.2-config.json"
+    res = CliRunner().invoke(main, ["plan", "-m", str(cfg), "--recipe", str(tmp_path / "asym.yaml")])
+    assert res.exit_code == 0, res.output
+    assert "routed_expert: symmetric weights fails for 58368 module(s)" in res.output  # 76 layers x 256 x 3
+    res = CliRunner().invoke(main, ["plan", "-m", str(cfg), "--recipe", "int4-w4a16"])
+    assert res.exit_code == 0 and "warning" not in res.output, res.output
