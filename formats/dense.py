@@ -20,10 +20,27 @@ from glmq.formats.source import INDEX_NAME, SINGLE_NAME
 from glmq.quantize.pack import unpack_int32, unpack_zero_point
 
 
+def _read_json(path: Path) -> dict:
+    """A JSON object file of a checkpoint, or a CheckpointError naming it."""
+    try:
+        obj = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not found; not a checkpoint folder, or one whose writing did not finish") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot be read as JSON ({e}); re-download or re-write it") from e
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: holds a JSON {type(obj).__name__}, not an object; re-download or re-write it")
+    return obj
+
+
 def _weight_map(root: Path) -> dict[str, str]:
     idx = root / INDEX_NAME
     if idx.exists():
-        return json.loads(idx.read_text())["weight_map"]
+        wm = _read_json(idx).get("weight_map")
+        if not isinstance(wm, dict) or not all(isinstance(f, str) and f for f in wm.values()):
+            raise CheckpointError(f"{idx}: has no weight_map of tensor names to shard files; re-download or re-write "
+                                  f"the index")
+        return wm
     if not (root / SINGLE_NAME).exists():
         raise CheckpointError(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME}; not a checkpoint folder, or one "
                               f"whose writing did not finish")
@@ -63,7 +80,7 @@ def iter_dense(root: str | Path, dtype: torch.dtype = torch.bfloat16) -> Iterato
     in a bf16 model, `_keep_in_fp32_modules_strict`, since rounding it shifts which experts are picked).
     """
     root = Path(root)
-    config = json.loads((root / "config.json").read_text())
+    config = _read_json(root / "config.json")
     qc = config.get("quantization_config") or {}
     wm = _weight_map(root)
     handles: dict[str, object] = {}
@@ -89,6 +106,8 @@ def iter_dense(root: str | Path, dtype: torch.dtype = torch.bfloat16) -> Iterato
     int_args = _int_args(qc)
     block = tuple(qc["weight_block_size"]) if qc.get("quant_method") == "fp8" else None
     ct_block = _float_block(qc)  # compressed-tensors FP8 blocks (glmq's keep_fp8 output), scale [N/b0, K/b1]
+    float_strategies = {(g.get("weights") or {}).get("strategy") for g in (qc.get("config_groups") or {}).values()
+                        if (g.get("weights") or {}).get("type") == "float"}
     skip = {"weight_scale", "weight_scale_inv", "weight_shape", "weight_zero_point", "input_scale", "weight_g_idx"}
     for name in sorted(wm):
         module, _, leaf = name.rpartition(".")
@@ -114,13 +133,26 @@ def iter_dense(root: str | Path, dtype: torch.dtype = torch.bfloat16) -> Iterato
             continue
         t = get(name)
         if t.dtype == torch.float8_e4m3fn:
-            if block is not None:
-                t = fp8.dequantize_block(t, get(f"{module}.weight_scale_inv", name), block)
-            elif ct_block is not None and (s := get(f"{module}.weight_scale", name)).shape == (
-                    -(-t.shape[0] // ct_block[0]), -(-t.shape[1] // ct_block[1])) and s.shape != (t.shape[0], 1):
-                t = fp8.dequantize_block(t, s, ct_block)
+            sname = f"{module}.weight_scale_inv" if block is not None else f"{module}.weight_scale"
+            s = get(sname, name)
+            n = t.shape[0] if t.ndim else 1
+            blocks = block or ct_block
+            b_shape = (-(-n // blocks[0]), -(-t.shape[1] // blocks[1])) if blocks and t.ndim == 2 else None
+            # per row [N, 1] or per tensor [1]: compressed-tensors FP8 sources, not a block-only checkpoint
+            channel = (block is None and (ct_block is None or bool(float_strategies - {"block"})) and t.ndim == 2
+                       and s.numel() in (1, n))
+            if b_shape is not None and tuple(s.shape) == b_shape and not (channel and tuple(s.shape) == (n, 1)):
+                t = fp8.dequantize_block(t, s, blocks)
+            elif channel:
+                t = fp8.dequantize_channel(t, s)
             else:
-                t = fp8.dequantize_channel(t, get(f"{module}.weight_scale", name))
+                fits = ([f"{list(b_shape)} ({blocks[0]}x{blocks[1]} blocks)"] if b_shape else []) + (
+                    [] if block is not None or (ct_block is not None and float_strategies <= {"block"})
+                    else [f"[{n}, 1] (per row) or [1] (per tensor)"])
+                raise CheckpointError(
+                    f"{root / wm[name]}: FP8 tensor {name} {list(t.shape)} has {sname} {list(s.shape)} (in "
+                    f"{wm[sname]}), which does not fit it (expected {' or '.join(fits) or 'a 2-D weight'}); the "
+                    f"checkpoint is damaged, re-download or re-write it")
         yield name, t.to(dtype) if t.is_floating_point() and leaf not in KEEP_DTYPE else t
 
 
@@ -141,6 +173,6 @@ def _float_block(qc: dict) -> tuple[int, int] | None:
 
 
 def dense_config(root: str | Path) -> dict:
-    config = json.loads((Path(root) / "config.json").read_text())
+    config = _read_json(Path(root) / "config.json")
     config.pop("quantization_config", None)
     return config
