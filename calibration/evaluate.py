@@ -30,10 +30,14 @@ def load_model(checkpoint: str | Path, dtype: torch.dtype = torch.float32):
 
     from transformers import AutoModelForCausalLM
 
-    from glmq.formats.families import layer_index, mtp_layers
+    from glmq.formats.families import family_for, layer_index, mtp_layers
 
     config = dense_config(checkpoint)
     mtp = set(mtp_layers(config))  # transformers' model has no MTP layer: its tensors would be reported unexpected
+    # transformers' own class of the family, as the GPTQ layers use (calibration/layers.hf_config): Kimi K2's
+    # model_type "kimi_k2" and auto_map name custom code that the temporary folder below does not hold
+    config = {k: v for k, v in config.items() if k != "auto_map"} | {
+        "model_type": family_for(config, str(Path(checkpoint) / "config.json")).name}
     with tempfile.TemporaryDirectory(prefix="glmq-eval-") as tmp:
         tensors = {k: t for k, t in iter_dense(checkpoint, dtype) if layer_index(k) not in mtp}
         save_file(tensors, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
@@ -61,7 +65,11 @@ def token_windows(tokenizer_dir: str | Path, text_file: str | Path, seq_len: int
     tok = load_tokenizer(tokenizer_dir, trust_remote_code, error=CheckpointError,
                          fix="the text is tokenized with the source checkpoint's tokenizer: copy tokenizer.json and "
                              "tokenizer_config.json from the original model into it")
-    ids = tok(Path(text_file).read_text(), return_tensors="pt", add_special_tokens=False).input_ids[0]
+    try:
+        text = Path(text_file).read_text(encoding="utf-8-sig")  # as calibration text: a byte-order mark is no text
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{text_file}: not UTF-8 text ({e}); give --text a UTF-8 text file") from e
+    ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
     n = min(count, ids.numel() // seq_len)
     if n == 0:
         raise ValueError(f"{text_file}: shorter than one window of {seq_len} tokens")

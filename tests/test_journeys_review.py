@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from glmq.scripts import cli
@@ -38,3 +39,43 @@ def test_builtin_model_has_a_tokenizer_for_gptq_and_eval(tmp_path, monkeypatch):
                                   "--seq-len", "32", "--json", str(js)])
     assert r.exit_code == 0, r.output
     assert json.loads(js.read_text())["models"][1]["kl_to_source"] > 0
+
+
+def test_eval_reads_kimi_k2_layouts(tmp_path):
+    """`glmq eval` of a Kimi K2 checkpoint (model_type kimi_k2 with an auto_map to custom code) failed with
+    transformers' "contains custom code which must be executed", with or without --trust-remote-code: the config
+    was written as it is into a temporary folder that holds no code. The family's transformers class reads it."""
+    from glmq.formats import fixtures
+
+    src = fixtures.make_checkpoint(tmp_path / "kimi", "deepseek_v3", config_overrides={"model_type": "kimi_k2",
+                                                                                        "qk_rope_head_dim": 64})
+    fixtures.write_byte_tokenizer(src)
+    assert "auto_map" in json.loads((src / "config.json").read_text())  # what made transformers ask for the code
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["quantize", "-m", str(src), "-o", str(out), "--no-progress"])
+    assert r.exit_code == 0, r.output
+    (tmp_path / "t.txt").write_text(TEXT)
+    js = tmp_path / "eval.json"
+    r = CliRunner().invoke(main, ["eval", str(src), str(out), "--text", str(tmp_path / "t.txt"), "--windows", "2",
+                                  "--seq-len", "32", "--json", str(js)])
+    assert r.exit_code == 0, r.output
+    models = json.loads(js.read_text())["models"]
+    assert models[0]["perplexity"] > 1 and 0 < models[1]["kl_to_source"] < 1
+
+
+def test_eval_text_that_is_not_utf8_names_the_file(tmp_path, monkeypatch):
+    """`glmq eval --text latin1.txt` printed "error: 'utf-8' codec can't decode byte 0xff ..." naming no file (and a
+    UTF-8 byte-order mark became tokens of the first window)."""
+    from glmq.calibration import evaluate
+
+    monkeypatch.chdir(tmp_path)
+    src = cli.resolve_model("builtin:glm4-tiny")
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(b"caf\xe9 \xff" * 100)
+    with pytest.raises(ValueError, match=r"latin1\.txt: not UTF-8 text.*give --text a UTF-8 text file"):
+        evaluate.token_windows(src, bad, 16, 2)
+    bom = tmp_path / "bom.txt"
+    bom.write_bytes(b"\xef\xbb\xbf" + TEXT.encode())
+    plain = tmp_path / "plain.txt"
+    plain.write_text(TEXT)
+    assert torch.equal(evaluate.token_windows(src, bom, 16, 2), evaluate.token_windows(src, plain, 16, 2))
