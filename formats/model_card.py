@@ -95,7 +95,7 @@ def infer_base_model(config: dict, report: dict | None) -> tuple[str | None, str
     m = _HF_CACHE.search(source) if isinstance(source, str) else None
     if m and is_repo_id(f"{m[1]}/{m[2]}"):
         return f"{m[1]}/{m[2]}", "the Hugging Face cache path of the source in glmq_report.json"
-    return None, "not recorded in config.json or glmq_report.json (pass --base-model ORG/NAME)"
+    return None, "not recorded in config.json or glmq_report.json"  # the card's words: no CLI hint for its readers
 
 
 def human_bytes(n: float) -> str:
