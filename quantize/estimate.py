@@ -534,6 +534,14 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
+def _count(n: int) -> str:
+    """A parameter count in B / M / K (GLM-5's layer: "9.74 B"; a generated tiny model's: "303.1 K", not "0.00 B")."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.2f} {unit}" if unit == "B" else f"{n / div:.1f} {unit}"
+    return str(n)
+
+
 def format_summary(s: dict, figures: dict[str, Figure] = FIGURES) -> str:
     sc = s["scale"]
     lines = [f"== predicted output: {s['family']} ({s['source_format']}) with recipe {s['recipe']}"
@@ -581,8 +589,8 @@ def _gptq_lines(g: dict, sc: dict, figures: dict[str, Figure], rtn: dict) -> lis
     v = g["memory"]
     p, q = v["all/memory"]["parts"], v[f"{epp or 'all'}/disk"]["parts"]
     where = "GPU" if dev == "cuda" else "host"
-    lines.append(f"largest decoder layer: model.layers.{g['largest_layer']}, {g['largest_params'] / 1e9:.2f} B params "
-                 f"({g['largest_expert_params'] / 1e9:.2f} B in {g['experts']} routed experts), {g['largest_targets']} "
+    lines.append(f"largest decoder layer: model.layers.{g['largest_layer']}, {_count(g['largest_params'])} params "
+                 f"({_count(g['largest_expert_params'])} in {g['experts']} routed experts), {g['largest_targets']} "
                  f"targets; the busiest rank quantizes {g['rank_targets']} of them ({g['rank_experts']} experts)")
     rows = [(f"decoder layer in {sc['dtype']} ({where})", p["layer"]),
             (f"source layer dequantized to bf16 ({where})", p["source_bf16"]),

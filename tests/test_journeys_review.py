@@ -79,3 +79,10 @@ def test_eval_text_that_is_not_utf8_names_the_file(tmp_path, monkeypatch):
     plain = tmp_path / "plain.txt"
     plain.write_text(TEXT)
     assert torch.equal(evaluate.token_windows(src, bom, 16, 2), evaluate.token_windows(src, plain, 16, 2))
+
+
+def test_plan_counts_small_layers_in_their_own_unit():
+    """`glmq plan` on a built-in model said "0.00 B params" for its largest decoder layer."""
+    from glmq.quantize.estimate import _count
+
+    assert [_count(n) for n in (9_880_000_000, 1_234_567, 786_432, 12)] == ["9.88 B", "1.2 M", "786.4 K", "12"]
