@@ -141,8 +141,12 @@ def format_report(rep: dict) -> str:
     lines.append(f"experts under {cov['min_expert_tokens']} tokens: {len(cov['under_covered'])}"
                  + "".join(f"\n  layer {u['layer']} expert {u['expert']}: {u['tokens']} tokens -> {u['hessian']}"
                            for u in cov["under_covered"][:20]))
-    lines.append(f"experts no calibration token reached: {len(cov.get('unreached', []))}" + "".join(
-        f"\n  layer {u['layer']} expert {u['expert']}" for u in cov.get("unreached", [])[:20]))
+    unreached = cov.get("unreached", [])
+    listed = {(u["layer"], u["expert"]) for u in cov["under_covered"][:20]}
+    rest = [u for u in unreached if (u["layer"], u["expert"]) not in listed]  # with the default threshold 1: none
+    lines.append(f"experts no calibration token reached: {len(unreached)}"
+                 + (" (listed above)" if unreached and not rest else "")
+                 + "".join(f"\n  layer {u['layer']} expert {u['expert']}" for u in rest[:20]))
     lines.append(f"fallbacks: {len(rep['fallbacks'])}" + "".join(
         f"\n  {f['module']}: {f['reason']}" for f in rep["fallbacks"][:20]))
     mtp = rep["mtp"]

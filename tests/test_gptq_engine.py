@@ -252,6 +252,7 @@ def test_expert_without_tokens_is_reported(make_ckpt, tmp_path, min_tokens, prio
     assert rep["layers"][1]["expert_tokens"]["zero"] >= 1
     assert {"layer": 1, "expert": 3} in rep["expert_coverage"]["unreached"]
     assert "experts no calibration token reached: " in format_report(rep) and "\n  layer 1 expert 3" in format_report(rep)
+    assert format_report(rep).count("layer 1 expert 3") == 1  # listed once: among the under-covered, or the unreached
     dead = [f"model.layers.1.mlp.experts.3.{p}_proj" for p in ("gate", "up", "down")]
     if prior:
         assert not any(f["module"] in dead for f in rep["fallbacks"])
