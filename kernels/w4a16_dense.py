@@ -786,8 +786,10 @@ def _write_tile(acc, out_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_om, tile_id,
             # Last split of this tile: sum every partial in split order, so the bits do not depend
             # on which split finished first. ".cg" reads at L2, where the other SMs' stores are.
             total = tl.load(ws, mask=mask, other=0.0, cache_modifier=".cg")
+            part = ws  # split s's partial: stepped M x N at a time (64-bit pointers; s * M * N overflows int32)
             for s in range(1, split_k):
-                total += tl.load(ws + s * mn, mask=mask, other=0.0, cache_modifier=".cg")
+                part += mn
+                total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.store(cnt_ptr + tile_id, 0)  # re-arm for the next launch
 
