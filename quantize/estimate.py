@@ -536,9 +536,9 @@ def _duration(seconds: float) -> str:
 
 def _count(n: int) -> str:
     """A parameter count in B / M / K (GLM-5's layer: "9.74 B"; a generated tiny model's: "303.1 K", not "0.00 B")."""
-    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= div:
-            return f"{n / div:.2f} {unit}" if unit == "B" else f"{n / div:.1f} {unit}"
+    for div, unit, digits in ((1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1)):
+        if round(n / div, digits) >= 1:  # as printed: 999.95 M reads "1.00 B", not "1000.0 M"
+            return f"{n / div:.{digits}f} {unit}"
     return str(n)
 
 
