@@ -86,4 +86,4 @@ def test_plan_counts_small_layers_in_their_own_unit():
     from glmq.quantize.estimate import _count
 
     assert [_count(n) for n in (9_880_000_000, 1_234_567, 786_432, 12)] == ["9.88 B", "1.2 M", "786.4 K", "12"]
-    assert [_count(n) for n in (999_950_000, 999_960, 999)] == ["1.00 B", "1.0 M", "999"]  # rounding up a unit
+    assert [_count(n) for n in (999_950_000, 999_960, 999)] == ["1.00 B", "1.0 M", "1.0 K"]  # rounding up a unit
