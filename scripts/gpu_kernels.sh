@@ -16,7 +16,8 @@
 # GEMM's stage-dropping variants, scripts/profile_kernels.py --decompose, into decompose.json)
 # TUNE_M (default "1 4 16 64 256 2048"), TUNE_ARGS (extra tune_kernels.py arguments, e.g. "--skip-moe"), BENCH_ARGS (extra
 # bench_kernels.py arguments, e.g. "--no-planes --prev-table benchmarks/tuned_configs_session4.json"), TOTAL_S (default 570), TEST_TIMEOUT, COMPILE_TIMEOUT, TUNE_BUDGET,
-# BENCH_BUDGET, RETEST_TIMEOUT, WORKERS (compile processes beside the tests' 8).
+# BENCH_BUDGET, RETEST_TIMEOUT, WORKERS (compile processes beside the tests' 8), TEST_WORKERS (default 8 beside the
+# tuner, 14 without it; TEST_TIMEOUT 170 and 330 s).
 # Needs the wheels in .whl/ only for "validate" (compressed-tensors and its pydantic deps).
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -43,8 +44,11 @@ if [[ $PARTS == *tune* ]]; then
   CPID=$!
 fi
 if [[ $PARTS == *tests* ]]; then
-  echo "== GPU tests (old table for the tuned shapes)"
-  timeout "$(clip ${TEST_TIMEOUT:-170})" python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels.py 2>&1 | tail -30
+  # Beside the tuner's compile workers the tests get 8 processes and 170 s (a part of the file: it needs ~250 s at
+  # -n 14 on the H200, BENCHMARKS.md session 32); alone (PARTS without "tune") 14 processes and 330 s, the whole file.
+  if [[ -n $CPID ]]; then TW=${TEST_WORKERS:-8}; TT=${TEST_TIMEOUT:-170}; else TW=${TEST_WORKERS:-14}; TT=${TEST_TIMEOUT:-330}; fi
+  echo "== GPU tests (old table for the tuned shapes), $TW workers, at most $TT s"
+  timeout "$(clip $TT)" python3 -m pytest -q -p no:cacheprovider -n "$TW" tests/test_kernels.py 2>&1 | tail -30
   echo "tests done at $((SECONDS - T0)) s"
 fi
 if [[ -n $CPID ]]; then
