@@ -29,6 +29,18 @@ def _out_file(ctx, param, value):
     return value
 
 
+def _builtin_source(ctx, param, value):
+    """`glmq validate --source`: a folder (a missing one is validate's own "could not run", exit 2 with its JSON), or
+    `builtin:<name>`, the generated model `glmq quantize --model builtin:<name>` converted (generated again if its
+    cache is gone)."""
+    return str(resolve_model(value)) if value and value.startswith(BUILTIN_PREFIX) else value
+
+
+def _source_folder(ctx, param, value):
+    """`glmq eval SOURCE`: an existing folder, or `builtin:<name>` as `_builtin_source`."""
+    return click.Path(exists=True, file_okay=False).convert(_builtin_source(ctx, param, value), param, ctx)
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
@@ -398,8 +410,9 @@ def recipes_cmd():
 
 @main.command("validate")
 @click.argument("checkpoint", type=click.Path())
-@click.option("--source", default=None, type=click.Path(),
-              help="Source checkpoint: compare weights (RTN: within the rounding bound; GPTQ: error per layer).")
+@click.option("--source", default=None, callback=_builtin_source,
+              help="Source checkpoint folder (or builtin:<name>): compare weights (RTN: within the rounding bound; "
+                   "GPTQ: error per layer).")
 @click.option("--sample", type=click.FloatRange(0, 1, min_open=True), default=None,
               help="Fraction of each kind of quantized module (class, projection, shape), at least one each, that gets "
                    "the matmul / source-weight checks (deterministic with --seed). Default 0.005 "
@@ -448,7 +461,7 @@ def validate_cmd(checkpoint, source, sample, device, tp, no_serving, json_out, s
 
 
 @main.command("eval")
-@click.argument("source", type=click.Path(exists=True, file_okay=False))
+@click.argument("source", callback=_source_folder)
 @click.argument("quantized", nargs=-1, type=click.Path(exists=True, file_okay=False))
 @click.option("--text", required=True, type=click.Path(exists=True, dir_okay=False), help="Evaluation text file.")
 @click.option("--seq-len", default=256, show_default=True, type=click.IntRange(min=2), help="Tokens per window.")

@@ -87,3 +87,20 @@ def test_plan_counts_small_layers_in_their_own_unit():
 
     assert [_count(n) for n in (9_880_000_000, 1_234_567, 786_432, 12)] == ["9.88 B", "1.2 M", "786.4 K", "12"]
     assert [_count(n) for n in (999_950_000, 999_960, 999)] == ["1.00 B", "1.0 M", "1.0 K"]  # rounding up a unit
+
+
+def test_builtin_names_work_as_sources_of_validate_and_eval(tmp_path, monkeypatch):
+    """After `glmq quantize -m builtin:NAME`, `--source builtin:NAME` (validate) and `glmq eval builtin:NAME OUT` name
+    the same generated source; before, only its cache folder did, printed once when it was generated."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["quantize", "-m", "builtin:glm4-tiny", "-o", str(out), "--no-progress"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["validate", str(out), "--source", "builtin:glm4-tiny", "--sample", "0.05"])
+    assert r.exit_code == 0 and "source     pass" in r.output, r.output
+    (tmp_path / "t.txt").write_text(TEXT)
+    r = CliRunner().invoke(main, ["eval", "builtin:glm4-tiny", str(out), "--text", "t.txt", "--windows", "2",
+                                  "--seq-len", "32"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["eval", "builtin:nope", str(out), "--text", "t.txt"])
+    assert r.exit_code == 2 and "unknown built-in model 'nope'" in r.output, r.output
