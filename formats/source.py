@@ -143,6 +143,13 @@ def _weight_map(root: Path) -> dict[str, str]:
         if bad is not None:
             raise CheckpointError(f"{index}: weight_map places tensor {bad} in {wm[bad]!r}, not a shard file name; "
                                   f"re-download the index")
+        # A shard in another folder ("sub/model-1.safetensors", "../x"): the headers record bare file names, so its
+        # tensors fell in no output file and the run wrote an index of none (exit 0)
+        nested = next((n for n, f in wm.items() if Path(f).name != f or f in (".", "..")), None)
+        if nested is not None:
+            raise CheckpointError(f"{index}: weight_map places tensor {nested} in {wm[nested]!r}, outside the index's "
+                                  f"folder; glmq reads the shards beside the index: move them next to it and give "
+                                  f"their bare file names in the weight_map")
         return wm
     single = root / SINGLE_NAME
     if single.exists():

@@ -23,9 +23,17 @@ def _out_file(ctx, param, value):
     """--json FILE, --plot FILE: the folder must exist, checked when the options are parsed (exit 2, one line),
     not when the file is written at the end of a run (a traceback after the work was done)."""
     if value is not None:
+        import os
+
         parent = Path(value).resolve().parent
         if not parent.is_dir():
             raise click.BadParameter(f"{value}: folder {parent} does not exist; create it or choose another path")
+        try:  # a name the file system refuses (longer than its limit): refused here too, not after the run
+            os.stat(value)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise click.BadParameter(f"{value}: {e.strerror}; choose another path") from e
     return value
 
 
@@ -33,7 +41,12 @@ def _builtin_source(ctx, param, value):
     """`glmq validate --source`: a folder (a missing one is validate's own "could not run", exit 2 with its JSON), or
     `builtin:<name>`, the generated model `glmq quantize --model builtin:<name>` converted (generated again if its
     cache is gone)."""
-    return str(resolve_model(value)) if value and value.startswith(BUILTIN_PREFIX) else value
+    if not (value and value.startswith(BUILTIN_PREFIX)):
+        return value
+    try:
+        return str(resolve_model(value))
+    except click.BadParameter as e:  # resolve_model names --model; here it is --source or eval's SOURCE
+        raise click.BadParameter(e.message, ctx=ctx, param=param) from e
 
 
 def _source_folder(ctx, param, value):
@@ -328,7 +341,7 @@ def quantize(ctx, model, recipe, max_shard_size, output, scheme, device, no_prog
     except dist.RankFailure as e:
         click.echo(f"glmq: {e}", err=True)
         sys.exit(1)
-    except (CheckpointError, RecipeError, ValueError) as e:
+    except (CheckpointError, RecipeError, ValueError, OSError) as e:  # OSError: e.g. an --output name too long
         _fail(e)
     if report is None:  # a rank other than 0: rank 0 prints the summary
         return
@@ -391,7 +404,7 @@ def plan_cmd(model, recipe, max_shard_size, ranks, device, samples, seq_len, dty
             plan = _plan(model, recipe, None, max_shard_size)
             _warn_serving(plan)
             summary = estimate.from_plan(plan, scale, figures)
-    except (CheckpointError, RecipeError, ValueError) as e:
+    except (CheckpointError, RecipeError, ValueError, OSError) as e:  # OSError: e.g. a --model name too long
         _fail(e)
     click.echo(estimate.format_summary(summary, figures))
     if json_out:
@@ -445,6 +458,9 @@ def validate_cmd(checkpoint, source, sample, device, tp, no_serving, json_out, s
         report = v.validate(checkpoint, source, sample=v.DEFAULT_SAMPLE if sample is None else sample, device=device,
                             tp=tp, seed=seed, serving=not no_serving, sha256=sha256)
     except v.CannotValidate as e:
+        could_not_run(str(e))
+        _fail(e, code=2)
+    except OSError as e:  # the file system refused a path (e.g. a name too long): could not run, no traceback
         could_not_run(str(e))
         _fail(e, code=2)
     except Exception as e:  # a bug in glmq or its libraries: "could not run" (2), never "invalid" (1), traceback kept
