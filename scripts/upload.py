@@ -110,7 +110,11 @@ def check_arguments(o: UploadOptions) -> Path:
     from glmq.formats.model_card import is_repo_id
 
     folder = o.checkpoint
-    if not folder.is_dir():
+    try:
+        is_dir = folder.is_dir()
+    except OSError as e:  # e.g. a name longer than the file system takes (is_dir ignores only "no such file")
+        raise UploadError(f"{folder}: {e.strerror}; pass the folder `glmq quantize -o` wrote", 2) from e
+    if not is_dir:
         raise UploadError(f"{folder}: no such folder; pass the folder `glmq quantize -o` wrote", 2)
     if not (folder / "config.json").is_file():
         raise UploadError(f"{folder}: no config.json, so not a checkpoint (glmq writes it last: re-run the same "
@@ -139,6 +143,8 @@ def gate(folder: Path, o: UploadOptions) -> dict:
     try:
         rep = v.validate(folder, sample=o.sample, device=o.device, tp=o.tp, serving=True)
     except v.CannotValidate as e:
+        if isinstance(e, v.BeingWritten):  # not even with --allow-invalid: the files are not all there yet
+            raise UploadError(f"{folder}: {e}; nothing was uploaded", 2) from e
         if not o.allow_invalid:
             raise UploadError(f"{folder}: glmq validate could not run ({e}); fix that, or pass --allow-invalid "
                               f"to upload anyway", 2) from e

@@ -42,14 +42,15 @@ from glmq.quantize.validate.integrity import check_integrity
 from glmq.quantize.validate.numerics import (ACT_ROWS, DEFAULT_SAMPLE, REL_ERR_BOUND, ModuleScan, matmul_error,
                                              sample_modules, scale_problem, stratum)
 from glmq.quantize.validate.reading import ScanStats, scan_shards, work_units
-from glmq.quantize.validate.report import CannotValidate, CheckResult, Finding, Report, Status, format_report
+from glmq.quantize.validate.report import (BeingWritten, CannotValidate, CheckResult, Finding, Report, Status,
+                                           format_report)
 from glmq.quantize.validate.serving import check_serving, dense_rules, moe_rules
 from glmq.quantize.validate.source import SourceCheck, SourceReader, recipe_method, rtn_bound_steps, weight_error
 from glmq.quantize.validate.structure import LEAF_DTYPES, check_structure, expected_shapes, int_module_problems
 
 __all__ = [
     "ACT_ROWS", "COMPANIONS", "DEFAULT_SAMPLE", "INT_LEAVES", "LEAF_DTYPES", "REL_ERR_BOUND", "rtn_bound_steps",
-    "CannotValidate", "CheckResult", "Checkpoint", "Finding", "Group", "Module", "ModuleScan", "QuantConfig", "Report",
+    "BeingWritten", "CannotValidate", "CheckResult", "Checkpoint", "Finding", "Group", "Module", "ModuleScan", "QuantConfig", "Report",
     "ScanStats", "SourceCheck", "SourceReader", "Status", "check_config", "check_index", "check_integrity",
     "check_serving", "check_structure", "dense_rules", "expected_shapes", "format_report", "group_for",
     "int_module_problems", "load_checkpoint", "matmul_error", "modules_of", "moe_rules", "read_quant_config",

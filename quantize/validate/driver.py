@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import sysconfig
@@ -19,7 +20,7 @@ from glmq.quantize.validate.config import _ct, check_config, group_for, read_qua
 from glmq.quantize.validate.integrity import check_integrity, checksum_choice
 from glmq.quantize.validate.numerics import DEFAULT_SAMPLE, ModuleScan, sample_modules, stratum
 from glmq.quantize.validate.reading import ScanStats, scan_shards
-from glmq.quantize.validate.report import CannotValidate, CheckResult, Report
+from glmq.quantize.validate.report import BeingWritten, CannotValidate, CheckResult, Report
 from glmq.quantize.validate.serving import check_serving
 from glmq.quantize.validate.source import SourceCheck
 from glmq.quantize.validate.structure import check_structure
@@ -56,6 +57,7 @@ def validate(checkpoint: str | Path, source: str | Path | None = None, *, sample
     t0 = time.perf_counter()
     _check_arguments(source, sample, device, tp)
     root = Path(checkpoint)
+    _check_not_being_written(root)
     ck = load_checkpoint(root)
     # compressed-tensors takes seconds to import (transformers); only the checks after the read need it
     # sysconfig fills its config vars lazily and not thread-safely (CPython 3.11): a thread that reads them while
@@ -137,6 +139,33 @@ def _check_arguments(source, sample: float, device: str, tp: int) -> None:
         except ValueError as e:  # CheckpointError is one; so is invalid JSON
             raise CannotValidate(f"--source {source}: not a checkpoint glmq converts from ({e}); point it at the "
                                  f"FP8 or BF16 checkpoint the output was converted from") from e
+
+
+def _check_not_being_written(root: Path) -> None:
+    """A folder that a `glmq quantize` is writing (it holds the folder's `flock`, quantize/output.OutputLock) is no
+    checkpoint yet, whatever it holds at this instant: config.json is written before the manifest says complete, so
+    the checks would call it INVALID ("re-run the same glmq quantize", which the lock then refuses) instead of saying
+    that they cannot run. Probed with a shared lock that is dropped at once, so that validation never blocks a run.
+
+    Raises:
+        BeingWritten (a CannotValidate): a glmq process holds the folder's lock.
+    """
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): quantize takes no lock there either
+        return
+    try:
+        fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # missing or not a folder: load_checkpoint says so
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+            raise BeingWritten(f"{root}: a glmq process is writing into this folder (it holds the folder's lock), "
+                                 f"so it is not a finished checkpoint; validate it once that run has ended") from None
+    finally:
+        os.close(fd)  # drops the shared lock
 
 
 def _cores() -> int:

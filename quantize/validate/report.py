@@ -11,6 +11,10 @@ class CannotValidate(Exception):
     """The checks could not run (exit code 2): not a checkpoint folder, no CUDA, unreadable source."""
 
 
+class BeingWritten(CannotValidate):
+    """A glmq process is still writing the folder (it holds the folder's lock): no checkpoint yet, whatever it holds."""
+
+
 class Status(str, enum.Enum):
     PASS = "pass"
     WARN = "warn"
