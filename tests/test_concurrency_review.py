@@ -23,6 +23,23 @@ def _plan(make_ckpt):
     return make_plan(open_source(make_ckpt("glm4_moe", "fp8-block")), recipes.load("int4-w4a16"))
 
 
+def _run_calling_at_config_json(make_ckpt, out: Path, monkeypatch, fn) -> list:
+    """Convert into `out`, calling `fn()` once config.json is written (the run still holds the lock and the manifest
+    is not complete); returns what the calls returned."""
+    seen = []
+    orig = output_mod.atomic_write_text
+
+    def hooked(path, text):
+        orig(path, text)
+        if Path(path).name == "config.json":
+            seen.append(fn())
+
+    monkeypatch.setattr(output_mod, "atomic_write_text", hooked)
+    stream.run(_plan(make_ckpt), out, progress=False)
+    monkeypatch.setattr(output_mod, "atomic_write_text", orig)
+    return seen
+
+
 def test_validate_while_quantize_finishes_cannot_run(make_ckpt, tmp_path, monkeypatch):
     """config.json is written before the manifest says complete; a validate at that moment, while the run still
     holds the folder's lock, said INVALID (exit 1: "complete is false ... re-run the same glmq quantize", which the
@@ -60,16 +77,8 @@ def test_validate_during_quantize_exits_2_via_cli(make_ckpt, tmp_path, monkeypat
     from glmq.scripts.cli import main
 
     out = tmp_path / "out"
-    codes = []
-    orig = output_mod.atomic_write_text
-
-    def hooked(path, text):
-        orig(path, text)
-        if Path(path).name == "config.json":
-            codes.append(CliRunner().invoke(main, ["validate", str(out)]).exit_code)
-
-    monkeypatch.setattr(output_mod, "atomic_write_text", hooked)
-    stream.run(_plan(make_ckpt), out, progress=False)
+    codes = _run_calling_at_config_json(make_ckpt, out, monkeypatch,
+                                        lambda: CliRunner().invoke(main, ["validate", str(out)]).exit_code)
     assert codes == [2]
 
 
@@ -81,19 +90,9 @@ def test_upload_refuses_a_folder_being_written_even_with_allow_invalid(make_ckpt
     from glmq.scripts.cli import main
 
     out = tmp_path / "out"
-    results = []
-    orig = output_mod.atomic_write_text
-
-    def hooked(path, text):
-        orig(path, text)
-        if Path(path).name == "config.json":
-            results.append(CliRunner().invoke(main, ["upload", str(out), "--repo-id", "org/x", "--tp", "1",
-                                                     "--allow-invalid", "--dry-run"]))
-
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(output_mod, "atomic_write_text", hooked)
-    stream.run(_plan(make_ckpt), out, progress=False)
-    (r,) = results
+    (r,) = _run_calling_at_config_json(make_ckpt, out, monkeypatch, lambda: CliRunner().invoke(
+        main, ["upload", str(out), "--repo-id", "org/x", "--tp", "1", "--allow-invalid", "--dry-run"]))
     assert r.exit_code == 2 and "is writing into this folder" in r.output and "nothing was uploaded" in r.output, \
         r.output
 
