@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 
 from glmq.formats.families import FUSED_PARTNERS, LINEAR_CLASSES, TensorClass, layer_index
@@ -63,6 +64,40 @@ def moe_rules(hidden: int, inter: int, tp: int, g: Group) -> list[tuple[str, str
     return out
 
 
+Target = tuple[TensorClass, str, tuple[int, ...], Group]  # (class, module, its [N, K] weight shape, its group)
+
+
+def _failure_lines(bad: dict[tuple[str, str], list]) -> list[tuple[str, str, int]]:
+    """(message, example module, count) per (class, rule) of `bad` ((class, rule) -> [first module, its numbers,
+    count]), sorted."""
+    return [(f"{cls}: {rule} fails for {count} module(s), e.g. {example}: {numbers}", example, count)
+            for (cls, rule), (example, numbers, count) in sorted(bad.items())]
+
+
+def _shape_rules(targets: Iterable[Target], tp: int, note, on_expert_layer=None) -> None:
+    """The rules of quantized modules at `tp`, each failure passed to `note(class, module, rule, numbers)`: the
+    layers that take no quantization and `dense_rules` per module; per layer of routed experts,
+    `on_expert_layer(layer, [(module, shape, group)])` first, then `moe_rules` with its first expert's group."""
+    experts: dict[int, list[tuple[str, tuple[int, ...], Group]]] = defaultdict(list)
+    for cls, name, shape, g in targets:
+        leaf = name.rpartition(".")[2]
+        if cls in (TensorClass.ROUTER, TensorClass.INDEXER) and leaf in NO_QUANT_LAYERS:
+            note(cls, name, "layer takes no quantization", NO_QUANT_LAYERS[leaf])
+        if cls is TensorClass.ROUTED_EXPERT:
+            experts[layer_index(name)].append((name, shape, g))
+            continue
+        for rule, numbers in dense_rules(leaf, *shape, tp, g):
+            note(cls, name, rule, numbers)
+    for layer, mods in sorted(experts.items()):
+        if on_expert_layer is not None:
+            on_expert_layer(layer, mods)
+        gate = next((shape for name, shape, _ in mods if name.endswith(("gate_proj", "up_proj"))), None)
+        inter, hidden = gate if gate else mods[0][1][::-1]
+        for rule, numbers in moe_rules(hidden, inter, tp, mods[0][2]):
+            for name, _, _ in mods:
+                note(TensorClass.ROUTED_EXPERT, name, rule, f"layer {layer}: {numbers}")
+
+
 def check_serving(modules: dict[str, Module], groups: list[Group], shapes: dict, ignore: list[str], qc: dict,
                   tp: int) -> CheckResult:
     """Shapes and layout vLLM/SGLang serve at `tp`, reported per tensor class (pure)."""
@@ -71,42 +106,31 @@ def check_serving(modules: dict[str, Module], groups: list[Group], shapes: dict,
     quant = {n: m for n, m in modules.items() if m.is_int and shapes.get(n)}
     bad: dict[tuple[str, str], list] = {}
 
-    def note(m: Module, rule: str, numbers: str) -> None:
-        bad.setdefault((m.cls.value, rule), [m.name, numbers, 0])[2] += 1
-        rows[m.cls.value]["failed"].add(m.name)
+    def note(cls: TensorClass, name: str, rule: str, numbers: str) -> None:
+        bad.setdefault((cls.value, rule), [name, numbers, 0])[2] += 1
+        rows[cls.value]["failed"].add(name)
 
-    experts: dict[int, list[Module]] = defaultdict(list)
-    for name, m in quant.items():
-        rows.setdefault(m.cls.value, {"modules": 0, "failed": set()})["modules"] += 1
-        g = group_for(name, groups)
-        if g is None:
-            continue
-        leaf = name.rpartition(".")[2]
-        if m.cls in (TensorClass.ROUTER, TensorClass.INDEXER) and leaf in NO_QUANT_LAYERS:
-            note(m, "layer takes no quantization", NO_QUANT_LAYERS[leaf])
-        if m.cls is TensorClass.ROUTED_EXPERT:
-            experts[layer_index(name)].append(m)
-            continue
-        for rule, numbers in dense_rules(leaf, *shapes[name], tp, g):
-            note(m, rule, numbers)
-    for layer, mods in sorted(experts.items()):
-        first: dict[Group, tuple[Group, Module]] = {}  # a scheme (a group less name and targets): its first user
-        for m in mods:
-            g = group_for(m.name, groups)
-            first.setdefault(replace(g, name="", targets=()), (g, m))
+    def targets() -> Iterator[Target]:
+        for name, m in quant.items():
+            rows.setdefault(m.cls.value, {"modules": 0, "failed": set()})["modules"] += 1
+            g = group_for(name, groups)
+            if g is not None:
+                yield m.cls, name, shapes[name], g
+
+    def one_scheme(layer: int, mods: list) -> None:
+        first: dict[Group, tuple[Group, str]] = {}  # a scheme (a group less name and targets): its first user
+        for name, _, g in mods:
+            first.setdefault(replace(g, name="", targets=()), (g, name))
         if len(first) > 1:  # vLLM's get_moe_method: "All MoE projections need to have same quantization scheme"
             seen = ", ".join(f"{g.name} ({g.kind}, num_bits {g.num_bits}, group_size {g.group_size}, symmetric "
-                             f"{g.symmetric}; e.g. {m.name})"
-                             for g, m in sorted(first.values(), key=lambda gm: gm[0].name))
-            for m in mods:
-                note(m, "one quantization scheme for all expert projections",
+                             f"{g.symmetric}; e.g. {name})"
+                             for g, name in sorted(first.values(), key=lambda gm: gm[0].name))
+            for name, _, _ in mods:
+                note(TensorClass.ROUTED_EXPERT, name, "one quantization scheme for all expert projections",
                      f"layer {layer}: {len(first)} schemes: {seen}; vLLM fuses the experts into one MoE layer "
                      f"and raises, SGLang reads them all with the 'Linear' group's scheme")
-        gate = next((m for m in mods if m.name.endswith(("gate_proj", "up_proj"))), None)
-        inter, hidden = shapes[gate.name] if gate else shapes[mods[0].name][::-1]
-        for rule, numbers in moe_rules(hidden, inter, tp, group_for(mods[0].name, groups)):
-            for m in mods:
-                note(m, rule, f"layer {layer}: {numbers}")
+
+    _shape_rules(targets(), tp, note, one_scheme)
     _check_partners(modules, res)
     for pat in (p for p in ignore if not p.startswith("re:") and p != "lm_head"):
         hit = [n for n in quant if pat.lower() in n.lower()]
@@ -119,8 +143,8 @@ def check_serving(modules: dict[str, Module], groups: list[Group], shapes: dict,
     if quant and qc.get("format") != "pack-quantized":
         res.warn(f"top-level format {qc.get('format')!r}: older SGLang reads it for W4A16 MoE and needs "
                  f"'pack-quantized'")
-    for (cls, rule), (example, numbers, count) in sorted(bad.items()):
-        res.fail(f"{cls}: {rule} fails for {count} module(s), e.g. {example}: {numbers}", tensor=example, value=count)
+    for message, example, count in _failure_lines(bad):
+        res.fail(message, tensor=example, value=count)
     for cls, row in rows.items():
         row["failed"] = len(row["failed"])
         row["rules"] = [{"rule": r, "modules": c, "example": ex, "numbers": nb}
@@ -160,31 +184,17 @@ def planned_problems(plan, tp: int = 1) -> list[str]:
     the recipe before anything is written (pure): `glmq quantize` and `glmq plan` warn with them, so a recipe whose
     output vLLM/SGLang will refuse (asymmetric routed experts, a width Marlin cannot split) is known before an
     hours-long run, not from `glmq validate` after it. One line per (class, rule), with a count and an example.
-    The same rules as `check_serving` (one recipe: one scheme for every quantized module; recipes refuse to target
-    the layers that take no quantization, recipes.UNSERVABLE_TARGETS)."""
+    The rules of `check_serving`, through the same `_shape_rules` (one recipe is one scheme for every quantized
+    module, so its one-scheme-per-MoE-layer rule cannot fail here)."""
     from glmq.quantize.plan import Action
 
     spec = plan.recipe.spec
     g = Group("recipe", ("Linear",), "int", spec.num_bits, spec.group_size, spec.symmetric)
     bad: dict[tuple[str, str], list] = {}
 
-    def note(cls: TensorClass, module: str, rule: str, numbers: str) -> None:
-        bad.setdefault((cls.value, rule), [module, numbers, 0])[2] += 1
+    def note(cls: TensorClass, name: str, rule: str, numbers: str) -> None:
+        bad.setdefault((cls.value, rule), [name, numbers, 0])[2] += 1
 
-    experts: dict[int, dict[str, tuple[int, ...]]] = defaultdict(dict)
-    for it in plan.items:
-        if it.action is not Action.QUANTIZE:
-            continue
-        if it.cls is TensorClass.ROUTED_EXPERT:
-            experts[layer_index(it.module)][it.module] = tuple(it.src.shape)
-            continue
-        for rule, numbers in dense_rules(it.module.rpartition(".")[2], *it.src.shape, tp, g):
-            note(it.cls, it.module, rule, numbers)
-    for layer, shapes in sorted(experts.items()):
-        gate = next((n for n in shapes if n.endswith(("gate_proj", "up_proj"))), None)
-        inter, hidden = shapes[gate] if gate else next(iter(shapes.values()))[::-1]
-        for rule, numbers in moe_rules(hidden, inter, tp, g):
-            for name in shapes:
-                note(TensorClass.ROUTED_EXPERT, name, rule, f"layer {layer}: {numbers}")
-    return [f"{cls}: {rule} fails for {count} module(s), e.g. {example}: {numbers}"
-            for (cls, rule), (example, numbers, count) in sorted(bad.items())]
+    _shape_rules(((it.cls, it.module, tuple(it.src.shape), g) for it in plan.items if it.action is Action.QUANTIZE),
+                 tp, note)
+    return [message for message, _, _ in _failure_lines(bad)]
