@@ -108,6 +108,8 @@ def iter_dense(root: str | Path, dtype: torch.dtype = torch.bfloat16) -> Iterato
     ct_block = _float_block(qc)  # compressed-tensors FP8 blocks (glmq's keep_fp8 output), scale [N/b0, K/b1]
     float_strategies = {(g.get("weights") or {}).get("strategy") for g in (qc.get("config_groups") or {}).values()
                         if (g.get("weights") or {}).get("type") == "float"}
+    # per row [N, 1] or per tensor [1] scales: compressed-tensors FP8 sources, not a block-only checkpoint
+    channel_scales = block is None and (ct_block is None or bool(float_strategies - {"block"}))
     skip = {"weight_scale", "weight_scale_inv", "weight_shape", "weight_zero_point", "input_scale", "weight_g_idx"}
     for name in sorted(wm):
         module, _, leaf = name.rpartition(".")
@@ -138,17 +140,14 @@ def iter_dense(root: str | Path, dtype: torch.dtype = torch.bfloat16) -> Iterato
             n = t.shape[0] if t.ndim else 1
             blocks = block or ct_block
             b_shape = (-(-n // blocks[0]), -(-t.shape[1] // blocks[1])) if blocks and t.ndim == 2 else None
-            # per row [N, 1] or per tensor [1]: compressed-tensors FP8 sources, not a block-only checkpoint
-            channel = (block is None and (ct_block is None or bool(float_strategies - {"block"})) and t.ndim == 2
-                       and s.numel() in (1, n))
+            channel = channel_scales and t.ndim == 2 and s.numel() in (1, n)
             if b_shape is not None and tuple(s.shape) == b_shape and not (channel and tuple(s.shape) == (n, 1)):
                 t = fp8.dequantize_block(t, s, blocks)
             elif channel:
                 t = fp8.dequantize_channel(t, s)
             else:
                 fits = ([f"{list(b_shape)} ({blocks[0]}x{blocks[1]} blocks)"] if b_shape else []) + (
-                    [] if block is not None or (ct_block is not None and float_strategies <= {"block"})
-                    else [f"[{n}, 1] (per row) or [1] (per tensor)"])
+                    [f"[{n}, 1] (per row) or [1] (per tensor)"] if channel_scales else [])
                 raise CheckpointError(
                     f"{root / wm[name]}: FP8 tensor {name} {list(t.shape)} has {sname} {list(s.shape)} (in "
                     f"{wm[sname]}), which does not fit it (expected {' or '.join(fits) or 'a 2-D weight'}); the "
