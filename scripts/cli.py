@@ -396,14 +396,12 @@ def plan_cmd(model, recipe, max_shard_size, ranks, device, samples, seq_len, dty
         figures = estimate.with_overrides(estimate.parse_overrides(throughput))
         scale = estimate.Scale(ranks=ranks, device=device, samples=samples, seq_len=seq_len, dtype=dtype,
                                experts_per_pass=experts_per_pass)
-        if Path(model).suffix == ".json":
-            plan = estimate.plan_from_config(Path(model), recipe, parse_size(max_shard_size))
-            _warn_serving(plan)
-            summary = estimate.summarize_config_plan(plan, Path(model), scale, figures)
-        else:
-            plan = _plan(model, recipe, None, max_shard_size)
-            _warn_serving(plan)
-            summary = estimate.from_plan(plan, scale, figures)
+        config_only = Path(model).suffix == ".json"
+        plan = (estimate.plan_from_config(Path(model), recipe, parse_size(max_shard_size)) if config_only
+                else _plan(model, recipe, None, max_shard_size))
+        _warn_serving(plan)
+        summary = (estimate.summarize_config_plan(plan, Path(model), scale, figures) if config_only
+                   else estimate.from_plan(plan, scale, figures))
     except (CheckpointError, RecipeError, ValueError, OSError) as e:  # OSError: e.g. a --model name too long
         _fail(e)
     click.echo(estimate.format_summary(summary, figures))
@@ -457,10 +455,7 @@ def validate_cmd(checkpoint, source, sample, device, tp, no_serving, json_out, s
     try:
         report = v.validate(checkpoint, source, sample=v.DEFAULT_SAMPLE if sample is None else sample, device=device,
                             tp=tp, seed=seed, serving=not no_serving, sha256=sha256)
-    except v.CannotValidate as e:
-        could_not_run(str(e))
-        _fail(e, code=2)
-    except OSError as e:  # the file system refused a path (e.g. a name too long): could not run, no traceback
+    except (v.CannotValidate, OSError) as e:  # OSError: the file system refused a path (e.g. a name too long)
         could_not_run(str(e))
         _fail(e, code=2)
     except Exception as e:  # a bug in glmq or its libraries: "could not run" (2), never "invalid" (1), traceback kept

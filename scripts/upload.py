@@ -230,7 +230,8 @@ def make_card(folder: Path, o: UploadOptions, validation: dict):
                      tokenizer_config=_read_json(folder / "tokenizer_config.json", "tokenizer_config.json"))
     base, origin = base_model(inp)
     if base is None:
-        click.secho(f"warning: base model unknown, {origin}; the card leaves base_model out (pass --base-model ORG/NAME)", fg="yellow", err=True)
+        click.secho(f"warning: base model unknown, {origin}; the card leaves base_model out (pass --base-model "
+                    f"ORG/NAME)", fg="yellow", err=True)
     else:
         click.echo(f"base model {base} (from {origin})", err=True)
     return build_card(inp)
