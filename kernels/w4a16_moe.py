@@ -560,9 +560,6 @@ def fused_moe_w4a16_packed(
     num_experts, inter = w13.lead[0], w13.n // 2
     topk = topk_ids.shape[1]
     check_out(out, (m, hidden), x)
-    cfg = config or choose_moe_config(m, topk, num_experts, inter, hidden, sm_count(x.device), g, device_name(x.device),
-                                      w13.layout)
-
     out = torch.empty(m, hidden, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0 or topk == 0:
         return out.zero_()
@@ -572,6 +569,8 @@ def fused_moe_w4a16_packed(
             j = i + rows
             fused_moe_w4a16_packed(x[i:j], w13, w2, topk_weights[i:j], topk_ids[i:j], out=out[i:j], config=config)
         return out
+    cfg = config or choose_moe_config(m, topk, num_experts, inter, hidden, sm_count(x.device), g, device_name(x.device),
+                                      w13.layout)
     _check_expert_ids(topk_ids, num_experts)
     sorted_ids, expert_ids, num_blocks = moe_align_block_size(topk_ids, cfg.block_m, num_experts)
     h = torch.empty(m * topk, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up per assignment
