@@ -419,7 +419,39 @@ def recipes_cmd():
         click.echo(f"{name:28s} {r.description}")
 
 
-@main.command("validate")
+def _json_arg(args: list[str]) -> str | None:
+    """The value of `--json FILE` / `--json=FILE` in raw command-line arguments (the last one, as click takes it)."""
+    found = None
+    for i, a in enumerate(args):
+        if a == "--":
+            break
+        if a == "--json" and i + 1 < len(args):
+            found = args[i + 1]
+        elif a.startswith("--json="):
+            found = a[len("--json="):]
+    return found
+
+
+class _ValidateCommand(click.Command):
+    """`glmq validate`: when click refuses the arguments (exit 2 before the command runs), a `--json FILE` among them
+    still gets this run's "could not run" report, so an earlier run's report is not read as this run's verdict."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        raw = list(args)
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as e:
+            json_out = _json_arg(raw)
+            if json_out and json_out != "-" and Path(json_out).resolve().parent.is_dir():
+                doc = {"checkpoint": None, "valid": None, "exit_code": 2, "error": e.format_message()}
+                try:
+                    Path(json_out).write_text(json.dumps(doc) + "\n")
+                except OSError:
+                    pass  # the path itself is what click refused (e.g. a name too long): its message says so
+            raise
+
+
+@main.command("validate", cls=_ValidateCommand)
 @click.argument("checkpoint", type=click.Path())
 @click.option("--source", default=None, callback=_builtin_source,
               help="Source checkpoint folder (or builtin:<name>): compare weights (RTN: within the rounding bound; "
