@@ -195,6 +195,9 @@ def load(name_or_path: str) -> Recipe:
         if Path(name_or_path).is_file():  # was "no such file" for a file that is there
             raise RecipeError(f"recipe {name_or_path!r}: a recipe file's name must end in .yaml or .yml; rename it "
                               f"(shipped recipes: {shipped})")
+        if Path(name_or_path).is_dir():
+            raise RecipeError(f"recipe {name_or_path!r}: is a folder; pass a recipe's .yaml file in it or a shipped "
+                              f"recipe's name ({shipped})")
         raise RecipeError(f"recipe {name_or_path!r}: no such file and not a shipped recipe ({shipped})")
     try:
         d = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)

@@ -29,3 +29,11 @@ def test_json_arg_takes_the_last_value_and_stops_at_double_dash():
     assert _json_arg(["--json", "a", "x", "--json=b"]) == "b"
     assert _json_arg(["--json=a", "--", "--json", "b"]) == "a"
     assert _json_arg(["--json"]) is None
+
+
+def test_a_recipe_folder_is_named_a_folder(tmp_path):
+    """`--recipe SOMEFOLDER` said "no such file" of a folder that is there."""
+    from glmq import recipes
+
+    with pytest.raises(recipes.RecipeError, match="is a folder; pass a recipe's .yaml file in it"):
+        recipes.load(str(tmp_path))
