@@ -101,6 +101,17 @@ def files_with_card(files: dict[str, int], card: str | None) -> dict[str, int]:
 
 
 # ----------------------------------------------------------------------------------------- checks
+def published_sizes(folder: Path, files: dict[str, int]) -> dict[str, int]:
+    """The listing's sizes as sent: the run report goes up as `public_report` writes it (local paths cut to their
+    names), not at its size on disk."""
+    from glmq.formats.manifest import REPORT_NAME
+
+    if REPORT_NAME not in files:
+        return files
+    report = public_report(folder / REPORT_NAME)
+    return files if report is None else {**files, REPORT_NAME: len(report)}
+
+
 def check_arguments(o: UploadOptions) -> Path:
     """The folder is a checkpoint folder, the ids are ORG/NAME, a token is there for a real upload.
 
@@ -384,7 +395,7 @@ def upload(o: UploadOptions) -> None:
     files, skipped = split_files(folder)
     api = HfApi()
     method = upload_method(api, o.revision)
-    _print_listing(files_with_card(files, text), skipped, o, method)
+    _print_listing(files_with_card(published_sizes(folder, files), text), skipped, o, method)
     if o.dry_run:
         if action != "none":
             click.echo(f"\n--- {README} ({'would be written' if text else 'not written: ' + action}) ---\n{card}")

@@ -353,6 +353,9 @@ def test_dry_run_lists_exactly_the_files_and_sizes_and_calls_nothing(ckpt, hub, 
                 expected[p.relative_to(ckpt).as_posix()] = p.stat().st_size
     card = r.stdout.split("--- README.md (would be written) ---\n", 1)[1][:-1]  # echo's own newline off
     expected["README.md"] = len(card.encode())
+    # the run report is listed at the size it is sent with (local paths cut to their names), not its size on disk
+    expected["glmq_report.json"] = len(upload.public_report(ckpt / "glmq_report.json"))
+    assert expected["glmq_report.json"] < (ckpt / "glmq_report.json").stat().st_size
     got = listing(r.stdout)
     assert got == expected
     assert f"{sum(expected.values()):,d}  total" in r.stdout
@@ -372,7 +375,10 @@ def test_real_upload_sends_what_the_dry_run_listed(ckpt, hub):
     real = run(str(ckpt), "--repo-id", REPO, "--tp", "1")
     assert dry.exit_code == 0 and real.exit_code == 0, real.output
     files, skipped = upload.split_files(ckpt)  # what the Hub client's own filter keeps, after the card is written
+    files = upload.published_sizes(ckpt, files)
     assert listing(dry.stdout) == listing(real.stdout) == files and skipped == [".glmq-gptq/report.json"]
+    sent = [call for name, call in hub if name == "upload_file"]
+    assert [len(c["path_or_fileobj"]) for c in sent] == [files["glmq_report.json"]]  # listed as sent
 
 
 # ----------------------------------------------------------------------------------------- Hub calls
