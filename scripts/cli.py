@@ -419,6 +419,13 @@ def recipes_cmd():
         click.echo(f"{name:28s} {r.description}")
 
 
+def _could_not_run_report(json_out: str, checkpoint: str | None, error: str) -> None:
+    """validate's `--json` document for exit 2: it replaces an earlier run's report, which a CI step could read as this
+    run's verdict."""
+    doc = {"checkpoint": checkpoint, "valid": None, "exit_code": 2, "error": error}
+    Path(json_out).write_text(json.dumps(doc) + "\n")
+
+
 def _json_arg(args: list[str]) -> str | None:
     """The value of `--json FILE` / `--json=FILE` in raw command-line arguments (the last one, as click takes it)."""
     found = None
@@ -443,9 +450,8 @@ class _ValidateCommand(click.Command):
         except click.UsageError as e:
             json_out = _json_arg(raw)
             if json_out and json_out != "-" and Path(json_out).resolve().parent.is_dir():
-                doc = {"checkpoint": None, "valid": None, "exit_code": 2, "error": e.format_message()}
                 try:
-                    Path(json_out).write_text(json.dumps(doc) + "\n")
+                    _could_not_run_report(json_out, None, e.format_message())
                 except OSError:
                     pass  # the path itself is what click refused (e.g. a name too long): its message says so
             raise
@@ -480,9 +486,8 @@ def validate_cmd(checkpoint, source, sample, device, tp, no_serving, json_out, s
     from glmq.quantize import validate as v
 
     def could_not_run(error: str) -> None:
-        if json_out:  # replaces an earlier run's report, which a CI step could read as this run's verdict
-            doc = {"checkpoint": checkpoint, "valid": None, "exit_code": 2, "error": error}
-            Path(json_out).write_text(json.dumps(doc) + "\n")
+        if json_out:
+            _could_not_run_report(json_out, checkpoint, error)
 
     try:
         report = v.validate(checkpoint, source, sample=v.DEFAULT_SAMPLE if sample is None else sample, device=device,
