@@ -100,7 +100,6 @@ def files_with_card(files: dict[str, int], card: str | None) -> dict[str, int]:
     return files if card is None else {**files, README: len(card.encode())}
 
 
-# ----------------------------------------------------------------------------------------- checks
 def published_sizes(folder: Path, files: dict[str, int]) -> dict[str, int]:
     """The listing's sizes as sent: the run report goes up as `public_report` writes it (local paths cut to their
     names), not at its size on disk."""
@@ -112,6 +111,7 @@ def published_sizes(folder: Path, files: dict[str, int]) -> dict[str, int]:
     return files if report is None else {**files, REPORT_NAME: len(report)}
 
 
+# ----------------------------------------------------------------------------------------- checks
 def check_arguments(o: UploadOptions) -> Path:
     """The folder is a checkpoint folder, the ids are ORG/NAME, a token is there for a real upload.
 
