@@ -5,7 +5,10 @@ Inside the output folder, `.glmq-gptq/`:
   with anything different is refused instead of mixing results. Kept after the run (it is small).
 - `layer-00012.safetensors`: decoder layer 12's quantized targets in the written format
   (`weight_packed`, `weight_scale`[, `weight_zero_point`] per module) plus, as metadata, every
-  target's diagnostics. Written under a temporary name and renamed, so it exists only when complete.
+  target's diagnostics and an xxh3-128 checksum of every tensor, checked on every read (the final
+  checkpoint's own checksums are taken from these integers when it is written, so they could not catch a
+  byte changed here on disk between the layer's solve and the write). Written under a temporary name and
+  renamed, so it exists only when complete.
 - `hidden-00012.bin` (+ `carry-00012.bin`): the hidden states after quantized layer 12, the input of
   layer 13, raw row-major bytes (shape and dtype in the layer file). Only the newest is kept. With
   `--activations disk` (the default) the run reads and writes them batch by batch (the layer being
@@ -28,10 +31,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from glmq.formats.safetensors_io import CheckpointError, atomic_write_text, replaced_atomically
+from glmq.formats.safetensors_io import CheckpointError, atomic_write_text, replaced_atomically, tensor_bytes
 from glmq.quantize import ops
 from glmq.quantize.pack import unpack_int32, unpack_zero_point
 from glmq.quantize.rtn import QWeight
@@ -43,6 +47,9 @@ CACHE_DIR = ".glmq-gptq"
 IDENTITY_NAME = "calibration.json"
 DEVICES_KEY = "devices"  # in calibration.json: the device types that calibrated this run, in order
 REPORT_NAME = "report.json"
+META_KEY = "glmq_gptq"  # in a layer file's metadata: the layer's diagnostics (JSON)
+DIGESTS_KEY = "glmq_digests"  # ... and tensor name -> xxh3-128 hex of its bytes (JSON); files from before
+# session 35 have none and are read unchecked
 
 
 class CalibrationCacheError(CheckpointError):
@@ -150,10 +157,21 @@ def packed(qweights: Mapping[str, QWeight], spec: QuantSpec) -> dict[str, torch.
 
 def save_layer(cache: Path, index: int, tensors: dict[str, torch.Tensor], meta: dict,
                part: int | None = None) -> None:
-    """Write layer `index`'s quantized targets (`pack_layer`'s tensors) and diagnostics atomically
-    (`part`: a rank's share)."""
+    """Write layer `index`'s quantized targets (`pack_layer`'s tensors), their checksums and the diagnostics
+    atomically (`part`: a rank's share)."""
+    digests = {k: _digest(v) for k, v in tensors.items()}
     with replaced_atomically(layer_file(cache, index, part)) as tmp:
-        save_file(tensors, str(tmp), metadata={"glmq_gptq": json.dumps(meta, sort_keys=True)})
+        save_file(tensors, str(tmp), metadata={META_KEY: json.dumps(meta, sort_keys=True),
+                                               DIGESTS_KEY: json.dumps(digests, sort_keys=True)})
+
+
+def _digest(t: torch.Tensor) -> str:
+    return xxhash.xxh3_128_hexdigest(tensor_bytes(t))
+
+
+def _unreadable(path: Path, index: int, why: str) -> CalibrationCacheError:
+    return CalibrationCacheError(f"{path}: not a readable GPTQ layer file ({why}); remove it to calibrate decoder "
+                                 f"layer {index} and the layers after it again")
 
 
 def layer_meta(cache: Path, index: int) -> dict | None:
@@ -163,19 +181,41 @@ def layer_meta(cache: Path, index: int) -> dict | None:
         return None
     try:
         with safe_open(str(path), "pt") as f:
-            return json.loads((f.metadata() or {})["glmq_gptq"])
+            return json.loads((f.metadata() or {})[META_KEY])
     except Exception as e:  # safetensors' header errors, no or bad glmq_gptq metadata
-        why = "no 'glmq_gptq' metadata" if isinstance(e, KeyError) else " ".join(str(e).split())
-        raise CalibrationCacheError(
-            f"{path}: not a readable GPTQ layer file ({why}); remove it to calibrate decoder layer {index} "
-            f"and the layers after it again") from e
+        raise _unreadable(path, index, f"no '{META_KEY}' metadata" if isinstance(e, KeyError)
+                          else " ".join(str(e).split())) from e
+
+
+def _checked(f, path: Path, index: int):
+    """`f.get_tensor` of an open layer file that checks each tensor against the checksum recorded when the file
+    was written, naming the file and the tensor on a mismatch (a byte changed on disk or in a copy)."""
+    raw = (f.metadata() or {}).get(DIGESTS_KEY)
+    try:
+        digests = None if raw is None else json.loads(raw)
+        if digests is not None and not isinstance(digests, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:
+        raise _unreadable(path, index, f"its '{DIGESTS_KEY}' metadata is unreadable: {e}") from e
+
+    def get(name: str) -> torch.Tensor:
+        t = f.get_tensor(name)
+        if digests is not None and digests.get(name) != _digest(t):
+            why = "has no recorded checksum" if name not in digests else "does not match the checksum recorded when it was written"
+            raise CalibrationCacheError(
+                f"{path}: tensor {name} {why}, so the file was changed on disk or in a copy; remove {path.name} to "
+                f"calibrate decoder layer {index} and the layers after it again")
+        return t
+
+    return get
 
 
 def load_qweights(cache: Path, index: int, spec: QuantSpec, part: int | None = None) -> dict[str, QWeight]:
-    with safe_open(str(layer_file(cache, index, part)), "pt") as f:
+    path = layer_file(cache, index, part)
+    with safe_open(str(path), "pt") as f:
         modules = sorted({k.rpartition(".")[0] for k in f.keys()})
-        names = set(f.keys())
-        return {m: _read_qweight(f.get_tensor, names, m, spec) for m in modules}
+        names, get = set(f.keys()), _checked(f, path, index)
+        return {m: _read_qweight(get, names, m, spec) for m in modules}
 
 
 def _read_qweight(get, names, module: str, spec: QuantSpec) -> QWeight:
@@ -197,7 +237,7 @@ class CachedQWeights:
 
     def __init__(self, cache: Path, spec: QuantSpec, decoder_layers: int):
         self.cache, self.spec, self.decoder_layers = cache, spec, decoder_layers
-        self._open: tuple[int, object] | None = None
+        self._open: tuple[int, object, object] | None = None  # (layer, open file, its checked get)
 
     def __call__(self, module: str) -> QWeight | None:
         from glmq.formats.families import layer_index
@@ -206,12 +246,13 @@ class CachedQWeights:
         if i is None or i >= self.decoder_layers:
             return None
         if self._open is None or self._open[0] != i:
-            self._open = (i, safe_open(str(layer_file(self.cache, i)), "pt"))
-        f = self._open[1]
+            f = safe_open(str(layer_file(self.cache, i)), "pt")
+            self._open = (i, f, _checked(f, layer_file(self.cache, i), i))
+        _, f, get = self._open
         if f"{module}.weight_packed" not in f.keys():
             raise CalibrationCacheError(f"{layer_file(self.cache, i)}: no GPTQ result for {module}; "
                                         f"remove {self.cache} and run again")
-        return _read_qweight(f.get_tensor, f.keys(), module, self.spec)
+        return _read_qweight(get, f.keys(), module, self.spec)
 
 
 # ----------------------------------------------------------------------------------------- activations

@@ -6,6 +6,10 @@ What is asserted:
 - A dataset row whose "text" is null is skipped (as in a Parquet file), not a tokenizer crash.
 - A torn `calibration.json` or an unreadable layer file is a CalibrationCacheError naming the file and what to
   remove; once removed as it says, the run resumes and finishes.
+- A byte changed in a layer file's tensor data (which safetensors reads without complaint) is caught by the
+  checksum recorded when the file was written: every read names the file and the tensor, at a resume's
+  regeneration and at the final write alike; a layer file without checksums (written before they were
+  recorded) is still read.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from glmq.calibration import cache as cc
+from safetensors import safe_open
 from glmq.calibration.data import calibration_tokens
 from glmq.formats import fixtures
 
@@ -122,6 +127,84 @@ def test_a_run_with_a_torn_layer_file_stops_and_resumes_once_it_is_removed(make_
     layer1 = cc.layer_file(out / cc.CACHE_DIR, 1)
     layer1.write_bytes(layer1.read_bytes()[:100])  # as a copy or a disk that lost the file's end leaves it
     with pytest.raises(cc.CalibrationCacheError, match="layer-00001.safetensors: not a readable GPTQ layer file"):
+        engine.run_gptq(gptq_plan(src), out, calib_ids(), settings(), progress=False)
+    layer1.unlink()
+    rep = engine.run_gptq(gptq_plan(src), out, calib_ids(), settings(), progress=False)
+    assert rep["gptq"]["resumed_from_layer"] == 1
+
+
+def _flip_data_byte(path: Path, tensor: str) -> None:
+    """Flip the low bit of `tensor`'s first data byte in the safetensors file at `path` (header untouched)."""
+    data = bytearray(path.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    start = 8 + n + json.loads(data[8:8 + n])[tensor]["data_offsets"][0]
+    data[start] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def _one_layer() -> tuple[dict, object]:
+    from glmq.quantize.rtn import QWeight
+    from glmq.quantize.spec import QuantSpec
+
+    spec = QuantSpec(group_size=32)
+    q = torch.randint(-8, 8, (4, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    tensors = cc.pack_layer({"model.layers.0.mlp.down_proj": QWeight(q, torch.rand(4, 2, dtype=torch.bfloat16), None)},
+                            spec)
+    return tensors, spec
+
+
+def test_a_changed_byte_in_a_layer_file_is_named_on_every_read(tmp_path):
+    tensors, spec = _one_layer()
+    cc.save_layer(tmp_path, 0, tensors, {"layer": 0})
+    mod = "model.layers.0.mlp.down_proj"
+    want = cc.load_qweights(tmp_path, 0, spec)[mod]
+    assert torch.equal(cc.CachedQWeights(tmp_path, spec, 1)(mod).q, want.q)
+    path = cc.layer_file(tmp_path, 0)
+    _flip_data_byte(path, f"{mod}.weight_packed")
+    msg = (rf"layer-00000.safetensors: tensor {mod}.weight_packed does not match the checksum recorded when it was "
+           r"written.*remove layer-00000.safetensors to calibrate decoder layer 0 and the layers after it again")
+    with pytest.raises(cc.CalibrationCacheError, match=msg):
+        cc.load_qweights(tmp_path, 0, spec)
+    with pytest.raises(cc.CalibrationCacheError, match=msg):
+        cc.CachedQWeights(tmp_path, spec, 1)(mod)
+    assert cc.layer_meta(tmp_path, 0) == {"layer": 0}  # the diagnostics alone are still readable
+
+    from safetensors.torch import save_file
+
+    # written before checksums were recorded: read as it is
+    save_file(tensors, str(path), metadata={cc.META_KEY: json.dumps({"layer": 0})})
+    assert torch.equal(cc.load_qweights(tmp_path, 0, spec)[mod].q, want.q)
+    save_file(tensors, str(path), metadata={cc.META_KEY: "{}", cc.DIGESTS_KEY: "[1"})
+    with pytest.raises(cc.CalibrationCacheError, match=r"layer-00000.safetensors: not a readable GPTQ layer file "
+                                                       r"\(its 'glmq_digests' metadata is unreadable"):
+        cc.load_qweights(tmp_path, 0, spec)
+
+
+def test_a_run_stops_on_a_changed_layer_file_and_resumes_once_it_is_removed(make_ckpt, tmp_path, monkeypatch):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from glmq.calibration import engine
+    from test_gptq_engine import calib_ids, gptq_plan, settings
+
+    src, out = make_ckpt("glm4_moe", "fp8-block"), tmp_path / "out"
+    orig = engine._Run.layer
+
+    def dying(self, i, *a):
+        if i == 2:
+            raise KeyboardInterrupt
+        return orig(self, i, *a)
+
+    monkeypatch.setattr(engine._Run, "layer", dying)
+    with pytest.raises(KeyboardInterrupt):
+        engine.run_gptq(gptq_plan(src), out, calib_ids(), settings(), progress=False)
+    monkeypatch.setattr(engine._Run, "layer", orig)
+    cache = out / cc.CACHE_DIR
+    layer1 = cc.layer_file(cache, 1)  # (layer 0 of this model is dense and not quantized)
+    with safe_open(str(layer1), "pt") as f:
+        name = sorted(k for k in f.keys() if k.endswith(".weight_packed"))[0]
+    _flip_data_byte(layer1, name)
+    for p in cache.glob("hidden-*"):  # the resume regenerates layer 2's input from layer files 0 and 1
+        p.unlink()
+    with pytest.raises(cc.CalibrationCacheError, match=rf"layer-00001.safetensors: tensor {name} does not match"):
         engine.run_gptq(gptq_plan(src), out, calib_ids(), settings(), progress=False)
     layer1.unlink()
     rep = engine.run_gptq(gptq_plan(src), out, calib_ids(), settings(), progress=False)
