@@ -6,7 +6,11 @@ One run, one machine, one generated FP8 checkpoint with GLM-5's real expert shap
              experts only (run in its own venv, --peer-python, since it pins its own dependencies);
   (c) glmq:  `glmq quantize --recipe int4-w4a16 --device cpu|cuda`.
 Each job runs in a fresh child process; wall time is measured around it and peak RSS is the child's
-ru_maxrss. Jobs are interleaved over --repeats rounds and medians are reported.
+ru_maxrss. Jobs are interleaved over --repeats rounds and medians are reported. With the peer, the
+outputs' quantized tensors (the experts, all the peer quantizes) are compared after the last round, so that
+the times are known to be of the same work: `glmq_vs_peer` (the timed glmq job; its recipe's full-range
+signed scales are not the peer's absmax / 7.5, so few integers match) and `glmq_ct_rtn_vs_peer` (one more,
+untimed glmq run with `full_range: false`, compressed-tensors' own RTN: every module must be bit-identical).
 
     python scripts/bench_rtn.py --work /tmp/bench --peer-python /tmp/peer-venv/bin/python --repeats 3
 """
@@ -99,6 +103,85 @@ def check_source(src: Path, overrides: dict, preset: str = "bench") -> None:
                          + "); give another --work, or delete that folder to have it generated again")
 
 
+def _tensors(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the shard holding it, from the checkpoint's index (or its one shard)."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return {k: folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return dict.fromkeys(f.keys(), folder / "model.safetensors")
+
+
+def compare_quantized(a: Path, b: Path) -> dict:
+    """How far apart two pack-quantized checkpoints' common quantized modules are: the modules stored with a
+    `weight_packed` in both, the number whose packed integers and scales are bit-identical, and over the others
+    the share of 4-bit integers that differ, the largest integer difference and the largest relative scale
+    difference (`ints`: the 4-bit integers of all the common modules), the median |scale| ratio of the differing
+    modules (min, median, max over them) and the negative scales of each side (`negative_scales`, of `scales`).
+    Reads one tensor at a time (safe_open)."""
+    import torch
+    from safetensors import safe_open
+
+    from glmq.quantize.pack import unpack_int32
+
+    ta, tb = _tensors(a), _tensors(b)
+    modules = sorted(k.removesuffix(".weight_packed") for k in ta.keys() & tb.keys() if k.endswith(".weight_packed"))
+    res = {"modules": len(modules), "only_in_first": sum(k.endswith(".weight_packed") for k in ta.keys() - tb.keys()),
+           "only_in_second": sum(k.endswith(".weight_packed") for k in tb.keys() - ta.keys()),
+           "identical": 0, "ints_differing": 0, "ints": 0, "max_int_diff": 0, "max_scale_rel_diff": 0.0,
+           "abs_scale_ratio": None, "negative_scales": [0, 0], "scales": 0, "differing_examples": []}
+    ratios: list[float] = []  # per differing module: the median of |first's scale| / |second's scale|
+
+    def get(where: dict[str, Path], name: str):
+        with safe_open(str(where[name]), "pt") as f:
+            return f.get_tensor(name)
+
+    for m in modules:
+        pa, pb = get(ta, m + ".weight_packed"), get(tb, m + ".weight_packed")
+        sa, sb = get(ta, m + ".weight_scale"), get(tb, m + ".weight_scale")
+        res["ints"] += pa.numel() * 8
+        res["scales"] += sa.numel()
+        res["negative_scales"][0] += int((sa < 0).sum())
+        res["negative_scales"][1] += int((sb < 0).sum())
+        same_layout = pa.shape == pb.shape and sa.shape == sb.shape and pa.dtype == pb.dtype
+        if same_layout and sa.dtype == sb.dtype and torch.equal(pa, pb) and torch.equal(sa, sb):
+            res["identical"] += 1
+            continue
+        if len(res["differing_examples"]) < 5:
+            res["differing_examples"].append(m)
+        if not same_layout:
+            res["ints_differing"] += pa.numel() * 8
+            continue
+        k = pa.shape[1] * 8
+        qa, qb = unpack_int32(pa, k).to(torch.int16), unpack_int32(pb, k).to(torch.int16)
+        d = (qa - qb).abs()
+        res["ints_differing"] += int((d != 0).sum())
+        res["max_int_diff"] = max(res["max_int_diff"], int(d.max()))
+        sa, sb = sa.double(), sb.double()
+        rel = ((sa - sb).abs() / sb.abs().clamp_min(1e-30)).max().item()
+        res["max_scale_rel_diff"] = max(res["max_scale_rel_diff"], rel)
+        ratios.append((sa.abs() / sb.abs().clamp_min(1e-30)).median().item())
+    if ratios:
+        ratios.sort()
+        res["abs_scale_ratio"] = {"min": ratios[0], "median": ratios[len(ratios) // 2], "max": ratios[-1]}
+    return res
+
+
+def ct_rtn_recipe(work: Path) -> Path:
+    """The shipped int4-w4a16 recipe with `full_range: false` (compressed-tensors' absmax / 7.5 scales), in `work`."""
+    from glmq import recipes
+
+    text = (Path(recipes.__file__).parent / "int4-w4a16.yaml").read_text()
+    new = text.replace("full_range: true", "full_range: false", 1)
+    if new == text:
+        raise SystemExit("recipes/int4-w4a16.yaml has no 'full_range: true' line to turn off; update ct_rtn_recipe")
+    path = work / "int4-w4a16-ct-rtn.yaml"
+    path.write_text(new)
+    return path
+
+
 def dir_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.iterdir() if f.is_file())
 
@@ -176,6 +259,13 @@ def main() -> None:
     if "peer" in med:
         summary["peer_over_copy"] = med["peer"]["seconds"] / med["copy"]["seconds"]
         summary["glmq_over_peer"] = med["glmq"]["seconds"] / med["peer"]["seconds"]
+        summary["glmq_vs_peer"] = compare_quantized(args.work / "out-glmq", args.work / "out-peer")  # the last round's
+        # the default recipe's full-range scales (signed, max/8) are not the peer's absmax/7.5; with `full_range: false`
+        # glmq's RTN is compressed-tensors' own bit for bit (README), so this untimed run must match the peer exactly
+        o = args.work / "out-glmq-ct-rtn"
+        shutil.rmtree(o, ignore_errors=True)
+        measure([*jobs["glmq"](o), "--recipe", str(ct_rtn_recipe(args.work))])
+        summary["glmq_ct_rtn_vs_peer"] = compare_quantized(o, args.work / "out-peer")
     print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=1))
     if args.out:
         args.out.write_text(json.dumps(summary, indent=1) + "\n")

@@ -165,3 +165,42 @@ def test_manifest_bench_removes_its_temporary_folder_on_failure(tmp_path, monkey
     with pytest.raises(OSError, match="disk full"):
         bench_manifest.main()
     assert not (tmp_path / "work").exists()
+
+
+def test_rtn_bench_compares_its_peers_quantized_tensors(tmp_path):
+    """bench_rtn timed the peer without checking it did the same work: `compare_quantized` finds every common
+    module of two identical outputs bit-identical, and names one whose integer and scale were changed."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from glmq import recipes
+    from glmq.formats.source import open_source
+    from glmq.quantize import stream
+    from glmq.quantize.plan import make_plan
+
+    src = fixtures.make_checkpoint(tmp_path / "src", "glm_moe_dsa", preset="tiny")
+    a, b = tmp_path / "a", tmp_path / "b"
+    stream.run(make_plan(open_source(src), recipes.load("int4-w4a16"), 300_000), a, progress=False)
+    shutil.copytree(a, b)
+    same = bench_rtn.compare_quantized(a, b)
+    assert same["modules"] > 10 and same["identical"] == same["modules"] and same["ints_differing"] == 0
+    assert same["only_in_first"] == same["only_in_second"] == 0
+
+    weight_map = json.loads((b / "model.safetensors.index.json").read_text())["weight_map"]
+    module = sorted(k for k in weight_map if ".experts." in k and k.endswith(".weight_packed"))[0].removesuffix(
+        ".weight_packed")
+    shard = b / weight_map[module + ".weight_packed"]
+    tensors = load_file(str(shard))
+    tensors[module + ".weight_packed"][0, 0] ^= 1  # one 4-bit integer moves by one
+    tensors[module + ".weight_scale"][0, 0] *= 2
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    diff = bench_rtn.compare_quantized(a, b)
+    assert diff["identical"] == same["modules"] - 1 and diff["differing_examples"] == [module]
+    assert diff["ints_differing"] == 1 and diff["max_int_diff"] == 1 and diff["max_scale_rel_diff"] == 0.5
+    assert diff["ints"] == same["ints"] > 0
+    assert diff["abs_scale_ratio"] == {"min": 1.0, "median": 1.0, "max": 1.0}  # one scale of 16+ in the module
+    assert diff["negative_scales"][0] == diff["negative_scales"][1] > 0  # int4-w4a16's full-range scales are signed
+
+    recipe = recipes.load(str(bench_rtn.ct_rtn_recipe(tmp_path)))  # the peer's scale rule, for the bit-for-bit check
+    assert recipe.spec.full_range is False and recipes.load("int4-w4a16").spec.full_range is True
