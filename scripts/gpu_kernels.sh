@@ -93,7 +93,16 @@ def read_all():
     return time.perf_counter() - t
 reads = [read_all(), read_all(), read_all()]
 out = {"checkpoint_bytes": size, "files": len(files), "read_s": reads}
-for dev in ("cuda", "cuda"):  # the first run also compiles kernels for new shapes; the second is warm
+def fixed(code):  # a fresh process's fixed costs, apart from validate's own work
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code], check=True)
+    return time.perf_counter() - t
+out["fixed_s"] = {"python+torch import": fixed("import torch"),
+                  "+ CUDA context": fixed("import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()"),
+                  "compressed-tensors import": fixed("import compressed_tensors")}
+print("fixed costs of a fresh process (s):", {k: round(v, 2) for k, v in out["fixed_s"].items()})
+# the first cuda run also compiles kernels for new shapes; the second finds them in Triton's cache; cpu: the peer
+for dev in ("cuda", "cuda", "cpu"):
     t = time.perf_counter()
     rep_path = V / f"report-{dev}.json"
     r = subprocess.run([sys.executable, "-m", "glmq", "validate", str(ckpt), "--device", dev, "--json", str(rep_path)],
