@@ -11,7 +11,8 @@
 # TOTAL_S seconds after the start (the device call's limit minus a margin), so the benchmark files are
 # written before the call ends.
 #
-# PARTS (default "tune tests bench retest"; "validate" adds the `glmq validate --device cuda` timing; "ncu" profiles
+# PARTS (default "tune tests bench retest"; "validate" adds the `glmq validate --device cuda` timing, beside a fresh
+# process's fixed costs and `--device cpu` on the same machine; "ncu" profiles
 # the dense kernels at decode shapes with Nsight Compute, scripts/profile_kernels.py; "decompose" times the decode
 # GEMM's stage-dropping variants, scripts/profile_kernels.py --decompose, into decompose.json)
 # TUNE_M (default "1 4 16 64 256 2048"), TUNE_ARGS (extra tune_kernels.py arguments, e.g. "--skip-moe"), BENCH_ARGS (extra
