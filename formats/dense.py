@@ -7,7 +7,6 @@ tests hold bit-exact against compressed-tensors), FP8 with the same dequantizer 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,22 +14,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from glmq.formats import fp8
-from glmq.formats.safetensors_io import CheckpointError, read_header
+from glmq.formats.safetensors_io import CheckpointError, read_header, read_json_object
 from glmq.formats.source import INDEX_NAME, SINGLE_NAME
 from glmq.quantize.pack import unpack_int32, unpack_zero_point
 
 
 def _read_json(path: Path) -> dict:
     """A JSON object file of a checkpoint, or a CheckpointError naming it."""
-    try:
-        obj = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: not found; not a checkpoint folder, or one whose writing did not finish") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: cannot be read as JSON ({e}); re-download or re-write it") from e
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: holds a JSON {type(obj).__name__}, not an object; re-download or re-write it")
-    return obj
+    return read_json_object(path, "not a checkpoint folder, or one whose writing did not finish",
+                            "re-download or re-write it")
 
 
 def _weight_map(root: Path) -> dict[str, str]:

@@ -57,6 +57,20 @@ class CheckpointError(ValueError):
     """Bad input: the message names the file, the tensor and what to do."""
 
 
+def read_json_object(path: Path, missing: str, fix: str) -> dict:
+    """The JSON object in `path`, or a CheckpointError naming the file: "not found; `missing`" when it does not exist,
+    "...; `fix`" when it cannot be read (a folder, no permission), is not JSON or holds no object."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not found; {missing}") from None
+    except (OSError, ValueError) as e:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        raise CheckpointError(f"{path}: cannot be read as JSON ({e}); {fix}") from e
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: holds a JSON {type(obj).__name__}, not an object; {fix}")
+    return obj
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     """One tensor as its shard's header describes it."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from glmq.formats.families import Family, family_for
 from glmq.formats.manifest import MANIFEST_NAME, REPORT_NAME
-from glmq.formats.safetensors_io import CheckpointError, TensorEntry, read_header
+from glmq.formats.safetensors_io import CheckpointError, TensorEntry, read_header, read_json_object
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -67,15 +67,7 @@ class Source:
 
 
 def _load_json(path: Path) -> dict:
-    try:
-        obj = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: not found; point --model at a Hugging Face checkpoint folder") from None
-    except ValueError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: holds a JSON {type(obj).__name__}, not an object; re-download it")
-    return obj
+    return read_json_object(path, "point --model at a Hugging Face checkpoint folder", "re-download it")
 
 
 def detect_format(config: dict, config_path: Path) -> tuple[SourceFormat, tuple[int, int] | None]:

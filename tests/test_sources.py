@@ -74,6 +74,18 @@ def test_malformed_config_or_index_is_a_checkpoint_error(make_ckpt, tmp_path, na
         make_plan(open_source(root), recipes.load("int4-w4a16"))
 
 
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_an_unreadable_config_or_index_is_a_checkpoint_error(make_ckpt, tmp_path, name):
+    """A config.json or index that cannot be read (here a folder of that name, as a bad copy leaves it) surfaced
+    as the bare OSError ("[Errno 21] Is a directory"), without the file's role or what to do."""
+    root = tmp_path / "src"
+    shutil.copytree(make_ckpt("glm_moe_dsa", "fp8-block"), root)
+    (root / name).unlink()
+    (root / name).mkdir()
+    with pytest.raises(CheckpointError, match=rf"{name}: cannot be read as JSON \(.*; re-download it"):
+        make_plan(open_source(root), recipes.load("int4-w4a16"))
+
+
 def test_compressed_tensors_block_fp8_source_is_refused_up_front(make_ckpt, tmp_path):
     """llm-compressor's FP8_BLOCK (strategy "block", weight_scale [N/128, K/128]): one line naming the config and the
     strategy, before anything is read or created; it was ~100 lines of 'neither per-channel nor per-tensor'."""
