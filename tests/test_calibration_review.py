@@ -107,7 +107,9 @@ def test_an_unreadable_layer_file_is_a_clear_error(tmp_path):
             cc.layer_meta(tmp_path, 3)
 
 
-def test_a_run_with_a_torn_layer_file_stops_and_resumes_once_it_is_removed(make_ckpt, tmp_path, monkeypatch):
+def _run_killed_at_layer_2(make_ckpt, tmp_path, monkeypatch):
+    """A GPTQ run of the tiny GLM-4.x MoE killed as it starts decoder layer 2 (layer files 0 and 1 are written), and a
+    `rerun()` of the same job."""
     sys.path.insert(0, str(Path(__file__).parent))
     from glmq.calibration import engine
     from test_gptq_engine import calib_ids, gptq_plan, settings
@@ -120,17 +122,24 @@ def test_a_run_with_a_torn_layer_file_stops_and_resumes_once_it_is_removed(make_
             raise KeyboardInterrupt
         return orig(self, i, *a)
 
+    def rerun() -> dict:
+        return engine.run_gptq(gptq_plan(src), out, calib_ids(), settings(), progress=False)
+
     monkeypatch.setattr(engine._Run, "layer", dying)
     with pytest.raises(KeyboardInterrupt):
-        engine.run_gptq(gptq_plan(src), out, calib_ids(), settings(), progress=False)
+        rerun()
     monkeypatch.setattr(engine._Run, "layer", orig)
+    return out, rerun
+
+
+def test_a_run_with_a_torn_layer_file_stops_and_resumes_once_it_is_removed(make_ckpt, tmp_path, monkeypatch):
+    out, rerun = _run_killed_at_layer_2(make_ckpt, tmp_path, monkeypatch)
     layer1 = cc.layer_file(out / cc.CACHE_DIR, 1)
     layer1.write_bytes(layer1.read_bytes()[:100])  # as a copy or a disk that lost the file's end leaves it
     with pytest.raises(cc.CalibrationCacheError, match="layer-00001.safetensors: not a readable GPTQ layer file"):
-        engine.run_gptq(gptq_plan(src), out, calib_ids(), settings(), progress=False)
+        rerun()
     layer1.unlink()
-    rep = engine.run_gptq(gptq_plan(src), out, calib_ids(), settings(), progress=False)
-    assert rep["gptq"]["resumed_from_layer"] == 1
+    assert rerun()["gptq"]["resumed_from_layer"] == 1
 
 
 def _flip_data_byte(path: Path, tensor: str) -> None:
@@ -181,22 +190,7 @@ def test_a_changed_byte_in_a_layer_file_is_named_on_every_read(tmp_path):
 
 
 def test_a_run_stops_on_a_changed_layer_file_and_resumes_once_it_is_removed(make_ckpt, tmp_path, monkeypatch):
-    sys.path.insert(0, str(Path(__file__).parent))
-    from glmq.calibration import engine
-    from test_gptq_engine import calib_ids, gptq_plan, settings
-
-    src, out = make_ckpt("glm4_moe", "fp8-block"), tmp_path / "out"
-    orig = engine._Run.layer
-
-    def dying(self, i, *a):
-        if i == 2:
-            raise KeyboardInterrupt
-        return orig(self, i, *a)
-
-    monkeypatch.setattr(engine._Run, "layer", dying)
-    with pytest.raises(KeyboardInterrupt):
-        engine.run_gptq(gptq_plan(src), out, calib_ids(), settings(), progress=False)
-    monkeypatch.setattr(engine._Run, "layer", orig)
+    out, rerun = _run_killed_at_layer_2(make_ckpt, tmp_path, monkeypatch)
     cache = out / cc.CACHE_DIR
     layer1 = cc.layer_file(cache, 1)  # (layer 0 of this model is dense and not quantized)
     with safe_open(str(layer1), "pt") as f:
@@ -205,7 +199,6 @@ def test_a_run_stops_on_a_changed_layer_file_and_resumes_once_it_is_removed(make
     for p in cache.glob("hidden-*"):  # the resume regenerates layer 2's input from layer files 0 and 1
         p.unlink()
     with pytest.raises(cc.CalibrationCacheError, match=rf"layer-00001.safetensors: tensor {name} does not match"):
-        engine.run_gptq(gptq_plan(src), out, calib_ids(), settings(), progress=False)
+        rerun()
     layer1.unlink()
-    rep = engine.run_gptq(gptq_plan(src), out, calib_ids(), settings(), progress=False)
-    assert rep["gptq"]["resumed_from_layer"] == 1
+    assert rerun()["gptq"]["resumed_from_layer"] == 1
