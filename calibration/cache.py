@@ -201,7 +201,8 @@ def _checked(f, path: Path, index: int):
     def get(name: str) -> torch.Tensor:
         t = f.get_tensor(name)
         if digests is not None and digests.get(name) != _digest(t):
-            why = "has no recorded checksum" if name not in digests else "does not match the checksum recorded when it was written"
+            why = ("has no recorded checksum" if name not in digests
+                   else "does not match the checksum recorded when it was written")
             raise CalibrationCacheError(
                 f"{path}: tensor {name} {why}, so the file was changed on disk or in a copy; remove {path.name} to "
                 f"calibrate decoder layer {index} and the layers after it again")
