@@ -100,15 +100,12 @@ def files_with_card(files: dict[str, int], card: str | None) -> dict[str, int]:
     return files if card is None else {**files, README: len(card.encode())}
 
 
-def published_sizes(folder: Path, files: dict[str, int]) -> dict[str, int]:
-    """The listing's sizes as sent: the run report goes up as `public_report` writes it (local paths cut to their
-    names), not at its size on disk."""
+def published_sizes(files: dict[str, int], report: bytes | None) -> dict[str, int]:
+    """The listing's sizes as sent: the run report goes up as `public_report` wrote it (`report`; local paths cut to
+    their names), not at its size on disk."""
     from glmq.formats.manifest import REPORT_NAME
 
-    if REPORT_NAME not in files:
-        return files
-    report = public_report(folder / REPORT_NAME)
-    return files if report is None else {**files, REPORT_NAME: len(report)}
+    return files if report is None or REPORT_NAME not in files else {**files, REPORT_NAME: len(report)}
 
 
 # ----------------------------------------------------------------------------------------- checks
@@ -279,15 +276,15 @@ def upload_method(api, revision: str | None) -> str:
     return "upload_large_folder"
 
 
-def push(folder: Path, o: UploadOptions, api, method: str) -> None:
-    """create_repo(exist_ok), the branch when --revision names one, then the upload call."""
+def push(folder: Path, o: UploadOptions, api, method: str, report: bytes | None) -> None:
+    """create_repo(exist_ok), the branch when --revision names one, then the upload call; `report`: the run report as
+    published (`public_report`), sent in place of the local file."""
     private = True if o.private else None  # None: the namespace's default visibility
     api.create_repo(o.repo_id, repo_type="model", private=private, exist_ok=True)
     if o.revision not in (None, MAIN):
         api.create_branch(o.repo_id, branch=o.revision, repo_type="model", exist_ok=True)
     from glmq.formats.manifest import REPORT_NAME
 
-    report = public_report(folder / REPORT_NAME)
     kw = {"repo_id": o.repo_id, "folder_path": str(folder), "repo_type": "model", "revision": o.revision,
           # a fresh list: huggingface_hub appends its defaults to it
           "ignore_patterns": ignore_patterns() + ([REPORT_NAME] if report is not None else [])}
@@ -347,11 +344,11 @@ def _hub_reason(e: BaseException) -> str:
     return (lines or [""])[0]
 
 
-def push_or_explain(folder: Path, o: UploadOptions, api, method: str) -> None:
+def push_or_explain(folder: Path, o: UploadOptions, api, method: str, report: bytes | None) -> None:
     """`push`, with any Hub failure turned into one line naming the checkpoint, the Hub's reason and what to do
     (exit 3)."""
     try:
-        push(folder, o, api, method)
+        push(folder, o, api, method, report)
     except _hub_errors() as e:
         status = getattr(getattr(e, "response", None), "status_code", None)
         if status in (401, 403):
@@ -395,7 +392,10 @@ def upload(o: UploadOptions) -> None:
     files, skipped = split_files(folder)
     api = HfApi()
     method = upload_method(api, o.revision)
-    _print_listing(files_with_card(published_sizes(folder, files), text), skipped, o, method)
+    from glmq.formats.manifest import REPORT_NAME
+
+    report = public_report(folder / REPORT_NAME)  # read once: the listing gives its size, the push sends it
+    _print_listing(files_with_card(published_sizes(files, report), text), skipped, o, method)
     if o.dry_run:
         if action != "none":
             click.echo(f"\n--- {README} ({'would be written' if text else 'not written: ' + action}) ---\n{card}")
@@ -404,7 +404,7 @@ def upload(o: UploadOptions) -> None:
         from glmq.formats.safetensors_io import atomic_write_text
 
         atomic_write_text(folder / README, text)
-    push_or_explain(folder, o, api, method)
+    push_or_explain(folder, o, api, method, report)
     click.echo(f"uploaded {folder} to https://huggingface.co/{o.repo_id}"
                + (f"/tree/{o.revision}" if o.revision not in (None, MAIN) else ""))
 

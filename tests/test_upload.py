@@ -375,7 +375,7 @@ def test_real_upload_sends_what_the_dry_run_listed(ckpt, hub):
     real = run(str(ckpt), "--repo-id", REPO, "--tp", "1")
     assert dry.exit_code == 0 and real.exit_code == 0, real.output
     files, skipped = upload.split_files(ckpt)  # what the Hub client's own filter keeps, after the card is written
-    files = upload.published_sizes(ckpt, files)
+    files = upload.published_sizes(files, upload.public_report(ckpt / "glmq_report.json"))
     assert listing(dry.stdout) == listing(real.stdout) == files and skipped == [".glmq-gptq/report.json"]
     sent = [call for name, call in hub if name == "upload_file"]
     assert [len(c["path_or_fileobj"]) for c in sent] == [files["glmq_report.json"]]  # listed as sent
