@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from glmq.calibration import cache as cc
 from safetensors import safe_open
+
+from glmq.calibration import cache as cc
 from glmq.calibration.data import calibration_tokens
 from glmq.formats import fixtures
 
@@ -144,10 +145,11 @@ def test_a_run_with_a_torn_layer_file_stops_and_resumes_once_it_is_removed(make_
 
 def _flip_data_byte(path: Path, tensor: str) -> None:
     """Flip the low bit of `tensor`'s first data byte in the safetensors file at `path` (header untouched)."""
+    from glmq.formats.safetensors_io import read_header
+
+    entries, _, start = read_header(path)
     data = bytearray(path.read_bytes())
-    n = int.from_bytes(data[:8], "little")
-    start = 8 + n + json.loads(data[8:8 + n])[tensor]["data_offsets"][0]
-    data[start] ^= 1
+    data[start + entries[tensor].begin] ^= 1
     path.write_bytes(bytes(data))
 
 
