@@ -104,17 +104,6 @@ def check_source(src: Path, overrides: dict, preset: str = "bench") -> None:
                          + "); give another --work, or delete that folder to have it generated again")
 
 
-def _tensors(folder: Path) -> dict[str, Path]:
-    """Tensor name -> the shard holding it, from the checkpoint's index (or its one shard)."""
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        return {k: folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-    from safetensors import safe_open
-
-    with safe_open(str(folder / "model.safetensors"), "pt") as f:
-        return dict.fromkeys(f.keys(), folder / "model.safetensors")
-
-
 def compare_quantized(a: Path, b: Path) -> dict:
     """How far apart two pack-quantized checkpoints' common quantized modules are: the modules stored with a
     `weight_packed` in both, the number whose packed integers and scales are bit-identical, and over the others
@@ -125,9 +114,10 @@ def compare_quantized(a: Path, b: Path) -> dict:
     import torch
     from safetensors import safe_open
 
+    from glmq.formats.dense import _weight_map  # tensor -> shard of a written checkpoint (index or one file)
     from glmq.quantize.pack import unpack_int32
 
-    ta, tb = _tensors(a), _tensors(b)
+    ta, tb = ({k: folder / v for k, v in _weight_map(folder).items()} for folder in (a, b))
     modules = sorted(k.removesuffix(".weight_packed") for k in ta.keys() & tb.keys() if k.endswith(".weight_packed"))
     res = {"modules": len(modules), "only_in_first": sum(k.endswith(".weight_packed") for k in ta.keys() - tb.keys()),
            "only_in_second": sum(k.endswith(".weight_packed") for k in tb.keys() - ta.keys()),
