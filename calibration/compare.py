@@ -8,14 +8,13 @@ Per-layer error: for decoder layer l, ||h_q - h_s||_F / ||h_s||_F over all windo
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
 
 from glmq.calibration.evaluate import load_model, mean_kl, perplexity, token_windows
-from glmq.formats.safetensors_io import CheckpointError
+from glmq.formats.safetensors_io import CheckpointError, read_json_object
 
 # config.json keys that must agree between the source and a quantized checkpoint: the same token ids, the same
 # hidden states layer by layer (a checkpoint of another model gives a traceback or numbers that mean nothing).
@@ -27,10 +26,7 @@ def _config(checkpoint: str | Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{checkpoint}: no config.json; not a checkpoint folder, or one whose writing did not "
                               f"finish (glmq writes config.json last)")
-    try:
-        return json.loads(path.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    return read_json_object(path, "not a checkpoint folder", "re-download or re-write it")
 
 
 def check_same_model(source: str | Path, quantized: list[str | Path], seq_len: int | None = None) -> None:

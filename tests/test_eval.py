@@ -115,6 +115,11 @@ def test_eval_names_a_folder_without_config_or_tokenizer(glm4, tmp_path):
     shutil.copytree(rtn, notok, ignore=shutil.ignore_patterns("tokenizer*"))
     code, out, exc = _eval(notok, "--text", text, "--seq-len", "32")
     assert exc is None and code == 1 and f"{notok}: cannot load its tokenizer" in out, out
+    listcfg = tmp_path / "listcfg"  # a config.json that is JSON but no object was an AttributeError traceback
+    shutil.copytree(rtn, listcfg)
+    (listcfg / "config.json").write_text("[]")
+    code, out, exc = _eval(src, listcfg, "--text", text)
+    assert exc is None and code == 1 and f"{listcfg / 'config.json'}: holds a JSON list, not an object" in out, out
 
 
 def _packed_checkpoint(out: Path, tensors: dict, weights: dict) -> Path:
