@@ -246,13 +246,13 @@ class CachedQWeights:
         i = layer_index(module + ".")
         if i is None or i >= self.decoder_layers:
             return None
+        path = layer_file(self.cache, i)
         if self._open is None or self._open[0] != i:
-            f = safe_open(str(layer_file(self.cache, i)), "pt")
-            self._open = (i, f, _checked(f, layer_file(self.cache, i), i))
+            f = safe_open(str(path), "pt")
+            self._open = (i, f, _checked(f, path, i))
         _, f, get = self._open
         if f"{module}.weight_packed" not in f.keys():
-            raise CalibrationCacheError(f"{layer_file(self.cache, i)}: no GPTQ result for {module}; "
-                                        f"remove {self.cache} and run again")
+            raise CalibrationCacheError(f"{path}: no GPTQ result for {module}; remove {self.cache} and run again")
         return _read_qweight(get, f.keys(), module, self.spec)
 
 
