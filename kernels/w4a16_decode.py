@@ -95,7 +95,7 @@ from pathlib import Path
 import torch
 
 from glmq.kernels.w4a16_dense import (_INTERPRETED, DEFAULT_SM_COUNT, MMA_CHUNK, Layout, PackedW4, _cuda_info,
-                                      _pairs_asm, _raw_words_asm, _tickets, sm_count)
+                                      _pairs_asm, _raw_words_asm, _tickets, sm_count, table_serves)
 
 try:  # Gluon ships with Triton >= 3.4 as triton.experimental.gluon; its API is still moving
     from triton.experimental import gluon
@@ -1059,7 +1059,7 @@ def tuned_config(m: int, n: int, k: int, device: str, pdl: bool, layout: Layout 
     `heuristic_config`). An entry holds the smallest tuned M >= m; past the largest tuned M the Triton kernel is
     taken."""
     table = _table(str(TUNED_PATHS.get(layout, "")))
-    if table.get("device") != device or table.get("layout", Layout.PAIRS.value) != layout.value:
+    if not table_serves(table, device) or table.get("layout", Layout.PAIRS.value) != layout.value:
         return "untuned"
     rows = table.get("decode", {}).get(f"{n},{k},{MMA_CHUNK}")
     if not rows:

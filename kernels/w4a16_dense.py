@@ -1228,6 +1228,13 @@ def device_name(device: torch.device) -> str:
     return _cuda_info(device)[1] if device.type == "cuda" else "cpu"
 
 
+def table_serves(table: dict, device: str) -> bool:
+    """Whether a launch table applies on the GPU named `device`: the one it was tuned on (its "device"), or one named
+    in its "also_for", GPUs on which its picks were measured to run at least as fast as their untuned rules
+    (kernels/NOTES.md, session 36). Any other GPU, and CPU or interpreter runs, take the heuristics."""
+    return bool(table) and (table.get("device") == device or device in table.get("also_for", ()))
+
+
 @functools.lru_cache(maxsize=4)
 def _tuned_table(path: str) -> dict:
     p = Path(path)
@@ -1242,13 +1249,13 @@ def _tuned_table(path: str) -> dict:
 def tuned_entry(section: str, key: str, m: int, device: str, layout: Layout = Layout.PLANES) -> dict | None:
     """The tuned config for `key` (e.g. "N,K,g") at the smallest tuned M >= m (else the largest), if any.
 
-    Only used when `device` (the GPU's name) matches the table's, so CPU/interpreter runs and other
+    Only used when the table serves `device` (the GPU's name, `table_serves`), so CPU/interpreter runs and other
     GPUs always take the heuristics. PLANES entries are the table's top-level sections, PAIRS entries
     its "pairs" sub-table (each tuned on weights of that layout); SPANS weights run the same kernel as
     PAIRS (x permuted to their column order, `_spans_rows` / `spans_x`) and take the "pairs" entries.
     """
     table = _tuned_table(str(TUNED_PATH))
-    if not table or table.get("device") != device:
+    if not table_serves(table, device):
         return None
     if layout.mma:
         table = table.get(Layout.PAIRS.value, {})

@@ -725,7 +725,7 @@ def environment(b: Bench) -> dict:
         p = torch.cuda.get_device_properties(b.device)
         table = D._tuned_table(str(D.TUNED_PATH))
         env.update(sms=p.multi_processor_count, cuda=torch.version.cuda,
-                   tuned_table=bool(table) and table.get("device") == p.name)  # fmt: skip
+                   tuned_table=D.table_serves(table, p.name))  # fmt: skip
     return env
 
 

@@ -15,8 +15,8 @@
 # process's fixed costs and `--device cpu` on the same machine; "ncu" profiles
 # the dense kernels at decode shapes with Nsight Compute, scripts/profile_kernels.py; "decompose" times the decode
 # GEMM's stage-dropping variants, scripts/profile_kernels.py --decompose, into decompose.json; "transfer" alternates
-# bench_kernels.py with this GPU's own launch rules and scripts/bench_as_device.py "NVIDIA H200", into own-I/ and
-# as-h200-I/, TRANSFER_BUDGET seconds each)
+# bench_kernels.py with this GPU's own launch rules and scripts/bench_as_device.py "$TRANSFER_AS" (default "NVIDIA
+# H200"), TRANSFER_BUDGET seconds each, into transfer.tgz)
 # TUNE_M (default "1 4 16 64 256 2048"), TUNE_ARGS (extra tune_kernels.py arguments, e.g. "--skip-moe"), BENCH_ARGS (extra
 # bench_kernels.py arguments, e.g. "--no-planes --prev-table benchmarks/tuned_configs_session4.json"), TOTAL_S (default 570), TEST_TIMEOUT, COMPILE_TIMEOUT, TUNE_BUDGET,
 # BENCH_BUDGET, RETEST_TIMEOUT, WORKERS (compile processes beside the tests' 8), TEST_WORKERS (default 8 beside the
@@ -136,19 +136,24 @@ if [[ $PARTS == *bench* ]]; then
   echo "bench done at $((SECONDS - T0)) s"
 fi
 if [[ $PARTS == *transfer* ]]; then
-  # The H200's launch tables on this GPU against this GPU's own (tables or untuned rules), alternated so drift
-  # shows: own, as-h200, own, as-h200 while time lasts (scripts/bench_as_device.py; on an H200 both are the same).
-  echo "== transfer: the NVIDIA H200 tables vs this GPU's own launch rules"
-  i=0
-  while (( $(left) > 60 )); do
-    for run in own as-h200; do
+  # Another launch table on this GPU against this GPU's own launch rules, alternated so drift shows: own, as, own, as
+  # while time lasts (scripts/bench_as_device.py). TRANSFER_AS: the GPU name the tables are looked up under ("NVIDIA
+  # H200": its tables; a name no table serves, e.g. "untuned": the heuristics). Each run's JSON goes into transfer.tgz.
+  AS=${TRANSFER_AS:-NVIDIA H200}
+  echo "== transfer: launch rules looked up as \"$AS\" vs this GPU's own"
+  i=0; mkdir -p /tmp/transfer
+  while (( $(left) > ${TRANSFER_RESERVE:-60} )); do  # seconds kept for the parts after it
+    for run in own as; do
       B=$(clip ${TRANSFER_BUDGET:-60}); (( B > 25 )) && B=$((B - 15))
-      if [[ $run == own ]]; then CMD=(scripts/bench_kernels.py); else CMD=(scripts/bench_as_device.py "NVIDIA H200"); fi
+      if [[ $run == own ]]; then CMD=(scripts/bench_kernels.py); else CMD=(scripts/bench_as_device.py "$AS"); fi
       echo "-- $run #$i (budget $B s)"
-      timeout "$(clip $((B + 40)))" python3 "${CMD[@]}" --out "$OUT/$run-$i" --budget-s "$B" ${BENCH_ARGS:-} 2>&1 | tail -40
+      timeout "$(clip $((B + 40)))" python3 "${CMD[@]}" --out "/tmp/transfer/$run-$i" --budget-s "$B" ${BENCH_ARGS:-} \
+        2>&1 | grep -E " us |wrote|rror" | tail -60
+      rm -f /tmp/transfer/$run-$i/*.png
     done
     i=$((i + 1))
   done
+  tar -czf "$OUT/transfer.tgz" -C /tmp/transfer .
   echo "transfer done at $((SECONDS - T0)) s"
 fi
 if [[ $PARTS == *retest* ]]; then

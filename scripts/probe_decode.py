@@ -615,6 +615,8 @@ def tune(shapes: dict, dev, a, out_dir: Path) -> None:
         old = json.loads(Path(a.write).read_text())
         if old.get("device") == name and old.get("layout", "pairs") == layout:
             table["decode"] = old.get("decode", {})
+            if "also_for" in old:  # measured on the old picks: re-check them after a re-tune (gpu_kernels.sh PARTS=transfer)
+                table = {"device": name, "also_for": old["also_for"], **table}
             table["measured"] = f"{old.get('measured')}; M = {', '.join(map(str, tune_m))}: {table['measured']}"
     for shape, (n, k) in shapes.items():
         wp, ws = random_int4(n, k, device=dev, seed=3)

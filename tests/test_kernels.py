@@ -248,6 +248,12 @@ def test_tuned_table_lookup(tmp_path, monkeypatch):
     assert D.choose_config(3, 512, 384, 128, device="GPU-X") == D.heuristic_config(3, 512, 384, 128)
     assert MO.choose_moe_config(1, 3, 8, 128, 256, device="GPU-X") == MO.MoeConfig(16, 32, 64, big_dot=True)
     assert MO.choose_moe_config(1, 3, 8, 128, 256) == MO.choose_moe_config(1, 3, 8, 128, 256, device="cpu")
+    # a GPU the table names in "also_for" takes its entries too; others still take the heuristics
+    path.write_text(json.dumps({**table, "also_for": {"GPU-Z": "measured"}}))
+    D._tuned_table.cache_clear()
+    assert D.choose_config(3, 256, 384, 128, device="GPU-Z") == pick(3)
+    assert MO.choose_moe_config(1, 3, 8, 128, 256, device="GPU-Z") == MO.MoeConfig(16, 32, 64, big_dot=True)
+    assert D.choose_config(3, 256, 384, 128, device="GPU-Y") == D.heuristic_config(3, 256, 384, 128)
     if DEV.type == "cuda" or D._INTERPRETED:
         run_dense(3, 256, 384, 128, torch.bfloat16, config=pick(3))
 
@@ -943,6 +949,12 @@ def test_decode_tuned_table_lookup(tmp_path, monkeypatch):
         assert look(5, pdl=True) is None  # past the largest tuned M: the Triton kernels
         assert DK.tuned_config(1, 256, 768, "GPU-Y", False) == "untuned"
         assert DK.tuned_config(1, 512, 768, "GPU-X", False) == "untuned"
+        path.write_text(json.dumps({**table, "also_for": {"GPU-Y": "measured"}}))  # a GPU it was measured to serve
+        DK._table.cache_clear()
+        assert DK.tuned_config(1, 256, 768, "GPU-Y", False) == DK.DecodeConfig(16, 2, 3)
+        assert DK.tuned_config(1, 256, 768, "GPU-W", False) == "untuned"
+        path.write_text(json.dumps(table))
+        DK._table.cache_clear()
         # each layout has its own table, tuned on weights of that layout
         assert look(5, pdl=False, layout=D.Layout.SPANS) == DK.DecodeConfig(16, 4, 2)
         assert look(9, pdl=False, layout=D.Layout.SPANS) is None and look(8, pdl=True, layout=D.Layout.SPANS) is None
