@@ -1235,6 +1235,15 @@ def table_serves(table: dict, device: str) -> bool:
     return bool(table) and (table.get("device") == device or device in table.get("also_for", ()))
 
 
+def table_owner(path: Path | str) -> str | None:
+    """The GPU the launch table at `path` was tuned on, or None where there is no readable table. The tuners refuse to
+    write one GPU's table over another's (a file holds one GPU's table; the other's tuning would be lost)."""
+    try:
+        return json.loads(Path(path).read_text()).get("device")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 @functools.lru_cache(maxsize=4)
 def _tuned_table(path: str) -> dict:
     p = Path(path)

@@ -354,6 +354,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--tune", action="store_true", help="time the tuning candidates and write the launch table")
     ap.add_argument("--write", default="", help="--tune: also write the table here (e.g. kernels/tuned_decode.json)")
+    ap.add_argument("--replace", action="store_true", help="--tune: let --write replace a table tuned on another GPU")
     ap.add_argument("--timeline", action="store_true",
                     help="each --tags config's per-program timeline (the shared-x kernel's PROBE 5) at each shape and "
                          "--m: when every program started and ended on which SM; writes DIR/timeline.json")
@@ -362,6 +363,13 @@ def main() -> None:
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
+    if a.tune and a.write and not a.replace:
+        from glmq.kernels.w4a16_dense import table_owner
+
+        owner, here = table_owner(a.write), torch.cuda.get_device_name(dev)
+        if owner not in (None, here):
+            ap.error(f"{a.write} holds the launch table tuned on {owner}; writing {here}'s would replace it. "
+                     "Write elsewhere (--write OUT/tuned_decode.json) or pass --replace")
     shapes = {k: v for k, v in {**SHAPES, **(EXTRA_SHAPES if a.extra_shapes else {})}.items() if a.only in k}
     if a.tune:
         tune(shapes, dev, a, out_dir)
@@ -615,7 +623,7 @@ def tune(shapes: dict, dev, a, out_dir: Path) -> None:
         old = json.loads(Path(a.write).read_text())
         if old.get("device") == name and old.get("layout", "pairs") == layout:
             table["decode"] = old.get("decode", {})
-            if "also_for" in old:  # measured on the old picks: re-check them after a re-tune (gpu_kernels.sh PARTS=transfer)
+            if "also_for" in old:  # measured on the old picks: re-check after a re-tune (gpu_kernels.sh PARTS=transfer)
                 table = {"device": name, "also_for": old["also_for"], **table}
             table["measured"] = f"{old.get('measured')}; M = {', '.join(map(str, tune_m))}: {table['measured']}"
     for shape, (n, k) in shapes.items():

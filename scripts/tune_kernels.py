@@ -428,6 +428,7 @@ def main(argv=None) -> int:
     ap.add_argument("--write", type=Path, default=None, help="also write the table here (kernels/tuned_configs.json)")
     ap.add_argument("--merge", type=Path, default=None,
                     help="start from this table (same GPU): keep what is not re-tuned, use its entries as baselines")
+    ap.add_argument("--replace", action="store_true", help="let --write replace a table tuned on another GPU")
     ap.add_argument("--budget-s", type=float, default=240.0)
     ap.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     ap.add_argument("--m", type=int, nargs="+", default=list(M_LIST))
@@ -445,6 +446,12 @@ def main(argv=None) -> int:
             del DENSE[name]
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
+    from glmq.kernels.w4a16_dense import table_owner
+
+    owner, here = table_owner(args.write) if args.write else None, torch.cuda.get_device_name(0)
+    if owner not in (None, here) and not args.replace:
+        ap.error(f"{args.write} holds the launch table tuned on {owner}; writing {here}'s would replace it. "
+                 "Write elsewhere (--write OUT/tuned_configs.json) or pass --replace")
     t0 = time.monotonic()
     deadline = t0 + args.budget_s
     args.out.mkdir(parents=True, exist_ok=True)

@@ -248,6 +248,8 @@ def test_tuned_table_lookup(tmp_path, monkeypatch):
     assert D.choose_config(3, 512, 384, 128, device="GPU-X") == D.heuristic_config(3, 512, 384, 128)
     assert MO.choose_moe_config(1, 3, 8, 128, 256, device="GPU-X") == MO.MoeConfig(16, 32, 64, big_dot=True)
     assert MO.choose_moe_config(1, 3, 8, 128, 256) == MO.choose_moe_config(1, 3, 8, 128, 256, device="cpu")
+    assert D.table_owner(path) == "GPU-X" and D.table_owner(tmp_path / "none.json") is None  # the tuners' guard
+    assert D.table_owner(D.TUNED_PATH) == "GPU-X"
     # a GPU the table names in "also_for" takes its entries too; others still take the heuristics
     path.write_text(json.dumps({**table, "also_for": {"GPU-Z": "measured"}}))
     D._tuned_table.cache_clear()
