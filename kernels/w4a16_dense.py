@@ -69,7 +69,8 @@ the way out (one L2 round trip at the end instead of three; kernels/NOTES.md, se
 
 Launch parameters: `choose_config` reads a table tuned on the target GPU (`tuned_configs.json`
 beside this file, written by scripts/tune_kernels.py, keyed by GPU name, weight layout, (N, K, g)
-and an M bucket) and falls back to a deterministic heuristic for other GPUs and shapes. Nothing is
+and an M bucket; a table also serves the GPUs its "also_for" names, `table_serves`) and falls back to a
+deterministic heuristic for other GPUs and shapes. Nothing is
 autotuned at call time. Measurements and the decisions they drove: kernels/NOTES.md.
 """
 
@@ -1507,8 +1508,8 @@ def w4a16_matmul_packed(
     """`w4a16_matmul` on a `prepack`ed weight (same arguments and errors).
 
     config: a `DenseConfig` (the Triton kernels), a `w4a16_decode.DecodeConfig` (the Gluon decode kernel), or
-    None: the Gluon decode kernel where `w4a16_decode.choose` picks it (M <= 64 where the table of the GPU it was
-    tuned on names it, M <= 16 by the sm_90 heuristic), else `choose_config`.
+    None: the Gluon decode kernel where `w4a16_decode.choose` picks it (M <= 64 where a table serving this GPU
+    names it, `table_serves`; M <= 16 by the sm_90 heuristic), else `choose_config`.
     """
     check_common(x, w.group_size)
     m, k = x.shape

@@ -204,3 +204,30 @@ def test_rtn_bench_compares_its_peers_quantized_tensors(tmp_path):
 
     recipe = recipes.load(str(bench_rtn.ct_rtn_recipe(tmp_path)))  # the peer's scale rule, for the bit-for-bit check
     assert recipe.spec.full_range is False and recipes.load("int4-w4a16").spec.full_range is True
+
+
+def test_transfer_compare_takes_medians_per_side(tmp_path):
+    """bench_as_device --compare: the median of each glmq column over the own-* runs against the as-* runs, from a
+    folder or its .tgz; peers, failed cells and cells timed on one side only are left out."""
+    import tarfile
+
+    from glmq.scripts import bench_as_device
+
+    def rec(m, impl, us, status="ok"):
+        return {"op": "dense", "shape": "dense 12288->6144", "m": m, "impl": impl, "us": us, "status": status}
+
+    runs = {"own-0": [rec(64, "glmq", 28.0), rec(64, "cublas-fp16", 60.0), rec(1, "glmq", None, "skipped")],
+            "own-1": [rec(64, "glmq", 27.0), rec(1, "glmq", 16.0)],
+            "own-2": [rec(64, "glmq", 30.0)],
+            "as-0": [rec(64, "glmq", 40.0), rec(64, "cublas-fp16", 61.0)],
+            "as-1": [rec(64, "glmq", 42.0), rec(64, "glmq-pdl", 41.0)]}  # fmt: skip
+    for name, records in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "bench_kernels.json").write_text(json.dumps({"records": records}))
+    with tarfile.open(tmp_path / "t.tgz", "w:gz") as tar:
+        for name in runs:
+            tar.add(tmp_path / name, arcname=f"./{name}")
+    for src in (tmp_path, tmp_path / "t.tgz"):
+        lines = bench_as_device.compare(bench_as_device.load_runs(src))
+        assert len(lines) == 2, lines  # the header and one row: glmq at M = 64
+        assert lines[1].split() == ["dense", "12288->6144", "64", "glmq", "28.0", "41.0", "1.46", "3/2"], lines
