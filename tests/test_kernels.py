@@ -967,6 +967,19 @@ def test_decode_tuned_table_lookup(tmp_path, monkeypatch):
         DK._table.cache_clear()
 
 
+def test_shipped_tables_also_for_entries_say_what_was_measured():
+    # a GPU named in a table's "also_for" takes that table (`table_serves`); each name comes with its measurement
+    paths = [D.TUNED_PATH, *DK.TUNED_PATHS.values()]
+    for path in paths:
+        table = json.loads(path.read_text())
+        also = table.get("also_for", {})
+        assert isinstance(also, dict) and table["device"] not in also, path
+        for name, note in also.items():
+            assert "measured" in note and "BENCHMARKS.md" in note, (path, name)
+            assert D.table_serves(table, name) and not D.table_serves(table, name + " PCIe")
+    assert "NVIDIA H100 80GB HBM3" in json.loads(D.TUNED_PATH.read_text())["also_for"]
+
+
 @pytest.mark.parametrize("layout", [D.Layout.PAIRS, D.Layout.SPANS], ids=lambda v: v.value)
 def test_shipped_decode_tables_are_valid(layout):
     # every entry of the launch tables in the repository is a config the kernel takes for its shape and M, on weights
