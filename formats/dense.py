@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 
 from glmq.formats import fp8
 from glmq.formats.safetensors_io import CheckpointError, read_header, read_json_object
-from glmq.formats.source import INDEX_NAME, SINGLE_NAME
+from glmq.formats.source import weight_map
 from glmq.quantize.pack import unpack_int32, unpack_zero_point
 
 
@@ -26,19 +26,8 @@ def _read_json(path: Path) -> dict:
 
 
 def _weight_map(root: Path) -> dict[str, str]:
-    idx = root / INDEX_NAME
-    if idx.exists():
-        wm = _read_json(idx).get("weight_map")
-        if not isinstance(wm, dict) or not all(isinstance(f, str) and f for f in wm.values()):
-            raise CheckpointError(f"{idx}: has no weight_map of tensor names to shard files; re-download or re-write "
-                                  f"the index")
-        return wm
-    if not (root / SINGLE_NAME).exists():
-        raise CheckpointError(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME}; not a checkpoint folder, or one "
-                              f"whose writing did not finish")
-    read_header(root / SINGLE_NAME)
-    with safe_open(str(root / SINGLE_NAME), "pt") as f:
-        return {k: SINGLE_NAME for k in f.keys()}
+    """Tensor -> shard of a checkpoint (a written one, or a source read as one), `source.weight_map`'s checks."""
+    return weight_map(root, _read_json, "not a checkpoint folder, or one whose writing did not finish")
 
 
 def dequantize_packed(packed: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int], num_bits: int,

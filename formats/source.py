@@ -125,16 +125,27 @@ def _data_sample(path: Path, start: int, size: int) -> bytes:
     return b"".join(out)
 
 
-def _weight_map(root: Path) -> dict[str, str]:
+def weight_map(root: Path, read_json=_load_json, missing: str = "is this a checkpoint folder?") -> dict[str, str]:
+    """Tensor name -> shard file name of the checkpoint in `root` (a source or a written one): its index's weight_map,
+    else every tensor of its one model.safetensors.
+
+    read_json: the reader of the index (whose errors say what the caller's user should do); missing: the advice when
+    neither file is there.
+
+    Raises:
+        CheckpointError: naming the index and the tensor at fault (no map, a value that is no file name, a shard
+        outside the index's folder), or the folder with neither file.
+    """
     index = root / INDEX_NAME
     if index.exists():
-        wm = _load_json(index).get("weight_map")
+        wm = read_json(index).get("weight_map")
         if not isinstance(wm, dict) or not wm:
-            raise CheckpointError(f"{index}: has no weight_map")
+            raise CheckpointError(f"{index}: has no weight_map of tensor names to shard files; re-download or "
+                                  f"re-write the index")
         bad = next((n for n, f in wm.items() if not isinstance(f, str) or not f), None)
         if bad is not None:
             raise CheckpointError(f"{index}: weight_map places tensor {bad} in {wm[bad]!r}, not a shard file name; "
-                                  f"re-download the index")
+                                  f"re-download or re-write the index")
         # A shard in another folder ("sub/model-1.safetensors", "../x"): the headers record bare file names, so its
         # tensors fell in no output file and the run wrote an index of none (exit 0)
         nested = next((n for n, f in wm.items() if Path(f).name != f or f in (".", "..")), None)
@@ -147,7 +158,7 @@ def _weight_map(root: Path) -> dict[str, str]:
     if single.exists():
         entries, _, _ = read_header(single)
         return {name: SINGLE_NAME for name in entries}
-    raise CheckpointError(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME} found; is this a checkpoint folder?")
+    raise CheckpointError(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME} found; {missing}")
 
 
 def open_source(path: str | Path) -> Source:
@@ -165,7 +176,7 @@ def open_source(path: str | Path) -> Source:
     config = _load_json(config_path)
     family = family_for(config, str(config_path))
     fmt, block = detect_format(config, config_path)
-    wm = _weight_map(root)
+    wm = weight_map(root)
     shards = sorted(set(wm.values()))
     entries: dict[str, TensorEntry] = {}
     shard_bytes: dict[str, int] = {}

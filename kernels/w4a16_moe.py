@@ -582,7 +582,7 @@ def fused_moe_w4a16_packed(
 def _launch_experts(x, w13: PackedW4, w2: PackedW4, topk_weights, sorted_ids, expert_ids, num_blocks, h, y, cfg):
     """The two grouped GEMM launches; `h` `[T, I]` and `y` `[M, topk, H]` are written."""
     m, hidden = x.shape
-    num_experts, inter = w13.lead[0], w13.n // 2
+    num_experts = w13.lead[0]
     topk = y.shape[1]
     _grouped_launch(cfg, "up", x, w13, h, sorted_ids, expert_ids, topk_weights, num_blocks, m * topk, num_experts, topk)
     _grouped_launch(cfg, "down", h, w2, y, sorted_ids, expert_ids, topk_weights, num_blocks, m * topk, num_experts, topk)

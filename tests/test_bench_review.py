@@ -7,7 +7,6 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from glmq.formats import fixtures
 from glmq.scripts import bench_dist, bench_gptq_solver, bench_rtn, bench_validate

@@ -86,6 +86,32 @@ def test_open_source_refuses_shards_outside_the_index_folder(make_ckpt, tmp_path
         open_source(src)
 
 
+def test_every_reader_takes_the_same_weight_map_checks(make_ckpt, tmp_path):
+    """The source reader, the dense read-back (eval, compare) and validate's --source reader had three copies of the
+    weight_map reading, with different checks (a value that is no file name went through the third as a TypeError);
+    now one, `source.weight_map`."""
+    import pytest
+
+    from glmq.formats.dense import iter_dense
+    from glmq.formats.safetensors_io import CheckpointError
+    from glmq.quantize.validate.report import CannotValidate
+    from glmq.quantize.validate.source import SourceReader
+
+    src = _nested_index_ckpt(make_ckpt, tmp_path)
+    with pytest.raises(CheckpointError, match=r"'sub/model-\d+-of-\d+\.safetensors', outside the index's folder"):
+        next(iter_dense(src))
+    with pytest.raises(CannotValidate, match=r"--source .*nested.*outside the index's folder"):
+        SourceReader(src)
+    idx = json.loads((src / "model.safetensors.index.json").read_text())
+    idx["weight_map"] = {k: 7 for k in idx["weight_map"]}
+    (src / "model.safetensors.index.json").write_text(json.dumps(idx))
+    with pytest.raises(CannotValidate, match=r"places tensor .* in 7, not a shard file name; re-download or re-write"):
+        SourceReader(src)
+    (src / "model.safetensors.index.json").unlink()
+    with pytest.raises(CheckpointError, match=r"neither .* found; not a checkpoint folder, or one whose writing"):
+        next(iter_dense(src))
+
+
 def test_upload_of_a_name_too_long_is_one_error_line(tmp_path, monkeypatch):
     """Before: a traceback from Path.is_dir (ENAMETOOLONG) in upload's argument check."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -23,8 +23,8 @@ from glmq.formats import fp8
 from glmq.formats.dense import KEEP_DTYPE
 from glmq.formats.families import layer_index
 from glmq.formats.manifest import REPORT_NAME
-from glmq.formats.safetensors_io import DTYPE_NAMES, DTYPES, CheckpointError, TensorEntry, read_header
-from glmq.formats.source import INDEX_NAME, SINGLE_NAME
+from glmq.formats.safetensors_io import DTYPE_NAMES, DTYPES, TensorEntry, read_header
+from glmq.formats.source import weight_map
 from glmq.quantize.validate.checkpoint import COMPANIONS, Checkpoint
 from glmq.quantize.validate.config import Group
 from glmq.quantize.validate.numerics import _row_blocks
@@ -105,7 +105,7 @@ class SourceReader:
         self.root = root
         try:
             qc = json.loads((root / "config.json").read_text()).get("quantization_config") or {}
-            wm = _weight_map(root)
+            wm = weight_map(root)
             self.entries: dict[str, TensorEntry] = {}
             self.starts: dict[str, int] = {}
             for shard in sorted(set(wm.values())):
@@ -233,15 +233,6 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _cannot(root: Path, e: Exception) -> CannotValidate:
     return CannotValidate(f"--source {root}: cannot read it ({type(e).__name__}: {e})")
-
-
-def _weight_map(root: Path) -> dict[str, str]:
-    if (root / INDEX_NAME).exists():
-        wm = json.loads((root / INDEX_NAME).read_text())["weight_map"]
-        if not isinstance(wm, dict):
-            raise CheckpointError(f"{INDEX_NAME}: weight_map is not a mapping")
-        return wm
-    return {n: SINGLE_NAME for n in read_header(root / SINGLE_NAME)[0]}
 
 
 def _dequantize_block_rows(w8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
