@@ -98,15 +98,15 @@ def infer_base_model(config: dict, report: dict | None) -> tuple[str | None, str
     return None, "not recorded in config.json or glmq_report.json"  # the card's words: no CLI hint for its readers
 
 
-def human_bytes(n: float) -> str:
-    """1234567 -> '1.23 MB' (decimal units, as the Hub shows sizes)."""
+def human_bytes(n: float, digits: int = 2) -> str:
+    """1234567 -> '1.23 MB' (decimal units, as the Hub shows sizes; `digits` after the point)."""
     if abs(n) < 1000:
         return f"{int(n)} B"
     for unit in ("KB", "MB", "GB"):
         n /= 1000
         if abs(n) < 1000:
-            return f"{n:.2f} {unit}"
-    return f"{n / 1000:.2f} TB"
+            return f"{n:.{digits}f} {unit}"
+    return f"{n / 1000:.{digits}f} TB"
 
 
 # ----------------------------------------------------------------------------------------- metadata

@@ -54,12 +54,10 @@ def _source_folder(ctx, param, value):
     return click.Path(exists=True, file_okay=False).convert(_builtin_source(ctx, param, value), param, ctx)
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return str(n)
+def _human_bytes(n: float) -> str:
+    from glmq.formats.model_card import human_bytes
+
+    return human_bytes(n, 1)  # the run summary's one decimal
 
 
 def resolve_model(model: str) -> Path:
@@ -364,10 +362,10 @@ def _print_summary(rep: dict, out: Path) -> None:
     click.echo(f"\nwrote {out}  ({rep['files']} shards, {rep['files_skipped_resumed']} resumed)")
     click.echo(f"{'class:action':32s} {'tensors':>8s} {'in':>10s} {'out':>10s}")
     for key, row in rep["by_class"].items():
-        click.echo(f"{key:32s} {row['tensors']:8d} {_human(row['bytes_in']):>10s} {_human(row['bytes_out']):>10s}")
-    click.echo(f"bytes in {_human(rep['bytes_in_total'])} -> out {_human(rep['bytes_out'])}; "
-               f"{rep['seconds']:.1f} s, {rep['throughput_in_GBps'] or 0:.3f} GB/s in, peak RSS {_human(rep['peak_rss_bytes'])}"
-               + (f", peak GPU {_human(rep['peak_gpu_bytes'])}" if "peak_gpu_bytes" in rep else ""))
+        click.echo(f"{key:32s} {row['tensors']:8d} {_human_bytes(row['bytes_in']):>10s} {_human_bytes(row['bytes_out']):>10s}")
+    click.echo(f"bytes in {_human_bytes(rep['bytes_in_total'])} -> out {_human_bytes(rep['bytes_out'])}; "
+               f"{rep['seconds']:.1f} s, {rep['throughput_in_GBps'] or 0:.3f} GB/s in, peak RSS {_human_bytes(rep['peak_rss_bytes'])}"
+               + (f", peak GPU {_human_bytes(rep['peak_gpu_bytes'])}" if "peak_gpu_bytes" in rep else ""))
 
 
 @main.command("plan")
