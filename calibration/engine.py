@@ -61,7 +61,7 @@ from glmq.calibration.layer_gptq import gptq_batches, quantize_layer, sequential
 from glmq.calibration.layers import LayerBuilder
 from glmq.calibration.report import summarize
 from glmq.formats.families import layer_index
-from glmq.formats.safetensors_io import atomic_write_text
+from glmq.formats.safetensors_io import TMP_SUFFIX, atomic_write_text
 from glmq.quantize import stream
 from glmq.quantize.output import OutputLock, plan_identity, prepare_output
 from glmq.quantize.plan import Action, Plan
@@ -272,6 +272,7 @@ def targets_by_layer(plan: Plan) -> dict[int, list[Target]]:
 
 # ----------------------------------------------------------------------------------------- the loop
 STATE_PREFIXES = ("hidden-", "carry-", "embeddings", "reference-")  # files of hidden states
+STATE_SUFFIXES = (".bin", ".tmp", cc.DIGEST_SUFFIX, TMP_SUFFIX)  # ... saved, being written, checksums, being renamed
 OWNER_NAME = "glmq-owner.json"  # in an offload folder: whose states these are (`_Run.claim_offload`)
 
 
@@ -384,10 +385,11 @@ class _Run:
         return cc.Activations.new_file(path.with_suffix(".tmp"), shape, dtype)
 
     def drop_states(self, keep: tuple[str, ...] = ()) -> None:
-        """Delete saved/temporary hidden states other than `keep` (file names)."""
-        for p in list(self.act_dir.glob("*.bin")) + list(self.act_dir.glob("*.tmp")):
-            if p.name.startswith(STATE_PREFIXES) and p.name not in keep:
-                p.unlink()
+        """Delete saved/temporary hidden states and their checksums other than `keep` (file names) and theirs."""
+        for p in list(self.act_dir.iterdir()):
+            if (p.name.startswith(STATE_PREFIXES) and p.name.endswith(STATE_SUFFIXES)
+                    and p.name.removesuffix(cc.DIGEST_SUFFIX) not in keep):
+                p.unlink(missing_ok=True)
 
     def drop_partial_states(self) -> None:
         """Delete the hidden states being written (`*.tmp`: of no use to a resumed run, which starts from the

@@ -204,3 +204,67 @@ def test_a_run_stops_on_a_changed_layer_file_and_resumes_once_it_is_removed(make
         rerun()
     layer1.unlink()
     assert rerun()["gptq"]["resumed_from_layer"] == 1
+
+
+def test_hidden_states_checksum_in_order_out_of_order_and_in_place(tmp_path):
+    """Activations.save records the xxh3-128 of the states beside the file, whichever way they were written."""
+    import xxhash
+
+    x = torch.randn(6, 3, 4, generator=torch.Generator().manual_seed(0))
+    want = xxhash.xxh3_128_hexdigest(x.numpy().tobytes())
+    for order in ((0, 2, 4), (4, 0, 2)):  # in order: hashed as written; out of order: hashed at save
+        store = cc.Activations.new_file(tmp_path / "a.tmp", tuple(x.shape), x.dtype)
+        for b0 in order:
+            store.write(b0, x[b0:b0 + 2])
+        store.save(tmp_path / "hidden-00000.bin")
+        assert cc.digest_path(tmp_path / "hidden-00000.bin").read_text().strip() == want
+    mem = cc.Activations.in_memory(torch.zeros_like(x))
+    for b0 in (0, 2, 4):
+        mem.write(b0, torch.ones(2, 3, 4))
+    for b0 in (0, 2, 4):  # a layer overwrites its input in place: the digest is of the new states
+        mem.write(b0, x[b0:b0 + 2])
+    mem.save(tmp_path / "hidden-00001.bin")
+    assert cc.digest_path(tmp_path / "hidden-00001.bin").read_text().strip() == want
+    for in_memory in (False, True):
+        got = cc.Activations.load(tmp_path / "hidden-00001.bin", tuple(x.shape), x.dtype, in_memory)
+        assert torch.equal(got.read(0, 6), x)
+        cc.digest_path(tmp_path / "hidden-00001.bin").write_text("0" * 32)  # not these states: not read
+        assert cc.Activations.load(tmp_path / "hidden-00001.bin", tuple(x.shape), x.dtype, in_memory) is None
+        cc.digest_path(tmp_path / "hidden-00001.bin").unlink()  # saved before the checksums: not read either
+        assert cc.Activations.load(tmp_path / "hidden-00001.bin", tuple(x.shape), x.dtype, in_memory) is None
+        cc.digest_path(tmp_path / "hidden-00001.bin").write_text(want + "\n")
+
+
+def test_a_changed_byte_in_saved_hidden_states_is_regenerated_not_read(make_ckpt, tmp_path, monkeypatch, caplog):
+    """A resume read the newest hidden-state file unchecked: a byte changed on disk went into the calibration of
+    every layer after it. Now the file is checked against the checksum saved with it, and regenerated from the
+    (checked) layer files on a mismatch or where there is no checksum; the output is that of an unbroken run."""
+    import logging
+
+    from glmq.formats.safetensors_io import file_tensor_hashes
+
+    out, rerun = _run_killed_at_layer_2(make_ckpt, tmp_path, monkeypatch)
+    cache = out / cc.CACHE_DIR
+    hidden = cache / "hidden-00001.bin"
+    assert cc.digest_path(hidden).exists()
+    data = bytearray(hidden.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 4096] = b"\x47" * 4096  # a block overwritten: states of ~5e4
+    hidden.write_bytes(bytes(data))
+    with caplog.at_level(logging.INFO, logger="glmq"):
+        rep = rerun()
+    assert rep["gptq"]["resumed_from_layer"] == 2
+    assert "hidden-00001.bin: does not match the checksum saved with it" in caplog.text
+    assert "regenerating the input of layer 2" in caplog.text
+    assert not list(cache.glob("hidden-*"))  # states and checksums are dropped once every layer is done
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_gptq_engine import calib_ids, gptq_plan, settings
+
+    from glmq.calibration import engine
+
+    ref = tmp_path / "ref"
+    engine.run_gptq(gptq_plan(make_ckpt("glm4_moe", "fp8-block")), ref, calib_ids(), settings(), progress=False)
+    shards = sorted(p.name for p in ref.glob("*.safetensors"))
+    assert shards == sorted(p.name for p in out.glob("*.safetensors"))
+    for name in shards:
+        assert file_tensor_hashes(out / name) == file_tensor_hashes(ref / name), name
