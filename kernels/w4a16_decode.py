@@ -989,8 +989,9 @@ def heuristic_config(m: int, n: int, k: int, layout: Layout = Layout.PAIRS, sms:
     session 21) this rule was at least level with the Triton kernel at every M = 1, 2, 4, 8, 16 on the five GLM-5
     shapes and five of Kimi K2 and GLM-4.5 (1.00-1.48x; the launch table's own picks are faster still on the GLM-5
     shapes). On an H100 (no table of its own; bench_kernels.py, session 35) it was 1.06-1.47x the Triton kernel at
-    M = 1, 4 and 16 on the five GLM-5 shapes; the H100 80GB HBM3 has taken the H200's tables since session 36. SPANS weights (where the Triton kernel won at M = 8-16 on
-    most GLM shapes, module doc, and this rule was not measured): `direct_heuristic` only, as before.
+    M = 1, 4 and 16 on the five GLM-5 shapes; the H100 80GB HBM3 has taken the H200's tables since session 36.
+    SPANS weights (where the Triton kernel won at M = 8-16 on most GLM shapes, module doc, and this rule was not
+    measured): `direct_heuristic` only, as before.
     """
     if layout is not Layout.PAIRS or (m == 1 and k <= HEURISTIC_DIRECT_MAX_K):
         return direct_heuristic(m, n, k)

@@ -362,9 +362,11 @@ def _print_summary(rep: dict, out: Path) -> None:
     click.echo(f"\nwrote {out}  ({rep['files']} shards, {rep['files_skipped_resumed']} resumed)")
     click.echo(f"{'class:action':32s} {'tensors':>8s} {'in':>10s} {'out':>10s}")
     for key, row in rep["by_class"].items():
-        click.echo(f"{key:32s} {row['tensors']:8d} {_human_bytes(row['bytes_in']):>10s} {_human_bytes(row['bytes_out']):>10s}")
+        click.echo(f"{key:32s} {row['tensors']:8d} {_human_bytes(row['bytes_in']):>10s} "
+                   f"{_human_bytes(row['bytes_out']):>10s}")
     click.echo(f"bytes in {_human_bytes(rep['bytes_in_total'])} -> out {_human_bytes(rep['bytes_out'])}; "
-               f"{rep['seconds']:.1f} s, {rep['throughput_in_GBps'] or 0:.3f} GB/s in, peak RSS {_human_bytes(rep['peak_rss_bytes'])}"
+               f"{rep['seconds']:.1f} s, {rep['throughput_in_GBps'] or 0:.3f} GB/s in, "
+               f"peak RSS {_human_bytes(rep['peak_rss_bytes'])}"
                + (f", peak GPU {_human_bytes(rep['peak_gpu_bytes'])}" if "peak_gpu_bytes" in rep else ""))
 
 
