@@ -1,8 +1,9 @@
 """Run scripts/bench_kernels.py with the kernels' launch tables looked up as if this GPU were another one.
 
-The launch tables (kernels/tuned_configs.json, tuned_decode*.json, the MoE table) are keyed by the GPU's name, so a
-GPU without its own tables (an H100 against the H200's) runs on the heuristics. This measures what the other GPU's
-tables would give here, against the heuristics in the same call:
+The launch tables (kernels/tuned_configs.json, tuned_decode*.json, the MoE table) are keyed by the GPU's name (and
+the names in their `also_for`), so a GPU no table serves runs on the heuristics. This measures what another GPU's
+tables would give here against this GPU's own launch rules in the same call, or (a name no table serves, such as
+"untuned") the heuristics against the tables this GPU takes:
 
     python3 scripts/bench_as_device.py "NVIDIA H200" --no-planes --out OUT/as-h200
     python3 scripts/bench_kernels.py --no-planes --out OUT/own
@@ -13,8 +14,8 @@ tables would give here, against the heuristics in the same call:
     python3 scripts/bench_as_device.py --compare benchmarks/transfer_session36-h100-untuned.tgz
 
 Only the name the tables are looked up by changes (`w4a16_dense.device_name`, as the MoE module imports it); the
-multiprocessor count and compute capability stay this GPU's. The bench's own header still names this GPU and says
-`tuned_table: false`.
+multiprocessor count and compute capability stay this GPU's. The bench's own header still names this GPU, and its
+`tuned_table` says whether a table serves this GPU's own name, not the one looked up.
 """
 
 from __future__ import annotations
