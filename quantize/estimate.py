@@ -27,7 +27,6 @@ Models (small pure functions, below):
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from contextlib import contextmanager
@@ -35,7 +34,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from glmq.formats.families import TensorClass, family_for, layer_index
-from glmq.formats.safetensors_io import DTYPE_NAMES, ITEMSIZE, TensorEntry
+from glmq.formats.safetensors_io import DTYPE_NAMES, ITEMSIZE, CheckpointError, TensorEntry, read_json_object
 from glmq.formats.source import Source, SourceFormat, detect_format
 from glmq.quantize.plan import DEFAULT_MAX_SHARD_BYTES, Action, make_plan
 from glmq.quantize.stream import CHUNK_BYTES, PENDING_BYTES, PREFETCH, Reader
@@ -172,12 +171,11 @@ def virtual_source(config_path: Path) -> Source:
     config_path = Path(config_path)
     if not config_path.is_file():
         raise ConfigError(f"{config_path}: no such file; --model takes a checkpoint folder or a model's config.json")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{config_path}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{config_path}: not a model config (a JSON object expected)")
+    try:  # (a binary file was a bare UnicodeDecodeError that named no file)
+        config = read_json_object(config_path, "--model takes a checkpoint folder or a model's config.json",
+                                  "--model takes a checkpoint folder or a model's config.json")
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
     family = family_for(config, str(config_path))
     fmt, block = detect_format(config, Path(config_path))
     weights = ((config.get("quantization_config") or {}).get("config_groups") or {}).get("group_0", {}).get("weights") or {}
@@ -600,8 +598,8 @@ def _gptq_lines(g: dict, sc: dict, figures: dict[str, Figure], rtn: dict) -> lis
             (f"Hessians, --experts-per-pass {epp} ({where})", q["hessians"]),
             ("GPTQ solve workspace, largest target (" + where + ")", p["solve"]),
             (f"one batch's forward workspace, estimate ({where})", p["workspace"]),
-            (f"hidden states [S, T, H] in memory, --activations memory (host)", p["hidden"]),
-            (f"hidden states on disk: one batch in, one out (host)", q["hidden"])]
+            ("hidden states [S, T, H] in memory, --activations memory (host)", p["hidden"]),
+            ("hidden states on disk: one batch in, one out (host)", q["hidden"])]
     if p["carry"]:
         rows.append(("carried top-k indices, int32, in + out (host)", p["carry"]))
     rows.append(("process: imports, tokenizer, heap (host)", g["process_rss"]))

@@ -416,10 +416,14 @@ def test_cli_plan_bad_input_is_a_one_line_error(tmp_path):
     del cfg["hidden_size"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "broken.json").write_text("{")
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe{}")  # was a UnicodeDecodeError that named no file
+    (tmp_path / "list.json").write_text("[]")
     cases = [
         (["-m", str(tmp_path / "typo" / "config.json")], [str(tmp_path / "typo" / "config.json"), "no such file"]),
         (["-m", str(tmp_path / "config.json")], [str(tmp_path / "config.json"), "'hidden_size'"]),
-        (["-m", str(tmp_path / "broken.json")], [str(tmp_path / "broken.json"), "not valid JSON"]),
+        (["-m", str(tmp_path / "broken.json")], [str(tmp_path / "broken.json"), "cannot be read as JSON"]),
+        (["-m", str(tmp_path / "binary.json")], [str(tmp_path / "binary.json"), "cannot be read as JSON", "utf-8"]),
+        (["-m", str(tmp_path / "list.json")], [str(tmp_path / "list.json"), "holds a JSON list, not an object"]),
         (["--throughput", "rtn_cpu_GBps=0"], ["--throughput rtn_cpu_GBps=0", "> 0"]),
         (["--throughput", "gptq_cpu_forward_TFLOPs=0", "--throughput", "gptq_cpu_s_per_column=1e-5"],
          ["--throughput gptq_cpu_forward_TFLOPs=0", "> 0"]),
