@@ -1245,6 +1245,16 @@ def table_owner(path: Path | str) -> str | None:
         return None
 
 
+def replace_refusal(path: Path | str, device: str) -> str | None:
+    """The tuners' error when writing `device`'s launch table to `path` would replace another GPU's (`table_owner`),
+    else None."""
+    owner = table_owner(path)
+    if owner in (None, device):
+        return None
+    return (f"{path} holds the launch table tuned on {owner}; writing {device}'s would replace it. Write elsewhere "
+            f"(--write OUT/{Path(path).name}) or pass --replace")
+
+
 @functools.lru_cache(maxsize=4)
 def _tuned_table(path: str) -> dict:
     p = Path(path)

@@ -114,10 +114,10 @@ def compare_quantized(a: Path, b: Path) -> dict:
     import torch
     from safetensors import safe_open
 
-    from glmq.formats.dense import _weight_map  # tensor -> shard of a written checkpoint (index or one file)
+    from glmq.formats.source import weight_map  # tensor -> shard (index or one file), with its checks
     from glmq.quantize.pack import unpack_int32
 
-    ta, tb = ({k: folder / v for k, v in _weight_map(folder).items()} for folder in (a, b))
+    ta, tb = ({k: folder / v for k, v in weight_map(folder).items()} for folder in (a, b))
     modules = sorted(k.removesuffix(".weight_packed") for k in ta.keys() & tb.keys() if k.endswith(".weight_packed"))
     res = {"modules": len(modules), "only_in_first": sum(k.endswith(".weight_packed") for k in ta.keys() - tb.keys()),
            "only_in_second": sum(k.endswith(".weight_packed") for k in tb.keys() - ta.keys()),

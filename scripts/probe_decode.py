@@ -364,12 +364,10 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     if a.tune and a.write and not a.replace:
-        from glmq.kernels.w4a16_dense import table_owner
+        from glmq.kernels.w4a16_dense import replace_refusal
 
-        owner, here = table_owner(a.write), torch.cuda.get_device_name(dev)
-        if owner not in (None, here):
-            ap.error(f"{a.write} holds the launch table tuned on {owner}; writing {here}'s would replace it. "
-                     "Write elsewhere (--write OUT/tuned_decode.json) or pass --replace")
+        if why := replace_refusal(a.write, torch.cuda.get_device_name(dev)):
+            ap.error(why)
     shapes = {k: v for k, v in {**SHAPES, **(EXTRA_SHAPES if a.extra_shapes else {})}.items() if a.only in k}
     if a.tune:
         tune(shapes, dev, a, out_dir)

@@ -446,12 +446,10 @@ def main(argv=None) -> int:
             del DENSE[name]
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
-    from glmq.kernels.w4a16_dense import table_owner
+    from glmq.kernels.w4a16_dense import replace_refusal
 
-    owner, here = table_owner(args.write) if args.write else None, torch.cuda.get_device_name(0)
-    if owner not in (None, here) and not args.replace:
-        ap.error(f"{args.write} holds the launch table tuned on {owner}; writing {here}'s would replace it. "
-                 "Write elsewhere (--write OUT/tuned_configs.json) or pass --replace")
+    if args.write and not args.replace and (why := replace_refusal(args.write, torch.cuda.get_device_name(0))):
+        ap.error(why)
     t0 = time.monotonic()
     deadline = t0 + args.budget_s
     args.out.mkdir(parents=True, exist_ok=True)

@@ -250,6 +250,9 @@ def test_tuned_table_lookup(tmp_path, monkeypatch):
     assert MO.choose_moe_config(1, 3, 8, 128, 256) == MO.choose_moe_config(1, 3, 8, 128, 256, device="cpu")
     assert D.table_owner(path) == "GPU-X" and D.table_owner(tmp_path / "none.json") is None  # the tuners' guard
     assert D.table_owner(D.TUNED_PATH) == "GPU-X"
+    assert D.replace_refusal(path, "GPU-X") is None and D.replace_refusal(tmp_path / "none.json", "GPU-Y") is None
+    assert D.replace_refusal(path, "GPU-Y") == (f"{path} holds the launch table tuned on GPU-X; writing GPU-Y's would "
+                                                f"replace it. Write elsewhere (--write OUT/tuned.json) or pass --replace")
     # a GPU the table names in "also_for" takes its entries too; others still take the heuristics
     path.write_text(json.dumps({**table, "also_for": {"GPU-Z": "measured"}}))
     D._tuned_table.cache_clear()
