@@ -20,6 +20,10 @@ stopped within the agent's 0.1 s monitor interval), and no rank writes the index
 because rank 0 writes them only after a gather that every rank must reach. Peers blocked in a gloo
 collective also see "Connection closed by peer" at once.
 
+Exit: `glmq quantize` under torchrun ends each rank with `leave` (os._exit after the atexit handlers), success or
+failure, so that the interpreter's teardown, where a still-referenced gloo group can abort the process, never turns a
+finished rank into a failed one.
+
 This module imports `torch.distributed` only inside its functions, and the CLI calls them only when
 torchrun set WORLD_SIZE > 1: single-process runs never initialise it.
 
@@ -35,7 +39,7 @@ import datetime
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 # Every collective waits at most this long. It is not how failures are detected (see the module
 # docstring: torchrun stops the job when a rank exits); it only ends a job whose rank hangs without
@@ -228,6 +232,33 @@ def shutdown() -> None:
     _CPU_GROUP[0] = None
     if d.is_initialized():
         d.destroy_process_group()
+
+
+def leave(code: int = 0) -> NoReturn:
+    """End this rank's process with exit status `code`: the atexit handlers, then `os._exit`, without the
+    interpreter's finalization.
+
+    For the CLI, once everything the rank wrote is closed. At finalization every object still alive is destroyed,
+    and a gloo process group that something still references is torn down there by C++ destructors whose worker
+    threads can abort the process (SIGABRT, "terminate called without an active exception") after the rank's work
+    is complete: torchrun then reports a finished conversion as failed (pytorch/pytorch#190489; destroying the
+    groups at exit is not in torch: PRs #157193 and #179291). `shutdown` leaves no reference of glmq's own, but a
+    rank that fails has not called it, and references held elsewhere (a traceback, a library) cannot be ruled out.
+    Nothing is lost: Python's buffered streams are flushed here, and every glmq output file is closed, so the kernel
+    holds all that was written (no fsync happens at a normal exit either).
+    """
+    import atexit
+    import sys
+
+    try:
+        atexit._run_exitfuncs()  # what a normal exit runs before finalization (logging's flush, child processes)
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe (the launcher gone): nothing more can reach it
+                pass
+        os._exit(code)
 
 
 def run_rtn(plan, out: str | Path, device: str = "cpu", progress: bool = True) -> dict | None:

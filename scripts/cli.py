@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
@@ -151,6 +152,32 @@ def _fail(e: Exception, code: int = 1) -> None:
     sys.exit(code)
 
 
+def _leave_as_a_rank(command):
+    """Under torchrun, end the command's process through `dist.leave` with the exit status it would have had (click's
+    usage errors printed first), so that no rank's finished work is reported failed by an abort in the interpreter's
+    teardown. Any other exception propagates as usual, with its traceback."""
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        from glmq.quantize import dist
+
+        if not dist.launched():
+            return command(*args, **kwargs)
+        code = 0
+        try:
+            command(*args, **kwargs)
+        except SystemExit as e:
+            code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+            if not isinstance(e.code, (int, type(None))):  # what Python would print on its way out
+                click.echo(e.code, err=True)
+        except click.ClickException as e:
+            e.show()
+            code = e.exit_code
+        dist.leave(code)
+
+    return run
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="glmq")
 @click.option("-v", "--verbose", is_flag=True, help="Log details.")
@@ -274,6 +301,7 @@ def _skip_triton() -> None:
               help="GPTQ: run the tokenizer code in the model folder when its tokenizer is a custom class (Kimi K2's); "
                    "only for checkpoints you trust.")
 @click.pass_context
+@_leave_as_a_rank
 def quantize(ctx, model, recipe, max_shard_size, output, scheme, device, no_progress, json_out, calibration, samples,
              seq_len, seed, activations, offload_activations, min_expert_tokens, experts_per_pass, all_token_limit,
              true_sequential, trust_remote_code):

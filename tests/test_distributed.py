@@ -145,6 +145,52 @@ def test_two_gloo_ranks_write_the_single_process_bytes(reference, tmp_path):
     assert sum(row["files_written"] for row in rep["ranks"]) == len(plan.files)
 
 
+# One rank of the CLI that keeps a reference to its process group past `dist.shutdown` (as a traceback or a library
+# could), and holds an object whose __del__ marks the interpreter's finalization in a file per rank.
+_LEAKING_RANK = r"""
+import os, sys
+import torch.distributed as d
+from glmq.quantize import dist
+class Witness:
+    def __init__(self, path):
+        self.path, self.open = path, open
+    def __del__(self):  # only the interpreter's finalization deletes it
+        with self.open(self.path, "w") as f:
+            f.write("finalized")
+witness = Witness(os.path.join(sys.argv[1], "finalized-" + os.environ["RANK"]))
+init, kept = dist.init, []
+def init_keeping_the_group(*a, **k):
+    world = init(*a, **k)
+    kept.append(d.group.WORLD)
+    return world
+dist.init = init_keeping_the_group
+from glmq.scripts.cli import main
+sys.argv = ["glmq", "quantize", *sys.argv[2:]]
+main()
+"""
+
+
+def test_ranks_leave_without_the_interpreter_teardown_that_gloo_can_abort(reference, tmp_path):
+    """A gloo group still referenced at interpreter exit is destroyed in its finalization, where gloo's threads can
+    abort the process (SIGABRT) after the conversion is complete: torchrun then reported a finished run failed (the
+    CI flake of the GPTQ resume test below). `dist.leave` ends every rank before that teardown, whatever holds a
+    group, with the command's exit status."""
+    src, _, ref = reference
+    out = tmp_path / "out"
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    r = _torchrun("--no-python", sys.executable, "-c", _LEAKING_RANK, str(marks), *_quantize_args(src, out)[3:])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _files(out) == _files(ref) and r.stdout.count("wrote ") == 1
+    assert not list(marks.iterdir()), "a rank ran the interpreter's finalization"
+    bad = tmp_path / "bad"  # a usage error: still click's message and exit status 2 (the first rank's: torchrun stops
+    # the other)
+    r = _torchrun("--no-python", sys.executable, "-c", _LEAKING_RANK, str(marks), "--model", str(src), "--output",
+                  str(bad), "--samples", "4")
+    assert r.returncode != 0 and "Error: --samples: GPTQ option(s)" in r.stderr, r.stderr[-3000:]
+    assert "exitcode: 2" in r.stderr and not list(marks.iterdir()), r.stderr[-3000:]
+
+
 def test_failed_rank_stops_the_job_and_any_world_size_resumes(reference, tmp_path):
     src, plan, ref = reference
     out = tmp_path / "out"
