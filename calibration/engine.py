@@ -429,8 +429,9 @@ class _Run:
         stages = sequential_stages(targets) if self.s.sequential else [targets] if targets else []
         metas, packed = [], {}
         # built by quantize_layer, which drops it after its last calibration pass, before the solves;
-        # in a later stage, `state` holds the earlier stages' targets dequantized (put_quantized)
-        build = lambda as_stored: self.builder.build(i, state, as_stored)  # noqa: E731
+        # in a later stage, `state` holds the earlier stages' targets dequantized (put_quantized); a closure, not a
+        # default argument, so that `del state` below frees the dict (the linter takes the emptied cell for a bug)
+        build = lambda as_stored: self.builder.build(i, state, as_stored)  # noqa: E731, F821
         fp_state = dict(state) if self.spec.tune_iters else None  # the stages replace entries, not tensors
         for stage in stages:
             mine = stage if self.world is None else self.share(stage, state)

@@ -192,7 +192,7 @@ def test_true_sequential_quantizes_later_stages_on_quantized_inputs(make_ckpt, t
         out = tmp_path / f"seq{int(seq)}"
         runs[seq] = run_gptq(gptq_plan(src, "int4-w4a16-all-linear"), out, calib_ids(),
                              settings(clip_search=False, sequential=seq), progress=False), tensors(out)
-    (rep0, t0), (rep1, t1) = runs[False], runs[True]
+    (_, t0), (rep1, t1) = runs[False], runs[True]
     assert {k: (v.dtype, v.shape) for k, v in t0.items()} == {k: (v.dtype, v.shape) for k, v in t1.items()}
     lay = rep1["gptq"]["layers"][1]
     assert lay["sequential_stages"] == [["kv_a_proj_with_mqa", "q_a_proj"], ["kv_b_proj", "q_b_proj"], ["o_proj"],

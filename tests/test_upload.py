@@ -121,7 +121,7 @@ def test_card_body_quantization_sizes_and_serve_commands(written):
     assert f"python -m sglang.launch_server --model-path {REPO} --tp 4\n" in text
     assert "## Evaluation" not in text and mc.UNVALIDATED_WARNING not in text
     rev = str(mc.build_card(card_inputs(written, tp=8, revision="int4-g128")))
-    assert f"--tensor-parallel-size 8 --revision int4-g128" in rev and f"--tp 8 --revision int4-g128" in rev
+    assert "--tensor-parallel-size 8 --revision int4-g128" in rev and "--tp 8 --revision int4-g128" in rev
 
 
 def test_card_of_a_keep_fp8_checkpoint_says_mixed_precision_and_fp8_activations(written):
