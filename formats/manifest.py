@@ -110,7 +110,10 @@ class Manifest:
             return None
         try:
             d = json.loads(p.read_text())
-            man = cls(d["identity"], d.get("files", {}), bool(d.get("complete")), int(d.get("format_version", 1)))
+            complete = d.get("complete", False)
+            if not isinstance(complete, bool):  # bool("false") is True: a hand-edited record read as finished
+                raise TypeError(f"'complete' is {complete!r}, not true or false")
+            man = cls(d["identity"], d.get("files", {}), complete, int(d.get("format_version", 1)))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{p}: unreadable glmq manifest ({e}); remove the output folder and start again") from e
         journal = out_dir / journal_name(name)

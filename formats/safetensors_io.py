@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,7 +101,11 @@ def read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str], int
     Raises:
         CheckpointError: unreadable, truncated or inconsistent header or file size.
     """
-    size = path.stat().st_size
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):  # a directory fails to open with a bare errno; a named pipe blocks the read forever
+        raise CheckpointError(f"{path}: not a regular file (a directory, pipe or device); a shard must be a "
+                              f"safetensors file: replace it with the right file, or re-download it")
+    size = st.st_size
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:

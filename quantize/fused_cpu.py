@@ -180,6 +180,17 @@ def _lut() -> np.ndarray:
 _LUT = None
 
 
+def _check_fp8_block(w8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
+    """The kernels index without bounds checks (numba): a weight of another dtype (its bytes read as FP8 codes of a
+    wider row) or a scale of the wrong shape would read and write past the buffers, so both are checked here."""
+    if w8.dtype != torch.float8_e4m3fn or w8.dim() != 2:
+        raise ValueError(f"an FP8 block weight must be 2-D float8_e4m3fn, got {w8.dtype} {list(w8.shape)}")
+    want = (-(-w8.shape[0] // block[0]), -(-w8.shape[1] // block[1]))
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(f"weight_scale_inv has shape {list(scale_inv.shape)}, expected {list(want)} for rows "
+                         f"{list(w8.shape)} in {block[0]}x{block[1]} blocks")
+
+
 def quantize_fp8_block(
     w8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], spec: QuantSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,7 +203,9 @@ def quantize_fp8_block(
         spec: symmetric, 4 or 8 bits; K % group_size == 0.
     Raises:
         NonFiniteWeightError: the dequantized weight holds NaN or Inf.
+        ValueError: w8 is not 2-D float8_e4m3fn, or scale_inv's shape does not match its blocks.
     """
+    _check_fp8_block(w8, scale_inv, block)
     n, k = w8.shape
     packed, scales, bad = _outputs(n, k, spec)
     _fp8_block_kernel(
@@ -205,6 +218,7 @@ def quantize_fp8_block(
 
 def dequantize_fp8_block(w8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """FP8 block weight `[N, K]` -> bf16 `[N, K]`, bit-identical to compressed-tensors' dequantizer."""
+    _check_fp8_block(w8, scale_inv, block)
     n, k = w8.shape
     out = np.empty((n, k), dtype=np.uint16)
     bad = np.zeros(n, dtype=np.bool_)

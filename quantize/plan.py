@@ -140,11 +140,23 @@ def make_items(source: Source, recipe: Recipe) -> list[Item]:
         claimed.update(x.name for x in companions.values())
         is_fp8 = e.dtype == "F8_E4M3"
         action, outputs = Action.COPY, (OutSpec(name, e.dtype, e.shape),)
+        scales = [c for c in ("weight_scale_inv", "weight_scale") if c in companions]
+        if scales and not is_fp8:
+            # a weight decoded to floats but its FP8 scale kept: copied, it lost the scale (values off by it); to
+            # quantize, the CPU kernel read its bytes as FP8 codes of a 2-4x wider row, past its buffers
+            problems.append(f"{where} has dtype {e.dtype} but a {scales[0]} ({source.path(companions[scales[0]].shard)})"
+                            f": only an F8_E4M3 weight has one; the shards are from different revisions, re-download "
+                            f"them")
+            continue
         if is_fp8:
             scale_key = "weight_scale_inv" if source.fmt is SourceFormat.FP8_BLOCK else "weight_scale"
             if source.fmt is SourceFormat.DENSE or leaf != "weight":
                 problems.append(f"{where} is F8_E4M3 but the config declares no FP8 quantization for it; "
                                 f"fix config.json's quantization_config")
+                continue
+            if len(e.shape) != 2:
+                problems.append(f"{where} is F8_E4M3 with shape {list(e.shape)}; an FP8 weight must be 2-D [out, in]: "
+                                f"the header is corrupt, re-download the shard")
                 continue
             s = companions.get(scale_key)
             if s is None:

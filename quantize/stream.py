@@ -166,6 +166,19 @@ def convert_unit(u: Unit, plan: Plan, device: torch.device) -> list[tuple[str, t
     return out
 
 
+def _corrupt_source(plan: Plan, u: Unit, e: ValueError) -> str:
+    """The message for a row block that failed to convert: it names the scale and the scale's shard when the scale
+    itself holds NaN or Inf (it may sit in another shard than the weight), else the weight and its shard."""
+    rows = f"(rows {u.r0}-{u.r1}): {e}"
+    for leaf, entry in u.item.companions.items():
+        t = (u.data or {}).get(leaf)
+        if leaf != "input_scale" and t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return (f"{plan.source.path(entry.shard)}: tensor {entry.name} holds NaN or Inf, so weight {u.item.name} "
+                    f"{rows}; the scale is corrupt, re-download its shard")
+    return f"{plan.source.path(u.item.src.shard)}: tensor {u.item.name} {rows}; the source weight is corrupt, " \
+           f"re-download the shard"
+
+
 def _convert_source_rows(it, d, scale, fmt, block, plan, device):
     w = d["w"].to(device, non_blocking=True)
     scale = None if scale is None else scale.to(device, non_blocking=True)
@@ -467,10 +480,7 @@ def convert_files(plan: Plan, out: Path, files: list[OutFile], dev: torch.device
                 try:
                     results = convert_unit(u, plan, dev)
                 except ValueError as e:  # e.g. NaN/Inf in a weight: name the tensor and shard
-                    raise CheckpointError(
-                        f"{plan.source.path(u.item.src.shard)}: tensor {u.item.name} (rows {u.r0}-{u.r1}): {e}; "
-                        f"the source weight is corrupt, re-download the shard"
-                    ) from e
+                    raise CheckpointError(_corrupt_source(plan, u, e)) from e
                 busy["convert"] += time.perf_counter() - t_conv
                 w = writers[f.name]
                 for name, t in results:

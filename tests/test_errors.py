@@ -223,3 +223,75 @@ def test_json_report_under_a_missing_folder_is_refused_before_any_work(ckpt, tmp
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
         assert f"folder {report.parent} does not exist" in r.stderr
     assert not out.exists() and not report.parent.exists()
+
+
+# ----------------------------------------------------------------------------------------- found by probing (session 37)
+ATTN = "model.layers.0.self_attn.q_a_proj.weight"
+
+
+@pytest.mark.parametrize("name", [EXPERT, ATTN], ids=["expert-quantized", "attention-copied"])
+def test_a_float_weight_beside_an_fp8_scale_is_refused_before_any_work(ckpt, tmp_path, name):
+    """An FP8 weight stored decoded (BF16) but with its weight_scale_inv kept: the CPU kernel read its bytes as FP8
+    codes of a wider row, past its buffers ("double free or corruption", SIGABRT); a copied class lost the scale."""
+    rewrite_shard(ckpt, shard_of(ckpt, name), lambda t: t.__setitem__(name, t[name].to(torch.bfloat16)))
+    out = tmp_path / "out"
+    r = glmq("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress")
+    assert_fails(r, out, name, "has dtype BF16 but a weight_scale_inv", shard_of(ckpt, name + "_scale_inv"))
+    assert r.returncode == 1 and not out.exists()
+
+
+def test_an_fp8_weight_that_is_not_2d_is_a_plan_error(ckpt, tmp_path):
+    rewrite_shard(ckpt, shard_of(ckpt, EXPERT), lambda t: t.__setitem__(EXPERT, t[EXPERT].flatten().contiguous()))
+    for cmd in ("plan", "quantize"):
+        out = tmp_path / f"out-{cmd}"
+        r = glmq(cmd, "-m", str(ckpt), *(["-o", str(out), "--no-progress"] if cmd == "quantize" else []))
+        assert_fails(r, out, EXPERT, "an FP8 weight must be 2-D", shard_of(ckpt, EXPERT))
+
+
+def test_the_fp8_kernels_refuse_what_they_would_index_past(ckpt):
+    from glmq.quantize import fused_cpu
+    from glmq.quantize.spec import QuantSpec
+
+    if not fused_cpu.available():
+        pytest.skip("numba not installed")
+    w = torch.zeros(256, 256, dtype=torch.float8_e4m3fn)
+    spec = QuantSpec(num_bits=4, group_size=128)
+    with pytest.raises(ValueError, match="2-D float8_e4m3fn, got torch.bfloat16"):
+        fused_cpu.quantize_fp8_block(w.to(torch.bfloat16), torch.ones(2, 2), (128, 128), spec)
+    with pytest.raises(ValueError, match=r"shape \[1, 2\], expected \[2, 2\]"):
+        fused_cpu.dequantize_fp8_block(w, torch.ones(1, 2), (128, 128))
+
+
+def test_a_nan_scale_names_the_scale_and_its_shard(ckpt, tmp_path):
+    scale = EXPERT + "_scale_inv"
+    rewrite_shard(ckpt, shard_of(ckpt, scale), lambda t: t[scale].__setitem__((0, 0), float("nan")))
+    out = tmp_path / "out"
+    r = glmq("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress")
+    assert_fails(r, out, f"{shard_of(ckpt, scale)}: tensor {scale} holds NaN or Inf", "re-download its shard",
+                 fresh=False)
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_shard_that_is_not_a_regular_file_is_named_not_opened(ckpt, tmp_path, kind):
+    """A named pipe blocked the header read forever (quantize and validate alike); a directory gave a bare errno."""
+    import os
+
+    shard = ckpt / shard_of(ckpt, EXPERT)
+    shard.unlink()
+    shard.mkdir() if kind == "directory" else os.mkfifo(shard)
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "glmq", "quantize", "-m", str(ckpt), "-o", str(out), "--no-progress"],
+                       capture_output=True, text=True, timeout=120)
+    assert_fails(r, out, f"{shard}: not a regular file")
+
+
+def test_a_manifest_whose_complete_flag_is_not_a_boolean_is_unreadable(tmp_path):
+    """bool("false") is True: a hand-edited manifest read as a finished run, and `glmq validate` passed it."""
+    from glmq.formats.manifest import MANIFEST_NAME, Manifest
+
+    Manifest({"a": 1}, complete=True).save(tmp_path)
+    assert Manifest.load(tmp_path).complete is True
+    p = tmp_path / MANIFEST_NAME
+    p.write_text(p.read_text().replace('"complete": true', '"complete": "false"'))
+    with pytest.raises(ValueError, match=f"{MANIFEST_NAME}: unreadable glmq manifest .'complete' is 'false'"):
+        Manifest.load(tmp_path)

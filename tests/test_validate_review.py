@@ -231,3 +231,22 @@ def test_a_crash_inside_validate_exits_2_and_replaces_an_old_json_report(ckpt, t
     assert r.exit_code == 2 and "failed unexpectedly (RuntimeError: injected)" in r.output, r.output
     doc = json.loads(report.read_text())
     assert doc["valid"] is None and doc["exit_code"] == 2 and "injected" in doc["error"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "complete-as-a-string"])
+def test_a_pipe_for_a_shard_or_a_string_complete_flag_is_invalid_not_a_hang_or_a_pass(ckpt, kind):
+    """A named pipe in a shard's place blocked validate forever; `"complete": "false"` in the manifest passed."""
+    import os
+
+    if kind == "fifo":
+        shard = sorted(ckpt.glob("model-*.safetensors"))[1]
+        shard.unlink()
+        os.mkfifo(shard)
+        needle = f"{shard}: not a regular file"
+    else:
+        man = ckpt / "glmq_manifest.json"
+        man.write_text(man.read_text().replace('"complete": true', '"complete": "false"'))
+        needle = "'complete' is 'false', not true or false"
+    rep = v.validate(ckpt)
+    assert not rep.valid and any(needle in f.message for c in rep.checks.values() for f in c.failures), \
+        v.format_report(rep)
