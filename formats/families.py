@@ -141,3 +141,48 @@ def mtp_layers(config: dict) -> range:
     """Indices of the multi-token-prediction layers stored after the decoder layers."""
     n = int(config.get("num_hidden_layers", 0))
     return range(n, n + int(config.get("num_nextn_predict_layers", 0) or 0))
+
+
+EXPERT_MODULE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj$")
+_LAYER_COUNTS = ("num_hidden_layers", "first_k_dense_replace", "num_nextn_predict_layers")
+
+
+def expert_layout_problems(modules, config: dict, mtp_required: bool = True) -> list[tuple[str, str]]:
+    """(module, problem) for every way the routed experts stored disagree with config.json, which loaders build the
+    model from: an expert count (n_routed_experts, or num_local_experts) or layer count that is not an integer, a MoE
+    layer without all of experts 0..n-1 (gate, up and down), or experts numbered n or above.
+
+    The MoE layers are those that hold experts and, with the layer counts, every layer from first_k_dense_replace to
+    num_hidden_layers, and the MTP layers too when `mtp_required` (a converter passes False: a source without its MTP
+    layer serves, the layer only drafts tokens). `modules`: the module names stored (without .weight).
+    """
+    problems = []
+    key = "n_routed_experts" if "n_routed_experts" in config else "num_local_experts"
+    n = config.get(key)
+    for k in (key, *_LAYER_COUNTS):
+        if config.get(k) is not None and (type(config[k]) is not int or config[k] < 0):
+            problems.append(("config.json", f"{k} is {config[k]!r}, not a non-negative integer"))
+    if type(n) is not int or problems:
+        return problems
+    found: dict[int, set[tuple[int, str]]] = {}
+    for m in modules:
+        if (hit := EXPERT_MODULE.match(m)) is not None:
+            found.setdefault(int(hit[1]), set()).add((int(hit[2]), hit[3]))
+    layers = set(found)
+    if "num_hidden_layers" in config:
+        layers |= set(range(config.get("first_k_dense_replace") or 0, config["num_hidden_layers"]))
+        if mtp_required:
+            layers |= set(mtp_layers(config))
+    for layer in sorted(layers):
+        have = found.get(layer, set())
+        missing = [(e, p) for e in range(n) for p in ("gate", "up", "down") if (e, p) not in have]
+        extra = sorted({e for e, _ in have if e >= n})
+        where = f"model.layers.{layer}.mlp.experts"
+        if missing:
+            e, p = missing[0]
+            problems.append((where, f"{len(missing)} of {3 * n} expert projections missing (config {key} = {n}), "
+                                    f"e.g. experts.{e}.{p}_proj"))
+        if extra:
+            problems.append((where, f"holds experts numbered up to {extra[-1]} ({len(extra)} beyond config {key} = "
+                                    f"{n}), which loaders would not build"))
+    return problems

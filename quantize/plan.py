@@ -12,7 +12,8 @@ import enum
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from glmq.formats.families import LINEAR_CLASSES, TensorClass, classify, layer_index, mtp_layers
+from glmq.formats.families import (LINEAR_CLASSES, TensorClass, classify, expert_layout_problems, layer_index,
+                                   mtp_layers)
 from glmq.formats.safetensors_io import CheckpointError, OutSpec, TensorEntry
 from glmq.formats.source import Source, SourceFormat
 from glmq.quantize.pack import packed_shape
@@ -124,6 +125,13 @@ def _problem_list(problems: list[str]) -> str:
 def make_items(source: Source, recipe: Recipe) -> list[Item]:
     """Classify every tensor and decide its action; raise one PlanError listing every problem."""
     ents = source.entries
+    # a config that disagrees with the experts stored was copied through, and the output failed `glmq validate`
+    layout = expert_layout_problems({_split(n)[0] for n in ents if _split(n)[1] == "weight"}, source.config,
+                                    mtp_required=False)
+    if layout:
+        raise PlanError(f"{source.root / 'config.json'}: disagrees with the tensors stored (config and shards of "
+                        f"different revisions?); fix config.json or re-download the checkpoint:"
+                        + _problem_list([f"{where}: {problem}" for where, problem in layout]))
     mtp = set(mtp_layers(source.config))
     problems: list[str] = []
     items: list[Item] = []

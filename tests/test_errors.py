@@ -295,3 +295,21 @@ def test_a_manifest_whose_complete_flag_is_not_a_boolean_is_unreadable(tmp_path)
     p.write_text(p.read_text().replace('"complete": true', '"complete": "false"'))
     with pytest.raises(ValueError, match=f"{MANIFEST_NAME}: unreadable glmq manifest .'complete' is 'false'"):
         Manifest.load(tmp_path)
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("n_routed_experts", 16, "24 of 48 expert projections missing (config n_routed_experts = 16)"),
+    ("n_routed_experts", 4, "holds experts numbered up to 7 (4 beyond config n_routed_experts = 4)"),
+    ("n_routed_experts", "8", "n_routed_experts is '8', not a non-negative integer"),
+    ("num_hidden_layers", 5, "model.layers.4.mlp.experts: 24 of 24 expert projections missing"),
+])
+def test_a_config_that_disagrees_with_the_experts_stored_is_refused_before_any_work(ckpt, tmp_path, key, value, needle):
+    """The config was copied through: exit 0 and an output `glmq validate` failed (or, for extra experts and a
+    string count, passed)."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg[key] = value
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    r = glmq("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress")
+    assert_fails(r, out, f"{ckpt / 'config.json'}: disagrees with the tensors stored", needle, "fix config.json")
+    assert not out.exists()

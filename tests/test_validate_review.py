@@ -250,3 +250,13 @@ def test_a_pipe_for_a_shard_or_a_string_complete_flag_is_invalid_not_a_hang_or_a
     rep = v.validate(ckpt)
     assert not rep.valid and any(needle in f.message for c in rep.checks.values() for f in c.failures), \
         v.format_report(rep)
+
+
+@pytest.mark.parametrize("value, needle", [(4, "holds experts numbered up to 7 (4 beyond config n_routed_experts = 4)"),
+                                           ("8", "n_routed_experts is '8', not a non-negative integer")])
+def test_experts_beyond_the_config_count_or_a_string_count_fail_structure(ckpt, value, needle):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["n_routed_experts"] = value
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    rep = v.validate(ckpt)
+    assert not rep.valid and any(needle in m for m in messages(rep, "structure")), v.format_report(rep)

@@ -6,11 +6,10 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 
-from glmq.formats.families import FUSED_PARTNERS, LINEAR_CLASSES, TensorClass, layer_index
+from glmq.formats.families import EXPERT_MODULE, FUSED_PARTNERS, LINEAR_CLASSES, TensorClass, layer_index
 from glmq.quantize.validate.checkpoint import Module
 from glmq.quantize.validate.config import Group, group_for
 from glmq.quantize.validate.report import CheckResult
-from glmq.quantize.validate.structure import _EXPERT
 
 # vLLM's parallel layout per module leaf (deepseek_v2.py / glm4_moe.py): q_a_proj + kv_a_proj_with_mqa
 # are one replicated layer (`DeepSeekV2FusedQkvAProjLinear`, disable_tp=True); other leaves: replicated.
@@ -162,7 +161,7 @@ def _check_partners(modules: dict[str, Module], res: CheckResult) -> None:
             form = "INT" if m.is_int else "FP8" if m.is_fp8 else "BF16"
             parent, _, leaf = name.rpartition(".")
             by_parent[parent][leaf] = form
-            if (hit := _EXPERT.match(name)) is not None:
+            if (hit := EXPERT_MODULE.match(name)) is not None:
                 by_parent[f"model.layers.{hit[1]}.mlp.experts"][f"{hit[2]}.{hit[3]}_proj"] = form
     for parent, leaves in sorted(by_parent.items()):
         if parent.endswith(".mlp.experts"):

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import re
-from collections import defaultdict
 
-from glmq.formats.families import LINEAR_CLASSES, mtp_layers
+from glmq.formats.families import LINEAR_CLASSES, expert_layout_problems
 from glmq.quantize.validate.checkpoint import COMPANIONS, Module
 from glmq.quantize.validate.config import Group, _ct, group_for
 from glmq.quantize.validate.report import CheckResult
 
 LEAF_DTYPES = {"weight_packed": ("I32",), "weight_scale": ("BF16", "F16", "F32"), "weight_shape": ("I64", "I32"),
                "weight_zero_point": ("I32",), "weight_g_idx": ("I32",)}
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj$")
 
 
 def expected_shapes(n: int, k: int, g: Group) -> dict[str, tuple[int, ...]]:
@@ -128,23 +125,6 @@ def check_structure(modules: dict[str, Module], groups: list[Group], shapes: dic
 
 
 def _check_experts(modules: dict[str, Module], config: dict, res: CheckResult) -> None:
-    """Every MoE layer holds all n_routed_experts x (gate, up, down)."""
-    found: dict[int, set[tuple[int, str]]] = defaultdict(set)
-    for name in modules:
-        if (hit := _EXPERT.match(name)) is not None:
-            found[int(hit[1])].add((int(hit[2]), hit[3]))
-    n = config.get("n_routed_experts") or config.get("num_local_experts")
-    if not isinstance(n, int):
-        return
-    layers = set(found)
-    counts = [config.get(k) or 0 for k in ("num_hidden_layers", "first_k_dense_replace", "num_nextn_predict_layers")]
-    if isinstance(config.get("num_hidden_layers"), int) and all(type(c) is int for c in counts):
-        dense = counts[1]
-        layers |= set(range(dense, config["num_hidden_layers"])) | set(mtp_layers(config))
-    for layer in sorted(layers):
-        missing = [(e, p) for e in range(n) for p in ("gate", "up", "down") if (e, p) not in found[layer]]
-        if missing:
-            e, p = missing[0]
-            res.fail(f"model.layers.{layer}.mlp.experts: {len(missing)} of {3 * n} expert projections missing "
-                     f"(config n_routed_experts = {n}), e.g. experts.{e}.{p}_proj",
-                     tensor=f"model.layers.{layer}.mlp.experts")
+    """Every MoE layer holds all n_routed_experts x (gate, up, down), and no expert beyond them."""
+    for where, problem in expert_layout_problems(modules, config):
+        res.fail(f"{where}: {problem}", tensor=where)
