@@ -165,9 +165,11 @@ def _header_entries(path: Path, header) -> tuple[dict[str, TensorEntry], dict[st
                                   f"not valid safetensors, re-download or re-write it")
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-            raise CheckpointError(f"{path}: tensor {name}: shape {shape!r} is not a list of non-negative integers")
+            raise CheckpointError(f"{path}: tensor {name}: shape {shape!r} is not a list of non-negative integers; "
+                                  f"the header is corrupt, re-download or re-write the shard")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int and x >= 0 for x in offsets)):
-            raise CheckpointError(f"{path}: tensor {name}: data_offsets {offsets!r} is not [begin, end] in bytes")
+            raise CheckpointError(f"{path}: tensor {name}: data_offsets {offsets!r} is not [begin, end] in bytes; "
+                                  f"the header is corrupt, re-download or re-write the shard")
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise CheckpointError(f"{path}: tensor {name} has dtype {dtype}, which glmq does not read")
         shape, (b, e) = tuple(shape), offsets
@@ -175,7 +177,8 @@ def _header_entries(path: Path, header) -> tuple[dict[str, TensorEntry], dict[st
         for d in shape:
             numel *= d
         if e - b != numel * ITEMSIZE[dtype]:
-            raise CheckpointError(f"{path}: tensor {name}: offsets [{b}, {e}) do not match {dtype} {list(shape)}")
+            raise CheckpointError(f"{path}: tensor {name}: offsets [{b}, {e}) do not match {dtype} {list(shape)}; "
+                                  f"the header is corrupt, re-download or re-write the shard")
         entries[name] = TensorEntry(name, path.name, dtype, shape, b, e)
     return entries, meta
 
