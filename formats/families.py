@@ -186,3 +186,24 @@ def expert_layout_problems(modules, config: dict, mtp_required: bool = True) -> 
             problems.append((where, f"holds experts numbered up to {extra[-1]} ({len(extra)} beyond config {key} = "
                                     f"{n}), which loaders would not build"))
     return problems
+
+
+_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight")
+
+
+def config_shape_problems(shapes: dict[str, tuple], config: dict) -> list[tuple[str, str]]:
+    """(tensor, problem) for every stored tensor that loaders shape from config.json alone and that has another
+    shape: the embedding and lm_head [vocab_size, hidden_size], the final norm and each decoder layer's two norms
+    [hidden_size]. `shapes`: tensor name -> shape as stored."""
+    h, v = config.get("hidden_size"), config.get("vocab_size")
+    problems = []
+    for name, shape in sorted(shapes.items()):
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            want, keys = (v, h), "vocab_size x hidden_size"
+        elif name == "model.norm.weight" or (name.startswith("model.layers.") and name.endswith(_NORMS)):
+            want, keys = (h,), "hidden_size"
+        else:
+            continue
+        if all(type(x) is int for x in want) and tuple(shape) != want:
+            problems.append((name, f"shape {list(shape)}, but config.json's {keys} is {list(want)}"))
+    return problems

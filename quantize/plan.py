@@ -12,8 +12,8 @@ import enum
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from glmq.formats.families import (LINEAR_CLASSES, TensorClass, classify, expert_layout_problems, layer_index,
-                                   mtp_layers)
+from glmq.formats.families import (LINEAR_CLASSES, TensorClass, classify, config_shape_problems,
+                                   expert_layout_problems, layer_index, mtp_layers)
 from glmq.formats.safetensors_io import CheckpointError, OutSpec, TensorEntry
 from glmq.formats.source import Source, SourceFormat
 from glmq.quantize.pack import packed_shape
@@ -128,6 +128,7 @@ def make_items(source: Source, recipe: Recipe) -> list[Item]:
     # a config that disagrees with the experts stored was copied through, and the output failed `glmq validate`
     layout = expert_layout_problems({_split(n)[0] for n in ents if _split(n)[1] == "weight"}, source.config,
                                     mtp_required=False)
+    layout += config_shape_problems({n: e.shape for n, e in ents.items()}, source.config)
     if layout:
         raise PlanError(f"{source.root / 'config.json'}: disagrees with the tensors stored (config and shards of "
                         f"different revisions?); fix config.json or re-download the checkpoint:"

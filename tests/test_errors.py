@@ -302,6 +302,7 @@ def test_a_manifest_whose_complete_flag_is_not_a_boolean_is_unreadable(tmp_path)
     ("n_routed_experts", 4, "holds experts numbered up to 7 (4 beyond config n_routed_experts = 4)"),
     ("n_routed_experts", "8", "n_routed_experts is '8', not a non-negative integer"),
     ("num_hidden_layers", 5, "model.layers.4.mlp.experts: 24 of 24 expert projections missing"),
+    ("hidden_size", 512, "model.norm.weight: shape [256], but config.json's hidden_size is [512]"),
 ])
 def test_a_config_that_disagrees_with_the_experts_stored_is_refused_before_any_work(ckpt, tmp_path, key, value, needle):
     """The config was copied through: exit 0 and an output `glmq validate` failed (or, for extra experts and a

@@ -252,11 +252,16 @@ def test_a_pipe_for_a_shard_or_a_string_complete_flag_is_invalid_not_a_hang_or_a
         v.format_report(rep)
 
 
-@pytest.mark.parametrize("value, needle", [(4, "holds experts numbered up to 7 (4 beyond config n_routed_experts = 4)"),
-                                           ("8", "n_routed_experts is '8', not a non-negative integer")])
-def test_experts_beyond_the_config_count_or_a_string_count_fail_structure(ckpt, value, needle):
+@pytest.mark.parametrize("key, value, needle", [
+    ("n_routed_experts", 4, "holds experts numbered up to 7 (4 beyond config n_routed_experts = 4)"),
+    ("n_routed_experts", "8", "n_routed_experts is '8', not a non-negative integer"),
+    ("hidden_size", 512, "model.embed_tokens.weight: shape [512, 256], but config.json's vocab_size x hidden_size is "
+                         "[512, 512]; loaders would refuse it"),
+])
+def test_a_config_that_disagrees_with_the_tensors_fails_structure(ckpt, key, value, needle):
+    """Extra experts, a string count and a hidden_size the tensors do not have passed (exit 0)."""
     cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["n_routed_experts"] = value
+    cfg[key] = value
     (ckpt / "config.json").write_text(json.dumps(cfg))
     rep = v.validate(ckpt)
     assert not rep.valid and any(needle in m for m in messages(rep, "structure")), v.format_report(rep)

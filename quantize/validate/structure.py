@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-from glmq.formats.families import LINEAR_CLASSES, expert_layout_problems
+from glmq.formats.families import LINEAR_CLASSES, config_shape_problems, expert_layout_problems
 from glmq.quantize.validate.checkpoint import COMPANIONS, Module
 from glmq.quantize.validate.config import Group, _ct, group_for
 from glmq.quantize.validate.report import CheckResult
@@ -121,6 +121,9 @@ def check_structure(modules: dict[str, Module], groups: list[Group], shapes: dic
                 res.fail(f"{m.name}.weight is stored unquantized ({w.dtype}) but matches no ignore entry: vLLM would "
                          f"build it as {form} and find no {leaf}", **where)
     _check_experts(modules, config or {}, res)
+    stored = {f"{m.name}.{leaf}": e.shape for m in modules.values() for leaf, e in m.parts.items()}
+    for name, problem in config_shape_problems(stored, config or {}):
+        res.fail(f"{name}: {problem}; loaders would refuse it", tensor=name)
     return res
 
 
