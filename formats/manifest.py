@@ -7,8 +7,10 @@ as an uninterrupted one; timings go to `glmq_report.json`.
 Each finished output file is recorded as
     {"source_shard": ..., "bytes": file size,
      "tensors": {tensor: sha256 hex},        # every glmq manifest
-     "xxh3_128": {tensor: xxh3-128 hex}}     # since the fast checksum was added; older records lack it
-of the same bytes (formats/safetensors_io.CHECKSUMS). `checksum_record(rec, algorithm)` reads either.
+     "xxh3_128": {tensor: xxh3-128 hex},     # since the fast checksum was added; older records lack it
+     "header_xxh3_128": xxh3-128 hex}        # of the file's header (session 37 on; older records lack it)
+of the same bytes (formats/safetensors_io.CHECKSUMS). `checksum_record(rec, algorithm)` reads either; the header's
+(safetensors_io.header_checksum) lets `glmq validate` see a header edited in place, which no tensor checksum covers.
 
 While a run goes on, each finished file's record is appended as one line to a journal beside the manifest
 (`glmq_manifest.journal.jsonl`, fsynced; `Manifest.append`) instead of rewriting the whole manifest: with a
@@ -40,6 +42,7 @@ FRAGMENT_GLOB = "glmq_manifest.rank*.json"
 
 # the key of each checksum's {tensor: hex} record in a file record ("tensors" predates the fast checksum)
 CHECKSUM_KEYS = {SHA256: "tensors", XXH3_128: XXH3_128}
+HEADER_KEY = "header_xxh3_128"  # a file record's checksum of the file's header
 
 
 def checksum_record(rec: dict, algorithm: str) -> dict[str, str] | None:

@@ -88,6 +88,15 @@ class TensorEntry:
         return self.end - self.begin
 
 
+def header_checksum(path: Path) -> str:
+    """xxh3-128 of a shard's header as stored (its 8-byte length and JSON). The manifest's tensor checksums cover data
+    bytes only: a header edited in place (a dtype relabelled, a shape transposed, same length) changes this alone."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        return xxhash.xxh3_128_hexdigest(head + f.read(min(n, MAX_HEADER)))
+
+
 def read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str], int]:
     """Parse a shard's header, with the checks `safetensors` itself makes when it opens the file.
 

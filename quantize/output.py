@@ -25,9 +25,9 @@ from pathlib import Path
 from glmq import __version__
 from glmq.formats.families import LINEAR_CLASSES, ignore_list
 from glmq.formats import manifest
-from glmq.formats.manifest import CHECKSUM_KEYS, MANIFEST_NAME, Manifest, fragment_name
+from glmq.formats.manifest import CHECKSUM_KEYS, HEADER_KEY, MANIFEST_NAME, Manifest, fragment_name
 from glmq.formats.safetensors_io import (PT_METADATA, SHA256, TMP_SUFFIX, XXH3_128, CheckpointError,
-                                         atomic_write_text, file_tensor_checksums, layout,
+                                         atomic_write_text, file_tensor_checksums, header_checksum, layout,
                                          replaced_atomically)
 from glmq.formats.source import INDEX_NAME
 from glmq.quantize import config_child
@@ -238,7 +238,8 @@ class FileBook:
         """Called from the commit thread once `f` is renamed into place: its tensors' sha256 and xxh3-128."""
         with self._lock:
             self.book.append(self.out, f.name, {"source_shard": f.source_shard, "bytes": size,
-                                                CHECKSUM_KEYS[SHA256]: hashes, CHECKSUM_KEYS[XXH3_128]: fast}, self.name)
+                                                CHECKSUM_KEYS[SHA256]: hashes, CHECKSUM_KEYS[XXH3_128]: fast,
+                                                HEADER_KEY: header_checksum(self.out / f.name)}, self.name)
 
 
 def _exact(module: str) -> str:

@@ -265,3 +265,24 @@ def test_a_config_that_disagrees_with_the_tensors_fails_structure(ckpt, key, val
     (ckpt / "config.json").write_text(json.dumps(cfg))
     rep = v.validate(ckpt)
     assert not rep.valid and any(needle in m for m in messages(rep, "structure")), v.format_report(rep)
+
+
+@pytest.mark.parametrize("tensor, edit", [
+    ("model.layers.1.mlp.experts.0.down_proj.weight_scale", lambda e: e.update(dtype="F16")),
+    ("model.layers.0.self_attn.q_a_proj.weight", lambda e: e.update(shape=e["shape"][::-1])),
+], ids=["scale-relabelled-f16", "attention-shape-transposed"])
+def test_a_header_edited_in_place_fails_integrity(ckpt, tensor, edit):
+    """Same-length header edits passed (exit 0): the tensor checksums cover data bytes only."""
+    import struct
+
+    shard = ckpt / json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"][tensor]
+    b = shard.read_bytes()
+    n = struct.unpack("<Q", b[:8])[0]
+    header = json.loads(b[8:8 + n])
+    edit(header[tensor])
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    assert len(raw) <= n
+    shard.write_bytes(b[:8] + raw + b" " * (n - len(raw)) + b[8 + n:])
+    rep = v.validate(ckpt)
+    assert not rep.valid and any(f"{shard.name}: its header (tensor names, dtypes, shapes, offsets) changed" in m
+                                 for m in messages(rep, "integrity")), v.format_report(rep)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from glmq.formats.safetensors_io import XXH3_128
+from glmq.formats.safetensors_io import XXH3_128, header_checksum
 from glmq.quantize import ops
 from glmq.quantize.validate.checkpoint import load_checkpoint, modules_of
 from glmq.quantize.validate.config import _ct, check_config, group_for, read_quant_config
@@ -107,7 +107,8 @@ def validate(checkpoint: str | Path, source: str | Path | None = None, *, sample
     if src is not None:
         checks["source"] = src.result()
     sizes = {s: (root / s).stat().st_size for s in hashes}
-    checks["integrity"] = check_integrity(ck.manifest, ck.manifest_error, hashes, sizes, algorithms)
+    headers = {s: header_checksum(root / s) for s in hashes}  # a few KB each: the tensor checksums skip headers
+    checks["integrity"] = check_integrity(ck.manifest, ck.manifest_error, hashes, sizes, algorithms, headers)
     settings = {"source": str(source) if source else None, "sample": sample, "device": device, "tp": tp, "seed": seed,
                 "serving": serving, "sha256": sha256, "shards": len(ck.shards),
                 "tensors": sum(len(e) for e in ck.shards.values()), "quantized_modules": len(scheme)}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from glmq.formats.manifest import MANIFEST_NAME, Manifest, checksum_record
+from glmq.formats.manifest import HEADER_KEY, MANIFEST_NAME, Manifest, checksum_record
 from glmq.formats.safetensors_io import SHA256, XXH3_128
 from glmq.quantize.validate.report import CheckResult
 
@@ -24,11 +24,14 @@ def checksum_choice(manifest: Manifest | None, sha256: bool = False) -> dict[str
 
 
 def check_integrity(manifest: Manifest | None, error: str | None, hashes: dict[str, dict[str, str]],
-                    sizes: dict[str, int], algorithms: dict[str, str] | None = None) -> CheckResult:
+                    sizes: dict[str, int], algorithms: dict[str, str] | None = None,
+                    headers: dict[str, str] | None = None) -> CheckResult:
     """Recomputed tensor checksums against the manifest (pure).
 
     Args:
         hashes: {shard: {tensor: hex}} as recomputed, with `algorithms[shard]` (default: sha256 for all).
+        headers: {shard: xxh3-128 hex of its header} as recomputed (safetensors_io.header_checksum), compared where
+            the manifest records one (files written since session 37).
     """
     res = CheckResult("integrity")
     algorithms = algorithms or {}
@@ -51,6 +54,10 @@ def check_integrity(manifest: Manifest | None, error: str | None, hashes: dict[s
             continue
         if rec.get("bytes") is not None and sizes.get(shard) != rec["bytes"]:
             res.fail(f"{shard}: {sizes.get(shard)} bytes, the manifest recorded {rec['bytes']}", shard=shard)
+        if headers is not None and rec.get(HEADER_KEY) and headers.get(shard) != rec[HEADER_KEY]:
+            res.fail(f"{shard}: its header (tensor names, dtypes, shapes, offsets) changed after glmq wrote it: "
+                     f"xxh3-128 {str(headers.get(shard))[:16]} != manifest {rec[HEADER_KEY][:16]}; re-download or "
+                     f"re-convert this shard", shard=shard)
         algo = algorithms.get(shard, SHA256)
         want = checksum_record(rec, algo) or {}
         used[algo] += 1
