@@ -245,8 +245,8 @@ class StreamingWriter:
 
     Usage: `w = StreamingWriter(path, specs)`, then `w.write(name, tensor)` for each spec (one or
     several calls per tensor, in row order), then `w.commit()` -> per-tensor sha256, and
-    `w.digests(XXH3_128)` for the fast checksum of the same bytes. Until `commit` the data lives in
-    `<path>.glmq-tmp`; `abort()` removes it.
+    `w.digests(XXH3_128)` for the fast checksum of the same bytes; `w.header_digest` is the header's
+    (`header_checksum` of the file). Until `commit` the data lives in `<path>.glmq-tmp`; `abort()` removes it.
     """
 
     def __init__(self, path: Path, specs: list[OutSpec], metadata: dict[str, str] | None = None):
@@ -254,6 +254,7 @@ class StreamingWriter:
         self.tmp = self.path.with_name(self.path.name + TMP_SUFFIX)
         self.specs = {s.name: s for s in specs}
         head, self.offsets = layout(specs, metadata or PT_METADATA)
+        self.header_digest = xxhash.xxh3_128_hexdigest(head)
         self.written = {s.name: 0 for s in specs}
         self.hashes = {s.name: hashlib.sha256() for s in specs}
         self.fast = {s.name: xxhash.xxh3_128() for s in specs}

@@ -27,7 +27,7 @@ from glmq.formats.families import LINEAR_CLASSES, ignore_list
 from glmq.formats import manifest
 from glmq.formats.manifest import CHECKSUM_KEYS, HEADER_KEY, MANIFEST_NAME, Manifest, fragment_name
 from glmq.formats.safetensors_io import (PT_METADATA, SHA256, TMP_SUFFIX, XXH3_128, CheckpointError,
-                                         atomic_write_text, file_tensor_checksums, header_checksum, layout,
+                                         atomic_write_text, file_tensor_checksums, layout,
                                          replaced_atomically)
 from glmq.formats.source import INDEX_NAME
 from glmq.quantize import config_child
@@ -234,12 +234,13 @@ class FileBook:
     def files(self) -> dict[str, dict]:
         return self.book.files
 
-    def record(self, f: OutFile, size: int, hashes: dict[str, str], fast: dict[str, str]) -> None:
-        """Called from the commit thread once `f` is renamed into place: its tensors' sha256 and xxh3-128."""
+    def record(self, f: OutFile, size: int, hashes: dict[str, str], fast: dict[str, str], header: str) -> None:
+        """Called from the commit thread once `f` is renamed into place: its tensors' sha256 and xxh3-128, and its
+        header's xxh3-128."""
         with self._lock:
             self.book.append(self.out, f.name, {"source_shard": f.source_shard, "bytes": size,
                                                 CHECKSUM_KEYS[SHA256]: hashes, CHECKSUM_KEYS[XXH3_128]: fast,
-                                                HEADER_KEY: header_checksum(self.out / f.name)}, self.name)
+                                                HEADER_KEY: header}, self.name)
 
 
 def _exact(module: str) -> str:

@@ -451,7 +451,7 @@ def convert_files(plan: Plan, out: Path, files: list[OutFile], dev: torch.device
 
     def commit(f: OutFile, w: StreamingWriter):
         hashes = w.commit()
-        record(f, w.size, hashes, w.digests(XXH3_128))
+        record(f, w.size, hashes, w.digests(XXH3_128), w.header_digest)
 
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="glmq-load") as pool:

@@ -167,9 +167,11 @@ def _leave_as_a_rank(command):
         try:
             command(*args, **kwargs)
         except SystemExit as e:
-            code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
-            if not isinstance(e.code, (int, type(None))):  # what Python would print on its way out
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:  # a message: what Python would print on its way out, with status 1
                 click.echo(e.code, err=True)
+                code = 1
         except click.ClickException as e:
             e.show()
             code = e.exit_code

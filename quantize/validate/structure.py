@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from glmq.formats.families import LINEAR_CLASSES, config_shape_problems, expert_layout_problems
 from glmq.quantize.validate.checkpoint import COMPANIONS, Module
 from glmq.quantize.validate.config import Group, _ct, group_for
