@@ -1,8 +1,10 @@
 """The run manifest: what an interrupted conversion had finished, with a checksum of every tensor.
 
 Lives in the output folder as `glmq_manifest.json` and stays there (`glmq validate` recomputes the
-checksums). It holds nothing time-dependent, so an interrupted-and-resumed run writes the same bytes
-as an uninterrupted one; timings go to `glmq_report.json`.
+checksums). Once the run is finished it holds nothing time-dependent, so an interrupted-and-resumed run
+writes the same bytes as an uninterrupted one; timings go to `glmq_report.json`. While it is unfinished it
+also holds each source shard's modification time (`source_mtime_ns`), the resume's check for a shard edited
+in place.
 
 Each finished output file is recorded as
     {"source_shard": ..., "bytes": file size,
@@ -75,10 +77,17 @@ class Manifest:
     files: dict[str, dict] = field(default_factory=dict)  # name -> file record (module docstring)
     complete: bool = False
     format_version: int = 1
+    # source shard -> modification time (ns) when this run opened it, kept while the run is unfinished: a resume
+    # converts again the files read from a shard whose time moved (quantize/output.py). Left out of a finished
+    # manifest, which holds nothing time-dependent.
+    source_mtime_ns: dict[str, int] = field(default_factory=dict)
 
     def save(self, out_dir: Path, name: str = MANIFEST_NAME) -> None:
         """Write the whole manifest (temporary name, fsync, rename), then drop the journal it now holds."""
-        atomic_write_text(out_dir / name, json.dumps(asdict(self), indent=1, sort_keys=True) + "\n")
+        d = asdict(self)
+        if not self.source_mtime_ns:
+            del d["source_mtime_ns"]
+        atomic_write_text(out_dir / name, json.dumps(d, indent=1, sort_keys=True) + "\n")
         (out_dir / journal_name(name)).unlink(missing_ok=True)
 
     def append(self, out_dir: Path, file: str, record: dict, name: str = MANIFEST_NAME) -> None:
@@ -116,7 +125,10 @@ class Manifest:
             complete = d.get("complete", False)
             if not isinstance(complete, bool):  # bool("false") is True: a hand-edited record read as finished
                 raise TypeError(f"'complete' is {complete!r}, not true or false")
-            man = cls(d["identity"], d.get("files", {}), complete, int(d.get("format_version", 1)))
+            times = d.get("source_mtime_ns", {})
+            if not (isinstance(times, dict) and all(type(t) is int for t in times.values())):
+                raise TypeError(f"'source_mtime_ns' is {str(times)[:80]}, not shard names and integers")
+            man = cls(d["identity"], d.get("files", {}), complete, int(d.get("format_version", 1)), times)
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{p}: unreadable glmq manifest ({e}); remove the output folder and start again") from e
         journal = out_dir / journal_name(name)

@@ -45,6 +45,8 @@ class Source:
         side_files: other files to copy (tokenizer, generation config, chat template, custom code).
         header_digest: sha256 of config.json, every shard header and a sample of every shard's data (the
             source in a resumed run's identity).
+        shard_mtime_ns: each shard's modification time when the source was opened: a shard edited in place
+            outside the sampled data between a crash and the resume (output.changed_shards).
     """
 
     root: Path
@@ -57,6 +59,7 @@ class Source:
     block: tuple[int, int] | None = None
     side_files: list[str] = field(default_factory=list)
     header_digest: str = ""
+    shard_mtime_ns: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -64,6 +67,16 @@ class Source:
 
     def path(self, shard: str) -> Path:
         return self.root / shard
+
+
+def shard_mtimes(source: Source) -> dict[str, int | None]:
+    """Each shard's modification time now (None: it is gone), to compare with `Source.shard_mtime_ns`."""
+    def mtime(shard: str) -> int | None:
+        try:
+            return source.path(shard).stat().st_mtime_ns
+        except OSError:
+            return None
+    return {s: mtime(s) for s in source.shards}
 
 
 def _load_json(path: Path) -> dict:
@@ -180,13 +193,15 @@ def open_source(path: str | Path) -> Source:
     shards = sorted(set(wm.values()))
     entries: dict[str, TensorEntry] = {}
     shard_bytes: dict[str, int] = {}
+    shard_mtime_ns: dict[str, int] = {}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     for shard in shards:
         p = root / shard
         if not p.exists():
             raise CheckpointError(f"{p}: listed in {INDEX_NAME} but missing; re-download it")
         found, _, start = read_header(p)
-        shard_bytes[shard] = p.stat().st_size
+        st = p.stat()
+        shard_bytes[shard], shard_mtime_ns[shard] = st.st_size, st.st_mtime_ns
         digest.update(f"{shard}:{shard_bytes[shard]}:".encode())
         digest.update(_data_sample(p, start, shard_bytes[shard]))
         for name, e in sorted(found.items()):
@@ -209,4 +224,5 @@ def open_source(path: str | Path) -> Source:
         if f.is_file() and f.name not in _NOT_SIDE and f.name not in shard_bytes
         and not f.name.endswith(".safetensors") and not f.name.startswith(".")
     )
-    return Source(root, config, family, fmt, entries, shards, shard_bytes, block, side, digest.hexdigest())
+    return Source(root, config, family, fmt, entries, shards, shard_bytes, block, side, digest.hexdigest(),
+                  shard_mtime_ns)

@@ -11,11 +11,13 @@ folder is converted again), so that an interrupted run never leaves them beside 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import errno
 import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import threading
@@ -29,9 +31,10 @@ from glmq.formats.manifest import CHECKSUM_KEYS, HEADER_KEY, MANIFEST_NAME, Mani
 from glmq.formats.safetensors_io import (PT_METADATA, SHA256, TMP_SUFFIX, XXH3_128, CheckpointError,
                                          atomic_write_text, file_tensor_checksums, layout,
                                          replaced_atomically)
-from glmq.formats.source import INDEX_NAME
+from glmq.formats.source import INDEX_NAME, shard_mtimes
 from glmq.quantize import config_child
 from glmq.quantize.plan import Action, OutFile, Plan
+from glmq.quantize.spec import Method
 
 log = logging.getLogger("glmq")
 
@@ -160,13 +163,14 @@ def _prepare_output(plan: Plan, out: Path, lock: OutputLock) -> Manifest:
     lock.acquire()  # before anything in the folder is read, deleted or written
     existing = [p for p in out.iterdir()]
     man = Manifest.load(out)
+    times = dict(plan.source.shard_mtime_ns)
     if man is None:
         if existing:
             raise OutputDirError(
                 f"{out}: not empty and holds no interrupted glmq run ({len(existing)} entries, e.g. "
                 f"{existing[0].name}); choose an empty or new --output folder, or remove this one"
             )
-        man = Manifest(identity)
+        man = Manifest(identity, source_mtime_ns=times)
         man.save(out)
         return man
     if man.identity != identity:
@@ -175,6 +179,13 @@ def _prepare_output(plan: Plan, out: Path, lock: OutputLock) -> Manifest:
             f"{out / MANIFEST_NAME}: this folder holds a glmq run of a different source/recipe/settings "
             f"(differs in: {', '.join(diff)}); use a new --output folder, or remove this one to start over"
         )
+    changed = changed_shards(man.source_mtime_ns, times)
+    if changed and plan.recipe.spec.method is Method.GPTQ:
+        raise OutputDirError(_changed_under_gptq(out, plan, changed))
+    for shard, (was, now) in changed.items():
+        log.warning("%s: modified since the interrupted run in %s began (its modification time moved from %s to %s); "
+                    "the output files read from it are converted again", plan.source.path(shard), out, _when(was),
+                    _when(now))
     fragments = man.absorb_fragments(out)  # records of the ranks of an interrupted distributed run
     for p in existing:  # half-written files of the interrupted run
         if p.name.endswith(TMP_SUFFIX):
@@ -183,6 +194,9 @@ def _prepare_output(plan: Plan, out: Path, lock: OutputLock) -> Manifest:
     kept, redo = {}, []
     for name, rec in man.files.items():
         path = out / name
+        if name in planned and planned[name].source_shards() & set(changed):
+            redo.append(path)
+            continue
         try:
             sums = file_tensor_checksums(path) if name in planned and _planned_header(path, planned[name]) else None
         except (CheckpointError, OSError):
@@ -201,10 +215,63 @@ def _prepare_output(plan: Plan, out: Path, lock: OutputLock) -> Manifest:
         path.unlink(missing_ok=True)
     man.files = kept
     man.complete = man.complete and len(kept) == len(plan.files)
+    man.source_mtime_ns = {} if man.complete else times  # the times of the shards this run reads
     man.save(out)
     for p in fragments:  # now in the manifest
         manifest.remove(out, p.name)
     return man
+
+
+def changed_shards(recorded: dict[str, int], times: dict[str, int]) -> dict[str, tuple[int, int | None]]:
+    """Source shards whose modification time moved since it was `recorded`: shard -> (then, now).
+
+    The run's identity covers the source's config, headers, sizes and a sample of every shard's data, not every
+    byte (reading the whole source again to resume would cost as much as converting it); a shard edited in place
+    elsewhere between a crash and the resume would have left files of its old contents beside files of its new.
+    The time is the check for that. A manifest of a finished run or of glmq before this check records none."""
+    return {s: (t, times.get(s)) for s, t in sorted(recorded.items()) if times.get(s) != t}
+
+
+def _when(ns: int | None) -> str:
+    if ns is None:
+        return "(missing)"
+    return datetime.datetime.fromtimestamp(ns / 1e9, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f UTC")
+
+
+def _in_all(changed: dict) -> str:
+    return f"; {len(changed)} source shards in all" if len(changed) > 1 else ""
+
+
+def moved_during_run(plan: Plan, out: Path) -> str | None:
+    """The error if a source shard's modification time moved while this run read the source (checked before the index
+    and config.json are written): its files may hold a mix of old and new contents. The manifest keeps the times the
+    run started with, so the next run converts those files again (RTN) or asks (GPTQ)."""
+    moved = changed_shards(plan.source.shard_mtime_ns, shard_mtimes(plan.source))
+    if not moved:
+        return None
+    shard, (was, now) = next(iter(moved.items()))
+    again = ("run the same command again: it converts the files read from it again" if plan.recipe.spec.method is
+             Method.RTN else "run the same command again and it says how to resume")
+    return (f"{plan.source.path(shard)}: modified while this run read the source (its modification time moved from "
+            f"{_when(was)} to {_when(now)}{_in_all(moved)}); no index or config.json was written to {out}; once the "
+            f"source stays unchanged, {again}")
+
+
+def _changed_under_gptq(out: Path, plan: Plan, changed: dict[str, tuple[int, int | None]]) -> str:
+    """The refusal of a GPTQ resume over a changed source shard: each calibrated layer's input came from every layer
+    before it, so the files of that shard are not all that would have to be redone, and a shard that was only copied
+    (its times not kept) is not worth hours of calibration: the user says which it is."""
+    shown = list(changed.items())[:3]
+    touch = "; ".join(f"touch -m -d @{was // 10**9}.{was % 10**9:09d} {shlex.quote(str(plan.source.path(s)))}"
+                      for s, (was, _) in shown)
+    more = f" (and {len(changed) - len(shown)} more shards: {out / MANIFEST_NAME} lists their times under " \
+           f"source_mtime_ns)" if len(changed) > len(shown) else ""
+    was, now = shown[0][1]
+    return (f"{plan.source.path(shown[0][0])}: modified since the interrupted GPTQ run in {out} began (its "
+            f"modification time moved from {_when(was)} to {_when(now)}{_in_all(changed)}); the layers calibrated so "
+            f"far may rest on its old contents. If its contents changed, use a new --output folder or remove this one "
+            f"to start over. If they did not (the source was copied without its file times; cp -a and rsync -a keep "
+            f"them), restore the times and run the same command again to resume: {touch}{more}")
 
 
 def _planned_header(path: Path, f: OutFile) -> bool:
@@ -344,4 +411,5 @@ def finish_checkpoint(plan: Plan, out: Path, man: Manifest, quantization_config:
     atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
     atomic_write_text(out / "config.json", json.dumps(output_config(plan, quantization_config), indent=2) + "\n")
     man.complete = True
+    man.source_mtime_ns = {}  # a finished manifest holds nothing time-dependent
     man.save(out)

@@ -63,6 +63,10 @@ class OutFile:
     def nbytes(self) -> int:
         return sum(i.out_bytes for i in self.items)
 
+    def source_shards(self) -> set[str]:
+        """Every source shard this file's tensors are read from (a weight's scale may lie in another shard)."""
+        return {e.shard for it in self.items for e in (it.src, *it.companions.values())}
+
 
 @dataclass
 class Plan:

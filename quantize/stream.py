@@ -38,7 +38,7 @@ from glmq.formats.manifest import FRAGMENT_GLOB, REPORT_NAME, Manifest
 from glmq.formats.safetensors_io import XXH3_128, CheckpointError, StreamingWriter, atomic_write_text
 from glmq.formats.source import Source
 from glmq.quantize import ops
-from glmq.quantize.output import (ConfigJob, FileBook, OutputDirError, OutputLock, finish_checkpoint,
+from glmq.quantize.output import (ConfigJob, FileBook, OutputDirError, OutputLock, finish_checkpoint, moved_during_run,
                                   prepare_output)
 from glmq.quantize.plan import Action, Item, OutFile, Plan
 
@@ -404,6 +404,9 @@ def _finish(plan: Plan, out: Path, man: Manifest, qc: dict, stats: RunStats, ran
     man.save(out)  # the merged records first: then the ranks' fragments may go
     for p in out.glob(FRAGMENT_GLOB):
         manifest.remove(out, p.name)
+    moved = moved_during_run(plan, out)
+    if moved:
+        raise OutputDirError(moved)
     finish_checkpoint(plan, out, man, qc)
     phases["finish"] = time.perf_counter() - t_fin
     stats = dataclasses.replace(stats, bytes_in=sum(r["bytes_in_processed"] for r in ranks), bytes_out=plan.bytes_out,

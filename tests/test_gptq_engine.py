@@ -357,6 +357,37 @@ def test_killed_mid_layer_resumes_byte_identical(cli_src, tmp_path, where):
         assert not list((tmp_path / "acts").rglob("*")), "offloaded activations left behind"
 
 
+def test_a_gptq_resume_over_a_changed_source_shard_is_refused_until_its_time_is_restored(cli_src, tmp_path):
+    """A source shard whose modification time moved between the crash and the resume (edited in place, or copied
+    without its times): the calibrated layers may rest on its old contents, which the run cannot tell, so the
+    resume is refused with nothing deleted, and the message's own `touch` command restores the time; the resume
+    is then byte-identical to the uninterrupted run."""
+    import os
+    import re
+
+    src0, text, ref = cli_src
+    src, out = tmp_path / "src", tmp_path / "out"
+    shutil.copytree(src0, src)  # keeps the times
+    per_layer = 2 * math.ceil(8 / GPTQ_BATCH["cpu"])
+    r = _cli("gptq", per_layer + per_layer // 2, src, out, text)
+    assert r.returncode == 137, r.stderr[-3000:]
+    shard = sorted(src.glob("model-*.safetensors"))[1]
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 5 * 10**9 + 7))
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in out.rglob("*"))
+    r = _cli("none", 0, src, out, text)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert f"{shard}: modified since the interrupted GPTQ run in {out} began" in r.stderr, r.stderr[-3000:]
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in out.rglob("*")) == before  # nothing deleted or written
+    touch = re.search(r"touch -m -d @\S+ \S+", r.stderr).group(0)
+    subprocess.run(touch, shell=True, check=True)
+    assert shard.stat().st_mtime_ns == st.st_mtime_ns
+    r = _cli("none", 0, src, out, text)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _files(out) == _files(ref)
+    assert json.loads((out / REPORT_NAME).read_text())["gptq"]["resumed_from_layer"] == 2
+
+
 def test_offload_folder_shared_by_two_runs(cli_src, tmp_path):
     """Two killed runs whose output folders have the same name share one --offload-activations DIR: each keeps its
     hidden states in a subfolder of its own, so the first resumes from its own states, byte-identical to the

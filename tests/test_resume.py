@@ -101,3 +101,131 @@ def test_manifest_journal_survives_a_torn_last_line(tmp_path):
     loaded = Manifest.load(tmp_path)
     loaded.save(tmp_path)
     assert not journal.exists() and Manifest.load(tmp_path).files == man.files
+
+
+def _edit_unsampled_byte(src: Path, f) -> str:
+    """Set one FP8 code of a quantized weight that output file `f` reads to the format's largest value (so its
+    group's scale moves), at a byte outside the source digest's sampled windows and with the size unchanged:
+    an edit the run's identity cannot see. Returns the edited shard's name."""
+    from glmq.formats.safetensors_io import read_header
+    from glmq.formats.source import SAMPLE_BYTES, SAMPLE_WINDOWS
+    from glmq.quantize.plan import Action
+
+    it = next(i for i in f.items if i.action is Action.QUANTIZE and i.src.dtype == "F8_E4M3")
+    path = src / it.src.shard
+    _, _, start = read_header(path)
+    n = path.stat().st_size - start
+    windows = [start + (n - SAMPLE_BYTES) * i // (SAMPLE_WINDOWS - 1) for i in range(SAMPLE_WINDOWS)]
+    data = bytearray(path.read_bytes())
+    at = next(o for o in range(start + it.src.begin, start + it.src.end)
+              if data[o] != 0x7E and not any(w <= o < w + SAMPLE_BYTES for w in windows))
+    data[at] = 0x7E
+    path.write_bytes(bytes(data))
+    return it.src.shard
+
+
+def test_resume_redoes_the_files_of_a_source_shard_edited_in_place(make_ckpt, tmp_path):
+    """A source shard edited in place between a crash and the resume, where neither its header, its size nor the
+    sampled windows of the run's identity see it: the finished files read from it are converted again (their
+    modification time moved), so the checkpoint equals a conversion of the edited source, not a mix of both; a
+    shard only touched is redone too. The finished manifest keeps no times."""
+    import json
+    import os
+    import shutil
+
+    from glmq.formats.manifest import MANIFEST_NAME, Manifest
+    from glmq.quantize.plan import Action
+
+    src = tmp_path / "src"
+    shutil.copytree(make_ckpt("glm_moe_dsa", "fp8-block"), src)
+    before = open_source(src)
+    plan = make_plan(before, recipes.load("int4-w4a16"), 300_000)
+    out = tmp_path / "out"
+    total_writes = sum(len(it.outputs) for f in plan.files for it in f.items)
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(total_writes * 2 // 3), str(src), str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 137, r.stderr[-2000:]
+    man = Manifest.load(out)
+    assert man.source_mtime_ns == before.shard_mtime_ns and len(man.source_mtime_ns) == len(before.shards)
+    done = [f for f in plan.files if f.name in man.files]
+    assert len(done) >= 3
+    victim = next(f for f in done if any(i.action is Action.QUANTIZE and i.src.dtype == "F8_E4M3" for i in f.items))
+    edited = _edit_unsampled_byte(src, victim)
+    after = open_source(src)
+    assert after.header_digest == before.header_digest  # the premise: the identity cannot see the edit
+    touched = next(s for f in done for s in sorted(f.source_shards()) if s != edited)
+    st = (src / touched).stat()
+    os.utime(src / touched, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    redo = {f.name for f in plan.files if f.source_shards() & {edited, touched}}
+    kept = {f.name for f in done} - redo
+    assert kept and {f.name for f in done} & redo
+
+    ref = tmp_path / "ref"
+    stream.run(make_plan(open_source(src), recipes.load("int4-w4a16"), 300_000), ref, progress=False)
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(10**9), str(src), str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"{src / edited}: modified since the interrupted run" in r.stderr
+    assert f"{src / touched}: modified since the interrupted run" in r.stderr
+    assert "does not check out" not in r.stderr
+    rep = json.loads((out / REPORT_NAME).read_text())
+    assert rep["files_skipped_resumed"] == len(kept)
+    assert _files(out) == _files(ref)  # the manifests too: a finished one holds no source times
+    assert "source_mtime_ns" not in json.loads((out / MANIFEST_NAME).read_text())
+
+
+def test_manifest_source_times_load_and_save(tmp_path):
+    import json
+
+    import pytest
+
+    from glmq.formats.manifest import MANIFEST_NAME, Manifest
+
+    Manifest({"recipe": "x"}, source_mtime_ns={"a.safetensors": 5}).save(tmp_path)
+    assert Manifest.load(tmp_path).source_mtime_ns == {"a.safetensors": 5}
+    Manifest({"recipe": "x"}).save(tmp_path)
+    assert "source_mtime_ns" not in json.loads((tmp_path / MANIFEST_NAME).read_text())
+    d = json.loads((tmp_path / MANIFEST_NAME).read_text())
+    for bad in ({"a.safetensors": "5"}, [5], {"a.safetensors": True}):
+        (tmp_path / MANIFEST_NAME).write_text(json.dumps({**d, "source_mtime_ns": bad}))
+        with pytest.raises(ValueError, match="unreadable glmq manifest.*source_mtime_ns"):
+            Manifest.load(tmp_path)
+
+
+def test_a_source_shard_modified_during_the_run_leaves_no_checkpoint_and_the_rerun_redoes_its_files(
+        make_ckpt, tmp_path, monkeypatch, caplog):
+    """A shard whose time moves while the run reads the source: the run ends with an error naming it before the index
+    and config.json are written, and the same command then converts the files read from it again."""
+    import os
+    import shutil
+
+    import pytest
+
+    from glmq.formats import safetensors_io
+    from glmq.quantize.output import OutputDirError
+
+    src = tmp_path / "src"
+    shutil.copytree(make_ckpt("glm_moe_dsa", "fp8-block"), src)
+    plan = make_plan(open_source(src), recipes.load("int4-w4a16"), 300_000)
+    shard = sorted(plan.source.shards)[2]
+    orig, calls = safetensors_io.StreamingWriter.write, [0]
+
+    def write(self, name, t):
+        calls[0] += 1
+        if calls[0] == 5:  # the contents stay; a copy over it would move the time the same way
+            st = (src / shard).stat()
+            os.utime(src / shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        return orig(self, name, t)
+
+    monkeypatch.setattr(safetensors_io.StreamingWriter, "write", write)
+    out = tmp_path / "out"
+    with pytest.raises(OutputDirError, match=f"{src / shard}: modified while this run read the source"):
+        stream.run(plan, out, progress=False)
+    assert not (out / "config.json").exists() and not (out / "model.safetensors.index.json").exists()
+    monkeypatch.setattr(safetensors_io.StreamingWriter, "write", orig)
+    ref = tmp_path / "ref"
+    stream.run(make_plan(open_source(src), recipes.load("int4-w4a16"), 300_000), ref, progress=False)
+    with caplog.at_level("WARNING", logger="glmq"):
+        rep = stream.run(make_plan(open_source(src), recipes.load("int4-w4a16"), 300_000), out, progress=False)
+    assert f"{src / shard}: modified since the interrupted run" in caplog.text
+    assert rep["files_skipped_resumed"] == sum(1 for f in plan.files if shard not in f.source_shards())
+    assert _files(out) == _files(ref)
