@@ -285,7 +285,11 @@ class LayerBuilder:
         except ValueError as e:
             raise ValueError(f"{self.source.root}: layer {index}: {e}; the checkpoint lacks these tensors (an "
                              "incomplete download or conversion): fetch its shards and index again") from e
-        with init_empty_weights():
+        # include_buffers: the torch default device is meta too, so the fused experts' `torch.empty` allocates
+        # nothing (without it, [E, 2I, H] float32 was allocated on the host before moving to meta: 26 GB for a
+        # GLM-5 layer, 45 GB for Kimi K2's, which a host without that much memory refused); the layer's one
+        # buffer, the router's correction bias, is in the state loaded next
+        with init_empty_weights(include_buffers=True):
             layer = getattr(self.mod, self.spec.layer)(self.config, index)
         expected = layer.state_dict()
         missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))

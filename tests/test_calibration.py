@@ -224,6 +224,29 @@ def test_layer_state_keeps_no_view_of_the_shards(make_ckpt):
 # ----------------------------------------------------------------------------------------- Hessians
 
 
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "glm4_moe", "deepseek_v3"])
+def test_the_layer_skeleton_allocates_no_host_memory(make_ckpt, family):
+    """transformers' classes create the fused experts with `torch.empty([E, 2I, H])` of the default device: under
+    accelerate's `init_empty_weights()` alone that was float32 host memory, moved to meta afterwards (26 GB for a
+    GLM-5 layer, 45 GB for Kimi K2's; a 24 GB host refused it). Now they are created on meta."""
+    from torch.overrides import TorchFunctionMode
+
+    made = []
+
+    class Record(TorchFunctionMode):  # below the meta device's own mode: sees each call as that mode passes it on
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.empty and out.dim() == 3:  # the fused experts [E, 2I, H] and [E, H, I]
+                made.append(out.device.type)
+            return out
+
+    b = LayerBuilder(open_source(make_ckpt(family, "fp8-block")), torch.device("cpu"), torch.float32)
+    with Record():
+        layer = b.build(1)
+    assert made == ["meta", "meta"], made
+    assert {p.device.type for p in layer.parameters()} == {"cpu"}  # then every weight is loaded from the source
+
+
 @pytest.fixture(scope="module")
 def moe_layer(make_ckpt):
     b = LayerBuilder(open_source(make_ckpt("glm_moe_dsa", "fp8-block")), torch.device("cpu"), torch.float32)
