@@ -188,22 +188,92 @@ def expert_layout_problems(modules, config: dict, mtp_required: bool = True) -> 
     return problems
 
 
-_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight")
+def _layer_shapes(config: dict) -> dict[str, tuple[str, ...]]:
+    """Inside a decoder (or MTP) layer: tensor path -> (its shape as config keys, as transformers' layer classes build
+    it; tests/test_config_shapes.py checks each against them). A key is a config key, `a*b` a product, `a+b` a sum.
+
+    Hand-written (transformers builds the layer, but importing its modeling code costs ~5 s a process, more than a
+    tiny checkpoint's whole conversion). Only keys a loader reads from config.json: a key missing there (its class
+    default applies) or not an integer skips the tensor (`config_shape_problems`)."""
+    h, i, mi = "hidden_size", "intermediate_size", "moe_intermediate_size"
+    e = "n_routed_experts" if "n_routed_experts" in config else "num_local_experts"
+    shapes = {
+        "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
+        "mlp.shared_experts.gate_proj.weight": (f"{mi}*n_shared_experts", h),
+        "mlp.shared_experts.up_proj.weight": (f"{mi}*n_shared_experts", h),
+        "mlp.shared_experts.down_proj.weight": (h, f"{mi}*n_shared_experts"),
+        "mlp.experts.*.gate_proj.weight": (mi, h), "mlp.experts.*.up_proj.weight": (mi, h),
+        "mlp.experts.*.down_proj.weight": (h, mi),
+        "mlp.gate.weight": (e, h), "mlp.gate.e_score_correction_bias": (e,),
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "eh_proj.weight": (h, f"2*{h}"), "enorm.weight": (h,), "hnorm.weight": (h,),
+        "shared_head.norm.weight": (h,), "shared_head.head.weight": ("vocab_size", h),
+        "embed_tokens.weight": ("vocab_size", h),
+    }
+    if "kv_lora_rank" in config:  # multi-head latent attention (DeepSeek-V3, Kimi K2, GLM-5)
+        qk = "num_attention_heads*(qk_nope_head_dim+qk_rope_head_dim)"
+        shapes.update({
+            "self_attn.q_a_proj.weight": ("q_lora_rank", h), "self_attn.q_a_layernorm.weight": ("q_lora_rank",),
+            "self_attn.q_b_proj.weight": (qk, "q_lora_rank"), "self_attn.q_proj.weight": (qk, h),
+            "self_attn.kv_a_proj_with_mqa.weight": ("kv_lora_rank+qk_rope_head_dim", h),
+            "self_attn.kv_a_layernorm.weight": ("kv_lora_rank",),
+            "self_attn.kv_b_proj.weight": ("num_attention_heads*(qk_nope_head_dim+v_head_dim)", "kv_lora_rank"),
+            "self_attn.o_proj.weight": (h, "num_attention_heads*v_head_dim"),
+            "self_attn.indexer.wq_b.weight": ("index_n_heads*index_head_dim", "q_lora_rank"),
+            "self_attn.indexer.wk.weight": ("index_head_dim", h), "self_attn.indexer.k_norm.weight": ("index_head_dim",),
+            "self_attn.indexer.k_norm.bias": ("index_head_dim",),
+            "self_attn.indexer.weights_proj.weight": ("index_n_heads", h),
+        })
+    else:  # grouped-query attention (GLM-4.x MoE)
+        q, kv = "num_attention_heads*head_dim", "num_key_value_heads*head_dim"
+        shapes.update({
+            "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+            "self_attn.o_proj.weight": (h, q), "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+            "self_attn.v_proj.bias": (kv,), "self_attn.q_norm.weight": ("head_dim",),
+            "self_attn.k_norm.weight": ("head_dim",),
+        })
+    return shapes
+
+
+_EXPERT_PATH = re.compile(r"mlp\.experts\.\d+\.")
+_TERM = re.compile(r"[a-z_][a-z_0-9]*|\d+|[()*+]")
+
+
+def _dim(expr: str, config: dict) -> int | None:
+    """The value of a shape expression of config keys (`a*(b+c)`), or None when a key is missing or no integer."""
+    values = []
+    for t in _TERM.findall(expr):
+        if t[0].isalpha() or t[0] == "_":
+            v = config.get(t)
+            if type(v) is not int:
+                return None
+            t = str(v)
+        values.append(t)
+    text = "".join(values)
+    assert re.fullmatch(r"[\d()*+]+", text), expr  # integers, +, *, ( ): the table's own expressions
+    return eval(text, {"__builtins__": {}})
 
 
 def config_shape_problems(shapes: dict[str, tuple], config: dict) -> list[tuple[str, str]]:
     """(tensor, problem) for every stored tensor that loaders shape from config.json alone and that has another
-    shape: the embedding and lm_head [vocab_size, hidden_size], the final norm and each decoder layer's two norms
-    [hidden_size]. `shapes`: tensor name -> shape as stored."""
-    h, v = config.get("hidden_size"), config.get("vocab_size")
+    shape: the embedding and lm_head [vocab_size, hidden_size], the final norm, and in each decoder and MTP layer
+    every attention, MLP, expert, router and norm tensor (`_layer_shapes`). `shapes`: tensor name -> shape as
+    stored, a pack-quantized module's under `<module>.weight_shape` (its [N, K])."""
+    table = _layer_shapes(config)
     problems = []
     for name, shape in sorted(shapes.items()):
+        if name.endswith(".weight_shape"):
+            name = name.removesuffix("_shape")
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            want, keys = (v, h), "vocab_size x hidden_size"
-        elif name == "model.norm.weight" or (name.startswith("model.layers.") and name.endswith(_NORMS)):
-            want, keys = (h,), "hidden_size"
+            exprs = ("vocab_size", "hidden_size")
+        elif name == "model.norm.weight":
+            exprs = ("hidden_size",)
+        elif (m := _LAYER.match(name)) is not None:
+            exprs = table.get(_EXPERT_PATH.sub("mlp.experts.*.", name[m.end():]))
         else:
             continue
-        if all(type(x) is int for x in want) and tuple(shape) != want:
+        want = None if exprs is None else tuple(_dim(e, config) for e in exprs)
+        if want is not None and None not in want and tuple(shape) != want:
+            keys = " x ".join(exprs)
             problems.append((name, f"shape {list(shape)}, but config.json's {keys} is {list(want)}"))
     return problems

@@ -134,9 +134,13 @@ def make_items(source: Source, recipe: Recipe) -> list[Item]:
                                     mtp_required=False)
     layout += config_shape_problems({n: e.shape for n, e in ents.items()}, source.config)
     if layout:
+        alike: dict[str, list[str]] = {}  # a wrong key repeats one problem in every layer (GLM-5: 78 x 256 experts)
+        for where, problem in layout:
+            alike.setdefault(problem, []).append(where)
         raise PlanError(f"{source.root / 'config.json'}: disagrees with the tensors stored (config and shards of "
                         f"different revisions?); fix config.json or re-download the checkpoint:"
-                        + _problem_list([f"{where}: {problem}" for where, problem in layout]))
+                        + _problem_list([f"{w[0]}{f' (and {len(w) - 1} more tensors)' if len(w) > 1 else ''}: {p}"
+                                         for p, w in alike.items()]))
     mtp = set(mtp_layers(source.config))
     problems: list[str] = []
     items: list[Item] = []

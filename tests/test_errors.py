@@ -93,9 +93,8 @@ def test_wrong_dtype(ckpt, tmp_path):
 
 
 def test_shape_the_group_size_does_not_divide(make_ckpt, tmp_path):
-    src = copy_ckpt(make_ckpt("glm_moe_dsa", "bf16"), tmp_path / "src")
-    name = "model.layers.1.mlp.experts.0.gate_proj.weight"
-    rewrite_shard(src, shard_of(src, name), lambda t: t.__setitem__(name, t[name][:, :200].contiguous()))
+    src = make_ckpt("glm_moe_dsa", "bf16", config_overrides={"moe_intermediate_size": 200})  # down_proj K: agreed
+    name = "model.layers.1.mlp.experts.0.down_proj.weight"
     out = tmp_path / "out"
     assert_fails(glmq("quantize", "-m", str(src), "-o", str(out), "--no-progress"), out, name, "group_size 128")
 
@@ -245,6 +244,14 @@ def test_an_fp8_weight_that_is_not_2d_is_a_plan_error(ckpt, tmp_path):
     for cmd in ("plan", "quantize"):
         out = tmp_path / f"out-{cmd}"
         r = glmq(cmd, "-m", str(ckpt), *(["-o", str(out), "--no-progress"] if cmd == "quantize" else []))
+        assert_fails(r, out, EXPERT, "shape [32768], but config.json's hidden_size x moe_intermediate_size is [256, 128]")
+    # without the config key that shapes it, the weight's own check
+    cfg = json.loads((ckpt / "config.json").read_text())
+    del cfg["moe_intermediate_size"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    for cmd in ("plan", "quantize"):
+        out = tmp_path / f"out2-{cmd}"
+        r = glmq(cmd, "-m", str(ckpt), *(["-o", str(out), "--no-progress"] if cmd == "quantize" else []))
         assert_fails(r, out, EXPERT, "an FP8 weight must be 2-D", shard_of(ckpt, EXPERT))
 
 
@@ -302,7 +309,12 @@ def test_a_manifest_whose_complete_flag_is_not_a_boolean_is_unreadable(tmp_path)
     ("n_routed_experts", 4, "holds experts numbered up to 7 (4 beyond config n_routed_experts = 4)"),
     ("n_routed_experts", "8", "n_routed_experts is '8', not a non-negative integer"),
     ("num_hidden_layers", 5, "model.layers.4.mlp.experts: 24 of 24 expert projections missing"),
-    ("hidden_size", 512, "model.norm.weight: shape [256], but config.json's hidden_size is [512]"),
+    ("hidden_size", 512, "model.layers.1.mlp.experts.0.down_proj.weight (and 23 more tensors): shape [256, 128], but "
+                         "config.json's hidden_size x moe_intermediate_size is [512, 128]"),
+    ("intermediate_size", 1024, "model.layers.0.mlp.down_proj.weight: shape [256, 512], but config.json's "
+                                "hidden_size x intermediate_size is [256, 1024]"),
+    ("kv_lora_rank", 64, "model.layers.0.self_attn.kv_a_proj_with_mqa.weight (and 3 more tensors): shape [160, 256], "
+                         "but config.json's kv_lora_rank+qk_rope_head_dim x hidden_size is [96, 256]"),
 ])
 def test_a_config_that_disagrees_with_the_experts_stored_is_refused_before_any_work(ckpt, tmp_path, key, value, needle):
     """The config was copied through: exit 0 and an output `glmq validate` failed (or, for extra experts and a

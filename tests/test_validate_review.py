@@ -257,9 +257,14 @@ def test_a_pipe_for_a_shard_or_a_string_complete_flag_is_invalid_not_a_hang_or_a
     ("n_routed_experts", "8", "n_routed_experts is '8', not a non-negative integer"),
     ("hidden_size", 512, "model.embed_tokens.weight: shape [512, 256], but config.json's vocab_size x hidden_size is "
                          "[512, 512]; loaders would refuse it"),
+    ("moe_intermediate_size", 64, "model.layers.1.mlp.experts.0.down_proj.weight: shape [256, 128], but config.json's "
+                                  "hidden_size x moe_intermediate_size is [256, 64]"),
+    ("num_attention_heads", 8, "model.layers.0.self_attn.o_proj.weight: shape [256, 256], but config.json's "
+                               "hidden_size x num_attention_heads*v_head_dim is [256, 512]"),
 ])
 def test_a_config_that_disagrees_with_the_tensors_fails_structure(ckpt, key, value, needle):
-    """Extra experts, a string count and a hidden_size the tensors do not have passed (exit 0)."""
+    """Extra experts, a string count and a hidden_size, expert width or head count the tensors do not have passed
+    (exit 0); a quantized expert is checked by its weight_shape."""
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg[key] = value
     (ckpt / "config.json").write_text(json.dumps(cfg))

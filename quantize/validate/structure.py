@@ -121,6 +121,11 @@ def check_structure(modules: dict[str, Module], groups: list[Group], shapes: dic
                          f"build it as {form} and find no {leaf}", **where)
     _check_experts(modules, config or {}, res)
     stored = {f"{m.name}.{leaf}": e.shape for m in modules.values() for leaf, e in m.parts.items()}
+    for m in modules.values():  # a pack-quantized module by its [N, K]; an unusable weight_shape is reported above
+        if m.is_int:
+            stored.pop(f"{m.name}.weight_shape", None)
+            if shapes.get(m.name) is not None:
+                stored[f"{m.name}.weight_shape"] = tuple(shapes[m.name])
     for name, problem in config_shape_problems(stored, config or {}):
         res.fail(f"{name}: {problem}; loaders would refuse it", tensor=name)
     return res
