@@ -7,6 +7,7 @@ attention). No per-model code: a new GLM/DeepSeek-style release is a new `Family
 
 from __future__ import annotations
 
+import ast
 import enum
 import re
 from dataclasses import dataclass
@@ -249,9 +250,17 @@ def _dim(expr: str, config: dict) -> int | None:
                 return None
             t = str(v)
         values.append(t)
-    text = "".join(values)
-    assert re.fullmatch(r"[\d()*+]+", text), expr  # integers, +, *, ( ): the table's own expressions
-    return eval(text, {"__builtins__": {}})
+    return _arith(ast.parse("".join(values), mode="eval").body)
+
+
+def _arith(node) -> int:
+    """Integers, + and * (the table's own expressions, already holding the config's values)."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        a, b = _arith(node.left), _arith(node.right)
+        return a + b if isinstance(node.op, ast.Add) else a * b
+    raise ValueError(f"not a shape expression: {ast.dump(node)}")
 
 
 def config_shape_problems(shapes: dict[str, tuple], config: dict) -> list[tuple[str, str]]:

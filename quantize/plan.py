@@ -121,6 +121,10 @@ class PlanError(CheckpointError):
     pass
 
 
+def _and_more(n: int) -> str:
+    return "" if n == 0 else f" (and {n} more tensor{'s' if n > 1 else ''})"
+
+
 def _problem_list(problems: list[str]) -> str:
     more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
     return "\n  " + "\n  ".join(problems[:12]) + more
@@ -139,7 +143,7 @@ def make_items(source: Source, recipe: Recipe) -> list[Item]:
             alike.setdefault(problem, []).append(where)
         raise PlanError(f"{source.root / 'config.json'}: disagrees with the tensors stored (config and shards of "
                         f"different revisions?); fix config.json or re-download the checkpoint:"
-                        + _problem_list([f"{w[0]}{f' (and {len(w) - 1} more tensors)' if len(w) > 1 else ''}: {p}"
+                        + _problem_list([f"{w[0]}{_and_more(len(w) - 1)}: {p}"
                                          for p, w in alike.items()]))
     mtp = set(mtp_layers(source.config))
     problems: list[str] = []
