@@ -291,3 +291,21 @@ def test_a_header_edited_in_place_fails_integrity(ckpt, tensor, edit):
     rep = v.validate(ckpt)
     assert not rep.valid and any(f"{shard.name}: its header (tensor names, dtypes, shapes, offsets) changed" in m
                                  for m in messages(rep, "integrity")), v.format_report(rep)
+
+
+def test_an_unreadable_shard_is_one_index_failure_not_also_a_total_size_one(ckpt):
+    """A shard whose header is garbage was reported, and then again as metadata.total_size short by its bytes."""
+    shard = sorted(ckpt.glob("model-*.safetensors"))[1]
+    with open(shard, "r+b") as f:
+        f.write(b"garbage!")
+    rep = v.validate(ckpt)
+    index = messages(rep, "index")
+    assert not rep.valid and any(f"{shard}: header length" in m for m in index), v.format_report(rep)
+    assert not any("total_size" in m for m in index), index
+    # with every shard readable, a wrong total_size is still a failure
+    shard.unlink()
+    idx = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    idx["metadata"]["total_size"] += 1
+    idx["weight_map"] = {n: f for n, f in idx["weight_map"].items() if f != shard.name}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(idx))
+    assert any("metadata.total_size is" in m for m in messages(v.validate(ckpt), "index"))
