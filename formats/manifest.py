@@ -126,7 +126,7 @@ class Manifest:
             if not isinstance(complete, bool):  # bool("false") is True: a hand-edited record read as finished
                 raise TypeError(f"'complete' is {complete!r}, not true or false")
             times = d.get("source_mtime_ns", {})
-            if not (isinstance(times, dict) and all(type(t) is int for t in times.values())):
+            if not (isinstance(times, dict) and all(type(t) is int and abs(t) < 2**63 for t in times.values())):
                 raise TypeError(f"'source_mtime_ns' is {str(times)[:80]}, not shard names and integers")
             man = cls(d["identity"], d.get("files", {}), complete, int(d.get("format_version", 1)), times)
         except (ValueError, KeyError, TypeError) as e:

@@ -222,20 +222,30 @@ def _prepare_output(plan: Plan, out: Path, lock: OutputLock) -> Manifest:
     return man
 
 
-def changed_shards(recorded: dict[str, int], times: dict[str, int]) -> dict[str, tuple[int, int | None]]:
+def changed_shards(recorded: dict[str, int], times: dict[str, int | None]) -> dict[str, tuple[int, int | None]]:
     """Source shards whose modification time moved since it was `recorded`: shard -> (then, now).
 
     The run's identity covers the source's config, headers, sizes and a sample of every shard's data, not every
     byte (reading the whole source again to resume would cost as much as converting it); a shard edited in place
     elsewhere between a crash and the resume would have left files of its old contents beside files of its new.
     The time is the check for that. A manifest of a finished run or of glmq before this check records none."""
-    return {s: (t, times.get(s)) for s, t in sorted(recorded.items()) if times.get(s) != t}
+    # (a recorded name the source does not have was hand-edited in: the source's shard names are in the identity)
+    return {s: (t, times[s]) for s, t in sorted(recorded.items()) if s in times and times[s] != t}
 
 
 def _when(ns: int | None) -> str:
     if ns is None:
         return "(missing)"
-    return datetime.datetime.fromtimestamp(ns / 1e9, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f UTC")
+    try:
+        return datetime.datetime.fromtimestamp(ns / 1e9, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f UTC")
+    except (OverflowError, OSError, ValueError):  # beyond the platform's dates
+        return f"{_seconds(ns)} s since 1970"
+
+
+def _seconds(ns: int) -> str:
+    """`ns` as the exact decimal seconds `touch -d @S.N` reads (its sign applies to the whole: -1 ns is -0.000000001)."""
+    s, frac = divmod(abs(ns), 10**9)
+    return f"{'-' if ns < 0 else ''}{s}.{frac:09d}"
 
 
 def _in_all(changed: dict) -> str:
@@ -262,8 +272,7 @@ def _changed_under_gptq(out: Path, plan: Plan, changed: dict[str, tuple[int, int
     before it, so the files of that shard are not all that would have to be redone, and a shard that was only copied
     (its times not kept) is not worth hours of calibration: the user says which it is."""
     shown = list(changed.items())[:3]
-    touch = "; ".join(f"touch -m -d @{was // 10**9}.{was % 10**9:09d} {shlex.quote(str(plan.source.path(s)))}"
-                      for s, (was, _) in shown)
+    touch = "; ".join(f"touch -m -d @{_seconds(was)} {shlex.quote(str(plan.source.path(s)))}" for s, (was, _) in shown)
     more = f" (and {len(changed) - len(shown)} more shards: {out / MANIFEST_NAME} lists their times under " \
            f"source_mtime_ns)" if len(changed) > len(shown) else ""
     was, now = shown[0][1]

@@ -185,7 +185,7 @@ def test_manifest_source_times_load_and_save(tmp_path):
     Manifest({"recipe": "x"}).save(tmp_path)
     assert "source_mtime_ns" not in json.loads((tmp_path / MANIFEST_NAME).read_text())
     d = json.loads((tmp_path / MANIFEST_NAME).read_text())
-    for bad in ({"a.safetensors": "5"}, [5], {"a.safetensors": True}):
+    for bad in ({"a.safetensors": "5"}, [5], {"a.safetensors": True}, {"a.safetensors": 10**30}):
         (tmp_path / MANIFEST_NAME).write_text(json.dumps({**d, "source_mtime_ns": bad}))
         with pytest.raises(ValueError, match="unreadable glmq manifest.*source_mtime_ns"):
             Manifest.load(tmp_path)
@@ -229,3 +229,24 @@ def test_a_source_shard_modified_during_the_run_leaves_no_checkpoint_and_the_rer
     assert f"{src / shard}: modified since the interrupted run" in caplog.text
     assert rep["files_skipped_resumed"] == sum(1 for f in plan.files if shard not in f.source_shards())
     assert _files(out) == _files(ref)
+
+
+def test_the_touch_command_restores_the_exact_time(tmp_path):
+    """The GPTQ refusal's `touch -m -d @S.N` gives back the recorded nanoseconds, before 1970 too (floor division
+    wrote -1 ns as @-1.999999999); a time beyond the platform's dates is shown, not a traceback."""
+    import os
+    import shutil
+
+    import pytest
+
+    from glmq.quantize.output import _seconds, _when
+
+    assert _seconds(-1) == "-0.000000001" and _seconds(1_700_000_000_123_456_789) == "1700000000.123456789"
+    assert _when(10**30).endswith("s since 1970")
+    if shutil.which("touch") is None:
+        pytest.skip("no touch command")
+    f = tmp_path / "f"
+    f.write_bytes(b"")
+    for ns in (-1, -1_999_999_999, 0, 1, 1_700_000_000_123_456_789):
+        subprocess.run(["touch", "-m", "-d", f"@{_seconds(ns)}", str(f)], check=True)
+        assert os.stat(f).st_mtime_ns == ns
