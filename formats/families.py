@@ -191,7 +191,8 @@ def expert_layout_problems(modules, config: dict, mtp_required: bool = True) -> 
 
 def _layer_shapes(config: dict) -> dict[str, tuple[str, ...]]:
     """Inside a decoder (or MTP) layer: tensor path -> (its shape as config keys, as transformers' layer classes build
-    it; tests/test_config_shapes.py checks each against them). A key is a config key, `a*b` a product, `a+b` a sum.
+    it; tests/test_config_shapes.py checks each against them). A key is a config key, `a*b` a product, `a+b` a sum,
+    `a//b` a quotient.
 
     Hand-written (transformers builds the layer, but importing its modeling code costs ~5 s a process, more than a
     tiny checkpoint's whole conversion). Only keys a loader reads from config.json: a key missing there (its class
@@ -225,23 +226,24 @@ def _layer_shapes(config: dict) -> dict[str, tuple[str, ...]]:
             "self_attn.indexer.k_norm.bias": ("index_head_dim",),
             "self_attn.indexer.weights_proj.weight": ("index_n_heads", h),
         })
-    else:  # grouped-query attention (GLM-4.x MoE)
-        q, kv = "num_attention_heads*head_dim", "num_key_value_heads*head_dim"
+    else:  # grouped-query attention (GLM-4.x MoE); without head_dim, transformers and vLLM take hidden / heads
+        d = "head_dim" if "head_dim" in config else "(hidden_size//num_attention_heads)"
+        q, kv = f"num_attention_heads*{d}", f"num_key_value_heads*{d}"
         shapes.update({
             "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
             "self_attn.o_proj.weight": (h, q), "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-            "self_attn.v_proj.bias": (kv,), "self_attn.q_norm.weight": ("head_dim",),
-            "self_attn.k_norm.weight": ("head_dim",),
+            "self_attn.v_proj.bias": (kv,), "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
         })
     return shapes
 
 
 _EXPERT_PATH = re.compile(r"mlp\.experts\.\d+\.")
-_TERM = re.compile(r"[a-z_][a-z_0-9]*|\d+|[()*+]")
+_TERM = re.compile(r"[a-z_][a-z_0-9]*|\d+|//|[()*+]")
 
 
 def _dim(expr: str, config: dict) -> int | None:
-    """The value of a shape expression of config keys (`a*(b+c)`), or None when a key is missing or no integer."""
+    """The value of a shape expression of config keys (`a*(b+c)`, `a//b`), or None when a key is missing or no
+    integer."""
     values = []
     for t in _TERM.findall(expr):
         if t[0].isalpha() or t[0] == "_":
@@ -254,11 +256,13 @@ def _dim(expr: str, config: dict) -> int | None:
 
 
 def _arith(node) -> int:
-    """Integers, + and * (the table's own expressions, already holding the config's values)."""
+    """Integers, +, * and // (the table's own expressions, already holding the config's values)."""
     if isinstance(node, ast.Constant) and type(node.value) is int:
         return node.value
-    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult, ast.FloorDiv)):
         a, b = _arith(node.left), _arith(node.right)
+        if isinstance(node.op, ast.FloorDiv):
+            return a // b if b else -1  # a zero head count: no shape matches it
         return a + b if isinstance(node.op, ast.Add) else a * b
     raise ValueError(f"not a shape expression: {ast.dump(node)}")
 
@@ -285,4 +289,41 @@ def config_shape_problems(shapes: dict[str, tuple], config: dict) -> list[tuple[
         if want is not None and None not in want and tuple(shape) != want:
             keys = " x ".join(exprs)
             problems.append((name, f"shape {list(shape)}, but config.json's {keys} is {list(want)}"))
+    return problems
+
+
+_ATTN_LAYER = re.compile(r"model\.layers\.\d+\.self_attn\.")
+
+
+def attention_presence_problems(names, config: dict) -> list[tuple[str, str]]:
+    """(module or tensor, problem) where config.json's attention switches and the tensors stored disagree on which
+    tensors exist: multi-head latent attention's q_lora_rank (an integer: q_a_proj and q_b_proj; null: q_proj),
+    grouped-query attention's attention_bias (the q, k and v biases) and use_qk_norm (q_norm, k_norm).
+
+    Loaders build what the switch says: a tensor stored beside it is refused (vLLM) or dropped with a warning
+    (transformers), and a missing one is left unset. A switch absent from config.json (the class default applies)
+    or of another type is not checked. `names`: every tensor name stored."""
+    names = set(names)
+    modules = {n.rpartition(".")[0] for n in names}
+    rules: list[tuple[str, bool, str]] = []  # (path inside self_attn, built?, why)
+    if "kv_lora_rank" in config:
+        q = config.get("q_lora_rank", "absent")
+        if q is None or type(q) is int:
+            why = f"config.json's q_lora_rank is {'null' if q is None else q}"
+            rules += [("q_a_proj", q is not None, why), ("q_a_layernorm.weight", q is not None, why),
+                      ("q_b_proj", q is not None, why), ("q_proj", q is None, why)]
+    else:
+        for key, paths in (("attention_bias", ("q_proj.bias", "k_proj.bias", "v_proj.bias")),
+                           ("use_qk_norm", ("q_norm.weight", "k_norm.weight"))):
+            if type(config.get(key)) is bool:
+                rules += [(p, config[key], f"config.json's {key} is {str(config[key]).lower()}") for p in paths]
+    problems = []
+    for layer in sorted({m.group(0) for n in names if (m := _ATTN_LAYER.match(n))}):
+        for path, built, why in rules:
+            name = layer + path
+            stored = name in names or name in modules
+            if stored and not built:
+                problems.append((name, f"stored, but {why}: loaders do not build it"))
+            elif built and not stored:
+                problems.append((name, f"missing, but {why}: loaders build it and find no weights for it"))
     return problems

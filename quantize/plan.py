@@ -12,8 +12,8 @@ import enum
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from glmq.formats.families import (LINEAR_CLASSES, TensorClass, classify, config_shape_problems,
-                                   expert_layout_problems, layer_index, mtp_layers)
+from glmq.formats.families import (LINEAR_CLASSES, TensorClass, attention_presence_problems, classify,
+                                   config_shape_problems, expert_layout_problems, layer_index, mtp_layers)
 from glmq.formats.safetensors_io import CheckpointError, OutSpec, TensorEntry
 from glmq.formats.source import Source, SourceFormat
 from glmq.quantize.pack import packed_shape
@@ -137,6 +137,7 @@ def make_items(source: Source, recipe: Recipe) -> list[Item]:
     layout = expert_layout_problems({_split(n)[0] for n in ents if _split(n)[1] == "weight"}, source.config,
                                     mtp_required=False)
     layout += config_shape_problems({n: e.shape for n, e in ents.items()}, source.config)
+    layout += attention_presence_problems(ents, source.config)
     if layout:
         alike: dict[str, list[str]] = {}  # a wrong key repeats one problem in every layer (GLM-5: 78 x 256 experts)
         for where, problem in layout:

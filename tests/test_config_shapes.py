@@ -87,3 +87,29 @@ def test_every_fixture_layout_agrees_with_its_config(preset):
         config = fixtures.make_config(fam, preset)
         shapes = {t.name: t.shape for group in fixtures.logical_tensors(config, fam) for t in group}
         assert len(shapes) > 100 and config_shape_problems(shapes, config) == [], fam
+
+
+_SWITCHES = [("deepseek_v3", {"q_lora_rank": None}), ("deepseek_v3", {"q_lora_rank": 64}),
+             ("glm4_moe", {"attention_bias": False}), ("glm4_moe", {"attention_bias": True}),
+             ("glm4_moe", {"use_qk_norm": True}), ("glm4_moe", {"use_qk_norm": False}),
+             ("glm4_moe", {"head_dim": None}), ("glm_moe_dsa", {})]
+
+
+@pytest.mark.parametrize("family, switch", _SWITCHES, ids=[f"{f}-{s}" for f, s in _SWITCHES])
+def test_the_attention_switches_are_transformers_tensors(family, switch):
+    """What transformers builds under each attention switch passes the shape table (head_dim absent: hidden / heads)
+    and the presence rules; the tensors of the opposite switch fail them."""
+    from glmq.formats.families import attention_presence_problems
+
+    config = {**fixtures.make_config(family, "tiny"), **switch}
+    if switch.get("head_dim", 0) is None:
+        del config["head_dim"]
+        config["num_attention_heads"] = 8  # hidden / heads = 32, not the fixture's 64
+    names = {f"model.layers.1.{k}": v for k, v in _transformers_shapes(config, 1).items()}
+    assert config_shape_problems(names, config) == [] and attention_presence_problems(names, config) == []
+    for key, value in switch.items():
+        if key == "head_dim":
+            assert config_shape_problems(names, {**config, "head_dim": 64})
+        else:
+            flipped = {"q_lora_rank": None if value is not None else 64}.get(key, not value)
+            assert attention_presence_problems(names, {**config, key: flipped}), (key, flipped)

@@ -315,6 +315,8 @@ def test_a_manifest_whose_complete_flag_is_not_a_boolean_is_unreadable(tmp_path)
                                 "hidden_size x intermediate_size is [256, 1024]"),
     ("kv_lora_rank", 64, "model.layers.0.self_attn.kv_a_proj_with_mqa.weight (and 3 more tensors): shape [160, 256], "
                          "but config.json's kv_lora_rank+qk_rope_head_dim x hidden_size is [96, 256]"),
+    ("q_lora_rank", None, "model.layers.0.self_attn.q_a_proj (and 11 more tensors): stored, but "
+                          "config.json's q_lora_rank is null: loaders do not build it"),
 ])
 def test_a_config_that_disagrees_with_the_experts_stored_is_refused_before_any_work(ckpt, tmp_path, key, value, needle):
     """The config was copied through: exit 0 and an output `glmq validate` failed (or, for extra experts and a

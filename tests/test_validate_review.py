@@ -261,6 +261,8 @@ def test_a_pipe_for_a_shard_or_a_string_complete_flag_is_invalid_not_a_hang_or_a
                                   "hidden_size x moe_intermediate_size is [256, 64]"),
     ("num_attention_heads", 8, "model.layers.0.self_attn.o_proj.weight: shape [256, 256], but config.json's "
                                "hidden_size x num_attention_heads*v_head_dim is [256, 512]"),
+    ("q_lora_rank", None, "model.layers.0.self_attn.q_proj: missing, but config.json's q_lora_rank is null: loaders "
+                          "build it and find no weights for it"),
 ])
 def test_a_config_that_disagrees_with_the_tensors_fails_structure(ckpt, key, value, needle):
     """Extra experts, a string count and a hidden_size, expert width or head count the tensors do not have passed

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from glmq.formats.families import LINEAR_CLASSES, config_shape_problems, expert_layout_problems
+from glmq.formats.families import (LINEAR_CLASSES, attention_presence_problems, config_shape_problems,
+                                   expert_layout_problems)
 from glmq.quantize.validate.checkpoint import COMPANIONS, Module
 from glmq.quantize.validate.config import Group, _ct, group_for
 from glmq.quantize.validate.report import CheckResult
@@ -128,6 +129,8 @@ def check_structure(modules: dict[str, Module], groups: list[Group], shapes: dic
                 stored[f"{m.name}.weight_shape"] = tuple(shapes[m.name])
     for name, problem in config_shape_problems(stored, config or {}):
         res.fail(f"{name}: {problem}; loaders would refuse it", tensor=name)
+    for name, problem in attention_presence_problems(stored, config or {}):
+        res.fail(f"{name}: {problem}", tensor=name)
     return res
 
 
