@@ -93,11 +93,12 @@ class Family:
     has_indexer: bool = False
     experts_key: str = "n_routed_experts"
     dense_key: str = "first_k_dense_replace"
+    latent_attention: bool = True  # multi-head latent attention (q_a/q_b, kv_a/kv_b); else grouped-query q/k/v
 
 
 FAMILIES: tuple[Family, ...] = (
     Family("glm_moe_dsa", ("glm_moe_dsa",), has_indexer=True),
-    Family("glm4_moe", ("glm4_moe",)),
+    Family("glm4_moe", ("glm4_moe",), latent_attention=False),
     Family("deepseek_v3", ("deepseek_v3", "kimi_k2")),
 )
 
@@ -212,7 +213,7 @@ def _layer_shapes(config: dict) -> dict[str, tuple[str, ...]]:
         "shared_head.norm.weight": (h,), "shared_head.head.weight": ("vocab_size", h),
         "embed_tokens.weight": ("vocab_size", h),
     }
-    if "kv_lora_rank" in config:  # multi-head latent attention (DeepSeek-V3, Kimi K2, GLM-5)
+    if _latent(config):  # multi-head latent attention (DeepSeek-V3, Kimi K2, GLM-5)
         qk = "num_attention_heads*(qk_nope_head_dim+qk_rope_head_dim)"
         shapes.update({
             "self_attn.q_a_proj.weight": ("q_lora_rank", h), "self_attn.q_a_layernorm.weight": ("q_lora_rank",),
@@ -235,6 +236,14 @@ def _layer_shapes(config: dict) -> dict[str, tuple[str, ...]]:
             "self_attn.v_proj.bias": (kv,), "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
         })
     return shapes
+
+
+def _latent(config: dict) -> bool:
+    """Whether the config's family has multi-head latent attention (an unknown one: whether it has kv_lora_rank)."""
+    try:
+        return family_for(config).latent_attention
+    except UnknownArchitectureError:
+        return "kv_lora_rank" in config
 
 
 _EXPERT_PATH = re.compile(r"mlp\.experts\.\d+\.")
@@ -306,7 +315,7 @@ def attention_presence_problems(names, config: dict) -> list[tuple[str, str]]:
     names = set(names)
     modules = {n.rpartition(".")[0] for n in names}
     rules: list[tuple[str, bool, str]] = []  # (path inside self_attn, built?, why)
-    if "kv_lora_rank" in config:
+    if _latent(config):
         q = config.get("q_lora_rank", "absent")
         if q is None or type(q) is int:
             why = f"config.json's q_lora_rank is {'null' if q is None else q}"

@@ -92,7 +92,7 @@ def test_every_fixture_layout_agrees_with_its_config(preset):
 _SWITCHES = [("deepseek_v3", {"q_lora_rank": None}), ("deepseek_v3", {"q_lora_rank": 64}),
              ("glm4_moe", {"attention_bias": False}), ("glm4_moe", {"attention_bias": True}),
              ("glm4_moe", {"use_qk_norm": True}), ("glm4_moe", {"use_qk_norm": False}),
-             ("glm4_moe", {"head_dim": None}), ("glm_moe_dsa", {})]
+             ("glm4_moe", {"head_dim": None}), ("glm4_moe", {"kv_lora_rank": None}), ("glm_moe_dsa", {})]
 
 
 @pytest.mark.parametrize("family, switch", _SWITCHES, ids=[f"{f}-{s}" for f, s in _SWITCHES])
@@ -108,7 +108,9 @@ def test_the_attention_switches_are_transformers_tensors(family, switch):
     names = {f"model.layers.1.{k}": v for k, v in _transformers_shapes(config, 1).items()}
     assert config_shape_problems(names, config) == [] and attention_presence_problems(names, config) == []
     for key, value in switch.items():
-        if key == "head_dim":
+        if key == "kv_lora_rank":  # a stray MLA key in a grouped-query family: its q/k/v are still checked
+            assert config_shape_problems(names, {**config, "num_key_value_heads": 4})
+        elif key == "head_dim":
             assert config_shape_problems(names, {**config, "head_dim": 64})
         else:
             flipped = {"q_lora_rank": None if value is not None else 64}.get(key, not value)
