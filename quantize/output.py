@@ -271,16 +271,19 @@ def _changed_under_gptq(out: Path, plan: Plan, changed: dict[str, tuple[int, int
     """The refusal of a GPTQ resume over a changed source shard: each calibrated layer's input came from every layer
     before it, so the files of that shard are not all that would have to be redone, and a shard that was only copied
     (its times not kept) is not worth hours of calibration: the user says which it is."""
-    shown = list(changed.items())[:3]
-    touch = "; ".join(f"touch -m -d @{_seconds(was)} {shlex.quote(str(plan.source.path(s)))}" for s, (was, _) in shown)
-    more = f" (and {len(changed) - len(shown)} more shards: {out / MANIFEST_NAME} lists their times under " \
-           f"source_mtime_ns)" if len(changed) > len(shown) else ""
-    was, now = shown[0][1]
-    return (f"{plan.source.path(shown[0][0])}: modified since the interrupted GPTQ run in {out} began (its "
-            f"modification time moved from {_when(was)} to {_when(now)}{_in_all(changed)}); the layers calibrated so "
-            f"far may rest on its old contents. If its contents changed, use a new --output folder or remove this one "
-            f"to start over. If they did not (the source was copied without its file times; cp -a and rsync -a keep "
-            f"them), restore the times and run the same command again to resume: {touch}{more}")
+    first, (was, now) = next(iter(changed.items()))
+    if len(changed) <= 3:
+        restore = "; ".join(f"touch -m -d @{_seconds(t)} {shlex.quote(str(plan.source.path(s)))}"
+                            for s, (t, _) in changed.items())
+    else:  # e.g. a whole source copied: one command for every shard, from the times the manifest keeps
+        code = (f"import json, os; r = {str(plan.source.root)!r}; [os.utime(os.path.join(r, s), ns=(t, t)) for s, t "
+                f"in json.load(open({str(out / MANIFEST_NAME)!r}))['source_mtime_ns'].items()]")
+        restore = f"python3 -c {shlex.quote(code)}"
+    return (f"{plan.source.path(first)}: modified since the interrupted GPTQ run in {out} began (its modification "
+            f"time moved from {_when(was)} to {_when(now)}{_in_all(changed)}); the layers calibrated so far may rest "
+            f"on its old contents. If its contents changed, use a new --output folder or remove this one to start "
+            f"over. If they did not (the source was copied without its file times; cp -a and rsync -a keep them), "
+            f"restore the times and run the same command again to resume: {restore}")
 
 
 def _planned_header(path: Path, f: OutFile) -> bool:

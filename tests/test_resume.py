@@ -250,3 +250,36 @@ def test_the_touch_command_restores_the_exact_time(tmp_path):
     for ns in (-1, -1_999_999_999, 0, 1, 1_700_000_000_123_456_789):
         subprocess.run(["touch", "-m", "-d", f"@{_seconds(ns)}", str(f)], check=True)
         assert os.stat(f).st_mtime_ns == ns
+
+
+def test_the_gptq_refusal_over_many_changed_shards_gives_one_command_that_restores_them_all(make_ckpt, tmp_path):
+    """A whole source copied without its times (here: every shard's time moved) is refused with one command, not a
+    touch per shard; run as printed, it restores every recorded time, and the folder then resumes."""
+    import os
+    import re
+    import shutil
+
+    import pytest
+
+    from glmq.formats.manifest import Manifest
+    from glmq.quantize.output import OutputDirError, OutputLock, prepare_output
+    from glmq.recipes import load
+
+    src = tmp_path / "src dir"  # a space: the command quotes its paths
+    shutil.copytree(make_ckpt("glm_moe_dsa", "fp8-block"), src)
+    gptq = load("int4-w4a16").with_method("gptq")  # as --scheme gptq
+    out = tmp_path / "out"
+    with OutputLock(out) as lock:
+        prepare_output(make_plan(open_source(src), gptq, 300_000), out, lock)
+    times = Manifest.load(out).source_mtime_ns
+    for shard in times:
+        st = (src / shard).stat()
+        os.utime(src / shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(OutputDirError) as e, OutputLock(out) as lock:
+        prepare_output(make_plan(open_source(src), gptq, 300_000), out, lock)
+    msg = str(e.value)
+    assert f"{len(times)} source shards in all" in msg and "touch" not in msg
+    subprocess.run(re.search(r"resume: (python3 -c .*)$", msg).group(1), shell=True, check=True)
+    assert {s: (src / s).stat().st_mtime_ns for s in times} == times
+    with OutputLock(out) as lock:
+        prepare_output(make_plan(open_source(src), gptq, 300_000), out, lock)
