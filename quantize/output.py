@@ -276,8 +276,8 @@ def _changed_under_gptq(out: Path, plan: Plan, changed: dict[str, tuple[int, int
         restore = "; ".join(f"touch -m -d @{_seconds(t)} {shlex.quote(str(plan.source.path(s)))}"
                             for s, (t, _) in changed.items())
     else:  # e.g. a whole source copied: one command for every shard, from the times the manifest keeps
-        code = (f"import json, os; r = {str(plan.source.root)!r}; [os.utime(os.path.join(r, s), ns=(t, t)) for s, t "
-                f"in json.load(open({str(out / MANIFEST_NAME)!r}))['source_mtime_ns'].items()]")
+        code = (f"import json, os; r = {json.dumps(str(plan.source.root))}; [os.utime(os.path.join(r, s), ns=(t, t)) "
+                f"for s, t in json.load(open({json.dumps(str(out / MANIFEST_NAME))}))[\"source_mtime_ns\"].items()]")
         restore = f"python3 -c {shlex.quote(code)}"
     return (f"{plan.source.path(first)}: modified since the interrupted GPTQ run in {out} began (its modification "
             f"time moved from {_when(was)} to {_when(now)}{_in_all(changed)}); the layers calibrated so far may rest "
