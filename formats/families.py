@@ -281,23 +281,19 @@ def config_shape_problems(shapes: dict[str, tuple], config: dict) -> list[tuple[
     shape: the embedding and lm_head [vocab_size, hidden_size], the final norm, and in each decoder and MTP layer
     every attention, MLP, expert, router and norm tensor (`_layer_shapes`). `shapes`: tensor name -> shape as
     stored, a pack-quantized module's under `<module>.weight_shape` (its [N, K])."""
-    table = _layer_shapes(config)
+    table = {"top:model.embed_tokens.weight": ("vocab_size", "hidden_size"),
+             "top:lm_head.weight": ("vocab_size", "hidden_size"), "top:model.norm.weight": ("hidden_size",),
+             **_layer_shapes(config)}
+    wants = {path: tuple(_dim(e, config) for e in exprs) for path, exprs in table.items()}  # once, not per tensor
     problems = []
     for name, shape in sorted(shapes.items()):
         if name.endswith(".weight_shape"):
             name = name.removesuffix("_shape")
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            exprs = ("vocab_size", "hidden_size")
-        elif name == "model.norm.weight":
-            exprs = ("hidden_size",)
-        elif (m := _LAYER.match(name)) is not None:
-            exprs = table.get(_EXPERT_PATH.sub("mlp.experts.*.", name[m.end():]))
-        else:
-            continue
-        want = None if exprs is None else tuple(_dim(e, config) for e in exprs)
+        m = _LAYER.match(name)
+        path = "top:" + name if m is None else _EXPERT_PATH.sub("mlp.experts.*.", name[m.end():])
+        want = wants.get(path)
         if want is not None and None not in want and tuple(shape) != want:
-            keys = " x ".join(exprs)
-            problems.append((name, f"shape {list(shape)}, but config.json's {keys} is {list(want)}"))
+            problems.append((name, f"shape {list(shape)}, but config.json's {' x '.join(table[path])} is {list(want)}"))
     return problems
 
 
