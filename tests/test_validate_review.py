@@ -311,3 +311,28 @@ def test_an_unreadable_shard_is_one_index_failure_not_also_a_total_size_one(ckpt
     idx["weight_map"] = {n: f for n, f in idx["weight_map"].items() if f != shard.name}
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(idx))
     assert any("metadata.total_size is" in m for m in messages(v.validate(ckpt), "index"))
+
+
+def test_a_single_file_checkpoint_with_a_garbage_header_is_one_index_failure(make_ckpt, tmp_path):
+    """model.safetensors alone (no index) with a header that is not safetensors: the index check fails naming it;
+    it was also warned about as a file 'the index does not reference', and structure called every expert missing."""
+    from glmq.formats.manifest import MANIFEST_NAME
+
+    src = make_ckpt("glm_moe_dsa", "fp8-block", max_shard_bytes=10**9)
+    out = tmp_path / "out"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stream, "ConfigJob", InProcessConfigJob)
+        stream.run(make_plan(open_source(src), recipes.load("int4-w4a16"), 10**9), out, progress=False)
+    (only,) = out.glob("model-*.safetensors")
+    only.rename(out / "model.safetensors")
+    (out / "model.safetensors.index.json").unlink()
+    man = json.loads((out / MANIFEST_NAME).read_text())
+    man["files"] = {"model.safetensors": man["files"][only.name]}
+    (out / MANIFEST_NAME).write_text(json.dumps(man))
+    assert v.validate(out).valid  # the single-file layout itself is valid
+    with open(out / "model.safetensors", "r+b") as f:
+        f.write(b"garbage!")
+    rep = v.validate(out)
+    assert not rep.valid and any(f"{out / 'model.safetensors'}: header length" in m for m in messages(rep, "index"))
+    assert not messages(rep, "structure"), messages(rep, "structure")
+    assert not any("does not reference" in w.message for w in rep.checks["index"].warnings)

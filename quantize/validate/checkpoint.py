@@ -30,6 +30,14 @@ class Checkpoint:
     manifest: Manifest | None
     manifest_error: str | None = None
 
+    @property
+    def unread(self) -> set[str]:
+        """The tensor files listed (or, without an index, the one model.safetensors) whose header could not be read:
+        what they hold is unknown, so no check may call their tensors missing."""
+        if not (self.root / INDEX_NAME).exists():
+            return set() if self.weight_map or not (self.root / SINGLE_NAME).exists() else {SINGLE_NAME}
+        return set(self.weight_map.values()) - set(self.shards)
+
     def entries(self) -> dict[str, TensorEntry]:
         return {n: e for es in self.shards.values() for n, e in es.items()}
 
@@ -67,7 +75,7 @@ def load_checkpoint(root: Path) -> Checkpoint:
         except (CheckpointError, OSError) as e:
             index.fail(str(e), shard=shard)
     check_index(weight_map, total, shards, index)
-    listed = set(weight_map.values())
+    listed = set(weight_map.values()) | ({SINGLE_NAME} if not (root / INDEX_NAME).exists() else set())
     for name in sorted(p.name for p in root.glob("*.safetensors") if p.name not in listed):
         index.warn(f"{name}: a safetensors file the index does not reference (loaders skip it)", shard=name)
     ck = Checkpoint(root, config, config_error, weight_map, shards, starts, index, None)

@@ -97,7 +97,7 @@ def validate(checkpoint: str | Path, source: str | Path | None = None, *, sample
     for msg in read_errors:
         ck.index.fail(msg)
     checks = {"config": check_config(q),
-              "structure": check_structure(modules, groups, scan.shapes, ignore, ck.config, scan.values),
+              "structure": check_structure(modules, groups, scan.shapes, ignore, ck.config, scan.values, ck.unread),
               "index": ck.index}
     if serving:
         checks["serving"] = check_serving(modules, groups, scan.shapes, ignore, q.qc, tp)
