@@ -145,6 +145,11 @@ def mtp_layers(config: dict) -> range:
     return range(n, n + int(config.get("num_nextn_predict_layers", 0) or 0))
 
 
+def _experts_key(config: dict) -> str:
+    """The config key of the routed-expert count: n_routed_experts (GLM, DeepSeek), else num_local_experts."""
+    return "n_routed_experts" if "n_routed_experts" in config else "num_local_experts"
+
+
 EXPERT_MODULE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj$")
 _LAYER_COUNTS = ("num_hidden_layers", "first_k_dense_replace", "num_nextn_predict_layers")
 
@@ -159,7 +164,7 @@ def expert_layout_problems(modules, config: dict, mtp_required: bool = True) -> 
     layer serves, the layer only drafts tokens). `modules`: the module names stored (without .weight).
     """
     problems = []
-    key = "n_routed_experts" if "n_routed_experts" in config else "num_local_experts"
+    key = _experts_key(config)
     n = config.get(key)
     for k in (key, *_LAYER_COUNTS):
         if config.get(k) is not None and (type(config[k]) is not int or config[k] < 0):
@@ -199,7 +204,7 @@ def _layer_shapes(config: dict) -> dict[str, tuple[str, ...]]:
     tiny checkpoint's whole conversion). Only keys a loader reads from config.json: a key missing there (its class
     default applies) or not an integer skips the tensor (`config_shape_problems`)."""
     h, i, mi = "hidden_size", "intermediate_size", "moe_intermediate_size"
-    e = "n_routed_experts" if "n_routed_experts" in config else "num_local_experts"
+    e = _experts_key(config)
     shapes = {
         "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
         "mlp.shared_experts.gate_proj.weight": (f"{mi}*n_shared_experts", h),
@@ -247,29 +252,25 @@ def _latent(config: dict) -> bool:
 
 
 _EXPERT_PATH = re.compile(r"mlp\.experts\.\d+\.")
-_TERM = re.compile(r"[a-z_][a-z_0-9]*|\d+|//|[()*+]")
 
 
 def _dim(expr: str, config: dict) -> int | None:
     """The value of a shape expression of config keys (`a*(b+c)`, `a//b`), or None when a key is missing or no
     integer."""
-    values = []
-    for t in _TERM.findall(expr):
-        if t[0].isalpha() or t[0] == "_":
-            v = config.get(t)
-            if type(v) is not int:
-                return None
-            t = str(v)
-        values.append(t)
-    return _arith(ast.parse("".join(values), mode="eval").body)
+    return _arith(ast.parse(expr, mode="eval").body, config)
 
 
-def _arith(node) -> int:
-    """Integers, +, * and // (the table's own expressions, already holding the config's values)."""
+def _arith(node, config: dict) -> int | None:
+    """Config keys, integers, +, * and // (the table's own expressions); None where a key is missing or no integer."""
+    if isinstance(node, ast.Name):
+        v = config.get(node.id)
+        return v if type(v) is int else None
     if isinstance(node, ast.Constant) and type(node.value) is int:
         return node.value
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult, ast.FloorDiv)):
-        a, b = _arith(node.left), _arith(node.right)
+        a, b = _arith(node.left, config), _arith(node.right, config)
+        if a is None or b is None:
+            return None
         if isinstance(node.op, ast.FloorDiv):
             return a // b if b else -1  # a zero head count: no shape matches it
         return a + b if isinstance(node.op, ast.Add) else a * b
@@ -300,14 +301,15 @@ def config_shape_problems(shapes: dict[str, tuple], config: dict) -> list[tuple[
 _ATTN_LAYER = re.compile(r"model\.layers\.\d+\.self_attn\.")
 
 
-def attention_presence_problems(names, config: dict) -> list[tuple[str, str]]:
+def attention_presence_problems(names, config: dict, missing: bool = True) -> list[tuple[str, str]]:
     """(module or tensor, problem) where config.json's attention switches and the tensors stored disagree on which
     tensors exist: multi-head latent attention's q_lora_rank (an integer: q_a_proj and q_b_proj; null: q_proj),
     grouped-query attention's attention_bias (the q, k and v biases) and use_qk_norm (q_norm, k_norm).
 
     Loaders build what the switch says: a tensor stored beside it is refused (vLLM) or dropped with a warning
     (transformers), and a missing one is left unset. A switch absent from config.json (the class default applies)
-    or of another type is not checked. `names`: every tensor name stored."""
+    or of another type is not checked. `names`: every tensor name stored; `missing`: False leaves out the tensors
+    missing (some files could not be read: they may lie there)."""
     names = set(names)
     modules = {n.rpartition(".")[0] for n in names}
     rules: list[tuple[str, bool, str]] = []  # (path inside self_attn, built?, why)
@@ -329,6 +331,6 @@ def attention_presence_problems(names, config: dict) -> list[tuple[str, str]]:
             stored = name in names or name in modules
             if stored and not built:
                 problems.append((name, f"stored, but {why}: loaders do not build it"))
-            elif built and not stored:
+            elif built and not stored and missing:
                 problems.append((name, f"missing, but {why}: loaders build it and find no weights for it"))
     return problems

@@ -134,9 +134,8 @@ def check_structure(modules: dict[str, Module], groups: list[Group], shapes: dic
                 stored[f"{m.name}.weight_shape"] = tuple(shapes[m.name])
     for name, problem in config_shape_problems(stored, config or {}):
         res.fail(f"{name}: {problem}; loaders would refuse it", tensor=name)
-    for name, problem in attention_presence_problems(stored, config or {}):
-        if not (unread and problem.startswith("missing")):
-            res.fail(f"{name}: {problem}", tensor=name)
+    for name, problem in attention_presence_problems(stored, config or {}, missing=not unread):
+        res.fail(f"{name}: {problem}", tensor=name)
     return res
 
 
