@@ -195,14 +195,54 @@ def expert_layout_problems(modules, config: dict, mtp_required: bool = True) -> 
     return problems
 
 
+# The config.json keys the shape table and the attention switches read, with the default a loader takes where
+# config.json lacks one: transformers 5.17's GlmMoeDsaConfig, Glm4MoeConfig and DeepseekV3Config (vLLM builds these
+# model types from the same classes). Data, not read from transformers: importing a config class costs ~4 s a process
+# and transformers is an optional dependency; tests/test_config_shapes.py compares every value with the class.
+# kimi_k2 has no row: its loaders build the config from the checkpoint's own remote code, whose defaults glmq does not
+# read, so a key it lacks is still skipped. Glm4MoeConfig has no head_dim: its layers take hidden_size // heads.
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "n_shared_experts",
+               "n_routed_experts", "num_attention_heads", "num_key_value_heads", "attention_bias")
+CLASS_DEFAULTS: dict[str, tuple[str, dict[str, object]]] = {
+    "glm_moe_dsa": ("GlmMoeDsaConfig", dict(zip(_SHAPE_KEYS, (154880, 6144, 12288, 2048, 1, 256, 64, 64, False)),
+                                            q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
+                                            qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32,
+                                            index_head_dim=128)),
+    "glm4_moe": ("Glm4MoeConfig", dict(zip(_SHAPE_KEYS, (151552, 4096, 10944, 1408, 1, 128, 96, 8, False)),
+                                       use_qk_norm=False)),
+    "deepseek_v3": ("DeepseekV3Config", dict(zip(_SHAPE_KEYS, (129280, 7168, 18432, 2048, 1, 256, 128, 128, False)),
+                                             q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                                             qk_rope_head_dim=64, v_head_dim=128)),
+}
+
+
+def loader_config(config: dict) -> tuple[dict, dict[str, str]]:
+    """config.json as a loader reads it: the keys of CLASS_DEFAULTS it lacks take their class default. Returns the
+    config and, for each key filled in, how to say so ("GlmMoeDsaConfig's default"). The expert count is not filled
+    where config.json names it num_local_experts (the classes map that name onto n_routed_experts)."""
+    model_type = config.get("model_type")
+    if model_type not in CLASS_DEFAULTS:
+        return config, {}
+    cls, defaults = CLASS_DEFAULTS[model_type]
+    filled = {k: v for k, v in defaults.items() if k not in config
+              and not (k == "n_routed_experts" and "num_local_experts" in config)}
+    return {**config, **filled}, {k: f"{cls}'s default; config.json has none" for k in filled}
+
+
+def _switch(key: str, value, defaulted: dict[str, str]) -> str:
+    """`config.json's q_lora_rank is 2048`, or where config.json lacks the key, the class default that applies."""
+    v = "null" if value is None else str(value).lower() if type(value) is bool else value
+    return f"{key} is {v} ({defaulted[key]})" if key in defaulted else f"config.json's {key} is {v}"
+
+
 def _layer_shapes(config: dict) -> dict[str, tuple[str, ...]]:
     """Inside a decoder (or MTP) layer: tensor path -> (its shape as config keys, as transformers' layer classes build
     it; tests/test_config_shapes.py checks each against them). A key is a config key, `a*b` a product, `a+b` a sum,
     `a//b` a quotient.
 
     Hand-written (transformers builds the layer, but importing its modeling code costs ~5 s a process, more than a
-    tiny checkpoint's whole conversion). Only keys a loader reads from config.json: a key missing there (its class
-    default applies) or not an integer skips the tensor (`config_shape_problems`)."""
+    tiny checkpoint's whole conversion). A key missing from config.json takes its class default (`loader_config`); one
+    without a known default, or not an integer, skips the tensor (`config_shape_problems`)."""
     h, i, mi = "hidden_size", "intermediate_size", "moe_intermediate_size"
     e = _experts_key(config)
     shapes = {
@@ -282,6 +322,7 @@ def config_shape_problems(shapes: dict[str, tuple], config: dict) -> list[tuple[
     shape: the embedding and lm_head [vocab_size, hidden_size], the final norm, and in each decoder and MTP layer
     every attention, MLP, expert, router and norm tensor (`_layer_shapes`). `shapes`: tensor name -> shape as
     stored, a pack-quantized module's under `<module>.weight_shape` (its [N, K])."""
+    config, defaulted = loader_config(config)
     table = {"top:model.embed_tokens.weight": ("vocab_size", "hidden_size"),
              "top:lm_head.weight": ("vocab_size", "hidden_size"), "top:model.norm.weight": ("hidden_size",),
              **_layer_shapes(config)}
@@ -294,7 +335,10 @@ def config_shape_problems(shapes: dict[str, tuple], config: dict) -> list[tuple[
         path = "top:" + name if m is None else _EXPERT_PATH.sub("mlp.experts.*.", name[m.end():])
         want = wants.get(path)
         if want is not None and None not in want and tuple(shape) != want:
-            problems.append((name, f"shape {list(shape)}, but config.json's {' x '.join(table[path])} is {list(want)}"))
+            said = "; ".join(f"{k}: {why}" for k, why in defaulted.items()
+                             if re.search(rf"\b{k}\b", " ".join(table[path])))
+            problems.append((name, f"shape {list(shape)}, but config.json's {' x '.join(table[path])} is {list(want)}"
+                                   + (f" ({said})" if said else "")))
     return problems
 
 
@@ -307,23 +351,25 @@ def attention_presence_problems(names, config: dict, missing: bool = True) -> li
     grouped-query attention's attention_bias (the q, k and v biases) and use_qk_norm (q_norm, k_norm).
 
     Loaders build what the switch says: a tensor stored beside it is refused (vLLM) or dropped with a warning
-    (transformers), and a missing one is left unset. A switch absent from config.json (the class default applies)
-    or of another type is not checked. `names`: every tensor name stored; `missing`: False leaves out the tensors
-    missing (some files could not be read: they may lie there)."""
+    (transformers), and a missing one is left unset. A switch absent from config.json
+    takes its class default (`loader_config`); one of another type, or without a known default, is not checked.
+    `names`: every tensor name stored; `missing`: False leaves out the tensors missing (some files could not be read:
+    they may lie there)."""
+    config, defaulted = loader_config(config)
     names = set(names)
     modules = {n.rpartition(".")[0] for n in names}
     rules: list[tuple[str, bool, str]] = []  # (path inside self_attn, built?, why)
     if _latent(config):
         q = config.get("q_lora_rank", "absent")
         if q is None or type(q) is int:
-            why = f"config.json's q_lora_rank is {'null' if q is None else q}"
+            why = _switch("q_lora_rank", q, defaulted)
             rules += [("q_a_proj", q is not None, why), ("q_a_layernorm.weight", q is not None, why),
                       ("q_b_proj", q is not None, why), ("q_proj", q is None, why)]
     else:
         for key, paths in (("attention_bias", ("q_proj.bias", "k_proj.bias", "v_proj.bias")),
                            ("use_qk_norm", ("q_norm.weight", "k_norm.weight"))):
             if type(config.get(key)) is bool:
-                rules += [(p, config[key], f"config.json's {key} is {str(config[key]).lower()}") for p in paths]
+                rules += [(p, config[key], _switch(key, config[key], defaulted)) for p in paths]
     problems = []
     for layer in sorted({m.group(0) for n in names if (m := _ATTN_LAYER.match(n))}):
         for path, built, why in rules:

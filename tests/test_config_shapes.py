@@ -115,3 +115,63 @@ def test_the_attention_switches_are_transformers_tensors(family, switch):
         else:
             flipped = {"q_lora_rank": None if value is not None else 64}.get(key, not value)
             assert attention_presence_problems(names, {**config, key: flipped}), (key, flipped)
+
+
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "glm4_moe", "deepseek_v3"])
+def test_the_class_defaults_are_transformers_defaults(model_type):
+    """Each default glmq fills in for a key config.json lacks is the value transformers' config class takes, and a
+    layer built from a config without that key has the default's shape."""
+    import transformers
+
+    from glmq.formats.families import CLASS_DEFAULTS
+
+    cls_name, defaults = CLASS_DEFAULTS[model_type]
+    cls = transformers.CONFIG_MAPPING[model_type]
+    assert cls.__name__ == cls_name
+    built = cls()
+    assert {k: getattr(built, k) for k in defaults} == defaults
+    if model_type == "glm4_moe":  # no head_dim default: its layers take hidden / heads, as the table does
+        assert not hasattr(built, "head_dim")
+
+
+@pytest.mark.parametrize("family, key", [("glm_moe_dsa", "q_lora_rank"), ("glm_moe_dsa", "index_head_dim"),
+                                         ("glm_moe_dsa", "moe_intermediate_size"), ("deepseek_v3", "kv_lora_rank"),
+                                         ("glm4_moe", "num_key_value_heads"), ("glm4_moe", "vocab_size")])
+def test_a_key_config_json_lacks_takes_the_loaders_default(family, key):
+    """Stored tensors that fit the config's value fail once the key is gone from config.json (the loader builds the
+    class default), with a message that says so; a default they fit passes; kimi_k2 (remote code) is not checked."""
+    from glmq.formats.families import CLASS_DEFAULTS
+
+    config = fixtures.make_config(family, "tiny")
+    shapes = {t.name: t.shape for group in fixtures.logical_tensors(config, family) for t in group}
+    assert config_shape_problems(shapes, config) == []
+    lacking = {k: v for k, v in config.items() if k != key}
+    problems = config_shape_problems(shapes, lacking)
+    cls_name, defaults = CLASS_DEFAULTS[family]
+    assert problems and all(f"({key}: {cls_name}'s default; config.json has none)" in p for _, p in problems)
+    assert config[key] != defaults[key]
+    # the default itself, written out, gives the same verdict as leaving the key out
+    assert [n for n, _ in problems] == [n for n, _ in config_shape_problems(shapes, {**lacking, key: defaults[key]})]
+    if family == "deepseek_v3":
+        assert config_shape_problems(shapes, {**lacking, "model_type": "kimi_k2"}) == []
+
+
+def test_a_switch_config_json_lacks_takes_the_loaders_default():
+    """glm4_moe without use_qk_norm builds no q_norm/k_norm (Glm4MoeConfig's False): stored ones are reported;
+    deepseek_v3 without q_lora_rank builds q_a/q_b (DeepseekV3Config's 1536): a q_proj checkpoint is reported."""
+    from glmq.formats.families import attention_presence_problems
+
+    config = {**fixtures.make_config("glm4_moe", "tiny"), "use_qk_norm": True}
+    names = {f"model.layers.1.{k}" for k in _transformers_shapes(config, 1)}
+    assert attention_presence_problems(names, config) == []
+    problems = attention_presence_problems(names, {k: v for k, v in config.items() if k != "use_qk_norm"})
+    assert sorted(n for n, _ in problems) == ["model.layers.1.self_attn.k_norm.weight",
+                                              "model.layers.1.self_attn.q_norm.weight"]
+    assert all("use_qk_norm is false (Glm4MoeConfig's default; config.json has none)" in p for _, p in problems)
+    config = {**fixtures.make_config("deepseek_v3", "tiny"), "q_lora_rank": None}
+    names = {f"model.layers.1.{k}" for k in _transformers_shapes(config, 1)}
+    assert attention_presence_problems(names, config) == []
+    problems = dict(attention_presence_problems(names, {k: v for k, v in config.items() if k != "q_lora_rank"}))
+    why = "q_lora_rank is 1536 (DeepseekV3Config's default; config.json has none)"
+    assert problems["model.layers.1.self_attn.q_proj"] == f"stored, but {why}: loaders do not build it", problems
+    assert problems["model.layers.1.self_attn.q_a_proj"].startswith(f"missing, but {why}"), problems

@@ -245,9 +245,9 @@ def test_an_fp8_weight_that_is_not_2d_is_a_plan_error(ckpt, tmp_path):
         out = tmp_path / f"out-{cmd}"
         r = glmq(cmd, "-m", str(ckpt), *(["-o", str(out), "--no-progress"] if cmd == "quantize" else []))
         assert_fails(r, out, EXPERT, "shape [32768], but config.json's hidden_size x moe_intermediate_size is [256, 128]")
-    # without the config key that shapes it, the weight's own check
+    # with a config value that shapes nothing (absent, its class default 2048 would apply), the weight's own check
     cfg = json.loads((ckpt / "config.json").read_text())
-    del cfg["moe_intermediate_size"]
+    cfg["moe_intermediate_size"] = None
     (ckpt / "config.json").write_text(json.dumps(cfg))
     for cmd in ("plan", "quantize"):
         out = tmp_path / f"out2-{cmd}"
