@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import dataclass
-from pathlib import PurePath
+from pathlib import Path, PurePath
 
 import yaml
 from huggingface_hub import ModelCard, ModelCardData
@@ -32,7 +32,7 @@ UNVALIDATED_WARNING = "this checkpoint was uploaded without passing glmq validat
 LIBRARY_NAME = "transformers"
 # A Hub model id with its namespace (huggingface_hub's REPO_ID_REGEX, namespace required): a bare
 # "name" is more often a local folder than a model on the Hub.
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}", re.ASCII)  # ORG/NAME, not NAME alone
 # Where huggingface_hub caches a download: .../models--ORG--NAME/snapshots/<commit>
 _HF_CACHE = re.compile(r"models--([^/\\]+?)--([^/\\]+)[/\\]snapshots[/\\]")
 
@@ -77,8 +77,15 @@ class CardInputs:
 
 
 def is_repo_id(text: str) -> bool:
-    """True for "ORG/NAME" as the Hub spells model ids (no "--" or "..", no path markers)."""
-    return bool(_REPO_ID.match(text)) and "--" not in text and ".." not in text
+    """True for "ORG/NAME" as the Hub spells model ids: huggingface_hub's own `validate_repo_id` (ASCII letters and
+    digits, '-', '_', '.', not at either end of a part, no "--" or "..", no ".git" at the end), and an ORG part."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return bool(_REPO_ID.fullmatch(text))
 
 
 def infer_base_model(config: dict, report: dict | None) -> tuple[str | None, str]:
@@ -230,10 +237,28 @@ def _number(v) -> str:
     return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
 
 
-def public_path(spec: str) -> str:
-    """A local path's last component, without the folders of the machine it was on (`/home/alice/data/c.jsonl` in a
-    public card or report); a dataset name (`org/name`) or a relative path stays as recorded."""
-    return PurePath(spec).name if spec.startswith(("/", "~", "./", "../")) or PurePath(spec).drive else spec
+_DATA_FILES = (".txt", ".jsonl", ".json", ".parquet")  # the calibration files calibration/data.py reads
+
+
+def public_path(spec: str, local: bool = False) -> str:
+    """A local path's last component, without the folders of the machine it was on (`/home/alice/data/c.jsonl` or
+    `data/alice/c.jsonl` in a public card or report); a Hub dataset name (`NAME`, `ORG/NAME[:CONFIG]`) stays.
+
+    A string is taken for a local path when `local` says so (the source folder, an --offload-activations folder), when
+    it is absolute or starts with ./, ../ or ~, names a data file (.txt, .jsonl, .json, .parquet), has more folders
+    than ORG/NAME, or exists here (a local dataset folder, seen from where the upload runs)."""
+    p = PurePath(spec)
+    if (local or spec.startswith(("/", "~", "./", "../")) or p.drive or p.suffix.lower() in _DATA_FILES
+            or len(p.parts) > 2 or _exists(spec)):
+        return p.name
+    return spec
+
+
+def _exists(spec: str) -> bool:
+    try:
+        return Path(spec).exists()
+    except (OSError, ValueError):  # a name too long for the file system, a NUL byte
+        return False
 
 
 def made_with(report: dict | None, manifest: dict | None) -> tuple[list[str], list[str]]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 import sys
 from dataclasses import dataclass
@@ -80,18 +81,33 @@ def ignore_patterns() -> list[str]:
     return [f"{CACHE_DIR}/*", f"*{TMP_SUFFIX}", "*.tmp", FRAGMENT_GLOB, journal_name("glmq_manifest*.json"), EVAL_NAME]
 
 
-def split_files(folder: Path) -> tuple[dict[str, int], list[str]]:
+def local_patterns(folder: Path, eval_report: Path | None) -> list[str]:
+    """An --eval-report that lies inside the folder under another name than EVAL_NAME stays local too (it holds the
+    same local paths); its path in the repo, as an fnmatch pattern that matches only itself."""
+    import glob
+
+    if eval_report is None:
+        return []
+    try:
+        rel = eval_report.expanduser().resolve().relative_to(folder.expanduser().resolve())
+    except ValueError:  # outside the folder: never listed
+        return []
+    return [glob.escape(rel.as_posix())]
+
+
+def split_files(folder: Path, local: list[str] = ()) -> tuple[dict[str, int], list[str]]:
     """({path in repo: bytes} the upload sends, [paths it leaves out]).
 
     The listing is huggingface_hub's own (upload_folder and upload_large_folder both glob `**/*`
     under the resolved folder and pass the relative POSIX paths through `filter_repo_objects` with
-    our patterns plus DEFAULT_IGNORE_PATTERNS: .git, .cache/huggingface).
+    our patterns, `local` (`local_patterns`) and DEFAULT_IGNORE_PATTERNS: .git, .cache/huggingface).
     """
     from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
     root = folder.expanduser().resolve()
     names = sorted(p.relative_to(root).as_posix() for p in root.glob("**/*") if p.is_file())
-    kept = set(filter_repo_objects(names, ignore_patterns=ignore_patterns() + list(DEFAULT_IGNORE_PATTERNS)))
+    kept = set(filter_repo_objects(names, ignore_patterns=ignore_patterns() + list(local)
+                                   + list(DEFAULT_IGNORE_PATTERNS)))
     return {n: (root / n).stat().st_size for n in names if n in kept}, [n for n in names if n not in kept]
 
 
@@ -129,8 +145,9 @@ def check_arguments(o: UploadOptions) -> Path:
                           f"`glmq quantize` to finish an interrupted conversion)", 2)
     for flag, value in (("--repo-id", o.repo_id), ("--base-model", o.base_model)):
         if value is not None and not is_repo_id(value):
-            raise UploadError(f"{flag} {value!r}: not a Hub model id; spell it ORG/NAME (letters, digits, '-', "
-                              f"'_', '.')", 2)
+            raise UploadError(f"{flag} {value!r}: not a Hub model id; spell it ORG/NAME (ASCII letters, digits, "
+                              f"'-', '_', '.'; neither part starts or ends with '-' or '.', no '--' or '..', no "
+                              f"'.git' at the end)", 2)
     if not o.dry_run:
         from huggingface_hub import get_token
 
@@ -162,9 +179,10 @@ def gate(folder: Path, o: UploadOptions) -> dict:
     failed = sorted(k for k, c in rep.checks.items() if c.status is v.Status.FAIL)
     if not rep.valid and not o.allow_invalid:
         # the serving rules depend on --tp (default 8; `glmq validate`'s is 1): a checkpoint that passes
-        # `glmq validate` may fail here only because it cannot be served at this degree
+        # `glmq validate` may fail here only because it cannot be served at this degree (said only when serving is
+        # the one check that failed: not for an FP8 source, say, which fails structure and config too)
         tp = ("If you serve it at another tensor-parallel degree, pass that as --tp N (the card's serve commands "
-              "use it); otherwise fix" if "serving" in failed else "Fix")
+              "use it); otherwise fix" if failed == ["serving"] else "Fix")
         raise UploadError(f"{folder} did not pass glmq validate (failed checks: {', '.join(failed)}; at --tp {o.tp}); "
                           f"nothing was uploaded. {tp} the checkpoint, or pass --allow-invalid to upload it with a "
                           f"warning in its model card", 1)
@@ -172,6 +190,20 @@ def gate(folder: Path, o: UploadOptions) -> dict:
         _loud(f"uploading {folder} although it did not pass glmq validate (failed checks: {', '.join(failed)}); "
               f"the model card says so")
     return rep.to_dict()
+
+
+# Tokenizer files, one of which `vllm serve FOLDER` and SGLang read from the model folder (GLM, DeepSeek: tokenizer.json;
+# Kimi K2: tiktoken.model; sentencepiece and BPE vocabularies otherwise)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "spiece.model")
+
+
+def warn_without_tokenizer(files: dict[str, int]) -> None:
+    """A loud warning when the files to upload hold no tokenizer: the weights pass validate, but the card's serve
+    commands (which load the tokenizer from the repo) would fail."""
+    if not set(files) & set(TOKENIZER_FILES) and not any(n.endswith(".tiktoken") for n in files):
+        _loud(f"no tokenizer file among the files to upload ({', '.join(TOKENIZER_FILES)}): the model card's serve "
+              f"commands load it from the repo and would fail; copy the source's tokenizer files into the folder "
+              f"(glmq quantize copies them) and rerun")
 
 
 def _loud(message: str) -> None:
@@ -206,6 +238,11 @@ def read_eval(folder: Path, given: Path | None) -> dict | None:
                                                          for r in rows):
         raise UploadError(f"{path}: not a `glmq eval --json` result (expected \"models\": [{{{', '.join(keys)}, "
                           f"layer_rel_error}}, ...]); pass the file `glmq eval --json` wrote", 2)
+    broken = [str(r["checkpoint"]) for r in rows if not all(_finite(r[k]) for k in keys[1:])]
+    if broken:  # `glmq eval` writes null for a figure that is inf or nan (and exits 1): no table for a card
+        raise UploadError(f"{path}: the figures of {', '.join(broken)} are not finite numbers (a broken model: "
+                          f"`glmq eval` failed on it); fix the model and evaluate it again, or pass another "
+                          f"--eval-report", 2)
     for r in rows:  # "." names no folder (`glmq eval SOURCE . --json glmq_eval.json` run in the checkpoint folder):
         if not PurePath(str(r["checkpoint"])).name:  # taken from where the report lies; the card shows names only
             r["checkpoint"] = str((path.parent / str(r["checkpoint"])).resolve())
@@ -219,6 +256,10 @@ def read_eval(folder: Path, given: Path | None) -> dict | None:
         click.secho(f"warning: {why}; the card leaves the evaluation out", fg="yellow", err=True)
         return None
     return doc
+
+
+def _finite(v) -> bool:
+    return type(v) in (int, float) and math.isfinite(v)
 
 
 def make_card(folder: Path, o: UploadOptions, validation: dict):
@@ -287,7 +328,8 @@ def push(folder: Path, o: UploadOptions, api, method: str, report: bytes | None)
 
     kw = {"repo_id": o.repo_id, "folder_path": str(folder), "repo_type": "model", "revision": o.revision,
           # a fresh list: huggingface_hub appends its defaults to it
-          "ignore_patterns": ignore_patterns() + ([REPORT_NAME] if report is not None else [])}
+          "ignore_patterns": ignore_patterns() + local_patterns(folder, o.eval_report)
+                             + ([REPORT_NAME] if report is not None else [])}
     if method == "upload_large_folder":
         api.upload_large_folder(private=private, **kw)
     else:
@@ -295,6 +337,11 @@ def push(folder: Path, o: UploadOptions, api, method: str, report: bytes | None)
     if report is not None:  # after the weights: a failure here leaves a checkpoint that loads, and the rerun sends it
         api.upload_file(path_or_fileobj=report, path_in_repo=REPORT_NAME, repo_id=o.repo_id, repo_type="model",
                         revision=o.revision, commit_message=f"glmq run report of {folder.resolve().name}")
+
+
+# report keys whose value is a folder on the uploader's machine, however it was spelled (`ckpt/GLM-5-FP8` too): the
+# source (quantize/stream.py make_report) and GPTQ's --offload-activations (calibration/report.py)
+PATH_KEYS = frozenset({"source", "offload_activations"})
 
 
 def public_report(path: Path) -> bytes | None:
@@ -307,12 +354,12 @@ def public_report(path: Path) -> bytes | None:
     if doc is None:
         return None
 
-    def clean(v):
+    def clean(v, local: bool = False):  # local: a key whose value is always a local path (PATH_KEYS)
         if isinstance(v, dict):
-            return {k: clean(x) for k, x in v.items()}
+            return {k: clean(x, k in PATH_KEYS) for k, x in v.items()}
         if isinstance(v, list):
             return [clean(x) for x in v]
-        return public_path(v) if isinstance(v, str) else v
+        return public_path(v, local) if isinstance(v, str) else v
 
     return (json.dumps(clean(doc), indent=1) + "\n").encode()
 
@@ -358,6 +405,8 @@ def push_or_explain(folder: Path, o: UploadOptions, api, method: str, report: by
             # --license not on its list; 413 storage quota): the same command gets the same answer
             hint = ("the Hub refused the request: fix what it says (the card's metadata comes from --base-model and "
                     "--license), then rerun the same command")
+        elif status is None and isinstance(e, ValueError):  # e.g. HFValidationError: refused before anything was sent
+            hint = "huggingface_hub refused the arguments before sending anything: fix what it says, then rerun"
         else:
             hint = "check the network and rerun the same command: files already on the Hub are not sent again"
         raise UploadError(f"uploading {folder} to {o.repo_id} failed ({type(e).__name__}: {_hub_reason(e)}); {hint}",
@@ -389,13 +438,14 @@ def upload(o: UploadOptions) -> None:
         click.secho(f"warning: keeping {folder / README}: glmq did not write it, so the generated card is not "
                     f"written (merge it by hand; --dry-run prints it)", fg="yellow", err=True)
     text = str(card) if action == "write" else None
-    files, skipped = split_files(folder)
+    files, skipped = split_files(folder, local_patterns(folder, o.eval_report))
     api = HfApi()
     method = upload_method(api, o.revision)
     from glmq.formats.manifest import REPORT_NAME
 
     report = public_report(folder / REPORT_NAME)  # read once: the listing gives its size, the push sends it
     _print_listing(files_with_card(published_sizes(files, report), text), skipped, o, method)
+    warn_without_tokenizer(files)
     if o.dry_run:
         if action != "none":
             click.echo(f"\n--- {README} ({'would be written' if text else 'not written: ' + action}) ---\n{card}")

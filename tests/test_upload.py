@@ -236,7 +236,8 @@ def test_card_command_leaves_the_local_folders_of_the_calibration_file_out(writt
 
     base = "glmq quantize --model FP8_SOURCE_FOLDER --recipe recipe.yaml -o OUT --calibration "
     for spec, shown in (("/home/alice/private/calib.jsonl", "calib.jsonl"), ("../d/c.txt", "c.txt"),
-                        ("allenai/c4", "allenai/c4"), ("data/c.txt", "data/c.txt")):
+                        ("allenai/c4", "allenai/c4"), ("data/alice/c.txt", "c.txt"), ("data/c.txt", "c.txt"),
+                        ("allenai/c4:en", "allenai/c4:en"), ("scratch/team/wiki", "wiki")):
         assert made_with(gptq_card(written, CalibrationSettings(calibration=spec), 5 * 10**9)) == base + shown, spec
 
 
@@ -556,3 +557,95 @@ def test_without_manifest_uploads_with_a_warning(ckpt, hub):
     card = (ckpt / "README.md").read_text()
     assert "no checksums to check" in card and "| integrity | skip |" in card
     assert "name: int4-w4a16" in card  # the recipe still comes from glmq_report.json
+
+
+def test_an_eval_report_inside_the_folder_under_another_name_stays_local(ckpt, hub):
+    """`--eval-report ckpt/eval-results.json` built the card and was uploaded too, with the local paths of the source,
+    the checkpoints and the text in it; only the default name glmq_eval.json was kept back."""
+    row = {**EVAL["models"][1], "checkpoint": str(ckpt)}
+    (ckpt / "sub").mkdir()
+    for name in ("eval-results.json", "sub/e[1].json"):  # a name with fnmatch's brackets matches only itself
+        (ckpt / name).write_text(json.dumps({**EVAL, "models": [EVAL["models"][0], row]}))
+    (ckpt / "sub" / "e1.json").write_text("{}")  # what glob.escape keeps the pattern from matching
+    for name in ("eval-results.json", "sub/e[1].json"):
+        r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--eval-report", str(ckpt / name), "--dry-run")
+        assert r.exit_code == 0 and "| **this checkpoint** (`ckpt`) | 3.9342 |" in r.stdout, r.output
+        assert name not in listing(r.stdout) and f"skipped  {name}" in r.stdout
+        assert "sub/e1.json" in listing(r.stdout)
+    hub.clear()
+    assert run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--eval-report", str(ckpt / "eval-results.json")).exit_code == 0
+    patterns = next(c for n, c in hub if n.startswith("upload_") and n != "upload_file")["ignore_patterns"]
+    assert "eval-results.json" in patterns
+    # a report outside the folder adds no pattern
+    assert upload.local_patterns(ckpt, ckpt.parent / "e.json") == [] and upload.local_patterns(ckpt, None) == []
+
+
+def test_repo_ids_the_hub_refuses_are_refused_before_validating(ckpt, hub):
+    """'me/tiny-', 'me/tiny.git', non-ASCII letters and a trailing newline passed glmq's own pattern: the dry run said
+    OK, and a real upload validated, wrote README.md and then failed with "check the network and rerun" (exit 3)."""
+    for bad in ("me/tiny-", "me/tiny.", "me/tiny.git", "me/t\u00efny", "me/tiny\n", "me/-tiny", "me//tiny"):
+        r = run(str(ckpt), "--repo-id", bad, "--tp", "1", "--dry-run")
+        assert r.exit_code == 2 and f"--repo-id {bad!r}: not a Hub model id" in r.output, (bad, r.output)
+        assert "glmq validate" not in r.output
+    assert not (ckpt / "README.md").exists() and hub == []
+    for good in ("me/tiny", "zai-org/GLM-5.2-FP8", "moonshotai/Kimi-K2-Instruct", "a/b_c.d-e"):
+        assert mc.is_repo_id(good), good
+
+
+def test_arguments_huggingface_hub_refuses_are_not_blamed_on_the_network(ckpt, hub, monkeypatch):
+    from huggingface_hub.errors import HFValidationError
+
+    def refuse(self, *a, **kw):
+        raise HFValidationError("Repo id must use alphanumeric chars")
+
+    monkeypatch.setattr(HfApi, "create_repo", refuse)
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1")
+    assert r.exit_code == 3 and "refused the arguments before sending anything" in r.output
+    assert "check the network" not in r.output
+
+
+def test_the_published_report_cuts_a_relative_source_and_calibration_path(tmp_path):
+    """A relative --model (`private/acme/GLM-5-FP8`) and --calibration (`data/secret/calib.txt`) were published as
+    typed: only strings starting with /, ~, ./ or ../ were cut to their names."""
+    report = {"source": "private/acme/GLM-5-FP8", "family": "glm_moe_dsa",
+              "gptq": {"settings": {"calibration": "data/secret/calib.txt", "offload_activations": "scratch/acts"}},
+              "recipe": {"name": "int4-w4a16"}}
+    (tmp_path / "glmq_report.json").write_text(json.dumps(report))
+    published = json.loads(upload.public_report(tmp_path / "glmq_report.json"))
+    assert published["source"] == "GLM-5-FP8"
+    assert published["gptq"]["settings"] == {"calibration": "calib.txt", "offload_activations": "acts"}
+    assert published["family"] == "glm_moe_dsa" and published["recipe"] == {"name": "int4-w4a16"}
+    report["gptq"]["settings"]["calibration"] = "allenai/c4"  # a Hub dataset id stays
+    (tmp_path / "glmq_report.json").write_text(json.dumps(report))
+    assert json.loads(upload.public_report(tmp_path / "glmq_report.json"))["gptq"]["settings"]["calibration"] == \
+        "allenai/c4"
+
+
+def test_an_eval_report_with_figures_that_are_not_finite_makes_no_card(ckpt, hub, tmp_path):
+    for value in (None, float("nan"), float("inf")):  # glmq eval writes null; an older report NaN or Infinity
+        bad = {**EVAL, "models": [EVAL["models"][0], {**EVAL["models"][1], "checkpoint": str(ckpt),
+                                                         "perplexity": value}]}
+        (tmp_path / "e.json").write_text(json.dumps(bad))
+        r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--eval-report", str(tmp_path / "e.json"), "--dry-run")
+        assert r.exit_code == 2 and "are not finite numbers" in r.output and str(ckpt) in r.output, (value, r.output)
+
+
+def test_the_tp_hint_only_when_serving_is_the_one_failed_check(ckpt, hub, make_ckpt):
+    """An FP8 source fails structure and config as well: the refusal led with "If you serve it at another tensor-parallel
+    degree, pass --tp N", which cannot help."""
+    r = run(str(make_ckpt("glm_moe_dsa", "fp8-block")), "--repo-id", REPO, "--tp", "1", "--dry-run")
+    assert r.exit_code == 1 and "another tensor-parallel degree" not in r.output, r.output
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "64", "--dry-run")
+    assert r.exit_code == 1 and "(failed checks: serving;" in r.output and "another tensor-parallel degree" in r.output
+
+
+def test_a_folder_without_a_tokenizer_is_uploaded_with_a_loud_warning(ckpt, hub):
+    """The card's `vllm serve` commands load the tokenizer from the repo: a folder without one passed as VALID with no
+    word about it."""
+    from glmq.formats import fixtures
+
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--dry-run")
+    assert r.exit_code == 0 and "no tokenizer file among the files to upload" in r.output
+    fixtures.write_byte_tokenizer(ckpt)
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--dry-run")
+    assert r.exit_code == 0 and "no tokenizer" not in r.output and "tokenizer.json" in listing(r.stdout)
