@@ -94,12 +94,41 @@ def compare(source: str | Path, quantized: list[str | Path], text: str | Path, s
     return {"text": str(text), "seq_len": seq_len, "windows": int(ids.shape[0]), "models": rows}
 
 
+def non_finite(result: dict) -> list[str]:
+    """"CHECKPOINT: perplexity inf" for every figure of `compare()`'s result that is not a finite number (a model
+    whose log-probs overflow or are NaN; a layer error of None, a source layer that is all zeros, is no figure)."""
+    bad = []
+    for r in result["models"]:
+        figures = {"perplexity": r["perplexity"], "kl_to_source": r["kl_to_source"],
+                   **{f"layer_rel_error[{i}]": e for i, e in enumerate(r["layer_rel_error"] or [])}}
+        bad += [f"{r['checkpoint']}: {k} {v}" for k, v in figures.items() if v is not None and not math.isfinite(v)]
+    return bad
+
+
+def json_ready(result: dict) -> dict:
+    """`compare()`'s result with each non-finite figure as null: JSON has no inf or nan (Python's json would write the
+    non-standard `NaN` and `Infinity` that strict parsers refuse)."""
+    def fix(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: fix(x) for k, x in v.items()}
+        return [fix(x) for x in v] if isinstance(v, list) else v
+
+    return fix(result)
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
 def format_table(result: dict) -> str:
     lines = [f"{result['windows']} windows x {result['seq_len']} tokens of {result['text']}",
              f"{'checkpoint':60s} {'perplexity':>10s} {'KL(src||q)':>11s} {'layer rel. error (last after final norm)'}"]
     for r in result["models"]:
-        errs = " ".join(f"{e:.4f}" for e in r["layer_rel_error"]) if r["layer_rel_error"] else "-"
-        lines.append(f"{r['checkpoint'][-60:]:60s} {r['perplexity']:10.4f} {r['kl_to_source']:11.5f} {errs}")
+        errs = " ".join(_fmt(e, ".4f") for e in r["layer_rel_error"]) if r["layer_rel_error"] else "-"
+        lines.append(f"{r['checkpoint'][-60:]:60s} {_fmt(r['perplexity'], '10.4f')} "
+                     f"{_fmt(r['kl_to_source'], '11.5f')} {errs}")
     return "\n".join(lines)
 
 

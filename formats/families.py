@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import enum
+import json
 import re
 from dataclasses import dataclass
 
@@ -291,6 +292,14 @@ def _latent(config: dict) -> bool:
         return "kv_lora_rank" in config
 
 
+def _has_indexer(config: dict) -> bool:
+    """Whether the config's family has the DSA indexer (an unknown one: whether it has index_n_heads)."""
+    try:
+        return family_for(config).has_indexer
+    except UnknownArchitectureError:
+        return "index_n_heads" in config
+
+
 _EXPERT_PATH = re.compile(r"mlp\.experts\.\d+\.")
 
 
@@ -317,17 +326,51 @@ def _arith(node, config: dict) -> int | None:
     raise ValueError(f"not a shape expression: {ast.dump(node)}")
 
 
+_MLA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_INDEXER_KEYS = ("index_n_heads", "index_head_dim")
+
+
+def config_value_problems(config: dict) -> list[tuple[str, str]]:
+    """("config.json", problem) for every key the shape table or the attention switches read whose value is of the
+    wrong kind: a dimension or count that is not a positive integer (`"256"`, `1.5`, `0`), n_shared_experts that is
+    not a non-negative integer or null, q_lora_rank not a positive integer or null, attention_bias or use_qk_norm not
+    true or false (a DSA indexer's q_lora_rank: a positive integer). Only the keys of the config's own attention (a stray MLA key in a grouped-query config is not
+    read); a key config.json lacks is `loader_config`'s."""
+    latent, indexer = _latent(config), _has_indexer(config)
+    # (the expert and layer counts are expert_layout_problems')
+    positive = ["vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads"]
+    positive += [*_MLA_KEYS, *(_INDEXER_KEYS if indexer else ())] if latent else ["num_key_value_heads", "head_dim"]
+    rules = [(k, "a positive integer", lambda v: type(v) is int and v > 0) for k in positive]
+    rules += [("n_shared_experts", "a non-negative integer or null", lambda v: v is None or type(v) is int and v >= 0)]
+    if latent and indexer:  # the DSA indexer's wq_b reads the compressed query: GlmMoeDsaConfig takes no null
+        rules += [("q_lora_rank", "a positive integer (the DSA indexer reads the compressed query)",
+                   lambda v: type(v) is int and v > 0)]
+    elif latent:
+        rules += [("q_lora_rank", "a positive integer or null", lambda v: v is None or type(v) is int and v > 0)]
+    else:
+        rules += [(k, "true or false", lambda v: type(v) is bool) for k in ("attention_bias", "use_qk_norm")]
+    return [("config.json", f"{k} is {json.dumps(config[k])}, not {want}")
+            for k, want, ok in rules if k in config and not ok(config[k])]
+
+
+def _key_of(problem: str) -> str:
+    """The config key a `config_value_problems` message is about."""
+    return problem.split(" ", 1)[0]
+
+
 def config_shape_problems(shapes: dict[str, tuple], config: dict) -> list[tuple[str, str]]:
-    """(tensor, problem) for every stored tensor that loaders shape from config.json alone and that has another
-    shape: the embedding and lm_head [vocab_size, hidden_size], the final norm, and in each decoder and MTP layer
+    """("config.json", problem) for a value of the wrong kind (`config_value_problems`), then (tensor, problem) for
+    every stored tensor that loaders shape from config.json alone and that has another shape: the embedding and lm_head [vocab_size, hidden_size], the final norm, and in each decoder and MTP layer
     every attention, MLP, expert, router and norm tensor (`_layer_shapes`). `shapes`: tensor name -> shape as
     stored, a pack-quantized module's under `<module>.weight_shape` (its [N, K])."""
+    bad = config_value_problems(config)
     config, defaulted = loader_config(config)
+    config = config | {_key_of(p): None for _, p in bad}  # their rows are skipped, not reported a second time
     table = {"top:model.embed_tokens.weight": ("vocab_size", "hidden_size"),
              "top:lm_head.weight": ("vocab_size", "hidden_size"), "top:model.norm.weight": ("hidden_size",),
              **_layer_shapes(config)}
     wants = {path: tuple(_dim(e, config) for e in exprs) for path, exprs in table.items()}  # once, not per tensor
-    problems = []
+    problems = list(bad)
     for name, shape in sorted(shapes.items()):
         if name.endswith(".weight_shape"):
             name = name.removesuffix("_shape")
@@ -361,7 +404,7 @@ def attention_presence_problems(names, config: dict, missing: bool = True) -> li
     rules: list[tuple[str, bool, str]] = []  # (path inside self_attn, built?, why)
     if _latent(config):
         q = config.get("q_lora_rank", "absent")
-        if q is None or type(q) is int:
+        if (q is None and not _has_indexer(config)) or type(q) is int:  # (an indexer's null: config_value_problems)
             why = _switch("q_lora_rank", q, defaulted)
             rules += [("q_a_proj", q is not None, why), ("q_a_layernorm.weight", q is not None, why),
                       ("q_b_proj", q is not None, why), ("q_proj", q is None, why)]

@@ -177,6 +177,7 @@ def virtual_source(config_path: Path) -> Source:
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     family = family_for(config, str(config_path))
+    _check_values(config, config_path)
     fmt, block = detect_format(config, Path(config_path))
     weights = ((config.get("quantization_config") or {}).get("config_groups") or {}).get("group_0", {}).get("weights") or {}
     with _config_keys(config, config_path):
@@ -201,6 +202,21 @@ def virtual_source(config_path: Path) -> Source:
             shard_bytes[name] = shard_bytes.get(name, 0) + nbytes
     return Source(Path(config_path).parent, config, family, fmt, entries, sorted(shard_bytes), shard_bytes, block, [],
                   "config-only")
+
+
+def _check_values(config: dict, config_path: Path) -> None:
+    """ConfigError naming every config value the layout is built from that is of the wrong kind (`"256"`, `1.5`, a
+    zero count): the checks a checkpoint folder's plan makes against its tensors (families.config_value_problems and
+    the counts of expert_layout_problems), here before a layout is made from them."""
+    from glmq.formats.families import _experts_key, config_value_problems, expert_layout_problems
+
+    problems = [p for _, p in config_value_problems(config)]
+    problems += [p for where, p in expert_layout_problems((), config) if where == "config.json"]
+    problems += [f"{k} is 0, not a positive integer" for k in ("num_hidden_layers", _experts_key(config))
+                 if config.get(k) == 0 and type(config[k]) is int]
+    if problems:
+        raise ConfigError(f"{config_path}: {'; '.join(problems)}; fix config.json (e.g. take it as published with the "
+                          f"weights)")
 
 
 def from_plan(plan, scale: Scale = Scale(), figures: dict[str, Figure] = FIGURES) -> dict:

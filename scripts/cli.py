@@ -551,8 +551,11 @@ def validate_cmd(checkpoint, source, sample, device, tp, no_serving, json_out, s
 @click.option("--trust-remote-code", is_flag=True,
               help="Run the tokenizer code in the model folder when its tokenizer is a custom class (Kimi K2's); only for checkpoints you trust.")
 def eval_cmd(source, quantized, text, seq_len, windows, json_out, plot, trust_remote_code):
-    """Perplexity and KL(source || quantized) on a text file, and per-layer hidden-state error."""
-    from glmq.calibration.compare import compare, format_table, plot_layer_errors
+    """Perplexity and KL(source || quantized) on a text file, and per-layer hidden-state error.
+
+    Exit code 1 when a figure is not a finite number (a model whose log-probs overflow or are NaN), after the table and
+    JSON (null there) are written."""
+    from glmq.calibration.compare import compare, format_table, json_ready, non_finite, plot_layer_errors
     from glmq.formats.safetensors_io import CheckpointError
 
     try:
@@ -561,10 +564,14 @@ def eval_cmd(source, quantized, text, seq_len, windows, json_out, plot, trust_re
         _fail(e)
     click.echo(format_table(result))
     if json_out:
-        Path(json_out).write_text(json.dumps(result, indent=1) + "\n")
+        Path(json_out).write_text(json.dumps(json_ready(result), indent=1, allow_nan=False) + "\n")
     if plot:
         note = plot_layer_errors(result, plot)
         click.echo(note or f"plot written to {plot}")
+    if bad := non_finite(result):  # a broken model is a failed evaluation, not figures to compare
+        _fail(f"figures that are not finite numbers (the model's log-probs overflow or are NaN; "
+              f"{'null in ' + str(json_out) if json_out else 'no JSON written'}): " + "; ".join(bad[:4])
+              + (f"; and {len(bad) - 4} more" if len(bad) > 4 else ""))
 
 
 from glmq.scripts.upload import upload_cmd  # noqa: E402

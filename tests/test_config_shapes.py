@@ -175,3 +175,35 @@ def test_a_switch_config_json_lacks_takes_the_loaders_default():
     why = "q_lora_rank is 1536 (DeepseekV3Config's default; config.json has none)"
     assert problems["model.layers.1.self_attn.q_proj"] == f"stored, but {why}: loaders do not build it", problems
     assert problems["model.layers.1.self_attn.q_a_proj"].startswith(f"missing, but {why}"), problems
+
+
+@pytest.mark.parametrize("family, key, value, problem", [
+    ("glm_moe_dsa", "hidden_size", "256", 'hidden_size is "256", not a positive integer'),
+    ("glm_moe_dsa", "moe_intermediate_size", 0, "moe_intermediate_size is 0, not a positive integer"),
+    ("glm_moe_dsa", "vocab_size", 1.5, "vocab_size is 1.5, not a positive integer"),
+    ("glm_moe_dsa", "index_head_dim", True, "index_head_dim is true, not a positive integer"),
+    ("glm_moe_dsa", "q_lora_rank", None, "q_lora_rank is null, not a positive integer (the DSA indexer"),
+    ("deepseek_v3", "q_lora_rank", 0, "q_lora_rank is 0, not a positive integer or null"),
+    ("deepseek_v3", "n_shared_experts", -1, "n_shared_experts is -1, not a non-negative integer or null"),
+    ("glm4_moe", "attention_bias", "yes", 'attention_bias is "yes", not true or false'),
+    ("glm4_moe", "head_dim", 32.0, "head_dim is 32.0, not a positive integer"),
+])
+def test_a_config_value_of_the_wrong_kind_is_one_problem(family, key, value, problem):
+    """A value no loader builds from ("256", 1.5, 0) skipped every row it shapes, and the conversion and validate passed
+    (exit 0); it is one problem on config.json, and the rows it shapes are not reported a second time."""
+    from glmq.formats.families import config_value_problems
+
+    config = fixtures.make_config(family, "tiny")
+    shapes = {t.name: t.shape for group in fixtures.logical_tensors(config, family) for t in group}
+    bad = {**config, key: value}
+    assert [(w, p[:len(problem)]) for w, p in config_value_problems(bad)] == [("config.json", problem)]
+    assert [w for w, _ in config_shape_problems(shapes, bad)] == ["config.json"]
+
+
+def test_the_keys_of_the_other_attention_are_not_read():
+    """glm4_moe (grouped-query) does not read an MLA key, deepseek_v3 no head_dim: nothing to report for them."""
+    from glmq.formats.families import config_value_problems
+
+    assert config_value_problems({**fixtures.make_config("glm4_moe", "tiny"), "kv_lora_rank": None}) == []
+    assert config_value_problems({**fixtures.make_config("deepseek_v3", "tiny"), "head_dim": None,
+                                  "q_lora_rank": None, "n_shared_experts": None}) == []

@@ -463,3 +463,39 @@ def test_small_sizes_are_not_printed_as_zero_gb():
     """Every row of a small model's plan read 0.00 GB; GLM-5-scale rows keep GB."""
     assert estimate._gb(5_120).split() == ["5.12", "KB"] and estimate._gb(3_010_000).split() == ["3.01", "MB"]
     assert estimate._gb(13.04e9).split() == ["13.04", "GB"] and estimate._gb(0).split() == ["0.00", "GB"]
+
+
+def test_plan_refuses_config_values_of_the_wrong_kind(make_ckpt, tmp_path):
+    """`hidden_size: "256"` was a TypeError traceback (config-only: in the layout; a folder: in the GPTQ estimate), and
+    `moe_intermediate_size: 0`, `vocab_size: 1.5` or `num_hidden_layers: 0` planned routed experts of 0 bytes (exit 0);
+    a folder with "256" even converted and validated. Each is one line naming the file and the key, exit 1."""
+    src = make_ckpt("glm_moe_dsa", "fp8-block")
+    base = json.loads((src / "config.json").read_text())
+    cases = [("hidden_size", "256", 'hidden_size is "256", not a positive integer'),
+             ("moe_intermediate_size", 0, "moe_intermediate_size is 0, not a positive integer"),
+             ("vocab_size", 1.5, "vocab_size is 1.5, not a positive integer"),
+             ("num_hidden_layers", 0, "num_hidden_layers is 0, not a positive integer"),
+             ("n_routed_experts", "8", "n_routed_experts is '8', not a non-negative integer"),
+             ("q_lora_rank", None, "q_lora_rank is null, not a positive integer")]
+    for key, value, problem in cases:
+        path = tmp_path / key / "config.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps({**base, key: value}))
+        res = CliRunner().invoke(main, ["plan", "-m", str(path)])
+        assert res.exit_code == 1 and isinstance(res.exception, SystemExit), (key, res.exception, res.output)
+        assert res.output.startswith(f"error: {path}: ") and problem in res.output, res.output
+        assert len(res.output.strip().splitlines()) == 1, res.output
+    folder = Path(shutil.copytree(src, tmp_path / "folder"))
+    (folder / "config.json").write_text(json.dumps({**base, "hidden_size": "256"}))
+    res = CliRunner().invoke(main, ["plan", "-m", str(folder)])
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit), (res.exception, res.output)
+    assert 'config.json: hidden_size is "256", not a positive integer' in res.output
+
+
+def test_plan_of_a_folder_with_only_its_config_points_at_the_config_only_plan(tmp_path):
+    (tmp_path / "GLM-5.2").mkdir()
+    shutil.copy(CONFIGS / "glm-5.2-config.json", tmp_path / "GLM-5.2" / "config.json")
+    res = CliRunner().invoke(main, ["plan", "-m", str(tmp_path / "GLM-5.2")])
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit), (res.exception, res.output)
+    assert f"plan from the config alone with `glmq plan -m {tmp_path / 'GLM-5.2' / 'config.json'}`" in res.output
+    assert CliRunner().invoke(main, ["plan", "-m", str(tmp_path / "GLM-5.2" / "config.json")]).exit_code == 0

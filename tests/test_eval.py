@@ -220,3 +220,54 @@ def test_the_router_bias_keeps_float32_in_a_dense_bf16_copy(glm4):
         stored = {k: t for shard in sorted(Path(root).glob("*.safetensors")) for k, t in load_file(shard).items()}
         assert all(torch.equal(dense[k], stored[k]) for k in biases)
         assert dense["model.norm.weight"].dtype == torch.bfloat16
+
+
+def _strict_json(path: Path) -> dict:
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+@pytest.mark.parametrize("damage", ["overflow", "nan"])
+def test_a_model_whose_figures_are_not_finite_fails_with_null_in_the_json(glm4, tmp_path, damage):
+    """A mean NLL above ~709 was an OverflowError traceback in math.exp (no JSON, the source's figures lost too); a NaN
+    in lm_head exited 0 with `"perplexity": NaN` in the JSON, which strict parsers refuse and a CI gate read as a pass."""
+    src, rtn, text = glm4
+    broken = Path(shutil.copytree(rtn, tmp_path / "broken"))
+    shard = broken / json.loads((broken / INDEX_NAME).read_text())["weight_map"]["lm_head.weight"]
+    tensors = load_file(shard)
+    head = tensors["lm_head.weight"].float()
+    if damage == "overflow":
+        head *= 1e6
+    else:
+        head[0, 0] = float("nan")
+    tensors["lm_head.weight"] = head.to(tensors["lm_head.weight"].dtype)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    code, out, exc = _eval(src, broken, "--text", text, "--seq-len", "32", "--windows", "2", "--json",
+                           tmp_path / "e.json")
+    assert exc is None and code == 1, out
+    assert "not finite numbers" in out and f"{broken}: perplexity {'inf' if damage == 'overflow' else 'nan'}" in out
+    doc = _strict_json(tmp_path / "e.json")
+    source, model = doc["models"]
+    assert model["perplexity"] is None and source["perplexity"] > 1  # the source's figures are kept
+    if damage == "nan":
+        assert model["kl_to_source"] is None
+
+
+def test_perplexity_past_a_floats_range_is_inf():
+    import math
+
+    from glmq.calibration.compare import format_table, json_ready, non_finite
+    from glmq.calibration.evaluate import perplexity
+
+    ids = torch.tensor([[0, 1, 1]])
+    lp = torch.full((1, 2, 4), -800.0, dtype=torch.float64)
+    assert perplexity(lp, ids) == math.inf
+    assert perplexity(torch.full((1, 2, 4), -2.0), ids) == pytest.approx(math.e ** 2)
+    assert math.isnan(perplexity(torch.full((1, 2, 4), math.nan), ids))
+    result = {"text": "t", "seq_len": 3, "windows": 1, "models": [
+        {"checkpoint": "a", "perplexity": math.inf, "kl_to_source": 0.0, "layer_rel_error": None},
+        {"checkpoint": "b", "perplexity": 2.0, "kl_to_source": math.nan, "layer_rel_error": [0.1, None, math.nan]}]}
+    assert non_finite(result) == ["a: perplexity inf", "b: kl_to_source nan", "b: layer_rel_error[2] nan"]
+    assert json_ready(result)["models"][1]["layer_rel_error"] == [0.1, None, None]
+    assert " - " in format_table(json_ready(result))  # a null figure prints as "-", not a TypeError
