@@ -336,3 +336,19 @@ def test_a_single_file_checkpoint_with_a_garbage_header_is_one_index_failure(mak
     assert not rep.valid and any(f"{out / 'model.safetensors'}: header length" in m for m in messages(rep, "index"))
     assert not messages(rep, "structure"), messages(rep, "structure")
     assert not any("does not reference" in w.message for w in rep.checks["index"].warnings)
+
+
+@pytest.mark.parametrize("key, value", [("hidden_size", "256"), ("moe_intermediate_size", 0)])
+def test_a_config_value_of_the_wrong_kind_fails_structure(ckpt, key, value):
+    """`hidden_size: "256"` skipped every shape row it is in, and the checkpoint validated (exit 0), though no loader
+    builds a model from it; a key config.json lacks is checked at its class default."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, key: value}))
+    rep = v.validate(ckpt, sample=0.01)
+    assert not rep.valid and rep.exit_code == 1
+    assert [m for m in messages(rep, "structure") if m.startswith("config.json: ")] == [
+        f"config.json: {key} is {json.dumps(value)}, not a positive integer; loaders would refuse it"]
+    (ckpt / "config.json").write_text(json.dumps({k: x for k, x in cfg.items() if k != key}))
+    rep = v.validate(ckpt, sample=0.01)
+    assert not rep.valid and any("GlmMoeDsaConfig's default; config.json has none" in m
+                                 for m in messages(rep, "structure")), messages(rep, "structure")
