@@ -239,15 +239,19 @@ def test_a_float_weight_beside_an_fp8_scale_is_refused_before_any_work(ckpt, tmp
     assert r.returncode == 1 and not out.exists()
 
 
-def test_an_fp8_weight_that_is_not_2d_is_a_plan_error(ckpt, tmp_path):
+def test_an_fp8_weight_that_is_not_2d_is_a_plan_error(ckpt, make_ckpt, tmp_path):
     rewrite_shard(ckpt, shard_of(ckpt, EXPERT), lambda t: t.__setitem__(EXPERT, t[EXPERT].flatten().contiguous()))
     for cmd in ("plan", "quantize"):
         out = tmp_path / f"out-{cmd}"
         r = glmq(cmd, "-m", str(ckpt), *(["-o", str(out), "--no-progress"] if cmd == "quantize" else []))
         assert_fails(r, out, EXPERT, "shape [32768], but config.json's hidden_size x moe_intermediate_size is [256, 128]")
-    # with a config value that shapes nothing (absent, its class default 2048 would apply), the weight's own check
+    # where no shape row applies, the weight's own check: a kimi_k2 config (its loader's defaults live in the
+    # checkpoint's remote code, which glmq does not read) without the key
+    ckpt = copy_ckpt(make_ckpt("deepseek_v3", "fp8-block", config_overrides={"model_type": "kimi_k2"}),
+                     tmp_path / "kimi")
+    rewrite_shard(ckpt, shard_of(ckpt, EXPERT), lambda t: t.__setitem__(EXPERT, t[EXPERT].flatten().contiguous()))
     cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["moe_intermediate_size"] = None
+    del cfg["moe_intermediate_size"]
     (ckpt / "config.json").write_text(json.dumps(cfg))
     for cmd in ("plan", "quantize"):
         out = tmp_path / f"out2-{cmd}"
