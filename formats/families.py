@@ -332,12 +332,17 @@ _INDEXER_KEYS = ("index_n_heads", "index_head_dim")
 
 def config_value_problems(config: dict) -> list[tuple[str, str]]:
     """("config.json", problem) for every key the shape table or the attention switches read whose value is of the
-    wrong kind: a dimension or count that is not a positive integer (`"256"`, `1.5`, `0`), n_shared_experts that is
-    not a non-negative integer or null, q_lora_rank not a positive integer or null, attention_bias or use_qk_norm not
-    true or false (a DSA indexer's q_lora_rank: a positive integer). Only the keys of the config's own attention (a stray MLA key in a grouped-query config is not
-    read); a key config.json lacks is `loader_config`'s."""
+    wrong kind (`_wrong_values`)."""
+    return [("config.json", f"{k} is {json.dumps(config[k])}, not {want}") for k, want in _wrong_values(config).items()]
+
+
+def _wrong_values(config: dict) -> dict[str, str]:
+    """Key -> what its value should be, for the keys of config.json that hold a value of the wrong kind: a dimension
+    that is not a positive integer (`"256"`, `1.5`, `0`), n_shared_experts not a non-negative integer or null,
+    q_lora_rank not a positive integer or null (with a DSA indexer: not a positive integer), attention_bias or
+    use_qk_norm not true or false. Only the keys of the config's own attention are read (a stray MLA key in a
+    grouped-query config is not); the expert and layer counts are expert_layout_problems'."""
     latent, indexer = _latent(config), _has_indexer(config)
-    # (the expert and layer counts are expert_layout_problems')
     positive = ["vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads"]
     positive += [*_MLA_KEYS, *(_INDEXER_KEYS if indexer else ())] if latent else ["num_key_value_heads", "head_dim"]
     rules = [(k, "a positive integer", lambda v: type(v) is int and v > 0) for k in positive]
@@ -349,23 +354,19 @@ def config_value_problems(config: dict) -> list[tuple[str, str]]:
         rules += [("q_lora_rank", "a positive integer or null", lambda v: v is None or type(v) is int and v > 0)]
     else:
         rules += [(k, "true or false", lambda v: type(v) is bool) for k in ("attention_bias", "use_qk_norm")]
-    return [("config.json", f"{k} is {json.dumps(config[k])}, not {want}")
-            for k, want, ok in rules if k in config and not ok(config[k])]
-
-
-def _key_of(problem: str) -> str:
-    """The config key a `config_value_problems` message is about."""
-    return problem.split(" ", 1)[0]
+    return {k: want for k, want, ok in rules if k in config and not ok(config[k])}
 
 
 def config_shape_problems(shapes: dict[str, tuple], config: dict) -> list[tuple[str, str]]:
-    """("config.json", problem) for a value of the wrong kind (`config_value_problems`), then (tensor, problem) for
-    every stored tensor that loaders shape from config.json alone and that has another shape: the embedding and lm_head [vocab_size, hidden_size], the final norm, and in each decoder and MTP layer
-    every attention, MLP, expert, router and norm tensor (`_layer_shapes`). `shapes`: tensor name -> shape as
-    stored, a pack-quantized module's under `<module>.weight_shape` (its [N, K])."""
+    """("config.json", problem) for each value of the wrong kind (`config_value_problems`), then (tensor, problem)
+    for every stored tensor that loaders shape from config.json alone and that has another shape: the embedding and
+    lm_head [vocab_size, hidden_size], the final norm, and in each decoder and MTP layer every attention, MLP, expert,
+    router and norm tensor (`_layer_shapes`). `shapes`: tensor name -> shape as stored, a pack-quantized module's
+    under `<module>.weight_shape` (its [N, K])."""
     bad = config_value_problems(config)
+    wrong = _wrong_values(config)
     config, defaulted = loader_config(config)
-    config = config | {_key_of(p): None for _, p in bad}  # their rows are skipped, not reported a second time
+    config = config | dict.fromkeys(wrong)  # their rows are skipped, not reported a second time
     table = {"top:model.embed_tokens.weight": ("vocab_size", "hidden_size"),
              "top:lm_head.weight": ("vocab_size", "hidden_size"), "top:model.norm.weight": ("hidden_size",),
              **_layer_shapes(config)}

@@ -192,8 +192,8 @@ def gate(folder: Path, o: UploadOptions) -> dict:
     return rep.to_dict()
 
 
-# Tokenizer files, one of which `vllm serve FOLDER` and SGLang read from the model folder (GLM, DeepSeek: tokenizer.json;
-# Kimi K2: tiktoken.model; sentencepiece and BPE vocabularies otherwise)
+# Tokenizer files, one of which `vllm serve FOLDER` and SGLang read from the model folder (GLM, DeepSeek:
+# tokenizer.json; Kimi K2: tiktoken.model; sentencepiece and BPE vocabularies otherwise)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "spiece.model")
 
 

@@ -231,7 +231,8 @@ def _strict_json(path: Path) -> dict:
 @pytest.mark.parametrize("damage", ["overflow", "nan"])
 def test_a_model_whose_figures_are_not_finite_fails_with_null_in_the_json(glm4, tmp_path, damage):
     """A mean NLL above ~709 was an OverflowError traceback in math.exp (no JSON, the source's figures lost too); a NaN
-    in lm_head exited 0 with `"perplexity": NaN` in the JSON, which strict parsers refuse and a CI gate read as a pass."""
+    in lm_head exited 0 with `"perplexity": NaN` in the JSON, which strict parsers refuse and a CI gate read as a
+    pass."""
     src, rtn, text = glm4
     broken = Path(shutil.copytree(rtn, tmp_path / "broken"))
     shard = broken / json.loads((broken / INDEX_NAME).read_text())["weight_map"]["lm_head.weight"]

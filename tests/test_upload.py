@@ -573,7 +573,8 @@ def test_an_eval_report_inside_the_folder_under_another_name_stays_local(ckpt, h
         assert name not in listing(r.stdout) and f"skipped  {name}" in r.stdout
         assert "sub/e1.json" in listing(r.stdout)
     hub.clear()
-    assert run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--eval-report", str(ckpt / "eval-results.json")).exit_code == 0
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--eval-report", str(ckpt / "eval-results.json"))
+    assert r.exit_code == 0, r.output
     patterns = next(c for n, c in hub if n.startswith("upload_") and n != "upload_file")["ignore_patterns"]
     assert "eval-results.json" in patterns
     # a report outside the folder adds no pattern
@@ -631,8 +632,8 @@ def test_an_eval_report_with_figures_that_are_not_finite_makes_no_card(ckpt, hub
 
 
 def test_the_tp_hint_only_when_serving_is_the_one_failed_check(ckpt, hub, make_ckpt):
-    """An FP8 source fails structure and config as well: the refusal led with "If you serve it at another tensor-parallel
-    degree, pass --tp N", which cannot help."""
+    """An FP8 source fails structure and config as well: the refusal led with "If you serve it at another
+    tensor-parallel degree, pass --tp N", which cannot help."""
     r = run(str(make_ckpt("glm_moe_dsa", "fp8-block")), "--repo-id", REPO, "--tp", "1", "--dry-run")
     assert r.exit_code == 1 and "another tensor-parallel degree" not in r.output, r.output
     r = run(str(ckpt), "--repo-id", REPO, "--tp", "64", "--dry-run")
