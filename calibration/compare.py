@@ -119,7 +119,8 @@ def json_ready(result: dict) -> dict:
 
 
 def _fmt(v: float | None, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
+    """`v` in `spec` ("10.4f"), or a null figure as "-" in the same width."""
+    return format("-", f">{spec.partition('.')[0] or 1}") if v is None else format(v, spec)
 
 
 def format_table(result: dict) -> str:

@@ -93,10 +93,13 @@ class Scores:
 
 
 def perplexity(lp: torch.Tensor, windows: torch.Tensor) -> float:
-    """exp(mean NLL); inf where that overflows a float (a mean NLL above ~709: a broken model), nan for NaN log-probs."""
+    """exp(mean NLL); inf where that overflows a float (a mean NLL above ~709.78: a broken model), nan for NaN
+    log-probs."""
     nll = -lp.gather(-1, windows[:, 1:].unsqueeze(-1)).squeeze(-1)
-    mean = nll.double().mean().item()
-    return math.inf if mean >= 709.0 else math.exp(mean)  # math.exp raises OverflowError past ~709.78 (nan: nan)
+    try:
+        return math.exp(nll.double().mean().item())  # nan stays nan
+    except OverflowError:  # a mean NLL past ~709.78
+        return math.inf
 
 
 def mean_kl(lp_source: torch.Tensor, lp_other: torch.Tensor) -> float:

@@ -155,21 +155,31 @@ EXPERT_MODULE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up
 _LAYER_COUNTS = ("num_hidden_layers", "first_k_dense_replace", "num_nextn_predict_layers")
 
 
+def count_problems(config: dict) -> list[tuple[str, str]]:
+    """("config.json", problem) for an expert or layer count of the wrong kind: the expert count (n_routed_experts, or
+    num_local_experts) and num_hidden_layers not a positive integer, first_k_dense_replace and
+    num_nextn_predict_layers not a non-negative integer (null: absent)."""
+    problems = []
+    for k in (_experts_key(config), *_LAYER_COUNTS):
+        least = 1 if k in (_experts_key(config), "num_hidden_layers") else 0
+        if config.get(k) is not None and (type(config[k]) is not int or config[k] < least):
+            problems.append(("config.json", f"{k} is {json.dumps(config[k])}, not a "
+                                            f"{'positive' if least else 'non-negative'} integer"))
+    return problems
+
+
 def expert_layout_problems(modules, config: dict, mtp_required: bool = True) -> list[tuple[str, str]]:
     """(module, problem) for every way the routed experts stored disagree with config.json, which loaders build the
-    model from: an expert count (n_routed_experts, or num_local_experts) or layer count that is not an integer, a MoE
-    layer without all of experts 0..n-1 (gate, up and down), or experts numbered n or above.
+    model from: an expert or layer count of the wrong kind (`count_problems`), a MoE layer without all of experts
+    0..n-1 (gate, up and down), or experts numbered n or above.
 
     The MoE layers are those that hold experts and, with the layer counts, every layer from first_k_dense_replace to
     num_hidden_layers, and the MTP layers too when `mtp_required` (a converter passes False: a source without its MTP
     layer serves, the layer only drafts tokens). `modules`: the module names stored (without .weight).
     """
-    problems = []
     key = _experts_key(config)
     n = config.get(key)
-    for k in (key, *_LAYER_COUNTS):
-        if config.get(k) is not None and (type(config[k]) is not int or config[k] < 0):
-            problems.append(("config.json", f"{k} is {config[k]!r}, not a non-negative integer"))
+    problems = count_problems(config)
     if type(n) is not int or problems:
         return problems
     found: dict[int, set[tuple[int, str]]] = {}
@@ -381,7 +391,8 @@ def config_shape_problems(shapes: dict[str, tuple], config: dict) -> list[tuple[
         if want is not None and None not in want and tuple(shape) != want:
             said = "; ".join(f"{k}: {why}" for k, why in defaulted.items()
                              if re.search(rf"\b{k}\b", " ".join(table[path])))
-            problems.append((name, f"shape {list(shape)}, but config.json's {' x '.join(table[path])} is {list(want)}"
+            whose = "the loader's" if said else "config.json's"
+            problems.append((name, f"shape {list(shape)}, but {whose} {' x '.join(table[path])} is {list(want)}"
                                    + (f" ({said})" if said else "")))
     return problems
 

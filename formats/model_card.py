@@ -14,10 +14,11 @@ the validation verdict, and the serve commands for vLLM and SGLang.
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 from dataclasses import dataclass
-from pathlib import Path, PurePath
+from pathlib import PurePath
 
 import yaml
 from huggingface_hub import ModelCard, ModelCardData
@@ -240,25 +241,24 @@ def _number(v) -> str:
 _DATA_FILES = (".txt", ".jsonl", ".json", ".parquet")  # the calibration files calibration/data.py reads
 
 
-def public_path(spec: str, local: bool = False) -> str:
-    """A local path's last component, without the folders of the machine it was on (`/home/alice/data/c.jsonl` or
-    `data/alice/c.jsonl` in a public card or report); a Hub dataset name (`NAME`, `ORG/NAME[:CONFIG]`) stays.
+def public_path(spec: str) -> str:
+    """A local path's last component, without the folders of the machine it was on (`/home/alice/data/c.jsonl` in a
+    public card or report); any other string (a dataset name, free text such as a recipe's description) stays."""
+    return PurePath(spec).name if spec.startswith(("/", "~", "./", "../")) or PurePath(spec).drive else spec
 
-    A string is taken for a local path when `local` says so (the source folder, an --offload-activations folder), when
-    it is absolute or starts with ./, ../ or ~, names a data file (.txt, .jsonl, .json, .parquet), has more folders
-    than ORG/NAME, or exists here (a local dataset folder, seen from where the upload runs)."""
+
+def public_folder(spec: str) -> str:
+    """A value that is always a local folder (the source, an --offload-activations folder), however it was spelled
+    (`ckpt/GLM-5-FP8` too): its last component; "." and ".." stay (they name nothing)."""
+    return PurePath(spec).name or spec
+
+
+def public_calibration(spec: str) -> str:
+    """A --calibration value as published: a local file or folder cut to its name (`public_path`, and a relative path
+    that names a data file (.txt, .jsonl, .json, .parquet) or has more folders than a Hub dataset id ORG/NAME);
+    a Hub dataset name (`NAME`, `ORG/NAME[:CONFIG]`) stays."""
     p = PurePath(spec)
-    if (local or spec.startswith(("/", "~", "./", "../")) or p.drive or p.suffix.lower() in _DATA_FILES
-            or len(p.parts) > 2 or _exists(spec)):
-        return p.name
-    return spec
-
-
-def _exists(spec: str) -> bool:
-    try:
-        return Path(spec).exists()
-    except (OSError, ValueError):  # a name too long for the file system, a NUL byte
-        return False
+    return p.name if p.suffix.lower() in _DATA_FILES or len(p.parts) > 2 else public_path(spec)
 
 
 def made_with(report: dict | None, manifest: dict | None) -> tuple[list[str], list[str]]:
@@ -274,7 +274,7 @@ def made_with(report: dict | None, manifest: dict | None) -> tuple[list[str], li
     api = []
     if str((report or {}).get("device", "")).startswith("cuda"):  # GPTQ's CUDA kernels sum in another order
         args.append("--device cuda")
-    args.append(f"--calibration {shlex.quote(public_path(str(s.get('calibration'))))}")
+    args.append(f"--calibration {shlex.quote(public_calibration(str(s.get('calibration'))))}")
     for key, flag, default in GPTQ_OPTIONS:
         if key not in s or s[key] == default:
             continue
@@ -327,6 +327,16 @@ def sizes_section(inp: CardInputs) -> list[str]:
     return ["## Size", "", *_table(["checkpoint", "safetensors files"], rows), ""]
 
 
+def finite_figure(v) -> bool:
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+def _figure(v, spec: str) -> str:
+    """A figure of the eval table; "-" for one `glmq eval` could not compute (null: the model's log-probs overflowed
+    or were NaN; `upload` refuses a report where that is the source's or this checkpoint's)."""
+    return format(v, spec) if finite_figure(v) else "-"
+
+
 def eval_section(result: dict | None, checkpoint_name: str) -> list[str]:
     """Perplexity, KL(source || model) and per-layer error of each row of a `glmq eval` result."""
     if not result:
@@ -335,9 +345,9 @@ def eval_section(result: dict | None, checkpoint_name: str) -> list[str]:
     for i, m in enumerate(result["models"]):
         name = PurePath(m["checkpoint"]).name
         label = "source" if i == 0 else ("**this checkpoint**" if name == checkpoint_name else name)
-        errs = [e for e in (m.get("layer_rel_error") or []) if e is not None]
+        errs = [e for e in (m.get("layer_rel_error") or []) if finite_figure(e)]
         layer = f"{sum(errs) / len(errs):.4f} / {max(errs):.4f}" if errs else "-"
-        rows.append([f"{label} (`{name}`)", f"{m['perplexity']:.4f}", f"{m['kl_to_source']:.5f}", layer])
+        rows.append([f"{label} (`{name}`)", _figure(m["perplexity"], ".4f"), _figure(m["kl_to_source"], ".5f"), layer])
     text = PurePath(str(result.get("text", "?"))).name
     return ["## Evaluation", "", f"`glmq eval`: first {result.get('windows')} windows of {result.get('seq_len')} "
             f"tokens of `{text}`; the layer error is ||h_q - h_s|| / ||h_s|| of each decoder layer's output.", "",

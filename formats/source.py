@@ -189,9 +189,14 @@ def open_source(path: str | Path) -> Source:
     config = _load_json(config_path)
     family = family_for(config, str(config_path))
     fmt, block = detect_format(config, config_path)
-    # config.json alone (a folder made before the download): the shards, or the plan `glmq plan` makes from it
-    wm = weight_map(root, missing=f"no tensors are stored here: download the shards, or plan from the config alone "
-                                  f"with `glmq plan -m {config_path}`")
+    # shards without their index (an interrupted download, or one that took only *.safetensors): the index; config.json
+    # alone (a folder made before the download): the shards, or the plan `glmq plan` makes from it
+    if any(root.glob("*.safetensors")):
+        missing = f"the shards are here but not their index: download {INDEX_NAME} beside them"
+    else:
+        missing = (f"no tensors are stored here: download the shards, or plan from the config alone with "
+                   f"`glmq plan -m {config_path}`")
+    wm = weight_map(root, missing=missing)
     shards = sorted(set(wm.values()))
     entries: dict[str, TensorEntry] = {}
     shard_bytes: dict[str, int] = {}

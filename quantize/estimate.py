@@ -206,14 +206,11 @@ def virtual_source(config_path: Path) -> Source:
 
 def _check_values(config: dict, config_path: Path) -> None:
     """ConfigError naming every config value the layout is built from that is of the wrong kind (`"256"`, `1.5`, a
-    zero count): the checks a checkpoint folder's plan makes against its tensors (families.config_value_problems and
-    the counts of expert_layout_problems), here before a layout is made from them."""
-    from glmq.formats.families import _experts_key, config_value_problems, expert_layout_problems
+    zero count): the value checks a checkpoint folder's plan makes (families.config_value_problems and
+    count_problems), here before a layout is made from them."""
+    from glmq.formats.families import config_value_problems, count_problems
 
-    problems = [p for _, p in config_value_problems(config)]
-    problems += [p for where, p in expert_layout_problems((), config) if where == "config.json"]
-    problems += [f"{k} is 0, not a positive integer" for k in ("num_hidden_layers", _experts_key(config))
-                 if config.get(k) == 0 and type(config[k]) is int]
+    problems = [p for _, p in config_value_problems(config) + count_problems(config)]
     if problems:
         raise ConfigError(f"{config_path}: {'; '.join(problems)}; fix config.json (e.g. take it as published with the "
                           f"weights)")

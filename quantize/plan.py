@@ -138,6 +138,10 @@ def make_items(source: Source, recipe: Recipe) -> list[Item]:
                                     mtp_required=False)
     layout += config_shape_problems({n: e.shape for n, e in ents.items()}, source.config)
     layout += attention_presence_problems(ents, source.config)
+    values = [p for where, p in layout if where == "config.json"]
+    if values:  # not a disagreement with the tensors: no loader builds a model from these values
+        raise PlanError(f"{source.root / 'config.json'}: values of the wrong kind; fix config.json (e.g. take it as "
+                        f"published with the weights):" + _problem_list(values))
     if layout:
         alike: dict[str, list[str]] = {}  # a wrong key repeats one problem in every layer (GLM-5: 78 x 256 experts)
         for where, problem in layout:

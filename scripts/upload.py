@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import re
 import sys
 from dataclasses import dataclass
@@ -82,17 +81,22 @@ def ignore_patterns() -> list[str]:
 
 
 def local_patterns(folder: Path, eval_report: Path | None) -> list[str]:
-    """An --eval-report that lies inside the folder under another name than EVAL_NAME stays local too (it holds the
-    same local paths); its path in the repo, as an fnmatch pattern that matches only itself."""
+    """An --eval-report the upload would send under another name than EVAL_NAME stays local too (it holds the same
+    local paths): each path in the repo whose file is the report (itself, or a link to it in the folder), as an
+    fnmatch pattern that matches only itself."""
     import glob
 
-    if eval_report is None:
+    if eval_report is None or not eval_report.is_file():
         return []
-    try:
-        rel = eval_report.expanduser().resolve().relative_to(folder.expanduser().resolve())
-    except ValueError:  # outside the folder: never listed
-        return []
-    return [glob.escape(rel.as_posix())]
+    target = eval_report.expanduser().resolve()
+    return [glob.escape(n) for n, path in _listing(folder) if path.resolve() == target]
+
+
+def _listing(folder: Path) -> list[tuple[str, Path]]:
+    """(path in the repo, file) of every file under the folder, as huggingface_hub lists them for an upload: `**/*`
+    under the resolved folder, relative POSIX paths."""
+    root = folder.expanduser().resolve()
+    return sorted((p.relative_to(root).as_posix(), p) for p in root.glob("**/*") if p.is_file())
 
 
 def split_files(folder: Path, local: list[str] = ()) -> tuple[dict[str, int], list[str]]:
@@ -104,11 +108,10 @@ def split_files(folder: Path, local: list[str] = ()) -> tuple[dict[str, int], li
     """
     from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
-    root = folder.expanduser().resolve()
-    names = sorted(p.relative_to(root).as_posix() for p in root.glob("**/*") if p.is_file())
-    kept = set(filter_repo_objects(names, ignore_patterns=ignore_patterns() + list(local)
+    files = dict(_listing(folder))
+    kept = set(filter_repo_objects(list(files), ignore_patterns=ignore_patterns() + list(local)
                                    + list(DEFAULT_IGNORE_PATTERNS)))
-    return {n: (root / n).stat().st_size for n in names if n in kept}, [n for n in names if n not in kept]
+    return {n: p.stat().st_size for n, p in files.items() if n in kept}, [n for n in files if n not in kept]
 
 
 def files_with_card(files: dict[str, int], card: str | None) -> dict[str, int]:
@@ -238,11 +241,6 @@ def read_eval(folder: Path, given: Path | None) -> dict | None:
                                                          for r in rows):
         raise UploadError(f"{path}: not a `glmq eval --json` result (expected \"models\": [{{{', '.join(keys)}, "
                           f"layer_rel_error}}, ...]); pass the file `glmq eval --json` wrote", 2)
-    broken = [str(r["checkpoint"]) for r in rows if not all(_finite(r[k]) for k in keys[1:])]
-    if broken:  # `glmq eval` writes null for a figure that is inf or nan (and exits 1): no table for a card
-        raise UploadError(f"{path}: the figures of {', '.join(broken)} are not finite numbers (a broken model: "
-                          f"`glmq eval` failed on it); fix the model and evaluate it again, or pass another "
-                          f"--eval-report", 2)
     for r in rows:  # "." names no folder (`glmq eval SOURCE . --json glmq_eval.json` run in the checkpoint folder):
         if not PurePath(str(r["checkpoint"])).name:  # taken from where the report lies; the card shows names only
             r["checkpoint"] = str((path.parent / str(r["checkpoint"])).resolve())
@@ -255,11 +253,17 @@ def read_eval(folder: Path, given: Path | None) -> dict | None:
             raise UploadError(f"--eval-report {why}", 2)
         click.secho(f"warning: {why}; the card leaves the evaluation out", fg="yellow", err=True)
         return None
+    # `glmq eval` writes null for a figure that is inf or nan (and exits 1): the source's or this checkpoint's makes
+    # no table; another model's shows as "-"
+    from glmq.formats.model_card import finite_figure
+
+    mine = [r for i, r in enumerate(rows) if i == 0 or PurePath(str(r["checkpoint"])).name == name]
+    broken = [str(r["checkpoint"]) for r in mine if not all(finite_figure(r[k]) for k in keys[1:])]
+    if broken:
+        raise UploadError(f"{path}: the figures of {', '.join(broken)} are not finite numbers (`glmq eval` failed on "
+                          f"{'it' if len(broken) == 1 else 'them'}: a broken model); fix it and evaluate again, or "
+                          f"pass another --eval-report", 2)
     return doc
-
-
-def _finite(v) -> bool:
-    return type(v) in (int, float) and math.isfinite(v)
 
 
 def make_card(folder: Path, o: UploadOptions, validation: dict):
@@ -348,18 +352,21 @@ def public_report(path: Path) -> bytes | None:
     """The run report as published: every string that is a path on the uploader's machine (the source folder, a
     GPTQ calibration file, an --offload-activations folder) reduced to its last component, as the card shows them;
     None without a report. The local file keeps the paths (the card reads the source's Hub cache path from it)."""
-    from glmq.formats.model_card import public_path
+    from glmq.formats.model_card import public_calibration, public_folder, public_path
 
     doc = _read_json(path, "glmq report")
     if doc is None:
         return None
 
-    def clean(v, local: bool = False):  # local: a key whose value is always a local path (PATH_KEYS)
+    def clean(v, key: str | None = None):  # key: the dict key the value is under
         if isinstance(v, dict):
-            return {k: clean(x, k in PATH_KEYS) for k, x in v.items()}
+            return {k: clean(x, k) for k, x in v.items()}
         if isinstance(v, list):
             return [clean(x) for x in v]
-        return public_path(v, local) if isinstance(v, str) else v
+        if not isinstance(v, str):
+            return v
+        return public_folder(v) if key in PATH_KEYS else public_calibration(v) if key == "calibration" else \
+            public_path(v)
 
     return (json.dumps(clean(doc), indent=1) + "\n").encode()
 
@@ -394,6 +401,8 @@ def _hub_reason(e: BaseException) -> str:
 def push_or_explain(folder: Path, o: UploadOptions, api, method: str, report: bytes | None) -> None:
     """`push`, with any Hub failure turned into one line naming the checkpoint, the Hub's reason and what to do
     (exit 3)."""
+    from huggingface_hub.errors import HFValidationError
+
     try:
         push(folder, o, api, method, report)
     except _hub_errors() as e:
@@ -405,7 +414,7 @@ def push_or_explain(folder: Path, o: UploadOptions, api, method: str, report: by
             # --license not on its list; 413 storage quota): the same command gets the same answer
             hint = ("the Hub refused the request: fix what it says (the card's metadata comes from --base-model and "
                     "--license), then rerun the same command")
-        elif status is None and isinstance(e, ValueError):  # e.g. HFValidationError: refused before anything was sent
+        elif isinstance(e, HFValidationError):  # refused by the client, before anything was sent
             hint = "huggingface_hub refused the arguments before sending anything: fix what it says, then rerun"
         else:
             hint = "check the network and rerun the same command: files already on the Hub are not sent again"

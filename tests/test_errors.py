@@ -311,7 +311,8 @@ def test_a_manifest_whose_complete_flag_is_not_a_boolean_is_unreadable(tmp_path)
 @pytest.mark.parametrize("key, value, needle", [
     ("n_routed_experts", 16, "24 of 48 expert projections missing (config n_routed_experts = 16)"),
     ("n_routed_experts", 4, "holds experts numbered up to 7 (4 beyond config n_routed_experts = 4)"),
-    ("n_routed_experts", "8", "n_routed_experts is '8', not a non-negative integer"),
+    ("n_routed_experts", "8", 'n_routed_experts is "8", not a positive integer'),
+    ("num_hidden_layers", 0, "num_hidden_layers is 0, not a positive integer"),
     ("num_hidden_layers", 5, "model.layers.4.mlp.experts: 24 of 24 expert projections missing"),
     ("hidden_size", 512, "model.layers.1.mlp.experts.0.down_proj.weight (and 23 more tensors): shape [256, 128], but "
                          "config.json's hidden_size x moe_intermediate_size is [512, 128]"),
@@ -319,8 +320,7 @@ def test_a_manifest_whose_complete_flag_is_not_a_boolean_is_unreadable(tmp_path)
                                 "hidden_size x intermediate_size is [256, 1024]"),
     ("kv_lora_rank", 64, "model.layers.0.self_attn.kv_a_proj_with_mqa.weight (and 3 more tensors): shape [160, 256], "
                          "but config.json's kv_lora_rank+qk_rope_head_dim x hidden_size is [96, 256]"),
-    ("q_lora_rank", None, "model.layers.0.self_attn.q_a_proj (and 11 more tensors): stored, but "
-                          "config.json's q_lora_rank is null: loaders do not build it"),
+    ("q_lora_rank", None, "q_lora_rank is null, not a positive integer (the DSA indexer reads the compressed query)"),
 ])
 def test_a_config_that_disagrees_with_the_experts_stored_is_refused_before_any_work(ckpt, tmp_path, key, value, needle):
     """The config was copied through: exit 0 and an output `glmq validate` failed (or, for extra experts and a
@@ -330,5 +330,6 @@ def test_a_config_that_disagrees_with_the_experts_stored_is_refused_before_any_w
     (ckpt / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "out"
     r = glmq("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress")
-    assert_fails(r, out, f"{ckpt / 'config.json'}: disagrees with the tensors stored", needle, "fix config.json")
+    header = "values of the wrong kind" if needle.startswith(key) else "disagrees with the tensors stored"
+    assert_fails(r, out, f"{ckpt / 'config.json'}: {header}", needle, "fix config.json")
     assert not out.exists()

@@ -475,7 +475,8 @@ def test_plan_refuses_config_values_of_the_wrong_kind(make_ckpt, tmp_path):
              ("moe_intermediate_size", 0, "moe_intermediate_size is 0, not a positive integer"),
              ("vocab_size", 1.5, "vocab_size is 1.5, not a positive integer"),
              ("num_hidden_layers", 0, "num_hidden_layers is 0, not a positive integer"),
-             ("n_routed_experts", "8", "n_routed_experts is '8', not a non-negative integer"),
+             ("n_routed_experts", "8", 'n_routed_experts is "8", not a positive integer'),
+             ("first_k_dense_replace", -1, "first_k_dense_replace is -1, not a non-negative integer"),
              ("q_lora_rank", None, "q_lora_rank is null, not a positive integer")]
     for key, value, problem in cases:
         path = tmp_path / key / "config.json"
@@ -489,7 +490,8 @@ def test_plan_refuses_config_values_of_the_wrong_kind(make_ckpt, tmp_path):
     (folder / "config.json").write_text(json.dumps({**base, "hidden_size": "256"}))
     res = CliRunner().invoke(main, ["plan", "-m", str(folder)])
     assert res.exit_code == 1 and isinstance(res.exception, SystemExit), (res.exception, res.output)
-    assert 'config.json: hidden_size is "256", not a positive integer' in res.output
+    assert f'{folder / "config.json"}: values of the wrong kind' in res.output, res.output
+    assert '\n  hidden_size is "256", not a positive integer' in res.output, res.output
 
 
 def test_plan_of_a_folder_with_only_its_config_points_at_the_config_only_plan(tmp_path):

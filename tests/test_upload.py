@@ -577,8 +577,13 @@ def test_an_eval_report_inside_the_folder_under_another_name_stays_local(ckpt, h
     assert r.exit_code == 0, r.output
     patterns = next(c for n, c in hub if n.startswith("upload_") and n != "upload_file")["ignore_patterns"]
     assert "eval-results.json" in patterns
-    # a report outside the folder adds no pattern
-    assert upload.local_patterns(ckpt, ckpt.parent / "e.json") == [] and upload.local_patterns(ckpt, None) == []
+    # a report outside the folder adds no pattern, unless a link in the folder leads to it
+    outside = ckpt.parent / "e.json"
+    outside.write_text("{}")
+    assert upload.local_patterns(ckpt, outside) == [] and upload.local_patterns(ckpt, None) == []
+    (ckpt / "eval-link.json").symlink_to(outside)
+    assert upload.local_patterns(ckpt, outside) == ["eval-link.json"]
+    assert "eval-link.json" not in upload.split_files(ckpt, upload.local_patterns(ckpt, outside))[0]
 
 
 def test_repo_ids_the_hub_refuses_are_refused_before_validating(ckpt, hub):
@@ -608,14 +613,19 @@ def test_arguments_huggingface_hub_refuses_are_not_blamed_on_the_network(ckpt, h
 def test_the_published_report_cuts_a_relative_source_and_calibration_path(tmp_path):
     """A relative --model (`private/acme/GLM-5-FP8`) and --calibration (`data/secret/calib.txt`) were published as
     typed: only strings starting with /, ~, ./ or ../ were cut to their names."""
+    description = "experts INT4 w/ g128/sym, rest BF16; see https://github.com/acme/glmq-recipes"
     report = {"source": "private/acme/GLM-5-FP8", "family": "glm_moe_dsa",
               "gptq": {"settings": {"calibration": "data/secret/calib.txt", "offload_activations": "scratch/acts"}},
-              "recipe": {"name": "int4-w4a16"}}
+              "recipe": {"name": "int4-w4a16", "description": description}}
     (tmp_path / "glmq_report.json").write_text(json.dumps(report))
     published = json.loads(upload.public_report(tmp_path / "glmq_report.json"))
     assert published["source"] == "GLM-5-FP8"
     assert published["gptq"]["settings"] == {"calibration": "calib.txt", "offload_activations": "acts"}
-    assert published["family"] == "glm_moe_dsa" and published["recipe"] == {"name": "int4-w4a16"}
+    # free text is not a path: the recipe's description (a URL in it) is published as the card shows it
+    assert published["family"] == "glm_moe_dsa" and published["recipe"] == report["recipe"]
+    for source, shown in ((".", "."), ("/data/ckpt/GLM-5-FP8", "GLM-5-FP8"), ("GLM-5-FP8", "GLM-5-FP8")):
+        (tmp_path / "glmq_report.json").write_text(json.dumps({**report, "source": source}))
+        assert json.loads(upload.public_report(tmp_path / "glmq_report.json"))["source"] == shown
     report["gptq"]["settings"]["calibration"] = "allenai/c4"  # a Hub dataset id stays
     (tmp_path / "glmq_report.json").write_text(json.dumps(report))
     assert json.loads(upload.public_report(tmp_path / "glmq_report.json"))["gptq"]["settings"]["calibration"] == \
@@ -623,12 +633,24 @@ def test_the_published_report_cuts_a_relative_source_and_calibration_path(tmp_pa
 
 
 def test_an_eval_report_with_figures_that_are_not_finite_makes_no_card(ckpt, hub, tmp_path):
+    """This checkpoint's or the source's figures not finite: refused. Another model's (a broken RTN sibling evaluated
+    in the same run): shown as "-". A default report about other models: still a warning, not an error."""
+    this = {**EVAL["models"][1], "checkpoint": str(ckpt)}
     for value in (None, float("nan"), float("inf")):  # glmq eval writes null; an older report NaN or Infinity
-        bad = {**EVAL, "models": [EVAL["models"][0], {**EVAL["models"][1], "checkpoint": str(ckpt),
-                                                         "perplexity": value}]}
-        (tmp_path / "e.json").write_text(json.dumps(bad))
-        r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--eval-report", str(tmp_path / "e.json"), "--dry-run")
-        assert r.exit_code == 2 and "are not finite numbers" in r.output and str(ckpt) in r.output, (value, r.output)
+        for rows in ([EVAL["models"][0], {**this, "perplexity": value}],
+                     [{**EVAL["models"][0], "kl_to_source": value}, this]):
+            (tmp_path / "e.json").write_text(json.dumps({**EVAL, "models": rows}))
+            r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--eval-report", str(tmp_path / "e.json"), "--dry-run")
+            assert r.exit_code == 2 and "are not finite numbers" in r.output, (value, r.output)
+            assert str(rows[0 if rows[1] is this else 1]["checkpoint"]) in r.output
+    sibling = {**EVAL["models"][1], "checkpoint": "/out/ckpt-rtn", "perplexity": None, "layer_rel_error": [None]}
+    (tmp_path / "e.json").write_text(json.dumps({**EVAL, "models": [EVAL["models"][0], sibling, this]}))
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--eval-report", str(tmp_path / "e.json"), "--dry-run")
+    assert r.exit_code == 0, r.output
+    assert "| ckpt-rtn (`ckpt-rtn`) | - | 0.01234 | - |" in r.stdout and "| **this checkpoint** (`ckpt`) | 3.9342 |" in r.stdout
+    (ckpt / "glmq_eval.json").write_text(json.dumps({**EVAL, "models": [EVAL["models"][0], sibling]}))
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--dry-run")
+    assert r.exit_code == 0 and "not this checkpoint (ckpt)" in r.output, r.output
 
 
 def test_the_tp_hint_only_when_serving_is_the_one_failed_check(ckpt, hub, make_ckpt):

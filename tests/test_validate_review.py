@@ -254,15 +254,15 @@ def test_a_pipe_for_a_shard_or_a_string_complete_flag_is_invalid_not_a_hang_or_a
 
 @pytest.mark.parametrize("key, value, needle", [
     ("n_routed_experts", 4, "holds experts numbered up to 7 (4 beyond config n_routed_experts = 4)"),
-    ("n_routed_experts", "8", "n_routed_experts is '8', not a non-negative integer"),
+    ("n_routed_experts", "8", 'n_routed_experts is "8", not a positive integer'),
     ("hidden_size", 512, "model.embed_tokens.weight: shape [512, 256], but config.json's vocab_size x hidden_size is "
                          "[512, 512]; loaders would refuse it"),
     ("moe_intermediate_size", 64, "model.layers.1.mlp.experts.0.down_proj.weight: shape [256, 128], but config.json's "
                                   "hidden_size x moe_intermediate_size is [256, 64]"),
     ("num_attention_heads", 8, "model.layers.0.self_attn.o_proj.weight: shape [256, 256], but config.json's "
                                "hidden_size x num_attention_heads*v_head_dim is [256, 512]"),
-    ("q_lora_rank", None, "model.layers.0.self_attn.q_proj: missing, but config.json's q_lora_rank is null: loaders "
-                          "build it and find no weights for it"),
+    ("q_lora_rank", None, "config.json: q_lora_rank is null, not a positive integer (the DSA indexer reads the "
+                          "compressed query); no loader builds a working model from it"),
 ])
 def test_a_config_that_disagrees_with_the_tensors_fails_structure(ckpt, key, value, needle):
     """Extra experts, a string count and a hidden_size, expert width or head count the tensors do not have passed
@@ -347,7 +347,7 @@ def test_a_config_value_of_the_wrong_kind_fails_structure(ckpt, key, value):
     rep = v.validate(ckpt, sample=0.01)
     assert not rep.valid and rep.exit_code == 1
     assert [m for m in messages(rep, "structure") if m.startswith("config.json: ")] == [
-        f"config.json: {key} is {json.dumps(value)}, not a positive integer; loaders would refuse it"]
+        f"config.json: {key} is {json.dumps(value)}, not a positive integer; no loader builds a working model from it"]
     (ckpt / "config.json").write_text(json.dumps({k: x for k, x in cfg.items() if k != key}))
     rep = v.validate(ckpt, sample=0.01)
     assert not rep.valid and any("GlmMoeDsaConfig's default; config.json has none" in m

@@ -133,7 +133,9 @@ def check_structure(modules: dict[str, Module], groups: list[Group], shapes: dic
             if shapes.get(m.name) is not None:
                 stored[f"{m.name}.weight_shape"] = tuple(shapes[m.name])
     for name, problem in config_shape_problems(stored, config or {}):
-        res.fail(f"{name}: {problem}; loaders would refuse it", tensor=name)
+        # a value of the wrong kind: a type loaders refuse, or a zero they accept and build nothing working from
+        why = "no loader builds a working model from it" if name == "config.json" else "loaders would refuse it"
+        res.fail(f"{name}: {problem}; {why}", tensor=name)
     for name, problem in attention_presence_problems(stored, config or {}, missing=not unread):
         res.fail(f"{name}: {problem}", tensor=name)
     return res
