@@ -160,8 +160,9 @@ def count_problems(config: dict) -> list[tuple[str, str]]:
     num_local_experts) and num_hidden_layers not a positive integer, first_k_dense_replace and
     num_nextn_predict_layers not a non-negative integer (null: absent)."""
     problems = []
-    for k in (_experts_key(config), *_LAYER_COUNTS):
-        least = 1 if k in (_experts_key(config), "num_hidden_layers") else 0
+    experts = _experts_key(config)
+    for k in (experts, *_LAYER_COUNTS):
+        least = 1 if k in (experts, "num_hidden_layers") else 0
         if config.get(k) is not None and (type(config[k]) is not int or config[k] < least):
             problems.append(("config.json", f"{k} is {json.dumps(config[k])}, not a "
                                             f"{'positive' if least else 'non-negative'} integer"))
@@ -294,20 +295,22 @@ def _layer_shapes(config: dict) -> dict[str, tuple[str, ...]]:
     return shapes
 
 
+def _family_has(config: dict, part: str, key: str) -> bool:
+    """The config's family's flag `part` (a Family attribute); for an unknown family, whether config.json has `key`."""
+    try:
+        return getattr(family_for(config), part)
+    except UnknownArchitectureError:
+        return key in config
+
+
 def _latent(config: dict) -> bool:
     """Whether the config's family has multi-head latent attention (an unknown one: whether it has kv_lora_rank)."""
-    try:
-        return family_for(config).latent_attention
-    except UnknownArchitectureError:
-        return "kv_lora_rank" in config
+    return _family_has(config, "latent_attention", "kv_lora_rank")
 
 
 def _has_indexer(config: dict) -> bool:
     """Whether the config's family has the DSA indexer (an unknown one: whether it has index_n_heads)."""
-    try:
-        return family_for(config).has_indexer
-    except UnknownArchitectureError:
-        return "index_n_heads" in config
+    return _family_has(config, "has_indexer", "index_n_heads")
 
 
 _EXPERT_PATH = re.compile(r"mlp\.experts\.\d+\.")
@@ -340,10 +343,11 @@ _MLA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim
 _INDEXER_KEYS = ("index_n_heads", "index_head_dim")
 
 
-def config_value_problems(config: dict) -> list[tuple[str, str]]:
+def config_value_problems(config: dict, wrong: dict[str, str] | None = None) -> list[tuple[str, str]]:
     """("config.json", problem) for every key the shape table or the attention switches read whose value is of the
-    wrong kind (`_wrong_values`)."""
-    return [("config.json", f"{k} is {json.dumps(config[k])}, not {want}") for k, want in _wrong_values(config).items()]
+    wrong kind (`wrong`: `_wrong_values(config)`, when the caller has it already)."""
+    wrong = _wrong_values(config) if wrong is None else wrong
+    return [("config.json", f"{k} is {json.dumps(config[k])}, not {want}") for k, want in wrong.items()]
 
 
 def _wrong_values(config: dict) -> dict[str, str]:
@@ -373,8 +377,8 @@ def config_shape_problems(shapes: dict[str, tuple], config: dict) -> list[tuple[
     lm_head [vocab_size, hidden_size], the final norm, and in each decoder and MTP layer every attention, MLP, expert,
     router and norm tensor (`_layer_shapes`). `shapes`: tensor name -> shape as stored, a pack-quantized module's
     under `<module>.weight_shape` (its [N, K])."""
-    bad = config_value_problems(config)
     wrong = _wrong_values(config)
+    bad = config_value_problems(config, wrong)
     config, defaulted = loader_config(config)
     config = config | dict.fromkeys(wrong)  # their rows are skipped, not reported a second time
     table = {"top:model.embed_tokens.weight": ("vocab_size", "hidden_size"),

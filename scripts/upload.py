@@ -321,9 +321,9 @@ def upload_method(api, revision: str | None) -> str:
     return "upload_large_folder"
 
 
-def push(folder: Path, o: UploadOptions, api, method: str, report: bytes | None) -> None:
+def push(folder: Path, o: UploadOptions, api, method: str, report: bytes | None, local: list[str] = ()) -> None:
     """create_repo(exist_ok), the branch when --revision names one, then the upload call; `report`: the run report as
-    published (`public_report`), sent in place of the local file."""
+    published (`public_report`), sent in place of the local file; `local`: `local_patterns`, also left out."""
     private = True if o.private else None  # None: the namespace's default visibility
     api.create_repo(o.repo_id, repo_type="model", private=private, exist_ok=True)
     if o.revision not in (None, MAIN):
@@ -332,8 +332,7 @@ def push(folder: Path, o: UploadOptions, api, method: str, report: bytes | None)
 
     kw = {"repo_id": o.repo_id, "folder_path": str(folder), "repo_type": "model", "revision": o.revision,
           # a fresh list: huggingface_hub appends its defaults to it
-          "ignore_patterns": ignore_patterns() + local_patterns(folder, o.eval_report)
-                             + ([REPORT_NAME] if report is not None else [])}
+          "ignore_patterns": ignore_patterns() + list(local) + ([REPORT_NAME] if report is not None else [])}
     if method == "upload_large_folder":
         api.upload_large_folder(private=private, **kw)
     else:
@@ -398,13 +397,14 @@ def _hub_reason(e: BaseException) -> str:
     return (lines or [""])[0]
 
 
-def push_or_explain(folder: Path, o: UploadOptions, api, method: str, report: bytes | None) -> None:
+def push_or_explain(folder: Path, o: UploadOptions, api, method: str, report: bytes | None,
+                    local: list[str] = ()) -> None:
     """`push`, with any Hub failure turned into one line naming the checkpoint, the Hub's reason and what to do
     (exit 3)."""
     from huggingface_hub.errors import HFValidationError
 
     try:
-        push(folder, o, api, method, report)
+        push(folder, o, api, method, report, local)
     except _hub_errors() as e:
         status = getattr(getattr(e, "response", None), "status_code", None)
         if status in (401, 403):
@@ -447,7 +447,8 @@ def upload(o: UploadOptions) -> None:
         click.secho(f"warning: keeping {folder / README}: glmq did not write it, so the generated card is not "
                     f"written (merge it by hand; --dry-run prints it)", fg="yellow", err=True)
     text = str(card) if action == "write" else None
-    files, skipped = split_files(folder, local_patterns(folder, o.eval_report))
+    local = local_patterns(folder, o.eval_report)  # once, for the listing and the push
+    files, skipped = split_files(folder, local)
     api = HfApi()
     method = upload_method(api, o.revision)
     from glmq.formats.manifest import REPORT_NAME
@@ -463,7 +464,7 @@ def upload(o: UploadOptions) -> None:
         from glmq.formats.safetensors_io import atomic_write_text
 
         atomic_write_text(folder / README, text)
-    push_or_explain(folder, o, api, method, report)
+    push_or_explain(folder, o, api, method, report, local)
     click.echo(f"uploaded {folder} to https://huggingface.co/{o.repo_id}"
                + (f"/tree/{o.revision}" if o.revision not in (None, MAIN) else ""))
 
