@@ -86,14 +86,11 @@ class Family:
         name: glmq's name for the family.
         model_types: config.json `model_type` values it covers.
         has_indexer: DSA indexer tensors (`self_attn.indexer.*`) exist.
-        experts_key / dense_key: config keys for the routed-expert count / dense leading layers.
     """
 
     name: str
     model_types: tuple[str, ...]
     has_indexer: bool = False
-    experts_key: str = "n_routed_experts"
-    dense_key: str = "first_k_dense_replace"
     latent_attention: bool = True  # multi-head latent attention (q_a/q_b, kv_a/kv_b); else grouped-query q/k/v
 
 
