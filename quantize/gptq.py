@@ -57,6 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from glmq.quantize import gptq_cpu
+from glmq.quantize.ops import check_finite
 from glmq.quantize.rtn import QWeight, compute_qparams, dequantize, group_minmax, quantize_rtn
 from glmq.quantize.scale_refit import refit_scales
 from glmq.quantize.spec import QuantSpec
@@ -193,7 +194,7 @@ def quantize_gptq_batch(
         hinv, damps = _inverse_hessian_cholesky(H, spec.damp)
         ok = [j for j in range(len(live)) if hinv[j] is not None]
         for j, b in enumerate(live):
-            if damps[j] != spec.damp:
+            if damps[j] != spec.damp and hinv[j] is not None:
                 logger.warning("GPTQ: Hessian not positive definite at damp=%g; used damp=%g", spec.damp, damps[j])
             if hinv[j] is None:
                 logger.warning("GPTQ: Hessian not positive definite even at damp=%g; falling back to RTN", damps[j])
@@ -225,7 +226,7 @@ def quantize_gptq_batch(
             else:
                 q, scale, zp = _gptq_loop(weights(), Hinv, perm, spec, w.dtype, clip, clip_h)
             del Hinv
-            refit = spec.scale_refit if zp is None else 0  # symmetric only (module docstring)
+            refit = spec.scale_refit  # 0 for an asymmetric spec (QuantSpec refuses the pair)
             if spec.cd_sweeps or refit:
                 Hd = _damped(H[ok], [damps[j] for j in ok])
 
@@ -284,6 +285,7 @@ def _check_inputs(w: torch.Tensor, h: torch.Tensor, spec: QuantSpec) -> None:
             f"Hessian must be a float [{k}, {k}] matrix for a weight of shape {list(w.shape)}, "
             f"got {h.dtype} {list(h.shape)}"
         )
+    check_finite(w)  # NonFiniteWeightError naming the rows, as the RTN path raises; GPTQ would hide a NaN in integers
     if not torch.isfinite(h).all():
         raise ValueError(
             "Hessian has NaN/Inf entries: the calibration activations overflowed; "

@@ -150,6 +150,9 @@ class QuantSpec:
             raise ValueError("full_range needs a symmetric spec (an asymmetric one has a zero point instead)")
         if self.tune_iters and not self.symmetric:
             raise ValueError("tune_iters needs a symmetric spec (the tuning keeps no zero point)")
+        if self.scale_refit and not self.symmetric:
+            raise ValueError("scale_refit needs a symmetric spec (an asymmetric one keeps GPTQ's scales and zero "
+                             "points); set scale_refit: 0")
         if self.block_size <= 0 or self.block_size % self.group_size and self.group_size % self.block_size:
             raise ValueError(
                 f"block_size {self.block_size} and group_size {self.group_size} must divide one another"

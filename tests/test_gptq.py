@@ -17,10 +17,13 @@ What is asserted:
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from glmq.calibration.hessian import HessianAccumulator
+from glmq.formats.fp8 import NonFiniteWeightError
 from glmq.quantize import gptq
 from glmq.quantize.gptq import CD_MIN_GAIN, Fallback, GPTQResult, hessian_error, quantize_gptq, quantize_gptq_batch
 from glmq.quantize.pack import pack_int32, unpack_int32
@@ -225,6 +228,13 @@ def test_rejects_bad_inputs():
         quantize_gptq(w.to(torch.int8), h, spec)
     with pytest.raises(ValueError, match="not a multiple of group_size"):
         quantize_gptq(w[:, :48], h[:48, :48], spec)
+    for bad in (float("nan"), float("inf")):  # were quantized: NaN to ordinary-looking integers, Inf to an inf scale
+        wb = w.clone()
+        wb[3, 7] = bad
+        with pytest.raises(NonFiniteWeightError, match=r"NaN or Inf in rows \[3\]"):
+            quantize_gptq(wb, h, spec)
+        with pytest.raises(NonFiniteWeightError):
+            quantize_gptq_batch(torch.stack([w, wb]), torch.stack([h, h]), spec)
 
 
 # --- dampening and fallbacks ----------------------------------------------------------------------
@@ -249,12 +259,16 @@ def test_indefinite_hessian_needs_ten_times_the_damping():
     assert r.fallback is None and r.damp_increased and r.damp == pytest.approx(0.1)
 
 
-def test_hopeless_hessian_falls_back_to_rtn():
+def test_hopeless_hessian_falls_back_to_rtn(caplog):
     w, h = problem(16, 64)
     h = h - 3 * torch.diag(h).mean() * torch.eye(64)  # indefinite beyond MAX_DAMP
     spec = gptq_spec(group_size=32)
-    r = quantize_gptq(w, h, spec)
+    with caplog.at_level(logging.WARNING, logger="glmq.quantize.gptq"):
+        r = quantize_gptq(w, h, spec)
     assert r.fallback is Fallback.NOT_POSITIVE_DEFINITE and r.damp_increased and r.damp == 1.0
+    # one warning, the fallback's: no damp was "used" (it said "used damp=1", then "falling back to RTN")
+    assert [m for m in caplog.messages if "GPTQ" in m] == [
+        "GPTQ: Hessian not positive definite even at damp=1; falling back to RTN"]
     rtn = quantize_rtn(w, spec)
     assert torch.equal(r.qweight.q, rtn.q) and torch.equal(r.qweight.scale, rtn.scale)
     assert r.error_gptq == r.error_rtn

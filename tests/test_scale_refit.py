@@ -6,7 +6,7 @@ What is asserted:
 - The refitted scales are the float64 least-squares optimum of each row (float32 weights: no rounding of
   the dequantized values to speak of), from an explicitly built design matrix.
 - With a diagonal Hessian the groups decouple and each scale is the 1-D weighted least-squares fit.
-- Groups whose integers are all 0 keep their scale; asymmetric specs and `scale_refit=0` change nothing;
+- Groups whose integers are all 0 keep their scale; `scale_refit=0` changes nothing and an asymmetric spec refuses it;
   chunking the rows changes nothing; a batch gives each element its single-problem result.
 """
 
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from glmq.quantize import scale_refit
+from glmq.recipes import RecipeError, load as load_recipe
 from glmq.quantize.gptq import quantize_gptq, quantize_gptq_batch
 from glmq.quantize.spec import QuantSpec
 from test_gptq import assert_rtn_format, damped_row_errors, gptq_spec, problem  # tests/ is on sys.path (pytest prepends it)
@@ -111,12 +112,22 @@ def test_all_zero_group_keeps_its_scale():
     assert bool(torch.isfinite(r1.qweight.scale).all())
 
 
-def test_refit_leaves_asymmetric_specs_and_zero_rounds_alone():
+def test_zero_rounds_change_nothing():
     w, h = problem(16, 128, seed=5)
-    for symmetric, rounds in ((False, 2), (True, 0)):
-        a = quantize_gptq(w, h, gptq_spec(group_size=32, symmetric=symmetric, scale_refit=rounds), clip_search=True)
-        b = quantize_gptq(w, h, gptq_spec(group_size=32, symmetric=symmetric), clip_search=True)
-        assert torch.equal(a.qweight.q, b.qweight.q) and torch.equal(a.qweight.scale, b.qweight.scale)
+    a = quantize_gptq(w, h, gptq_spec(group_size=32, scale_refit=0), clip_search=True)
+    b = quantize_gptq(w, h, gptq_spec(group_size=32), clip_search=True)
+    assert torch.equal(a.qweight.q, b.qweight.q) and torch.equal(a.qweight.scale, b.qweight.scale)
+
+
+def test_an_asymmetric_spec_refuses_the_refit(tmp_path):
+    """The refit keeps no zero point: an asymmetric spec with it was accepted and the rounds silently skipped."""
+    with pytest.raises(ValueError, match="scale_refit needs a symmetric spec"):
+        gptq_spec(group_size=32, symmetric=False, scale_refit=2)
+    recipe = tmp_path / "asym.yaml"
+    recipe.write_text("targets: [routed_expert]\nmethod: gptq\nsymmetric: false\nfull_range: false\nscale_refit: 1\n")
+    with pytest.raises(RecipeError, match="scale_refit needs a symmetric spec") as e:
+        load_recipe(str(recipe))
+    assert "asym.yaml" in str(e.value)
 
 
 def test_row_chunks_change_nothing(monkeypatch):
