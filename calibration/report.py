@@ -42,7 +42,7 @@ def _class_rows(targets: dict[str, dict]) -> dict[str, dict]:
 def summarize(plan: Plan, metas: list[dict], settings, tokens: torch.Tensor, resumed_from: int,
               seconds: float) -> dict:
     """The report merged into glmq_report.json under "gptq"."""
-    layers, fallbacks, damped, under, unreached = [], [], [], [], []
+    layers, fallbacks, damped, under, unreached, zeroed = [], [], [], [], [], []
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0])
     counts_all: list[int] = []
     for meta in metas:
@@ -58,6 +58,8 @@ def summarize(plan: Plan, metas: list[dict], settings, tokens: torch.Tensor, res
                 fallbacks.append({"module": module, "reason": d["fallback"], "damp": d["damp"], "tokens": d["tokens"]})
             if d["damp_increased"]:
                 damped.append({"module": module, "damp": d["damp"]})
+            if d.get("dead_columns"):  # GPTQ zeroes them (reference gptq.py): inputs nonzero when served lose them
+                zeroed.append({"module": module, "columns": d["dead_columns"]})
         counts = meta.get("tokens_per_expert", [])
         counts_all += counts
         under += [{"layer": meta["layer"], "expert": e, "tokens": counts[e], "hessian": settings.under_covered}
@@ -93,6 +95,7 @@ def summarize(plan: Plan, metas: list[dict], settings, tokens: torch.Tensor, res
                             "under_covered": under, "unreached": unreached},
         "fallbacks": fallbacks,
         "damp_increased": damped,
+        "zeroed_columns": zeroed,
         "mtp": mtp_note(plan),
     }
 
@@ -147,6 +150,11 @@ def format_report(rep: dict) -> str:
     lines.append(f"experts no calibration token reached: {len(unreached)}"
                  + (" (listed above)" if unreached and not rest else "")
                  + "".join(f"\n  layer {u['layer']} expert {u['expert']}" for u in rest[:20]))
+    zeroed = rep.get("zeroed_columns", [])
+    if zeroed:
+        lines.append(f"tensors with input channels 0 in every calibration token (their weights zeroed, as reference "
+                     f"GPTQ does; other calibration text may reach them): {len(zeroed)}" + "".join(
+                         f"\n  {z['module']}: {z['columns']} channels" for z in zeroed[:20]))
     lines.append(f"fallbacks: {len(rep['fallbacks'])}" + "".join(
         f"\n  {f['module']}: {f['reason']}" for f in rep["fallbacks"][:20]))
     mtp = rep["mtp"]

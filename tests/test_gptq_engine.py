@@ -263,6 +263,31 @@ def test_expert_without_tokens_is_reported(make_ckpt, tmp_path, min_tokens, prio
         assert {"layer": 1, "expert": 3, "tokens": 0, "hessian": "all_tokens"} in rep["expert_coverage"]["under_covered"]
 
 
+def test_input_channels_no_token_reaches_are_reported(make_ckpt, tmp_path):
+    """A channel of the MLP's input that is 0 for every calibration token (its RMSNorm weight 0) has diag(H) = 0:
+    GPTQ zeroes that column of every expert's gate/up (reference gptq.py), which a served input would still
+    reach. The count sat in each layer file only; now the report lists the tensors."""
+    from glmq.calibration.report import format_report
+
+    src = tmp_path / "src"
+    shutil.copytree(make_ckpt("glm4_moe", "fp8-block"), src)
+    name = "model.layers.1.post_attention_layernorm.weight"
+    shard = src / json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][name]
+    t = load_file(str(shard))
+    t[name] = t[name].clone()
+    t[name][5] = 0
+    save_file(t, str(shard), metadata={"format": "pt"})
+    rep = run_gptq(gptq_plan(src), tmp_path / "o", calib_ids(), settings(clip_search=False), progress=False)["gptq"]
+    experts = json.loads((src / "config.json").read_text())["n_routed_experts"]
+    want = {f"model.layers.1.mlp.experts.{e}.{p}_proj" for e in range(experts) for p in ("gate", "up")}
+    assert {z["module"]: z["columns"] for z in rep["zeroed_columns"]} == dict.fromkeys(want, 1)
+    text = format_report(rep)
+    assert "tensors with input channels 0 in every calibration token (" in text and f": {len(want)}\n" in text
+    assert "\n  model.layers.1.mlp.experts.0.gate_proj: 1 channels" in text
+    out = tensors(tmp_path / "o")
+    assert all(not out[f"{m}.weight_packed"].eq(0).all() for m in want)  # the rest of each tensor is quantized
+
+
 # ----------------------------------------------------------------------------------------- resume
 
 
