@@ -209,13 +209,16 @@ def run_gptq(plan: Plan, out: str | Path, tokens: torch.Tensor, settings: Calibr
 def _run_gptq(plan: Plan, out: Path, lock: OutputLock, tokens: torch.Tensor, settings: CalibrationSettings,
               device: str, progress: bool, world) -> dict:
     lead = world is None or world.is_lead
-    man = prepare_output(plan, out, lock, world)  # the manifest first: then the cache may live inside `out`
-    cache = out / cc.CACHE_DIR
     # the calibration spec itself is left out: the tokens' digest is what it contributes, and `./c.txt` after
     # `c.txt` (or the file moved) refused the resume of the very same run
-    identity = {"plan": plan_identity(plan),
-                "settings": {k: v for k, v in settings.identity().items() if k != "calibration"},
-                "tokens_sha256": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(), "tokens_shape": list(tokens.shape)}
+    calibration = {"settings": {k: v for k, v in settings.identity().items() if k != "calibration"},
+                   "tokens_sha256": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(),
+                   "tokens_shape": list(tokens.shape)}
+    # the manifest first (then the cache may live inside `out`), with the calibration: the files finished before a
+    # crash hold its integers, and the cache that also records it may be gone (deleted, or --offload elsewhere)
+    man = prepare_output(plan, out, lock, world, calibration)
+    cache = out / cc.CACHE_DIR
+    identity = {"plan": plan_identity(plan), **calibration}
     finished = man.complete and len(man.files) == len(plan.files) and (cache / cc.REPORT_NAME).exists()
     calibrating_on = None if finished else torch.device(device).type  # recorded; another device warns
     if world is None:
@@ -231,7 +234,7 @@ def _run_gptq(plan: Plan, out: Path, lock: OutputLock, tokens: torch.Tensor, set
             atomic_write_text(cache / cc.REPORT_NAME, json.dumps(report, indent=1) + "\n")
     provider = cc.CachedQWeights(cache, plan.recipe.spec, plan.source.config["num_hidden_layers"])
     result = stream.run(plan, out, device, progress and lead, quantized=provider, extra_report={"gptq": report},
-                        world=world)  # returns on every rank after rank 0 finished the checkpoint
+                        world=world, calibration=calibration)  # returns on every rank after rank 0 finished the checkpoint
     if lead:
         for p in cache.iterdir():  # the integers now live in the checkpoint; keep identity and report
             if p.name not in (cc.IDENTITY_NAME, cc.REPORT_NAME) and p.is_file():

@@ -4,7 +4,8 @@ Lives in the output folder as `glmq_manifest.json` and stays there (`glmq valida
 checksums). Once the run is finished it holds nothing time-dependent, so an interrupted-and-resumed run
 writes the same bytes as an uninterrupted one; timings go to `glmq_report.json`. While it is unfinished it
 also holds each source shard's modification time (`source_mtime_ns`), the resume's check for a shard edited
-in place.
+in place; finished or not, a digest of a sample of each shard's data (`source_samples`), the check for a shard
+downloaded again (its files are converted again) or another model of the same layout (refused).
 
 Each finished output file is recorded as
     {"source_shard": ..., "bytes": file size,
@@ -81,12 +82,16 @@ class Manifest:
     # converts again the files read from a shard whose time moved (quantize/output.py). Left out of a finished
     # manifest, which holds nothing time-dependent.
     source_mtime_ns: dict[str, int] = field(default_factory=dict)
+    # source shard -> sha256 hex of a sample of its data (Source.shard_samples), kept finished or not: a resume
+    # converts again the files of a shard whose data changed, and refuses a folder whose every shard changed
+    source_samples: dict[str, str] = field(default_factory=dict)
 
     def save(self, out_dir: Path, name: str = MANIFEST_NAME) -> None:
         """Write the whole manifest (temporary name, fsync, rename), then drop the journal it now holds."""
         d = asdict(self)
-        if not self.source_mtime_ns:
-            del d["source_mtime_ns"]
+        for key in ("source_mtime_ns", "source_samples"):
+            if not d[key]:
+                del d[key]
         atomic_write_text(out_dir / name, json.dumps(d, indent=1, sort_keys=True) + "\n")
         (out_dir / journal_name(name)).unlink(missing_ok=True)
 
@@ -128,7 +133,10 @@ class Manifest:
             times = d.get("source_mtime_ns", {})
             if not (isinstance(times, dict) and all(type(t) is int and abs(t) < 2**63 for t in times.values())):
                 raise TypeError(f"'source_mtime_ns' is {str(times)[:80]}, not shard names and integers")
-            man = cls(d["identity"], d.get("files", {}), complete, int(d.get("format_version", 1)), times)
+            samples = d.get("source_samples", {})
+            if not (isinstance(samples, dict) and all(isinstance(h, str) for h in samples.values())):
+                raise TypeError(f"'source_samples' is {str(samples)[:80]}, not shard names and hex digests")
+            man = cls(d["identity"], d.get("files", {}), complete, int(d.get("format_version", 1)), times, samples)
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{p}: unreadable glmq manifest ({e}); remove the output folder and start again") from e
         journal = out_dir / journal_name(name)

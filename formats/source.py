@@ -43,10 +43,13 @@ class Source:
         shards: shard file names in index order.
         block: FP8 block size (bn, bk) for fp8-block sources.
         side_files: other files to copy (tokenizer, generation config, chat template, custom code).
-        header_digest: sha256 of config.json, every shard header and a sample of every shard's data (the
-            source in a resumed run's identity).
+        header_digest: sha256 of config.json and every shard's name, size and header (the source in a resumed
+            run's identity).
         shard_mtime_ns: each shard's modification time when the source was opened: a shard edited in place
             outside the sampled data between a crash and the resume (output.changed_shards).
+        shard_samples: sha256 hex of a sample of each shard's data (`_data_sample`): a resume converts again the
+            files of a shard whose data changed (downloaded again after a corrupt weight), and refuses a folder
+            whose every shard changed (another model of the same layout), output._prepare_output.
     """
 
     root: Path
@@ -60,6 +63,7 @@ class Source:
     side_files: list[str] = field(default_factory=list)
     header_digest: str = ""
     shard_mtime_ns: dict[str, int] = field(default_factory=dict)
+    shard_samples: dict[str, str] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -124,7 +128,7 @@ def detect_format(config: dict, config_path: Path) -> tuple[SourceFormat, tuple[
 
 def _data_sample(path: Path, start: int, size: int) -> bytes:
     """SAMPLE_WINDOWS windows of SAMPLE_BYTES spread evenly over a shard's data section (first and last
-    included): a few page reads per shard, so that two models with identical headers get different digests."""
+    included): a few page reads per shard, so that two models with identical headers get different samples."""
     n = size - start
     if n <= 0:
         return b""
@@ -201,6 +205,7 @@ def open_source(path: str | Path) -> Source:
     entries: dict[str, TensorEntry] = {}
     shard_bytes: dict[str, int] = {}
     shard_mtime_ns: dict[str, int] = {}
+    shard_samples: dict[str, str] = {}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     for shard in shards:
         p = root / shard
@@ -210,7 +215,7 @@ def open_source(path: str | Path) -> Source:
         st = p.stat()
         shard_bytes[shard], shard_mtime_ns[shard] = st.st_size, st.st_mtime_ns
         digest.update(f"{shard}:{shard_bytes[shard]}:".encode())
-        digest.update(_data_sample(p, start, shard_bytes[shard]))
+        shard_samples[shard] = hashlib.sha256(_data_sample(p, start, shard_bytes[shard])).hexdigest()
         for name, e in sorted(found.items()):
             digest.update(f"{name}:{e.dtype}:{e.shape}:{e.begin}:{e.end};".encode())
             if wm.get(name) != shard:
@@ -232,4 +237,4 @@ def open_source(path: str | Path) -> Source:
         and not f.name.endswith(".safetensors") and not f.name.startswith(".")
     )
     return Source(root, config, family, fmt, entries, shards, shard_bytes, block, side, digest.hexdigest(),
-                  shard_mtime_ns)
+                  shard_mtime_ns, shard_samples)

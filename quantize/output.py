@@ -113,18 +113,20 @@ class OutputLock:
         self.release()
 
 
-def plan_identity(plan: Plan) -> dict:
+def plan_identity(plan: Plan, calibration: dict | None = None) -> dict:
+    """What a folder's finished files depend on; a resume keeps them only when it is the same. `calibration`: a GPTQ
+    run's settings and calibration tokens' digest (its files hold that calibration's integers)."""
     return {
         "glmq_version": __version__,
         "source_digest": plan.source.header_digest,
         "recipe": plan.recipe.to_dict(),
         "max_shard_bytes": plan.max_shard_bytes,
         "files": [f.name for f in plan.files],
-    }
+    } | ({"calibration": calibration} if calibration is not None else {})
 
 
 # ----------------------------------------------------------------------------------------- output dir
-def prepare_output(plan: Plan, out: Path, lock: OutputLock, world=None) -> Manifest:
+def prepare_output(plan: Plan, out: Path, lock: OutputLock, world=None, calibration: dict | None = None) -> Manifest:
     """Create the output folder, or resume the interrupted run of this very plan that it holds.
 
     Args:
@@ -132,15 +134,17 @@ def prepare_output(plan: Plan, out: Path, lock: OutputLock, world=None) -> Manif
             run); the caller releases it when the run ends.
         world: a `dist.World`: rank 0 prepares the folder while the others wait, then every rank
             gets rank 0's manifest (whose `files` are the verified finished files).
+        calibration: a GPTQ run's calibration identity (`plan_identity`).
     Raises:
         OutputDirError: the folder holds anything else, or another process is writing into it.
         RankFailure: (distributed) rank 0 could not prepare the folder.
     """
+    identity = plan_identity(plan, calibration)
     if world is None:
-        return _prepare_output(plan, Path(out), lock)
-    man = world.on_lead(f"output folder {out}", lambda: _prepare_output(plan, Path(out), lock), share=True)
-    if man.identity != plan_identity(plan):  # e.g. another glmq version or source copy on another node
-        diff = sorted(k for k, v in plan_identity(plan).items() if man.identity.get(k) != v)
+        return _prepare_output(plan, Path(out), lock, identity)
+    man = world.on_lead(f"output folder {out}", lambda: _prepare_output(plan, Path(out), lock, identity), share=True)
+    if man.identity != identity:  # e.g. another glmq version or source copy on another node
+        diff = sorted(k for k, v in identity.items() if man.identity.get(k) != v)
         raise world.failure("planning", f"this rank's plan differs from rank 0's in {', '.join(diff)}; every rank "
                                         f"must see the same source, recipe, options and glmq version")
     if not (Path(out) / MANIFEST_NAME).is_file():  # e.g. --output on each node's local disk
@@ -150,8 +154,7 @@ def prepare_output(plan: Plan, out: Path, lock: OutputLock, world=None) -> Manif
     return man
 
 
-def _prepare_output(plan: Plan, out: Path, lock: OutputLock) -> Manifest:
-    identity = plan_identity(plan)
+def _prepare_output(plan: Plan, out: Path, lock: OutputLock, identity: dict) -> Manifest:
     if out.exists() and not out.is_dir():
         raise OutputDirError(f"{out}: exists and is not a directory; choose another --output")
     try:
@@ -163,29 +166,61 @@ def _prepare_output(plan: Plan, out: Path, lock: OutputLock) -> Manifest:
     lock.acquire()  # before anything in the folder is read, deleted or written
     existing = [p for p in out.iterdir()]
     man = Manifest.load(out)
-    times = dict(plan.source.shard_mtime_ns)
+    times, samples = dict(plan.source.shard_mtime_ns), dict(plan.source.shard_samples)
     if man is None:
+        first = out / (MANIFEST_NAME + TMP_SUFFIX)  # a run killed while saving its first manifest had done nothing
+        if existing == [first]:
+            first.unlink()
+            existing = []
         if existing:
             raise OutputDirError(
                 f"{out}: not empty and holds no interrupted glmq run ({len(existing)} entries, e.g. "
                 f"{existing[0].name}); choose an empty or new --output folder, or remove this one"
             )
-        man = Manifest(identity, source_mtime_ns=times)
-        man.save(out)
+        man = Manifest(identity, source_mtime_ns=times, source_samples=samples)
+        try:
+            man.save(out)
+        except OSError as e:  # the run's first write into the folder: read-only, full, or not ours
+            raise OutputDirError(f"{out}: cannot write into the output folder ({e.strerror or e}); fix its "
+                                 f"permissions or free space, or choose another --output") from None
         return man
     if man.identity != identity:
-        diff = sorted(k for k in identity if identity[k] != man.identity.get(k))
+        diff = _differing(man.identity, identity)
+        if diff == ["calibration"] and isinstance(man.identity["calibration"], dict) and identity.get("calibration"):
+            raise OutputDirError(
+                f"{out / MANIFEST_NAME}: this folder holds a GPTQ run with other calibration settings or data (differs "
+                f"in: {', '.join(_calibration_diff(man.identity['calibration'], identity['calibration']))}); use a new "
+                f"--output folder, or remove this one to start over")
         raise OutputDirError(
-            f"{out / MANIFEST_NAME}: this folder holds a glmq run of a different source/recipe/settings "
+            f"{out / MANIFEST_NAME}: this folder holds a glmq run of a different source/recipe/settings/calibration "
             f"(differs in: {', '.join(diff)}); use a new --output folder, or remove this one to start over"
         )
+    # a shard whose data sample changed (e.g. downloaded again after a corrupt weight): its files are converted again,
+    # as those of a shard whose time moved; every shard changed: another model of this layout (a fine-tune)
+    resampled = sorted(s for s, h in man.source_samples.items() if s in samples and samples[s] != h)
+    if resampled and len(resampled) == len(samples) > 1:
+        raise OutputDirError(
+            f"{out / MANIFEST_NAME}: this folder holds a glmq run of another source: the data of every source shard "
+            f"differs from that run's (the same config.json and headers: another model of this layout, e.g. a "
+            f"fine-tune); use a new --output folder, or remove this one to start over")
     changed = changed_shards(man.source_mtime_ns, times)
-    if changed and plan.recipe.spec.method is Method.GPTQ:
+    gptq = plan.recipe.spec.method is Method.GPTQ
+    if resampled and gptq:
+        raise OutputDirError(
+            f"{plan.source.path(resampled[0])}: its data differs from the GPTQ run's in {out} (a sample of its bytes"
+            f"{f'; {len(resampled)} source shards in all' if len(resampled) > 1 else ''}): the layers calibrated so "
+            f"far rest on its old contents; use a new --output folder, or remove this one to start over")
+    if changed and gptq:
         raise OutputDirError(_changed_under_gptq(out, plan, changed))
     for shard, (was, now) in changed.items():
         log.warning("%s: modified since the interrupted run in %s began (its modification time moved from %s to %s); "
                     "the output files read from it are converted again", plan.source.path(shard), out, _when(was),
                     _when(now))
+    for shard in resampled:
+        if shard not in changed:
+            log.warning("%s: its data differs from the run's in %s (a sample of its bytes); the output files read "
+                        "from it are converted again", plan.source.path(shard), out)
+    redo_shards = set(changed) | set(resampled)
     fragments = man.absorb_fragments(out)  # records of the ranks of an interrupted distributed run
     for p in existing:  # half-written files of the interrupted run
         if p.name.endswith(TMP_SUFFIX):
@@ -194,11 +229,15 @@ def _prepare_output(plan: Plan, out: Path, lock: OutputLock) -> Manifest:
     kept, redo = {}, []
     for name, rec in man.files.items():
         path = out / name
-        if name in planned and planned[name].source_shards() & set(changed):
+        if name not in planned:  # an edited manifest (the plan's file names are in its identity): never delete by it
+            log.warning("%s: records %r, which this run does not write; the record is dropped", out / MANIFEST_NAME,
+                        name)
+            continue
+        if planned[name].source_shards() & redo_shards:
             redo.append(path)
             continue
         try:
-            sums = file_tensor_checksums(path) if name in planned and _planned_header(path, planned[name]) else None
+            sums = file_tensor_checksums(path) if _planned_header(path, planned[name]) else None
         except (CheckpointError, OSError):
             sums = None
         # a record written before the fast checksum gets it here, from the bytes its sha256 just verified
@@ -216,10 +255,24 @@ def _prepare_output(plan: Plan, out: Path, lock: OutputLock) -> Manifest:
     man.files = kept
     man.complete = man.complete and len(kept) == len(plan.files)
     man.source_mtime_ns = {} if man.complete else times  # the times of the shards this run reads
+    man.source_samples = samples
     man.save(out)
     for p in fragments:  # now in the manifest
         manifest.remove(out, p.name)
     return man
+
+
+def _differing(old: dict, new: dict) -> list[str]:
+    return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+
+
+def _calibration_diff(old: dict, new: dict) -> list[str]:
+    """The calibration keys that differ, a setting by its name (`settings.seed`)."""
+    out = []
+    for k in _differing(old, new):
+        a, b = old.get(k), new.get(k)
+        out += ([f"{k}.{s}" for s in _differing(a, b)] if isinstance(a, dict) and isinstance(b, dict) else [k])
+    return out
 
 
 def changed_shards(recorded: dict[str, int], times: dict[str, int | None]) -> dict[str, tuple[int, int | None]]:

@@ -282,7 +282,7 @@ class _WritePipeline:
 
 
 def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True, quantized=None,
-        extra_report: dict | None = None, world=None) -> dict:
+        extra_report: dict | None = None, world=None, calibration: dict | None = None) -> dict:
     """Convert the planned checkpoint into `out`; return the run report (also written to disk).
 
     Args:
@@ -291,6 +291,7 @@ def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True,
         extra_report: merged into the run report (e.g. the GPTQ calibration report).
         world: a `dist.World` when this process is one rank of a torchrun job (`device` is then the
             rank's, e.g. "cuda:1"); None (single process) never touches torch.distributed.
+        calibration: with `quantized`, the calibration's identity, part of the folder's (`output.plan_identity`).
     Returns:
         the report; in a distributed run every rank gets rank 0's.
     Raises:
@@ -298,11 +299,11 @@ def run(plan: Plan, out: str | Path, device: str = "cpu", progress: bool = True,
         OutputDirError: `out` holds something else, or another glmq process is writing into it.
     """
     with OutputLock(Path(out)) as lock:  # held from the folder's check to the report (rank 0's)
-        return _run(plan, Path(out), lock, device, progress, quantized, extra_report, world)
+        return _run(plan, Path(out), lock, device, progress, quantized, extra_report, world, calibration)
 
 
 def _run(plan: Plan, out: Path, lock: OutputLock, device: str, progress: bool, quantized, extra_report: dict | None,
-         world) -> dict:
+         world, calibration: dict | None) -> dict:
     t0 = time.perf_counter()
     lead = world is None or world.is_lead
     phases: dict[str, float] = {}
@@ -315,7 +316,7 @@ def _run(plan: Plan, out: Path, lock: OutputLock, device: str, progress: bool, q
         torch.zeros(1, device=dev)  # the CUDA context now, so that the start-up RSS below includes it
     rss_start = current_rss_bytes()
     try:
-        man = prepare_output(plan, out, lock, world)
+        man = prepare_output(plan, out, lock, world, calibration)
         phases["prepare_output"] = time.perf_counter() - t0 - phases["import"]
         t_pipe = time.perf_counter()
         todo = [f for f in plan.files if f.name not in man.files]
@@ -442,6 +443,7 @@ def convert_files(plan: Plan, out: Path, files: list[OutFile], dev: torch.device
     lanes = max(1, min(4, (os.cpu_count() or 2) // 2))
     writer = _WritePipeline(lanes, max_pending_bytes=PENDING_BYTES)
     writers: dict[str, StreamingWriter] = {}
+    queued: list[StreamingWriter] = []  # files whose commit is queued: a failure cancels it, then they are aborted too
     busy = {"load": 0.0, "convert": 0.0}
     current: OutFile | None = None
 
@@ -493,13 +495,15 @@ def convert_files(plan: Plan, out: Path, files: list[OutFile], dev: torch.device
                 bar.update(nbytes)
                 remaining[f.name] -= 1
                 if remaining[f.name] == 0:
-                    writer.commit(f.name, lambda f=f, w=writers.pop(f.name): commit(f, w))
+                    queued[:] = [q for q in queued if q.fd >= 0]  # committed ones closed their descriptor
+                    queued.append(writers.pop(f.name))
+                    writer.commit(f.name, lambda f=f, w=queued[-1]: commit(f, w))
                     stats.files_written += 1
         writer.finish()
     except BaseException as e:
         bar.close()
-        writer.shutdown()
-        for w in writers.values():
+        writer.shutdown()  # waits for a running commit, cancels the queued ones
+        for w in (*writers.values(), *queued):  # a committed file's abort is a no-op (its temporary name is gone)
             w.abort()
         if world is None and isinstance(e, OSError) and writer.failed:  # e.g. the disk is full
             raise OutputDirError(f"{out / writer.failed}: writing it failed: {e}; free space or fix the output "

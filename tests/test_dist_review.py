@@ -86,7 +86,7 @@ def test_a_rank_that_cannot_write_its_fragment_is_named(make_ckpt, tmp_path, mon
 
     plan = make_plan(open_source(make_ckpt("glm_moe_dsa", "fp8-block")), recipes.load("int4-w4a16"), 2_000_000)
     (tmp_path / "out").mkdir()
-    monkeypatch.setattr(stream, "prepare_output", lambda plan, out, lock, world: Manifest({}))
+    monkeypatch.setattr(stream, "prepare_output", lambda plan, out, lock, world, calibration: Manifest({}))
 
     def full(self, out, name):
         raise OSError(28, "No space left on device")

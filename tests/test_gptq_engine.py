@@ -413,6 +413,28 @@ def test_a_gptq_resume_over_a_changed_source_shard_is_refused_until_its_time_is_
     assert json.loads((out / REPORT_NAME).read_text())["gptq"]["resumed_from_layer"] == 2
 
 
+def test_a_resume_without_the_calibration_cache_keeps_the_finished_files_only_for_the_same_calibration(cli_src,
+                                                                                                       tmp_path):
+    """Killed while writing the checkpoint, its `.glmq-gptq` cache then deleted: the calibration was recorded only
+    there, so a resume with another --seed kept the finished files of the first calibration beside files of the
+    second (and validated). The manifest records it now: refused, nothing deleted; the same seed resumes."""
+    src, text, ref = cli_src
+    out = tmp_path / "out"
+    r = _cli("write", 40, src, out, text)
+    assert r.returncode == 137, r.stderr[-3000:]
+    shutil.rmtree(out / CACHE_DIR)
+    assert json.loads((out / "glmq_manifest.json").read_text())["identity"]["calibration"]["tokens_shape"] == [8, 32]
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in out.rglob("*"))
+    r = _cli("none", 0, src, out, text, "--seed", "1")
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "other calibration settings or data (differs in: settings.seed, tokens_sha256)" in r.stderr, r.stderr[-3000:]
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in out.rglob("*")) == before
+    r = _cli("none", 0, src, out, text)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _files(out) == _files(ref)
+    assert json.loads((out / REPORT_NAME).read_text())["files_skipped_resumed"] > 0
+
+
 def test_offload_folder_shared_by_two_runs(cli_src, tmp_path):
     """Two killed runs whose output folders have the same name share one --offload-activations DIR: each keeps its
     hidden states in a subfolder of its own, so the first resumes from its own states, byte-identical to the
@@ -463,11 +485,12 @@ def test_rerun_of_a_finished_job_and_foreign_folders(glm4, tmp_path, monkeypatch
     # the same tokens from a calibration spec spelled otherwise (`./c.txt` after `c.txt`) are the same run
     again = run_gptq(gptq_plan(src), out, calib_ids(), settings(calibration="./elsewhere/calib.txt"), progress=False)
     assert "calibration not re-run" in again["gptq"]["note"] and _files(out) == _files(gptq)
-    with pytest.raises(CalibrationCacheError, match="differs in: settings"):
+    # refused by the manifest, which records the calibration too (the cache may be gone)
+    with pytest.raises(OutputDirError, match=r"other calibration settings or data \(differs in: settings\.seed\)"):
         run_gptq(gptq_plan(src), out, calib_ids(), settings(seed=1), progress=False)
-    with pytest.raises(CalibrationCacheError, match="tokens_sha256"):
+    with pytest.raises(OutputDirError, match=r"\(differs in: tokens_sha256\)"):
         run_gptq(gptq_plan(src), out, calib_ids(seed=1), settings(), progress=False)
-    with pytest.raises(OutputDirError, match="differs in: recipe"):  # an RTN run's folder
+    with pytest.raises(OutputDirError, match="differs in: calibration, recipe"):  # an RTN run's folder
         run_gptq(gptq_plan(src), rtn, calib_ids(), settings(), progress=False)
 
 

@@ -283,3 +283,192 @@ def test_the_gptq_refusal_over_many_changed_shards_gives_one_command_that_restor
     assert {s: (src / s).stat().st_mtime_ns for s in times} == times
     with OutputLock(out) as lock:
         prepare_output(make_plan(open_source(src), gptq, 300_000), out, lock)
+
+
+def _open_under(folder: Path) -> list[str]:
+    """Paths under `folder` this process holds open (Linux /proc)."""
+    import os
+
+    fds = Path("/proc/self/fd")
+    held = []
+    for fd in fds.iterdir() if fds.is_dir() else ():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith(str(folder) + "/"):
+            held.append(target)
+    return held
+
+
+def test_a_conversion_error_aborts_the_files_waiting_for_their_commit(make_ckpt, tmp_path, monkeypatch):
+    """A NaN found while finished files still wait for their commit (a slow fsync): the queued commits are cancelled,
+    and those files were neither renamed nor aborted (their temporary files stayed, their descriptors open for the
+    rest of the process). Every one is aborted now; the rerun is byte-identical to an uninterrupted run."""
+    import threading
+
+    import pytest
+
+    from glmq.formats import safetensors_io
+    from glmq.formats.safetensors_io import CheckpointError
+    from glmq.quantize import ops
+
+    src = make_ckpt("glm_moe_dsa", "fp8-block")
+    plan = make_plan(open_source(src), recipes.load("int4-w4a16"), 300_000)
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    stream.run(plan, ref, progress=False)
+    gate, commits = threading.Event(), []
+    orig_commit, orig_q = safetensors_io.StreamingWriter.commit, ops.quantize_rows
+
+    def slow_commit(self):  # every commit waits until the error: the files finished before it queue up
+        commits.append(self.path.name)
+        gate.wait(30)
+        return orig_commit(self)
+
+    calls = [0]
+
+    def bad_q(*a, **k):
+        calls[0] += 1
+        if calls[0] == 40:
+            gate.set()
+            raise ValueError("NaN or Inf in rows [0]")
+        return orig_q(*a, **k)
+
+    monkeypatch.setattr(safetensors_io.StreamingWriter, "commit", slow_commit)
+    monkeypatch.setattr(ops, "quantize_rows", bad_q)
+    with pytest.raises(CheckpointError, match=r"NaN or Inf in rows \[0\]"):
+        stream.run(plan, out, progress=False)
+    assert commits  # one was running when the error came
+    assert [p.name for p in out.iterdir() if p.name.endswith(safetensors_io.TMP_SUFFIX)] == []
+    assert _open_under(out) == []
+    monkeypatch.undo()
+    stream.run(plan, out, progress=False)
+    assert _files(out) == _files(ref)
+
+
+def test_a_manifest_record_outside_the_plan_deletes_nothing(make_ckpt, tmp_path):
+    """A record the plan does not write (an edited or foreign manifest, e.g. `../victim.txt`) failed its check and
+    was unlinked as a file to redo: outside the folder too. It is dropped now, and nothing is deleted for it."""
+    import json
+
+    src = make_ckpt("glm_moe_dsa", "fp8-block")
+    plan = make_plan(open_source(src), recipes.load("int4-w4a16"), 300_000)
+    out = tmp_path / "out"
+    stream.run(plan, out, progress=False)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    man = json.loads((out / "glmq_manifest.json").read_text())
+    man["files"]["../victim.txt"] = next(iter(man["files"].values()))
+    man["files"][str(victim)] = next(iter(man["files"].values()))
+    (out / "glmq_manifest.json").write_text(json.dumps(man))
+    report = stream.run(plan, out, progress=False)
+    assert victim.read_text() == "keep me"
+    assert report["files_skipped_resumed"] == len(plan.files)
+    assert set(json.loads((out / "glmq_manifest.json").read_text())["files"]) == {f.name for f in plan.files}
+
+
+def test_a_run_killed_while_saving_its_first_manifest_starts_again(make_ckpt, tmp_path):
+    """Killed between writing the first manifest's temporary file and renaming it: the folder held only that file,
+    and every rerun was refused as "not empty and holds no interrupted glmq run"."""
+    src = make_ckpt("glm_moe_dsa", "fp8-block")
+    plan = make_plan(open_source(src), recipes.load("int4-w4a16"), 300_000)
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    stream.run(plan, ref, progress=False)
+    out.mkdir()
+    (out / "glmq_manifest.json.glmq-tmp").write_text('{"identity": {')
+    stream.run(plan, out, progress=False)
+    assert _files(out) == _files(ref)
+
+
+def _break_a_sampled_window(src: Path, plan, edit=lambda b: 0x7F) -> tuple[Path, bytes]:
+    """Change a byte of a quantized FP8 weight inside one of its shard's sampled windows (the data sample sees it) to
+    `edit(byte)`, by default 0x7F, an FP8 NaN. Returns (the shard, its bytes before)."""
+    from glmq.formats.safetensors_io import read_header
+    from glmq.formats.source import SAMPLE_BYTES, SAMPLE_WINDOWS
+    from glmq.quantize.plan import Action
+
+    for it in (i for i in reversed(plan.items) if i.action is Action.QUANTIZE and i.src.dtype == "F8_E4M3"):
+        path = src / it.src.shard
+        _, _, start = read_header(path)
+        n = path.stat().st_size - start
+        windows = [start + (n - SAMPLE_BYTES) * i // (SAMPLE_WINDOWS - 1) for i in range(SAMPLE_WINDOWS)]
+        at = next((o for w in windows for o in range(w, w + SAMPLE_BYTES)
+                   if start + it.src.begin <= o < start + it.src.end), None)
+        if at is not None:
+            good = path.read_bytes()
+            data = bytearray(good)
+            data[at] = edit(data[at])
+            path.write_bytes(bytes(data))
+            return path, good
+    raise AssertionError("no quantized FP8 weight lies in a sampled window")
+
+
+def test_a_shard_downloaded_again_after_a_corrupt_weight_resumes_redoing_only_its_files(make_ckpt, tmp_path):
+    """Follow the NaN error's advice ("re-download the shard") and run again: when the corrupt byte lay in a sampled
+    window, the run's identity had changed and the whole folder was refused, finished files and all; when it did not,
+    the resume went on. Now either way the files of that shard alone are converted again (RTN), in a finished folder
+    too; a GPTQ resume is refused naming the shard, without the `touch` advice for a copied source (its data did
+    change)."""
+    import os
+    import shutil
+
+    import pytest
+
+    from glmq.formats.safetensors_io import CheckpointError
+    from glmq.quantize.output import OutputDirError, OutputLock, prepare_output
+
+    src = tmp_path / "src"
+    shutil.copytree(make_ckpt("glm_moe_dsa", "fp8-block"), src)
+    ref = tmp_path / "ref"
+    stream.run(make_plan(open_source(src), recipes.load("int4-w4a16"), 300_000), ref, progress=False)
+    shard, good = _break_a_sampled_window(src, make_plan(open_source(src), recipes.load("int4-w4a16"), 300_000))
+    plan = make_plan(open_source(src), recipes.load("int4-w4a16"), 300_000)
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match=f"{shard.name}.*NaN or Inf"):
+        stream.run(plan, out, progress=False)
+    gptq, out_g = recipes.load("int4-w4a16").with_method("gptq"), tmp_path / "gptq"
+    with OutputLock(out_g) as lock:  # a GPTQ run begun on the corrupt shard
+        prepare_output(make_plan(open_source(src), gptq, 300_000), out_g, lock)
+    mtime = shard.stat().st_mtime_ns
+    shard.write_bytes(good)  # downloaded again
+    os.utime(shard, ns=(mtime, mtime))  # its time as before: the data sample alone must tell
+    plan = make_plan(open_source(src), recipes.load("int4-w4a16"), 300_000)
+    with pytest.raises(OutputDirError, match=f"{shard}: its data differs from the GPTQ run's") as e:
+        with OutputLock(out_g) as lock:
+            prepare_output(make_plan(open_source(src), gptq, 300_000), out_g, lock)
+    assert "touch" not in str(e.value)
+    report = stream.run(plan, out, progress=False)
+    assert _files(out) == _files(ref)
+    assert 0 < report["files_skipped_resumed"] < len(plan.files)
+    # a finished folder over a shard whose data changed, its time kept: that shard's files alone are converted again
+    mtime = shard.stat().st_mtime_ns
+    shard, _ = _break_a_sampled_window(src, plan, edit=lambda b: b ^ 0x80)  # the sign: still finite
+    os.utime(shard, ns=(mtime, mtime))
+    edited = make_plan(open_source(src), recipes.load("int4-w4a16"), 300_000)
+    ref2 = tmp_path / "ref2"
+    stream.run(edited, ref2, progress=False)
+    report = stream.run(edited, out, progress=False)
+    assert report["files_skipped_resumed"] == sum(shard.name not in f.source_shards() for f in plan.files)
+    assert _files(out) == _files(ref2)
+
+
+def test_an_output_folder_that_refuses_writes_gets_advice(make_ckpt, tmp_path, monkeypatch):
+    """The first write into the folder (the manifest) failing, e.g. a read-only folder: a bare `[Errno 13] Permission
+    denied: '.../glmq_manifest.json.glmq-tmp'` before; now the folder, the reason and what to do, and no file left."""
+    import errno
+
+    import pytest
+
+    from glmq.formats import safetensors_io
+    from glmq.quantize.output import OutputDirError
+
+    def refused(path, text):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path) + safetensors_io.TMP_SUFFIX)
+
+    monkeypatch.setattr("glmq.formats.manifest.atomic_write_text", refused)
+    plan = make_plan(open_source(make_ckpt("glm_moe_dsa", "fp8-block")), recipes.load("int4-w4a16"), 300_000)
+    out = tmp_path / "out"
+    with pytest.raises(OutputDirError, match=r"out: cannot write into the output folder \(Permission denied\); fix its "
+                                             r"permissions or free space, or choose another --output"):
+        stream.run(plan, out, progress=False)
+    assert list(out.iterdir()) == []

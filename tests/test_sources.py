@@ -22,14 +22,15 @@ def test_another_model_with_the_same_config_and_headers_is_another_source(make_c
     assert (a / "config.json").read_text() == (b / "config.json").read_text()
     moved = tmp_path / "moved"
     shutil.copytree(a, moved)
-    assert open_source(moved).header_digest == open_source(a).header_digest  # a copied source still resumes
-    assert open_source(a).header_digest != open_source(b).header_digest
+    sa, sb = open_source(a), open_source(b)
+    assert open_source(moved).shard_samples == sa.shard_samples  # a copied source still resumes
+    assert sa.header_digest == sb.header_digest and all(sa.shard_samples[s] != sb.shard_samples[s] for s in sa.shards)
     rec = recipes.load("int4-w4a16")
     out = tmp_path / "out"
-    stream.run(make_plan(open_source(a), rec), out, progress=False)
+    stream.run(make_plan(sa, rec), out, progress=False)
     (out / "config.json").unlink()  # as if the run of `a` had died just before the end
-    with pytest.raises(OutputDirError, match="source_digest"):
-        stream.run(make_plan(open_source(b), rec), out, progress=False)
+    with pytest.raises(OutputDirError, match="the data of every source shard differs from that run's"):
+        stream.run(make_plan(sb, rec), out, progress=False)
 
 
 def _edit(src, tmp_path, name, edit):
