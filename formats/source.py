@@ -23,8 +23,9 @@ SINGLE_NAME = "model.safetensors"
 # files never copied as side files: the shards and index are rewritten, glmq's own bookkeeping is ours, and the
 # source's model card describes the source model (`glmq upload` writes the output's own card)
 _NOT_SIDE = {INDEX_NAME, "config.json", "README.md", MANIFEST_NAME, REPORT_NAME}
-# The source digest (a resumed run must be of the same source) covers the headers and a sample of every shard's
-# data: another model of the same architecture (a fine-tune, the next release) has the very same config and headers.
+# The source digest (a resumed run must be of the same source) covers config.json and the shard headers; a sample of
+# every shard's data is digested per shard (Source.shard_samples): another model of the same architecture (a
+# fine-tune, the next release) has the very same config and headers.
 SAMPLE_WINDOWS, SAMPLE_BYTES = 17, 4096
 
 

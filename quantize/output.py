@@ -146,7 +146,11 @@ def prepare_output(plan: Plan, out: Path, lock: OutputLock, world=None, calibrat
     if man.identity != identity:  # e.g. another glmq version or source copy on another node
         diff = sorted(k for k, v in identity.items() if man.identity.get(k) != v)
         raise world.failure("planning", f"this rank's plan differs from rank 0's in {', '.join(diff)}; every rank "
-                                        f"must see the same source, recipe, options and glmq version")
+                                        f"must see the same source, recipe, options, calibration and glmq version")
+    other = [s for s, h in plan.source.shard_samples.items() if man.source_samples.get(s) != h]
+    if other:  # a node-local copy of another model of the same layout (rank 0 recorded its own samples)
+        raise world.failure("planning", f"this rank's copy of {plan.source.path(other[0])} holds other data than rank "
+                                        f"0's ({len(other)} shard(s) differ); every rank must read the same source")
     if not (Path(out) / MANIFEST_NAME).is_file():  # e.g. --output on each node's local disk
         raise world.failure(f"output folder {out}", f"{Path(out) / MANIFEST_NAME}, which rank 0 has just written, is "
                                                     f"not there: every rank must write into the same folder (across "
@@ -186,11 +190,15 @@ def _prepare_output(plan: Plan, out: Path, lock: OutputLock, identity: dict) -> 
         return man
     if man.identity != identity:
         diff = _differing(man.identity, identity)
-        if diff == ["calibration"] and isinstance(man.identity["calibration"], dict) and identity.get("calibration"):
+        if diff == ["calibration"] and isinstance(man.identity.get("calibration"), dict) and identity.get("calibration"):
             raise OutputDirError(
                 f"{out / MANIFEST_NAME}: this folder holds a GPTQ run with other calibration settings or data (differs "
                 f"in: {', '.join(_calibration_diff(man.identity['calibration'], identity['calibration']))}); use a new "
                 f"--output folder, or remove this one to start over")
+        if diff == ["source_digest"] and not man.source_samples:
+            raise OutputDirError(  # the digest covered sampled data before the samples were recorded per shard
+                f"{out / MANIFEST_NAME}: this folder holds a run of an earlier glmq, which identified the source "
+                f"otherwise; finish it with that glmq, or remove this folder to start over")
         raise OutputDirError(
             f"{out / MANIFEST_NAME}: this folder holds a glmq run of a different source/recipe/settings/calibration "
             f"(differs in: {', '.join(diff)}); use a new --output folder, or remove this one to start over"
@@ -278,8 +286,8 @@ def _calibration_diff(old: dict, new: dict) -> list[str]:
 def changed_shards(recorded: dict[str, int], times: dict[str, int | None]) -> dict[str, tuple[int, int | None]]:
     """Source shards whose modification time moved since it was `recorded`: shard -> (then, now).
 
-    The run's identity covers the source's config, headers, sizes and a sample of every shard's data, not every
-    byte (reading the whole source again to resume would cost as much as converting it); a shard edited in place
+    The run's identity covers the source's config, headers and sizes, and the manifest a sample of every shard's
+    data, not every byte (reading the whole source again to resume would cost as much as converting it); a shard edited in place
     elsewhere between a crash and the resume would have left files of its old contents beside files of its new.
     The time is the check for that. A manifest of a finished run or of glmq before this check records none."""
     # (a recorded name the source does not have was hand-edited in: the source's shard names are in the identity)

@@ -443,7 +443,9 @@ def convert_files(plan: Plan, out: Path, files: list[OutFile], dev: torch.device
     lanes = max(1, min(4, (os.cpu_count() or 2) // 2))
     writer = _WritePipeline(lanes, max_pending_bytes=PENDING_BYTES)
     writers: dict[str, StreamingWriter] = {}
-    queued: list[StreamingWriter] = []  # files whose commit is queued: a failure cancels it, then they are aborted too
+    # files whose commit is queued, until it succeeds (the committer removes them): a failure cancels the queued
+    # commits, and these are aborted too
+    queued: dict[str, StreamingWriter] = {}
     busy = {"load": 0.0, "convert": 0.0}
     current: OutFile | None = None
 
@@ -457,6 +459,7 @@ def convert_files(plan: Plan, out: Path, files: list[OutFile], dev: torch.device
     def commit(f: OutFile, w: StreamingWriter):
         hashes = w.commit()
         record(f, w.size, hashes, w.digests(XXH3_128), w.header_digest)
+        del queued[f.name]
 
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="glmq-load") as pool:
@@ -495,15 +498,14 @@ def convert_files(plan: Plan, out: Path, files: list[OutFile], dev: torch.device
                 bar.update(nbytes)
                 remaining[f.name] -= 1
                 if remaining[f.name] == 0:
-                    queued[:] = [q for q in queued if q.fd >= 0]  # committed ones closed their descriptor
-                    queued.append(writers.pop(f.name))
-                    writer.commit(f.name, lambda f=f, w=queued[-1]: commit(f, w))
+                    queued[f.name] = writers.pop(f.name)
+                    writer.commit(f.name, lambda f=f, w=queued[f.name]: commit(f, w))
                     stats.files_written += 1
         writer.finish()
     except BaseException as e:
         bar.close()
         writer.shutdown()  # waits for a running commit, cancels the queued ones
-        for w in (*writers.values(), *queued):  # a committed file's abort is a no-op (its temporary name is gone)
+        for w in (*writers.values(), *queued.values()):  # (a file renamed but not recorded: its abort is a no-op)
             w.abort()
         if world is None and isinstance(e, OSError) and writer.failed:  # e.g. the disk is full
             raise OutputDirError(f"{out / writer.failed}: writing it failed: {e}; free space or fix the output "

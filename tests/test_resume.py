@@ -459,16 +459,67 @@ def test_an_output_folder_that_refuses_writes_gets_advice(make_ckpt, tmp_path, m
 
     import pytest
 
-    from glmq.formats import safetensors_io
     from glmq.quantize.output import OutputDirError
 
-    def refused(path, text):
-        raise PermissionError(errno.EACCES, "Permission denied", str(path) + safetensors_io.TMP_SUFFIX)
+    import os
 
-    monkeypatch.setattr("glmq.formats.manifest.atomic_write_text", refused)
+    def full(fd):  # the manifest's temporary file is written, then its fsync finds the disk full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
     plan = make_plan(open_source(make_ckpt("glm_moe_dsa", "fp8-block")), recipes.load("int4-w4a16"), 300_000)
     out = tmp_path / "out"
-    with pytest.raises(OutputDirError, match=r"out: cannot write into the output folder \(Permission denied\); fix its "
-                                             r"permissions or free space, or choose another --output"):
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OutputDirError, match=r"out: cannot write into the output folder \(No space left on device\); "
+                                             r"fix its permissions or free space, or choose another --output"):
         stream.run(plan, out, progress=False)
-    assert list(out.iterdir()) == []
+    assert list(out.iterdir()) == []  # the temporary file too
+    monkeypatch.undo()
+    stream.run(plan, out, progress=False)  # and the rerun starts
+
+
+def test_what_the_resume_check_says_of_older_and_foreign_manifests(make_ckpt, tmp_path, monkeypatch):
+    """A manifest of the glmq before the per-shard samples (its source digest covered them; it records none) is named
+    as an earlier glmq's, not as another source; a GPTQ manifest without a calibration record, resumed with one, is
+    refused (it was a KeyError); a rank whose copy of the source holds other data than rank 0's is refused (the data
+    samples left the identity that the ranks compare)."""
+    import json
+    import shutil
+
+    import pytest
+
+    from glmq.formats.manifest import MANIFEST_NAME, Manifest
+    from glmq.quantize import dist
+    from glmq.quantize.output import OutputDirError, OutputLock, prepare_output
+
+    src = make_ckpt("glm_moe_dsa", "fp8-block")
+    plan = make_plan(open_source(src), recipes.load("int4-w4a16"), 300_000)
+    out = tmp_path / "old"
+    with OutputLock(out) as lock:
+        prepare_output(plan, out, lock)
+    man = json.loads((out / MANIFEST_NAME).read_text())
+    del man["source_samples"]
+    man["identity"]["source_digest"] = "0" * 64
+    (out / MANIFEST_NAME).write_text(json.dumps(man))
+    with pytest.raises(OutputDirError, match="holds a run of an earlier glmq, which identified the source otherwise"):
+        with OutputLock(out) as lock:
+            prepare_output(plan, out, lock)
+
+    gptq = make_plan(open_source(src), recipes.load("int4-w4a16").with_method("gptq"), 300_000)
+    out = tmp_path / "gptq"
+    with OutputLock(out) as lock:
+        prepare_output(gptq, out, lock)
+    with pytest.raises(OutputDirError, match=r"differs in: calibration\)"):
+        with OutputLock(out) as lock:
+            prepare_output(gptq, out, lock, calibration={"tokens_sha256": "a"})
+
+    other = tmp_path / "other"  # rank 1's node-local copy: another model of the same layout
+    shutil.copytree(make_ckpt("glm_moe_dsa", "fp8-block", seed=1), other)
+    out = tmp_path / "dist"
+    with OutputLock(out) as lock:  # rank 0's part
+        prepare_output(plan, out, lock)
+    monkeypatch.setattr(dist.World, "on_lead", lambda self, step, fn, share=False: Manifest.load(out))
+    world = dist.World(rank=1, size=2, local_rank=1, device="cpu")
+    with pytest.raises(dist.RankFailure, match=r"rank 1 failed on planning: this rank's copy of .*other/model-00001-of-"
+                                               r".* holds other data than rank 0's \(7 shard\(s\) differ\)"):
+        prepare_output(make_plan(open_source(other), recipes.load("int4-w4a16"), 300_000), out, OutputLock(out), world)
+    prepare_output(plan, out, OutputLock(out), world)  # the same source: fine
