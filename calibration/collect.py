@@ -151,8 +151,9 @@ class HessianCollector:
         `all_token_limit`; `side` is their size I), counted."""
         if not self.all_token_experts:
             return x[:0]
-        if self.all_token_limit is not None:
-            x = x[:max(0, math.ceil(self.all_token_limit * side) - self.all_token_tokens)]
+        cap = math.inf if self.all_token_limit is None else self.all_token_limit * side  # inf when it overflows
+        if cap < self.all_token_tokens + x.shape[0]:
+            x = x[:max(0, math.ceil(cap) - self.all_token_tokens)]
         self.all_token_tokens += x.shape[0]
         return x
 

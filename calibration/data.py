@@ -2,8 +2,8 @@
 
 Sources (`spec`):
 - a local file: `.jsonl` (one JSON object per line with a "text" field), `.json` (the same JSON Lines, as
-  `datasets`' `to_json` writes them, or one JSON array of such objects), `.parquet` (a "text" column; needs
-  pyarrow), anything else is read as plain UTF-8 text;
+  `datasets`' `to_json` writes them, one JSON array of such objects, or one such object), `.parquet` (a "text"
+  column of strings; needs pyarrow), anything else is read as plain UTF-8 text;
 - otherwise a Hugging Face dataset name, `NAME` or `NAME:CONFIG`, or a local dataset folder (split "train",
   field "text"), read through the `datasets` package when it is installed (needs network or a local HF cache).
 
@@ -85,6 +85,22 @@ def calibration_tokens(checkpoint: str | Path, spec: str, samples: int = 128, se
     return stream[: windows * seq_len].view(windows, seq_len)[pick].clone()
 
 
+def check_token_ids(ids: torch.Tensor, model_dir: str | Path, config: dict,
+                    error: type[Exception] = CalibrationDataError) -> None:
+    """Raise `error` when a token id has no row in the model's embeddings (config.json's vocab_size): a tokenizer of
+    another model, with a larger vocabulary, gave an IndexError traceback inside the first layer's forward."""
+    vocab = config.get("vocab_size")
+    if vocab is None and isinstance(config.get("text_config"), dict):
+        vocab = config["text_config"].get("vocab_size")
+    if ids.numel() == 0 or type(vocab) is not int:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab:
+        raise error(f"{model_dir}: the text's token ids run from {lo} to {hi}, but the model has {vocab} "
+                    f"(config.json's vocab_size): its tokenizer is not this model's; copy tokenizer.json and "
+                    f"tokenizer_config.json from the original model into it")
+
+
 def token_stream(tok, docs, budget: int | None) -> torch.Tensor:
     """Tokenize `docs` into one int64 stream (EOS between documents), stopping past `budget` tokens."""
     eos = tok.eos_token_id
@@ -116,7 +132,8 @@ def iter_file(path: Path):
         try:
             yield path.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark is no text to calibrate on
         except UnicodeDecodeError as e:
-            raise CalibrationDataError(f"{path}: not UTF-8 text ({e}); give a .txt, .jsonl or .parquet file") from e
+            raise CalibrationDataError(f"{path}: not UTF-8 text ({e}); save it as UTF-8 (or give the text as "
+                                       f".jsonl, .json or .parquet documents)") from e
 
 
 def _jsonl(path: Path):
@@ -139,9 +156,21 @@ def _jsonl(path: Path):
 
 
 def _json(path: Path):
-    """A `.json` file: one JSON array of objects with a "text" field, else JSON Lines (`_jsonl`)."""
+    """A `.json` file: one JSON array of objects with a "text" field, one such object (over several lines, as
+    `json.dump(..., indent=2)` writes it), else JSON Lines (`_jsonl`)."""
     with open(path, "rb") as f:
         first = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()  # past a UTF-8 byte-order mark
+        f.seek(0)
+        line = next((x for x in f if x.strip()), b"").removeprefix(b"\xef\xbb\xbf")  # the first non-blank line
+    if first.startswith(b"{") and not _parses(line):  # not JSON Lines: the first line holds no whole object
+        try:
+            row = json.loads(path.read_bytes().decode("utf-8-sig"))
+        except ValueError as e:  # (UnicodeDecodeError is one)
+            raise CalibrationDataError(f"{path}: neither one JSON object nor JSON Lines ({e})") from e
+        if not isinstance(row, dict) or not isinstance(row.get(TEXT_FIELD), str):
+            raise CalibrationDataError(f"{path}: the object must have a string {TEXT_FIELD!r} field")
+        yield row[TEXT_FIELD]
+        return
     if not first.startswith(b"["):
         yield from _jsonl(path)
         return
@@ -156,6 +185,14 @@ def _json(path: Path):
         yield row[TEXT_FIELD]
 
 
+def _parses(line: bytes) -> bool:
+    try:
+        json.loads(line)
+        return True
+    except ValueError:
+        return False
+
+
 def _parquet(path: Path):
     try:
         import pyarrow.parquet as pq
@@ -165,6 +202,10 @@ def _parquet(path: Path):
     table = pq.read_table(path)
     if TEXT_FIELD not in table.column_names:
         raise CalibrationDataError(f"{path}: no {TEXT_FIELD!r} column (columns: {table.column_names})")
+    kind = table.schema.field(TEXT_FIELD).type
+    if str(kind) not in ("string", "large_string", "string_view", "null"):  # its values were skipped: "0 tokens"
+        raise CalibrationDataError(f"{path}: the {TEXT_FIELD!r} column holds {kind}, not strings; write the text "
+                                   f"as a string column")
     for value in table.column(TEXT_FIELD).to_pylist():
         if isinstance(value, str):
             yield value

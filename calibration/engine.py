@@ -48,6 +48,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -160,8 +161,11 @@ class CalibrationSettings:
                 or (self.gptq_batch or 1) <= 0:
             raise ValueError("min_expert_tokens and expert_prior must be >= 0; batch_size, experts_per_pass and "
                              "gptq_batch positive")
-        if self.all_token_limit is not None and not self.all_token_limit > 0:
-            raise ValueError(f"all_token_limit must be positive or None, got {self.all_token_limit!r}")
+        if self.all_token_limit is not None and not 0 < self.all_token_limit < math.inf:
+            raise ValueError(f"all_token_limit must be a positive finite number, or None for every token, got "
+                             f"{self.all_token_limit!r}")
+        if not 0 <= self.expert_prior < math.inf:  # NaN too: it would never equal itself in a resumed run's identity
+            raise ValueError(f"expert_prior must be a finite number >= 0, got {self.expert_prior!r}")
         if self.activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {ACTIVATIONS}, got {self.activations!r}")
         if self.offload_activations and self.activations != "disk":
@@ -199,6 +203,9 @@ def run_gptq(plan: Plan, out: str | Path, tokens: torch.Tensor, settings: Calibr
     if tokens.ndim != 2 or tokens.dtype != torch.int64:
         raise ValueError(f"calibration tokens must be an int64 [samples, seq_len] tensor, got {tokens.dtype} {list(tokens.shape)}")
     check_seq_len(plan, tokens.shape[1])
+    from glmq.calibration.data import check_token_ids
+
+    check_token_ids(tokens, plan.source.root, plan.source.config)  # before the output folder is touched
     if world is not None and plan.recipe.spec.tune_iters:
         raise ValueError(f"{plan.recipe.name}: tune_iters (layer-output tuning) runs in one process; set tune_iters: 0 "
                          "in the recipe to calibrate with several ranks")

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from glmq.formats.dense import dense_config, iter_dense
-from glmq.formats.safetensors_io import CheckpointError
+from glmq.formats.safetensors_io import CheckpointError, read_json_object
 
 
 def load_model(checkpoint: str | Path, dtype: torch.dtype = torch.float32):
@@ -58,18 +58,19 @@ def load_model(checkpoint: str | Path, dtype: torch.dtype = torch.float32):
 
 def token_windows(tokenizer_dir: str | Path, text_file: str | Path, seq_len: int, count: int,
                   trust_remote_code: bool = False) -> torch.Tensor:
-    """The first `count` non-overlapping windows of `seq_len` tokens of a text file, `[count, seq_len]`
-    (`trust_remote_code`: as `calibration.data.load_tokenizer`)."""
-    from glmq.calibration.data import load_tokenizer
+    """The first `count` non-overlapping windows of `seq_len` tokens of a text file, `[count, seq_len]`, read as the
+    calibration text is (`calibration.data.iter_file`: plain text, or the "text" of .jsonl/.json/.parquet documents
+    joined by EOS; `trust_remote_code`: as `calibration.data.load_tokenizer`). The ids are checked against the
+    model's vocab_size (config.json in `tokenizer_dir`)."""
+    from glmq.calibration.data import check_token_ids, iter_file, load_tokenizer, token_stream
 
     tok = load_tokenizer(tokenizer_dir, trust_remote_code, error=CheckpointError,
                          fix="the text is tokenized with the source checkpoint's tokenizer: copy tokenizer.json and "
                              "tokenizer_config.json from the original model into it")
-    try:
-        text = Path(text_file).read_text(encoding="utf-8-sig")  # as calibration text: a byte-order mark is no text
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{text_file}: not UTF-8 text ({e}); give --text a UTF-8 text file") from e
-    ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    ids = token_stream(tok, iter_file(Path(text_file)), None)
+    config = Path(tokenizer_dir) / "config.json"
+    cfg = read_json_object(config, "", "re-download it") if config.is_file() else {}
+    check_token_ids(ids, tokenizer_dir, cfg, CheckpointError)
     n = min(count, ids.numel() // seq_len)
     if n == 0:
         raise ValueError(f"{text_file}: shorter than one window of {seq_len} tokens")

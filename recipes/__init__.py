@@ -188,7 +188,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def load(name_or_path: str) -> Recipe:
     """Resolve a recipe by shipped name or by path to a YAML file."""
     p = Path(name_or_path)
-    if not (p.suffix in (".yaml", ".yml") and p.exists()):
+    if not (p.suffix.lower() in (".yaml", ".yml") and p.exists()):
         p = RECIPE_DIR / f"{name_or_path}.yaml"
     if not p.exists():
         shipped = ", ".join(available())

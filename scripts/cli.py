@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -272,7 +273,8 @@ def _skip_triton() -> None:
               help="GPTQ calibration text: a .txt, .jsonl or .json ('text' field) or .parquet file, or a Hugging Face dataset NAME[:CONFIG] or local dataset folder (needs `datasets`).")
 @click.option("--samples", default=128, show_default=True, type=click.IntRange(min=1), help="GPTQ: calibration sequences.")
 @click.option("--seq-len", default=256, show_default=True, type=click.IntRange(min=2), help="GPTQ: tokens per calibration sequence.")
-@click.option("--seed", default=0, show_default=True, type=int, help="GPTQ: seed of the calibration sample draw.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**64 - 1),  # torch's generator's range
+              help="GPTQ: seed of the calibration sample draw.")
 @click.option("--activations", type=click.Choice(["disk", "memory"]), default="disk", show_default=True,
               help="GPTQ: where the hidden states between layers live. disk: a file in the output's .glmq-gptq/ "
                    "folder (or --offload-activations DIR), read and written one batch at a time, so memory holds "
@@ -289,7 +291,7 @@ def _skip_triton() -> None:
 @click.option("--all-token-limit", default=None, type=click.FloatRange(min=0, min_open=True),
               help="GPTQ: the experts' all-token down-projection Hessians (the prior blended into every expert's, "
                    "and an under-covered expert's own) take the first N x I calibration tokens, I the experts' "
-                   "intermediate size [default: 4; a large N takes every token].")
+                   "intermediate size [default: 4; a large N, or inf, takes every token].")
 @click.option("--experts-per-pass", default=None, type=click.IntRange(min=1),
               help="GPTQ: routed experts whose Hessians are held at once; a layer's experts are calibrated in that "
                    "many passes over its hidden states instead of one, for less memory (`glmq plan "
@@ -341,8 +343,8 @@ def quantize(ctx, model, recipe, max_shard_size, output, scheme, device, no_prog
             if not calibration:
                 raise click.UsageError(f"{how} needs --calibration FILE_OR_DATASET (text to calibrate on)")
             extra = {} if min_expert_tokens is None else {"min_expert_tokens": min_expert_tokens}
-            if all_token_limit is not None:
-                extra["all_token_limit"] = all_token_limit
+            if all_token_limit is not None:  # inf (the help's "a large N"): every token, CalibrationSettings' None
+                extra["all_token_limit"] = None if math.isinf(all_token_limit) else all_token_limit
             if experts_per_pass is not None:
                 extra["experts_per_pass"] = experts_per_pass
             if offload_activations and activations != "disk":
@@ -405,7 +407,7 @@ def _print_summary(rep: dict, out: Path) -> None:
 @click.option("--ranks", default=1, show_default=True, type=click.IntRange(min=1), help="Processes (GPUs or hosts) sharing the job.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--samples", default=128, show_default=True, type=click.IntRange(min=1), help="GPTQ: calibration sequences.")
-@click.option("--seq-len", default=256, show_default=True, type=click.IntRange(min=1), help="GPTQ: tokens per calibration sequence.")
+@click.option("--seq-len", default=256, show_default=True, type=click.IntRange(min=2), help="GPTQ: tokens per calibration sequence.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="GPTQ: compute dtype. `glmq quantize` computes in float32; bfloat16 is the Python API's "
                    "CalibrationSettings(dtype='bfloat16').")
@@ -504,7 +506,8 @@ class _ValidateCommand(click.Command):
 @click.option("--no-serving", is_flag=True, help="Skip the serving rules (a checkpoint not meant for vLLM/SGLang).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_out_file,
               help="Also write the report as JSON.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the activations and the sample.")
+@click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=0, show_default=True,
+              help="Seed of the activations and the sample.")
 @click.option("--sha256", is_flag=True,
               help="Check every tensor's sha256 in the manifest instead of its xxh3-128 (the default: not "
                    "cryptographic, ~30x cheaper). Manifests without xxh3-128 are checked by sha256 anyway.")

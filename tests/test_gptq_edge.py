@@ -173,3 +173,97 @@ def test_custom_code_tokenizer_needs_trust_remote_code(tmp_path):
     assert torch.equal(token_windows(custom, text, 32, 2, trust_remote_code=True), token_windows(plain, text, 32, 2))
     res = CliRunner().invoke(main, ["quantize", "--help"])
     assert "--trust-remote-code" in res.output
+
+
+def test_a_pretty_printed_json_object_is_one_document(tok_src, tmp_path):
+    """`json.dump({"text": ...}, indent=2)` was read as JSON Lines: "pretty.json:1: not valid JSON", although the
+    same object on one line was accepted."""
+    text = " ".join(DOCS)
+    (tmp_path / "pretty.json").write_text(json.dumps({"text": text}, indent=2))
+    (tmp_path / "one.txt").write_text(text)
+    want = calibration_tokens(tok_src, str(tmp_path / "one.txt"), samples=8, seq_len=16, seed=0)
+    assert torch.equal(calibration_tokens(tok_src, str(tmp_path / "pretty.json"), samples=8, seq_len=16), want)
+    (tmp_path / "blank-first.json").write_text("\n" + "".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    calibration_tokens(tok_src, str(tmp_path / "blank-first.json"), samples=8, seq_len=16)  # still JSON Lines
+    (tmp_path / "nofield.json").write_text(json.dumps({"body": text}, indent=2))
+    with pytest.raises(CalibrationDataError, match=r"nofield\.json: the object must have a string 'text' field"):
+        calibration_tokens(tok_src, str(tmp_path / "nofield.json"), samples=1, seq_len=2)
+
+
+def test_a_parquet_text_column_of_other_values_is_named(tok_src, tmp_path):
+    """Integer, binary or list `text` columns were skipped value by value: "0 tokens make 0 windows ... more text"."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"text": [1, 2, 3]}), tmp_path / "ints.parquet")
+    with pytest.raises(CalibrationDataError, match=r"ints\.parquet: the 'text' column holds int64, not strings"):
+        calibration_tokens(tok_src, str(tmp_path / "ints.parquet"), samples=1, seq_len=2)
+    pq.write_table(pa.table({"text": DOCS}), tmp_path / "ok.parquet")
+    calibration_tokens(tok_src, str(tmp_path / "ok.parquet"), samples=8, seq_len=16)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_anything_is_written(make_ckpt, tok_src, tmp_path):
+    """Another model's tokenizer (a larger vocabulary) gave an IndexError traceback in the first forward, after the
+    output folder and its calibration record were written (then the fixed rerun was refused); `glmq eval` too."""
+    from glmq.calibration import evaluate
+
+    vocab = json.loads((tok_src / "config.json").read_text())["vocab_size"]
+    out = tmp_path / "out"
+    with pytest.raises(CalibrationDataError, match=rf"token ids run from \d+ to {vocab}, but the model has {vocab} "
+                                                   r"\(config.json's vocab_size\): its tokenizer is not this model's"):
+        run_gptq(gptq_plan(tok_src), out, torch.cat([calib_ids(vocab), torch.full((1, 64), vocab)])[:, :16],
+                 settings(seq_len=16), progress=False)
+    assert not out.exists()
+    small = tmp_path / "small"
+    shutil.copytree(tok_src, small)
+    cfg = json.loads((small / "config.json").read_text())
+    cfg["vocab_size"] = 40  # the byte tokenizer's ids for letters are larger
+    (small / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "t.txt").write_text(" ".join(DOCS))
+    with pytest.raises(CheckpointError, match=r"small: the text's token ids run from \d+ to \d+, but the model has 40"):
+        evaluate.token_windows(small, tmp_path / "t.txt", 16, 2)
+
+
+def test_eval_reads_documents_as_the_calibration_does(tok_src, tmp_path):
+    """`glmq eval --text c.jsonl` scored the JSON syntax itself (`{"text": "...`), while --calibration read the
+    documents; now both read the "text" of each, joined by EOS."""
+    from glmq.calibration import evaluate
+    from glmq.calibration.data import token_stream
+
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    want = token_stream(load_tokenizer(tok_src), iter(DOCS), None)
+    got = evaluate.token_windows(tok_src, tmp_path / "c.jsonl", 16, 4)
+    assert torch.equal(got.flatten(), want[:64])
+
+
+def test_an_unbounded_all_token_limit(tmp_path, monkeypatch):
+    """`--all-token-limit inf` (the help: "a large N takes every token") crashed mid-run with OverflowError after
+    layer 0 was written, and so did 1e308 (times I: inf). inf is every token (None); the settings refuse NaN/inf;
+    a huge finite limit takes every token."""
+    from click.testing import CliRunner
+
+    from glmq.calibration import collect, engine
+    from glmq.scripts import cli
+
+    with pytest.raises(ValueError, match="all_token_limit must be a positive finite number"):
+        settings(all_token_limit=math.inf)
+    with pytest.raises(ValueError, match="expert_prior must be a finite number >= 0"):
+        settings(expert_prior=math.nan)
+    col = object.__new__(collect.HessianCollector)
+    col.all_token_experts, col.all_token_limit, col.all_token_tokens = {0}, 1e308, 0
+    assert col._all_token_rows(torch.ones(5, 3), side=64).shape[0] == 5 and col.all_token_tokens == 5
+    col.all_token_limit = 0.1  # 6.4 rows
+    assert col._all_token_rows(torch.ones(5, 3), side=64).shape[0] == 2 and col.all_token_tokens == 7
+    seen = {}
+
+    def capture(plan, out, s, **kw):
+        seen["settings"] = s
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(engine, "run_gptq_from_text", capture)
+    (tmp_path / "c.txt").write_text("text")
+    r = CliRunner().invoke(cli.main, ["quantize", "--model", "builtin:glm4-tiny", "--scheme", "gptq", "--calibration",
+                                      str(tmp_path / "c.txt"), "-o", str(tmp_path / "o"), "--all-token-limit", "inf"])
+    assert "stop here" in r.output and seen["settings"].all_token_limit is None
+    r = CliRunner().invoke(cli.main, ["quantize", "--model", "builtin:glm4-tiny", "--scheme", "gptq", "--calibration",
+                                      str(tmp_path / "c.txt"), "-o", str(tmp_path / "o"), "--seed", "-1"])
+    assert r.exit_code == 2 and "--seed" in r.output

@@ -71,7 +71,7 @@ def test_eval_text_that_is_not_utf8_names_the_file(tmp_path, monkeypatch):
     src = cli.resolve_model("builtin:glm4-tiny")
     bad = tmp_path / "latin1.txt"
     bad.write_bytes(b"caf\xe9 \xff" * 100)
-    with pytest.raises(ValueError, match=r"latin1\.txt: not UTF-8 text.*give --text a UTF-8 text file"):
+    with pytest.raises(ValueError, match=r"latin1\.txt: not UTF-8 text.*save it as UTF-8"):
         evaluate.token_windows(src, bad, 16, 2)
     bom = tmp_path / "bom.txt"
     bom.write_bytes(b"\xef\xbb\xbf" + TEXT.encode())

@@ -199,3 +199,11 @@ def test_unreadable_recipe_file_is_a_recipe_error_naming_it(tmp_path):
             recipes.load(str(p))
         r = CliRunner().invoke(main, ["plan", "-m", str(tmp_path / "no-model"), "-r", str(p)])
         assert r.exit_code == 1 and f"error: {p}: cannot read it" in r.output, (r.output, r.exception)
+
+
+def test_a_recipe_file_with_an_upper_case_suffix_loads(tmp_path):
+    """`--recipe MY.YAML` was refused: "a recipe file's name must end in .yaml or .yml; rename it"."""
+    for name in ("MY.YAML", "mine.Yml"):
+        p = tmp_path / name
+        p.write_text((recipes.RECIPE_DIR / "int4-w4a16.yaml").read_text().replace("name: int4-w4a16", "name: mine"))
+        assert recipes.load(str(p)).name == "mine"
