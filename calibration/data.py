@@ -96,9 +96,9 @@ def check_token_ids(ids: torch.Tensor, model_dir: str | Path, config: dict,
         return
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= vocab:
-        raise error(f"{model_dir}: the text's token ids run from {lo} to {hi}, but the model has {vocab} "
-                    f"(config.json's vocab_size): its tokenizer is not this model's; copy tokenizer.json and "
-                    f"tokenizer_config.json from the original model into it")
+        raise error(f"{model_dir}: the text's token ids run from {lo} to {hi}, outside the model's {vocab}-token "
+                    f"vocabulary (config.json's vocab_size): its tokenizer is not this model's; copy tokenizer.json "
+                    f"and tokenizer_config.json from the original model into it")
 
 
 def token_stream(tok, docs, budget: int | None) -> torch.Tensor:

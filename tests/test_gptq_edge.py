@@ -208,8 +208,8 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_anything_is_written
 
     vocab = json.loads((tok_src / "config.json").read_text())["vocab_size"]
     out = tmp_path / "out"
-    with pytest.raises(CalibrationDataError, match=rf"token ids run from \d+ to {vocab}, but the model has {vocab} "
-                                                   r"\(config.json's vocab_size\): its tokenizer is not this model's"):
+    with pytest.raises(CalibrationDataError, match=rf"token ids run from \d+ to {vocab}, outside the model's {vocab}-token "
+                                                   r"vocabulary \(config.json's vocab_size\): its tokenizer is not"):
         run_gptq(gptq_plan(tok_src), out, torch.cat([calib_ids(vocab), torch.full((1, 64), vocab)])[:, :16],
                  settings(seq_len=16), progress=False)
     assert not out.exists()
@@ -219,7 +219,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_anything_is_written
     cfg["vocab_size"] = 40  # the byte tokenizer's ids for letters are larger
     (small / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "t.txt").write_text(" ".join(DOCS))
-    with pytest.raises(CheckpointError, match=r"small: the text's token ids run from \d+ to \d+, but the model has 40"):
+    with pytest.raises(CheckpointError, match=r"small: the text's token ids run from \d+ to \d+, outside the model's 40-token"):
         evaluate.token_windows(small, tmp_path / "t.txt", 16, 2)
 
 
