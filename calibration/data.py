@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 TEXT_FIELD = "text"
+FILE_SUFFIXES = (".txt", ".text", ".md", ".jsonl", ".json", ".parquet")  # a spec ending so names a local file
 # Datasets are read document by document until the stream holds this many times the tokens needed,
 # so that the windows are drawn from more than the first few documents.
 DATASET_TOKEN_FACTOR = 4
@@ -72,6 +73,8 @@ def calibration_tokens(checkpoint: str | Path, spec: str, samples: int = 128, se
     if path.is_file():
         docs = iter_file(path)
         budget = None  # a local file is used whole
+    elif path.suffix.lower() in FILE_SUFFIXES and not path.exists():  # a mistyped file, not a dataset name for the Hub
+        raise CalibrationDataError(f"{spec}: no such file (the current folder is {Path.cwd()})")
     else:
         docs = iter_dataset(spec, seed)
         budget = DATASET_TOKEN_FACTOR * need

@@ -267,3 +267,10 @@ def test_an_unbounded_all_token_limit(tmp_path, monkeypatch):
     r = CliRunner().invoke(cli.main, ["quantize", "--model", "builtin:glm4-tiny", "--scheme", "gptq", "--calibration",
                                       str(tmp_path / "c.txt"), "-o", str(tmp_path / "o"), "--seed", "-1"])
     assert r.exit_code == 2 and "--seed" in r.output
+
+
+def test_a_mistyped_calibration_file_is_named_as_missing(tok_src, tmp_path):
+    """`--calibration calib.txt` that is not there was taken for a Hugging Face dataset name (with `datasets`
+    installed, a Hub lookup)."""
+    with pytest.raises(CalibrationDataError, match=r"calib\.txt: no such file \(the current folder is "):
+        calibration_tokens(tok_src, str(tmp_path / "calib.txt"), samples=1, seq_len=2)
