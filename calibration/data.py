@@ -163,9 +163,7 @@ def _json(path: Path):
     `json.dump(..., indent=2)` writes it), else JSON Lines (`_jsonl`)."""
     with open(path, "rb") as f:
         first = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()  # past a UTF-8 byte-order mark
-        f.seek(0)
-        line = next((x for x in f if x.strip()), b"").removeprefix(b"\xef\xbb\xbf")  # the first non-blank line
-    if first.startswith(b"{") and not _parses(line):  # not JSON Lines: the first line holds no whole object
+    if first.startswith(b"{") and _one_object(path):
         try:
             row = json.loads(path.read_bytes().decode("utf-8-sig"))
         except ValueError as e:  # (UnicodeDecodeError is one)
@@ -188,12 +186,16 @@ def _json(path: Path):
         yield row[TEXT_FIELD]
 
 
-def _parses(line: bytes) -> bool:
+def _one_object(path: Path) -> bool:
+    """Whether a `.json` file that starts with `{` is one object over several lines rather than JSON Lines: its first
+    non-blank line is no whole JSON value. (Read only for such files: an array on one line would be read twice.)"""
+    with open(path, "rb") as f:
+        line = next((x for x in f if x.strip()), b"").removeprefix(b"\xef\xbb\xbf")
     try:
         json.loads(line)
-        return True
-    except ValueError:
         return False
+    except ValueError:
+        return True
 
 
 def _parquet(path: Path):

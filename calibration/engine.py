@@ -157,10 +157,9 @@ class CalibrationSettings:
     def __post_init__(self) -> None:
         if self.under_covered not in UNDER_COVERED:
             raise ValueError(f"under_covered must be one of {UNDER_COVERED}, got {self.under_covered!r}")
-        if self.min_expert_tokens < 0 or self.expert_prior < 0 or self.batch_size <= 0 or (self.experts_per_pass or 1) <= 0 \
+        if self.min_expert_tokens < 0 or self.batch_size <= 0 or (self.experts_per_pass or 1) <= 0 \
                 or (self.gptq_batch or 1) <= 0:
-            raise ValueError("min_expert_tokens and expert_prior must be >= 0; batch_size, experts_per_pass and "
-                             "gptq_batch positive")
+            raise ValueError("min_expert_tokens must be >= 0; batch_size, experts_per_pass and gptq_batch positive")
         if self.all_token_limit is not None and not 0 < self.all_token_limit < math.inf:
             raise ValueError(f"all_token_limit must be a positive finite number, or None for every token, got "
                              f"{self.all_token_limit!r}")

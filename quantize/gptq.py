@@ -226,8 +226,8 @@ def quantize_gptq_batch(
             else:
                 q, scale, zp = _gptq_loop(weights(), Hinv, perm, spec, w.dtype, clip, clip_h)
             del Hinv
-            refit = spec.scale_refit  # 0 for an asymmetric spec (QuantSpec refuses the pair)
-            if spec.cd_sweeps or refit:
+            # (scale_refit is 0 for an asymmetric spec: QuantSpec refuses the pair)
+            if spec.cd_sweeps or spec.scale_refit:
                 Hd = _damped(H[ok], [damps[j] for j in ok])
 
                 def descent(sweeps: int) -> torch.Tensor:
@@ -237,7 +237,7 @@ def quantize_gptq_batch(
 
                 if spec.cd_sweeps:
                     q = descent(spec.cd_sweeps)
-                for _ in range(refit):  # scales refitted to the integers, then one more sweep for the new scales
+                for _ in range(spec.scale_refit):  # scales refitted to the integers, then a sweep for the new scales
                     scale = _refit(weights(), q, scale, Hd, perm, spec, w.dtype)
                     if spec.cd_sweeps:
                         q = descent(1)

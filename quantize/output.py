@@ -144,7 +144,7 @@ def prepare_output(plan: Plan, out: Path, lock: OutputLock, world=None, calibrat
         return _prepare_output(plan, Path(out), lock, identity)
     man = world.on_lead(f"output folder {out}", lambda: _prepare_output(plan, Path(out), lock, identity), share=True)
     if man.identity != identity:  # e.g. another glmq version or source copy on another node
-        diff = sorted(k for k, v in identity.items() if man.identity.get(k) != v)
+        diff = _differing(man.identity, identity)
         raise world.failure("planning", f"this rank's plan differs from rank 0's in {', '.join(diff)}; every rank "
                                         f"must see the same source, recipe, options, calibration and glmq version")
     other = [s for s, h in plan.source.shard_samples.items() if man.source_samples.get(s) != h]
@@ -216,8 +216,8 @@ def _prepare_output(plan: Plan, out: Path, lock: OutputLock, identity: dict) -> 
     if resampled and gptq:
         raise OutputDirError(
             f"{plan.source.path(resampled[0])}: its data differs from the GPTQ run's in {out} (a sample of its bytes"
-            f"{f'; {len(resampled)} source shards in all' if len(resampled) > 1 else ''}): the layers calibrated so "
-            f"far rest on its old contents; use a new --output folder, or remove this one to start over")
+            f"{_in_all(resampled)}): the layers calibrated so far rest on its old contents; use a new --output "
+            f"folder, or remove this one to start over")
     if changed and gptq:
         raise OutputDirError(_changed_under_gptq(out, plan, changed))
     for shard, (was, now) in changed.items():
@@ -309,7 +309,7 @@ def _seconds(ns: int) -> str:
     return f"{'-' if ns < 0 else ''}{s}.{frac:09d}"
 
 
-def _in_all(changed: dict) -> str:
+def _in_all(changed: dict | list) -> str:
     return f"; {len(changed)} source shards in all" if len(changed) > 1 else ""
 
 
