@@ -6,6 +6,7 @@ A recipe is resolved by name (a file `recipes/<name>.yaml` shipped with glmq) or
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,6 +126,10 @@ def _llmc_hint(unknown: list[str]) -> str:
             f"(as in {RECIPE_DIR / 'int4-w4a16.yaml'})")
 
 
+# Keys that only the layer tuning reads (QuantSpec.tune_iters > 0).
+_TUNE_KEYS = ("tune_lr", "tune_reference", "tune_experts")
+
+
 def from_dict(d: dict, origin: str) -> Recipe:
     allowed = {"name", "description", "targets", "keep_fp8"} | _SPEC_FIELDS
     unknown = sorted(set(d) - allowed, key=str)
@@ -157,6 +162,14 @@ def from_dict(d: dict, origin: str) -> Recipe:
         spec = QuantSpec(**{k: d[k] for k in _SPEC_FIELDS if k in d})
     except (TypeError, ValueError) as e:
         raise RecipeError(f"{origin}: {e}") from None
+    # tuning is off: a tune_* key set away from its default was read and dropped without a word (a recipe written by
+    # Recipe.to_dict has every key, at its default)
+    idle = [k for k in _TUNE_KEYS if k in d and getattr(spec, k) != getattr(QuantSpec, k)]
+    if idle and not spec.tune_iters:
+        logging.getLogger("glmq.recipes").warning(
+            "%s: %s set but tune_iters is 0, so the layer tuning is off and %s no effect; set tune_iters: N (e.g. "
+            "`tune_iters: 200`) to tune, or remove %s", origin, ", ".join(idle), "it has" if len(idle) == 1 else
+            "they have", "it" if len(idle) == 1 else "them")
     return Recipe(name, targets, spec, d.get("keep_fp8", False), d.get("description", ""))
 
 

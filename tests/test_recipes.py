@@ -7,6 +7,7 @@ loader and `glmq plan`, then fail part-way through `glmq quantize` or only at `g
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -207,3 +208,27 @@ def test_a_recipe_file_with_an_upper_case_suffix_loads(tmp_path):
         p = tmp_path / name
         p.write_text((recipes.RECIPE_DIR / "int4-w4a16.yaml").read_text().replace("name: int4-w4a16", "name: mine"))
         assert recipes.load(str(p)).name == "mine"
+
+
+def test_tune_keys_without_tune_iters_warn(tmp_path, caplog):
+    """tune_lr / tune_reference / tune_experts do nothing while tune_iters is 0: a recipe setting one away from its
+    default is told so (it was dropped without a word); at their defaults (a Recipe.to_dict dump) nothing is said."""
+    base = recipes.load("int4-w4a16").to_dict()
+    quiet = tmp_path / "dump.yaml"
+    quiet.write_text(yaml.safe_dump(base))
+    with caplog.at_level(logging.WARNING, logger="glmq.recipes"):
+        recipes.load(str(quiet))
+    assert not caplog.records
+    idle = tmp_path / "idle.yaml"
+    idle.write_text(yaml.safe_dump({**base, "tune_lr": 0.01, "tune_reference": "source"}))
+    with caplog.at_level(logging.WARNING, logger="glmq.recipes"):
+        r = recipes.load(str(idle))
+    assert r.spec.tune_iters == 0
+    (msg,) = [rec.getMessage() for rec in caplog.records]
+    assert str(idle) in msg and "tune_lr, tune_reference set but tune_iters is 0" in msg and "tune_iters: 200" in msg
+    caplog.clear()
+    on = tmp_path / "on.yaml"
+    on.write_text(yaml.safe_dump({**base, "tune_lr": 0.01, "tune_iters": 5}))
+    with caplog.at_level(logging.WARNING, logger="glmq.recipes"):
+        assert recipes.load(str(on)).spec.tune_iters == 5
+    assert not caplog.records
