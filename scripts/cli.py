@@ -121,8 +121,11 @@ def _add_builtin_tokenizer(path: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def default_output(source: Path, recipe: str) -> Path:
-    """`--output`'s default: `<source folder name without a -fp8 suffix>-<recipe>`, in the working directory.
+def default_output(source: Path, recipe: str, method: str = "rtn") -> Path:
+    """`--output`'s default: `<source folder name without a -fp8 suffix>-<recipe>`, in the working directory, with
+    `-gptq` after it for a GPTQ run (unless the recipe's name says gptq already): an RTN run and a `--scheme gptq`
+    run of one recipe are different outputs, and the second one was refused as "a glmq run of a different
+    recipe/calibration" in the first one's folder.
     The name is the absolute path's (`-m .` is the folder's own name, not "", which made "-int4-w4a16", a name
     every later command reads as options), and the suffix is dropped in any case (the releases spell it -FP8).
     Symbolic links are not followed: a link's own name is the one the user gave."""
@@ -131,7 +134,8 @@ def default_output(source: Path, recipe: str) -> Path:
     name = Path(os.path.abspath(source)).name
     if name.lower().endswith("-fp8"):
         name = name[: -len("-fp8")]
-    return Path(f"{name}-{recipe}")
+    suffix = "-gptq" if method == "gptq" and "gptq" not in recipe.lower() else ""
+    return Path(f"{name}-{recipe}{suffix}")
 
 
 class DeviceUnavailable(click.ClickException):
@@ -262,7 +266,8 @@ def _skip_triton() -> None:
 @main.command()
 @common
 @click.option("--output", "-o", default=None,
-              help="Output folder (default: <model folder name without -FP8>-<recipe>, in the working directory). "
+              help="Output folder (default: <model folder name without -FP8>-<recipe>, with -gptq after it for a GPTQ "
+                   "run, in the working directory). "
                    "Resumes an interrupted run of the same job.")
 @click.option("--scheme", type=click.Choice(["rtn", "gptq"]), default=None, help="Override the recipe's method.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
@@ -329,8 +334,8 @@ def quantize(ctx, model, recipe, max_shard_size, output, scheme, device, no_prog
         plan = _plan(model, recipe, scheme, max_shard_size)
         if os.environ.get("RANK", "0") == "0":
             _warn_serving(plan)
-        out = Path(output) if output else default_output(plan.source.root, plan.recipe.name)
         method = plan.recipe.spec.method.value
+        out = Path(output) if output else default_output(plan.source.root, plan.recipe.name, method)
         how = f"--scheme {scheme}" if scheme else f"recipe {plan.recipe.name!r} (method: {method})"
         given = [f"--{name.replace('_', '-')}" for name in GPTQ_ONLY
                  if ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT)]

@@ -215,3 +215,13 @@ def test_builtin_mla_models_pass_validate_under_every_shipped_recipe(name, tmp_p
         assert r.exit_code == 0, r.output
         r = CliRunner().invoke(main, ["validate", str(out)])
         assert r.exit_code == 0, r.output
+
+
+def test_default_output_of_a_gptq_run_is_its_own_folder(tmp_path):
+    """An RTN run and a `--scheme gptq` run of one recipe are different outputs: the GPTQ one defaults to
+    `<model>-<recipe>-gptq` (it was the RTN folder, where the run was refused as another recipe/calibration); a
+    recipe whose name says gptq keeps its name."""
+    src = tmp_path / "GLM-5-FP8"
+    assert cli.default_output(src, "int4-w4a16", "rtn") == Path("GLM-5-int4-w4a16")
+    assert cli.default_output(src, "int4-w4a16", "gptq") == Path("GLM-5-int4-w4a16-gptq")
+    assert cli.default_output(src, "int4-GPTQ-g32", "gptq") == Path("GLM-5-int4-GPTQ-g32")
