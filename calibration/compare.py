@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from glmq.calibration.evaluate import load_model, mean_kl, perplexity, token_windows
+from glmq.formats.manifest import fingerprint
 from glmq.formats.safetensors_io import CheckpointError, read_json_object
 
 # config.json keys that must agree between the source and a quantized checkpoint: the same token ids, the same
@@ -79,17 +80,20 @@ def compare(source: str | Path, quantized: list[str | Path], text: str | Path, s
 
     Returns:
         {"text", "seq_len", "windows", "models": [{"checkpoint", "perplexity", "kl_to_source",
-        "layer_rel_error": [per decoder layer] | None}]}; the source row has KL 0 and no layer error.
+        "layer_rel_error": [per decoder layer] | None, "fingerprint"}]}; the source row has KL 0 and no layer
+        error; "fingerprint" (formats/manifest.fingerprint) names the weights evaluated, which `glmq upload` checks
+        against the folder it publishes.
     """
     check_same_model(source, quantized, seq_len)
     ids = token_windows(source, text, seq_len, windows, trust_remote_code)
     lp_src, ref = forward(load_model(source, dtype), ids)
     rows = [{"checkpoint": str(source), "perplexity": perplexity(lp_src, ids), "kl_to_source": 0.0,
-             "layer_rel_error": None}]
+             "layer_rel_error": None, "fingerprint": fingerprint(Path(source))}]
     for q in quantized:
         lp, sums = forward(load_model(q, dtype), ids, ref=ref)
         rows.append({"checkpoint": str(q), "perplexity": perplexity(lp, ids), "kl_to_source": mean_kl(lp_src, lp),
-                     "layer_rel_error": [math.sqrt(e / s) if s else None for e, s in sums]})
+                     "layer_rel_error": [math.sqrt(e / s) if s else None for e, s in sums],
+                     "fingerprint": fingerprint(Path(q))})
         del lp
     return {"text": str(text), "seq_len": seq_len, "windows": int(ids.shape[0]), "models": rows}
 

@@ -151,3 +151,31 @@ class Manifest:
                         raise ValueError(f"{journal}: unreadable line {i + 1} ({e}); remove the output folder and "
                                          f"start again") from e
         return man
+
+
+def fingerprint(folder: Path) -> str:
+    """A sha256 hex that names a checkpoint's weights, recorded by `glmq eval` for each model and compared by `glmq
+    upload`, so that a card never shows another checkpoint's figures as this one's (a folder quantized again, or
+    another folder of the same name).
+
+    With a glmq manifest: its per-tensor sha256 checksums (which `glmq validate` checks against the data, as upload
+    does), so the figure follows the tensors, not the folder's name or its config.json. Without one (a source, a
+    checkpoint glmq did not write): config.json and each shard's name and header checksum, which cost a few KB of
+    reads per shard but do not see data rewritten in place under the same header."""
+    import hashlib
+
+    from glmq.formats.safetensors_io import header_checksum
+
+    folder = Path(folder)
+    man = None
+    try:
+        man = Manifest.load(folder)
+    except ValueError:  # unreadable: fingerprinted as a checkpoint without one
+        pass
+    if man is not None and man.files and all(checksum_record(r, SHA256) for r in man.files.values()):
+        what = {"tensors": {f: checksum_record(r, SHA256) for f, r in sorted(man.files.items())}}
+    else:
+        config = folder / "config.json"
+        what = {"config": config.read_text(errors="replace") if config.is_file() else None,
+                "headers": {p.name: header_checksum(p) for p in sorted(folder.glob("*.safetensors"))}}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()

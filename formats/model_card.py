@@ -342,9 +342,11 @@ def eval_section(result: dict | None, checkpoint_name: str) -> list[str]:
     if not result:
         return []
     rows = []
+    this = result.get("this_checkpoint_row")  # upload.read_eval's match (name and weights); else by name
     for i, m in enumerate(result["models"]):
         name = PurePath(m["checkpoint"]).name
-        label = "source" if i == 0 else ("**this checkpoint**" if name == checkpoint_name else name)
+        mine = i == this if this is not None else i and name == checkpoint_name
+        label = "source" if i == 0 else ("**this checkpoint**" if mine else name)
         errs = [e for e in (m.get("layer_rel_error") or []) if finite_figure(e)]
         layer = f"{sum(errs) / len(errs):.4f} / {max(errs):.4f}" if errs else "-"
         rows.append([f"{label} (`{name}`)", _figure(m["perplexity"], ".4f"), _figure(m["kl_to_source"], ".5f"), layer])

@@ -1,7 +1,8 @@
 """`glmq upload`: publish a checkpoint that passes `glmq validate` to the Hugging Face Hub, with a model card.
 
 Steps, in this order:
-  1. arguments: the folder holds a config.json, ORG/NAME ids, a Hub token (unless --dry-run);
+  1. arguments: the folder holds a config.json, ORG/NAME ids, a Hub token (unless --dry-run); the eval report
+     is read and matched to the folder's weights (`read_eval`);
   2. the gate: `glmq validate` with the serving rules at --tp (the degree the card's serve commands
      use), the kernel check on --sample of the quantized modules and every tensor's checksum against
      glmq_manifest.json (xxh3-128 where the manifest records it, as `glmq validate` checks by default).
@@ -81,15 +82,45 @@ def ignore_patterns() -> list[str]:
 
 
 def local_patterns(folder: Path, eval_report: Path | None) -> list[str]:
-    """An --eval-report the upload would send under another name than EVAL_NAME stays local too (it holds the same
-    local paths): each path in the repo whose file is the report (itself, or a link to it in the folder), as an
-    fnmatch pattern that matches only itself."""
+    """The files the upload leaves out beyond `ignore_patterns()`, as fnmatch patterns that each match only
+    themselves: an --eval-report under another name than EVAL_NAME (itself, or a link to it in the folder), and
+    every report a glmq command wrote into the folder under another name or in a sub-folder (`glmq_report_kind`;
+    `glmq eval --json evals/e.json`, `glmq validate --json`, `glmq quantize --json`): each holds local paths (the
+    source, the text, the checkpoint), and only the top-level run report is published, with its paths cut."""
     import glob
 
-    if eval_report is None or not eval_report.is_file():
-        return []
-    target = eval_report.expanduser().resolve()
-    return [glob.escape(n) for n, path in _listing(folder) if path.resolve() == target]
+    from glmq.formats.manifest import REPORT_NAME
+
+    target = eval_report.expanduser().resolve() if eval_report is not None and eval_report.is_file() else None
+    return [glob.escape(n) for n, path in _listing(folder)
+            if target is not None and path.resolve() == target
+            or n != REPORT_NAME and n.endswith(".json") and glmq_report_kind(path) is not None]
+
+
+_REPORT_MAX_BYTES = 16 << 20  # a glmq report is KB to a few MB; tokenizer.json, the index and the manifest are not read
+
+
+def glmq_report_kind(path: Path) -> str | None:
+    """"run", "eval" or "validate" for a JSON report a glmq command wrote (told by its keys: the names are the
+    user's), None for any other file. config.json, the index and the manifest have none of these keys."""
+    if path.name in ("config.json", "glmq_manifest.json") or path.name.endswith(".index.json"):
+        return None
+    try:
+        if path.stat().st_size > _REPORT_MAX_BYTES:
+            return None
+        doc = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    if "glmq_version" in doc and "by_class" in doc:
+        return "run"
+    rows = doc.get("models")
+    if isinstance(rows, list) and rows and all(isinstance(r, dict) and "kl_to_source" in r for r in rows):
+        return "eval"
+    if {"checks", "valid", "exit_code"} <= doc.keys():
+        return "validate"
+    return None
 
 
 def _listing(folder: Path) -> list[tuple[str, Path]]:
@@ -228,7 +259,10 @@ def _read_json(path: Path, what: str) -> dict | None:
 
 
 def read_eval(folder: Path, given: Path | None) -> dict | None:
-    """--eval-report, else glmq_eval.json in the folder, else None; checked against compare()'s format."""
+    """--eval-report, else glmq_eval.json in the folder, else None; checked against compare()'s format and against
+    the folder's weights (formats/manifest.fingerprint)."""
+    from glmq.formats.manifest import fingerprint
+
     path = given or folder / EVAL_NAME
     if given is not None and not given.is_file():
         raise UploadError(f"--eval-report {given}: no such file; write one with `glmq eval ... --json FILE`", 2)
@@ -246,18 +280,30 @@ def read_eval(folder: Path, given: Path | None) -> dict | None:
             r["checkpoint"] = str((path.parent / str(r["checkpoint"])).resolve())
     name = folder.resolve().name
     names = [PurePath(str(r["checkpoint"])).name for r in rows[1:]]  # rows[0] is the source
-    if name not in names:  # the card would show other models' numbers and none of this one's
-        why = (f"{path} evaluates {', '.join(names) or 'no quantized model'}, not this checkpoint ({name}); "
-               f"run `glmq eval SOURCE {folder} ... --json FILE`")
+    named = [i for i, n in enumerate(names, 1) if n == name]
+    # the weights evaluated (`glmq eval` records a fingerprint per model; older reports have none): a row of this name
+    # whose fingerprint differs evaluated another folder of that name, or this one before it was quantized again
+    mine = fingerprint(folder)
+    same = [i for i in named if rows[i].get("fingerprint") in (mine, None)]
+    if not same:  # the card would show other models' numbers (as this one's, by name) and none of this one's
+        why = (f"{path} evaluates {', '.join(names) or 'no quantized model'}, not this checkpoint ({name})" if not named
+               else f"{path} evaluates another checkpoint named {name} (its tensors differ from those in {folder}: "
+                    f"another folder of that name, or this one before it was quantized again)")
+        why += f"; run `glmq eval SOURCE {folder} ... --json FILE`"
         if given is not None:
             raise UploadError(f"--eval-report {why}", 2)
         click.secho(f"warning: {why}; the card leaves the evaluation out", fg="yellow", err=True)
         return None
+    if rows[same[0]].get("fingerprint") is None:
+        click.secho(f"warning: {path} is from a glmq eval that recorded no fingerprint of the weights, so it cannot be "
+                    f"confirmed to evaluate the tensors now in {folder}; evaluate again to be sure", fg="yellow",
+                    err=True)
+    doc["this_checkpoint_row"] = same[0]  # the row the card labels as this checkpoint (formats/model_card.py)
     # `glmq eval` writes null for a figure that is inf or nan (and exits 1): the source's or this checkpoint's makes
     # no table; another model's shows as "-"
     from glmq.formats.model_card import finite_figure
 
-    mine = [r for i, r in enumerate(rows) if i == 0 or PurePath(str(r["checkpoint"])).name == name]
+    mine = [rows[0], rows[same[0]]]
     broken = [str(r["checkpoint"]) for r in mine if not all(finite_figure(r[k]) for k in keys[1:])]
     if broken:
         raise UploadError(f"{path}: the figures of {', '.join(broken)} are not finite numbers (`glmq eval` failed on "
@@ -266,8 +312,8 @@ def read_eval(folder: Path, given: Path | None) -> dict | None:
     return doc
 
 
-def make_card(folder: Path, o: UploadOptions, validation: dict):
-    """The ModelCard from the folder's files, the eval report and the validation result."""
+def make_card(folder: Path, o: UploadOptions, validation: dict, evaluation: dict | None):
+    """The ModelCard from the folder's files, the eval report (`read_eval`) and the validation result."""
     from glmq.formats.manifest import MANIFEST_NAME, REPORT_NAME
     from glmq.formats.model_card import CardInputs, base_model, build_card
 
@@ -278,7 +324,7 @@ def make_card(folder: Path, o: UploadOptions, validation: dict):
     inp = CardInputs(repo_id=o.repo_id, checkpoint_name=folder.resolve().name,
                      config=_read_json(folder / "config.json", "config.json") or {},
                      report=_read_json(folder / REPORT_NAME, "glmq report"), manifest=manifest,
-                     eval_result=read_eval(folder, o.eval_report), validation=validation, base_model=o.base_model,
+                     eval_result=evaluation, validation=validation, base_model=o.base_model,
                      license=o.license, tp=o.tp, revision=o.revision,
                      tokenizer_config=_read_json(folder / "tokenizer_config.json", "tokenizer_config.json"))
     base, origin = base_model(inp)
@@ -433,7 +479,7 @@ def _print_listing(files: dict[str, int], skipped: list[str], o: UploadOptions, 
         click.echo(f"{size:>15,d}  {name}")
     click.echo(f"{sum(files.values()):>15,d}  total ({human_bytes(sum(files.values()))})")
     for name in skipped:
-        click.echo(f"{'skipped':>15s}  {name} (glmq working file, eval report or Hub client cache)")
+        click.echo(f"{'skipped':>15s}  {name} (glmq working file, a report with local paths, or Hub client cache)")
 
 
 def upload(o: UploadOptions) -> None:
@@ -441,7 +487,8 @@ def upload(o: UploadOptions) -> None:
     from huggingface_hub import HfApi
 
     folder = check_arguments(o)
-    card = make_card(folder, o, gate(folder, o))
+    evaluation = read_eval(folder, o.eval_report)  # before the gate: a wrong report is refused before a full validate
+    card = make_card(folder, o, gate(folder, o), evaluation)
     action = card_action(folder, o.no_card)
     if action == "keep":
         click.secho(f"warning: keeping {folder / README}: glmq did not write it, so the generated card is not "

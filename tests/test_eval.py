@@ -18,6 +18,7 @@ from glmq.calibration.evaluate import load_model
 from glmq.formats import fixtures
 from glmq.formats.dense import iter_dense
 from glmq.formats.safetensors_io import CheckpointError
+from glmq.formats.manifest import fingerprint
 from glmq.formats.source import INDEX_NAME, open_source
 from glmq.quantize import stream
 from glmq.quantize.pack import pack_int32
@@ -52,11 +53,15 @@ def _drop(ckpt: Path, out: Path, prefix: str) -> Path:
     return out
 
 
-def test_eval_source_and_quantized(glm4):
+def test_eval_source_and_quantized(glm4, tmp_path):
     src, rtn, text = glm4
-    code, out, exc = _eval(src, rtn, "--text", text, "--seq-len", "32", "--windows", "3")
+    code, out, exc = _eval(src, rtn, "--text", text, "--seq-len", "32", "--windows", "3", "--json", tmp_path / "e.json")
     assert code == 0 and exc is None, out
     assert str(rtn)[-60:] in out
+    # each row names the weights it evaluated (upload matches the report to the folder it publishes by them)
+    rows = json.loads((tmp_path / "e.json").read_text())["models"]
+    assert [r["fingerprint"] for r in rows] == [fingerprint(src), fingerprint(rtn)]
+    assert len({fingerprint(src), fingerprint(rtn)}) == 2
 
 
 @pytest.mark.parametrize("family,overrides,key", [("glm_moe_dsa", {}, "model_type"),

@@ -21,6 +21,7 @@ from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.errors import HfHubHTTPError
 
 from glmq.formats import model_card as mc
+from glmq.formats.manifest import fingerprint
 from glmq.quantize import stream
 from glmq.scripts import upload
 from glmq.scripts.cli import main
@@ -578,6 +579,8 @@ def test_an_eval_report_inside_the_folder_under_another_name_stays_local(ckpt, h
     patterns = next(c for n, c in hub if n.startswith("upload_") and n != "upload_file")["ignore_patterns"]
     assert "eval-results.json" in patterns
     # a report outside the folder adds no pattern, unless a link in the folder leads to it
+    (ckpt / "eval-results.json").unlink()
+    (ckpt / "sub" / "e[1].json").unlink()
     outside = ckpt.parent / "e.json"
     outside.write_text("{}")
     assert upload.local_patterns(ckpt, outside) == [] and upload.local_patterns(ckpt, None) == []
@@ -672,3 +675,60 @@ def test_a_folder_without_a_tokenizer_is_uploaded_with_a_loud_warning(ckpt, hub)
     fixtures.write_byte_tokenizer(ckpt)
     r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--dry-run")
     assert r.exit_code == 0 and "no tokenizer" not in r.output and "tokenizer.json" in listing(r.stdout)
+
+
+def test_an_eval_report_of_another_checkpoint_of_the_same_name_is_not_this_ones(ckpt, hub, tmp_path):
+    """The card matched the report's rows to the folder by its name alone: an evaluation of another folder named
+    `ckpt` (another recipe, or this folder before it was quantized again) was shown as "this checkpoint". glmq eval
+    records each model's fingerprint; upload uses the row whose fingerprint is this folder's."""
+    mine = fingerprint(ckpt)
+    other = {**EVAL["models"][1], "perplexity": 9.5, "fingerprint": "0" * 64}
+    rows = [{**EVAL["models"][0], "fingerprint": "1" * 64}, other]
+    (tmp_path / "other.json").write_text(json.dumps({**EVAL, "models": rows}))
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--eval-report", str(tmp_path / "other.json"), "--dry-run")
+    assert r.exit_code == 2 and "evaluates another checkpoint named ckpt (its tensors differ" in r.output, r.output
+    assert hub == []
+    (ckpt / "glmq_eval.json").write_text(json.dumps({**EVAL, "models": rows}))
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--dry-run")
+    assert r.exit_code == 0 and "another checkpoint named ckpt" in r.output and "## Evaluation" not in r.stdout
+    # both in one report: the one whose weights are these is "this checkpoint", the other is shown by name
+    rows.append({**EVAL["models"][1], "fingerprint": mine})
+    (ckpt / "glmq_eval.json").write_text(json.dumps({**EVAL, "models": rows}))
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--dry-run")
+    assert r.exit_code == 0 and "another checkpoint" not in r.output and "no fingerprint" not in r.output, r.output
+    assert "| **this checkpoint** (`ckpt`) | 3.9342 |" in r.stdout and "| ckpt (`ckpt`) | 9.5000 |" in r.stdout
+    # quantized again (a tensor's checksum changes): the report no longer fits
+    man = json.loads((ckpt / "glmq_manifest.json").read_text())
+    rec = next(iter(man["files"].values()))
+    name = next(iter(rec["tensors"]))
+    rec["tensors"][name] = "f" * 64
+    (ckpt / "glmq_manifest.json").write_text(json.dumps(man))
+    assert fingerprint(ckpt) != mine
+    assert upload.read_eval(ckpt, None) is None
+    # a report of an older glmq eval (no fingerprint) is used by name, with a warning
+    (ckpt / "glmq_eval.json").write_text(json.dumps(EVAL))
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--dry-run", "--no-card")
+    assert r.exit_code == 0 and "recorded no fingerprint" in r.output, r.output
+
+
+def test_glmq_reports_anywhere_in_the_folder_stay_local(ckpt, hub, tmp_path):
+    """Only glmq_eval.json at the top was kept back: an eval report in a sub-folder, a validate report or a copy of
+    the run report (`--json` of eval, validate, quantize: any name) was published with the local paths in it. Each
+    is told by its keys; other JSON files (and the top-level run report, published with its paths cut) go up."""
+    (ckpt / "evals").mkdir()
+    (ckpt / "evals" / "glmq_eval.json").write_text(json.dumps(EVAL))
+    assert CliRunner().invoke(main, ["validate", str(ckpt), "--json", str(ckpt / "ci-validate.json")]).exit_code == 0
+    shutil.copy(ckpt / "glmq_report.json", ckpt / "evals" / "run.json")
+    (ckpt / "evals" / "notes.json").write_text(json.dumps({"models": ["a"], "checks": 1}))
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--dry-run")
+    assert r.exit_code == 0, r.output
+    sent = listing(r.stdout)
+    for name in ("evals/glmq_eval.json", "ci-validate.json", "evals/run.json"):
+        assert name not in sent and f"skipped  {name}" in r.stdout
+    assert {"evals/notes.json", "glmq_report.json", "config.json"} <= sent.keys()
+    assert [upload.glmq_report_kind(ckpt / n) for n in ("evals/glmq_eval.json", "ci-validate.json", "evals/run.json",
+                                                        "evals/notes.json", "config.json")] == \
+        ["eval", "validate", "run", None, None]
+    assert run(str(ckpt), "--repo-id", REPO, "--tp", "1").exit_code == 0
+    patterns = next(c for n, c in hub if n.startswith("upload_") and n != "upload_file")["ignore_patterns"]
+    assert {"evals/glmq_eval.json", "ci-validate.json", "evals/run.json"} <= set(patterns)
