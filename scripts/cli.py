@@ -39,6 +39,19 @@ def _out_file(ctx, param, value):
     return value
 
 
+def _plot_file(ctx, param, value):
+    """--plot FILE: `_out_file`'s checks, and matplotlib installed (without it the evaluation ran, said "no plot
+    written" and exited 0: a CI step that asked for the PNG found none)."""
+    value = _out_file(ctx, param, value)
+    if value is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise click.BadParameter(f"{value}: the plot needs matplotlib, which is not installed; "
+                                     f"`pip install matplotlib`, or leave --plot out") from None
+    return value
+
+
 def _builtin_source(ctx, param, value):
     """`glmq validate --source`: a folder (a missing one is validate's own "could not run", exit 2 with its JSON), or
     `builtin:<name>`, the generated model `glmq quantize --model builtin:<name>` converted (generated again if its
@@ -554,22 +567,23 @@ def validate_cmd(checkpoint, source, sample, device, tp, no_serving, json_out, s
 @click.option("--windows", default=96, show_default=True, type=click.IntRange(min=1), help="First N windows of the text.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_out_file,
               help="Write the results as JSON.")
-@click.option("--plot", type=click.Path(dir_okay=False), default=None, callback=_out_file,
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, callback=_plot_file,
               help="PNG plot of the per-layer error (needs matplotlib).")
 @click.option("--trust-remote-code", is_flag=True,
               help="Run the tokenizer code in the model folder when its tokenizer is a custom class (Kimi K2's); only for checkpoints you trust.")
 def eval_cmd(source, quantized, text, seq_len, windows, json_out, plot, trust_remote_code):
     """Perplexity and KL(source || quantized) on a text file, and per-layer hidden-state error.
 
-    Exit code 1 when a figure is not a finite number (a model whose log-probs overflow or are NaN), after the table and
-    JSON (null there) are written."""
+    Exit code 0: evaluated; 1: a figure is not a finite number (a model whose log-probs overflow or are NaN), after the
+    table and JSON (null there) are written; 2: could not run (a folder, the text or an option), as validate's 2."""
     from glmq.calibration.compare import compare, format_table, json_ready, non_finite, plot_layer_errors
     from glmq.formats.safetensors_io import CheckpointError
 
     try:
         result = compare(source, list(quantized), text, seq_len, windows, trust_remote_code=trust_remote_code)
-    except (CheckpointError, ValueError, OSError) as e:
-        _fail(e)
+    except (CheckpointError, ValueError, OSError) as e:  # could not run: 2, as click's own usage errors, not a
+        _fail(e, code=2)                                 # broken model's 1
+
     click.echo(format_table(result))
     if json_out:
         Path(json_out).write_text(json.dumps(json_ready(result), indent=1, allow_nan=False) + "\n")

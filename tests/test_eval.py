@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,7 @@ def test_eval_refuses_a_checkpoint_of_another_model(glm4, tmp_path, family, over
     src, _, text = glm4
     other = fixtures.make_checkpoint(tmp_path / "other", family, preset="tiny", config_overrides=overrides)
     code, out, exc = _eval(src, other, "--text", text, "--seq-len", "32", "--windows", "3")
-    assert exc is None and code == 1, out
+    assert exc is None and code == 2, out
     assert f"{other}: not a checkpoint of the source's model" in out and key in out
 
 
@@ -81,7 +82,7 @@ def test_eval_refuses_a_checkpoint_with_a_weight_missing(glm4, tmp_path):
     src, rtn, text = glm4
     broken = _drop(rtn, tmp_path / "broken", "model.layers.1.self_attn.o_proj.")
     code, out, exc = _eval(src, broken, "--text", text, "--seq-len", "32", "--windows", "3")
-    assert exc is None and code == 1, out
+    assert exc is None and code == 2, out
     assert f"error: {broken}: 1 parameter(s)" in out and "model.layers.1.self_attn.o_proj.weight" in out
     with pytest.raises(CheckpointError, match="transformers would leave them random"):
         load_model(broken)
@@ -94,7 +95,7 @@ def test_eval_names_a_truncated_shard_and_a_missing_companion(glm4, tmp_path):
     shard = sorted(trunc.glob("model-*.safetensors"))[1]
     shard.write_bytes(shard.read_bytes()[:-100])
     code, out, exc = _eval(src, trunc, "--text", text, "--seq-len", "32", "--windows", "3")
-    assert exc is None and code == 1, out  # was SafetensorError's traceback
+    assert exc is None and code == 2, out  # was SafetensorError's traceback
     assert f"{shard}: file is" in out and "truncated" in out
     module = "model.layers.1.mlp.experts.0.down_proj"
     noshape = _drop(rtn, tmp_path / "noshape", f"{module}.weight_shape")
@@ -115,16 +116,16 @@ def test_eval_names_a_folder_without_config_or_tokenizer(glm4, tmp_path):
     src, rtn, text = glm4
     (tmp_path / "empty").mkdir()
     code, out, exc = _eval(src, tmp_path / "empty", "--text", text)
-    assert exc is None and code == 1 and f"{tmp_path / 'empty'}: no config.json" in out, out
+    assert exc is None and code == 2 and f"{tmp_path / 'empty'}: no config.json" in out, out
     notok = tmp_path / "notok"
     shutil.copytree(rtn, notok, ignore=shutil.ignore_patterns("tokenizer*"))
     code, out, exc = _eval(notok, "--text", text, "--seq-len", "32")
-    assert exc is None and code == 1 and f"{notok}: cannot load its tokenizer" in out, out
+    assert exc is None and code == 2 and f"{notok}: cannot load its tokenizer" in out, out
     listcfg = tmp_path / "listcfg"  # a config.json that is JSON but no object was an AttributeError traceback
     shutil.copytree(rtn, listcfg)
     (listcfg / "config.json").write_text("[]")
     code, out, exc = _eval(src, listcfg, "--text", text)
-    assert exc is None and code == 1 and f"{listcfg / 'config.json'}: holds a JSON list, not an object" in out, out
+    assert exc is None and code == 2 and f"{listcfg / 'config.json'}: holds a JSON list, not an object" in out, out
 
 
 def _packed_checkpoint(out: Path, tensors: dict, weights: dict) -> Path:
@@ -187,13 +188,23 @@ def test_plot_folder_is_checked_before_the_work(glm4, tmp_path):
     assert code == 2 and f"folder {tmp_path / 'nodir'} does not exist" in out, out
 
 
+def test_plot_without_matplotlib_is_refused_before_the_work(glm4, tmp_path, monkeypatch):
+    """--plot without matplotlib evaluated, said "no plot written" and exited 0: a CI step that asked for the PNG
+    found none. It is refused when the options are parsed (exit 2, could not run), and no JSON is written."""
+    src, rtn, text = glm4
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it raises ImportError
+    code, out, exc = _eval(src, rtn, "--text", text, "--json", tmp_path / "e.json", "--plot", tmp_path / "p.png")
+    assert exc is None and code == 2 and "the plot needs matplotlib" in out and "pip install matplotlib" in out, out
+    assert not (tmp_path / "e.json").exists() and "perplexity" not in out
+
+
 def test_windows_longer_than_the_models_positions_are_refused(glm4):
     """--seq-len past max_position_embeddings scored positions the model never saw (perplexity 196 on the shared
     model, exit 0); GPTQ's calibration refuses them, and so does eval, before loading anything."""
     src, rtn, text = glm4
     limit = json.loads((src / "config.json").read_text())["max_position_embeddings"]
     code, out, exc = _eval(src, rtn, "--text", text, "--seq-len", str(limit + 1), "--windows", "1")
-    assert exc is None and code == 1, out
+    assert exc is None and code == 2, out
     assert f"--seq-len {limit + 1} is longer than the model's max_position_embeddings ({limit})" in out
 
 
