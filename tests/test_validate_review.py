@@ -352,3 +352,27 @@ def test_a_config_value_of_the_wrong_kind_fails_structure(ckpt, key, value):
     rep = v.validate(ckpt, sample=0.01)
     assert not rep.valid and any("GlmMoeDsaConfig's default; config.json has none" in m
                                  for m in messages(rep, "structure")), messages(rep, "structure")
+
+
+@pytest.mark.parametrize("order, fix", [("static", "write 'weight' or null"), ("dynamic", "write 'group'")])
+def test_an_actorder_alias_older_compressed_tensors_rejects_fails_config(ckpt, order, fix):
+    """actorder "static" (llm-compressor GPTQ's default) passed (exit 0): the installed compressed-tensors parses it,
+    but the releases before the aliases know only "group" and "weight", so a vLLM/SGLang shipping one refuses the
+    config, as with the scale_dtype key validate already fails."""
+    edit_qc(ckpt, lambda qc: weights(qc).__setitem__("actorder", order))
+    rep = v.validate(ckpt)
+    assert rep.exit_code == 1 and any(f"group_0.weights.actorder is {order!r}: an alias of" in m and fix in m
+                                      for m in messages(rep, "config")), v.format_report(rep)
+
+
+def test_a_channel_or_string_group_size_config_is_named_as_it_is(ckpt, outputs, tmp_path):
+    """strategy "channel" on group-wise tensors was reported "with num_bits 4, group_size 256" (K as a group size),
+    and group_size "128" (a string) as "group_size 128: not a pack-quantized layout", which hid the quotes."""
+    edit_qc(ckpt, lambda qc: weights(qc).update(strategy="channel", group_size=None))
+    msgs = "\n".join(messages(v.validate(ckpt), "structure"))
+    assert "strategy channel (one scale per row)" in msgs and "group_size 256" not in msgs, msgs
+    other = Path(shutil.copytree(outputs["g128"], tmp_path / "s"))
+    edit_qc(other, lambda qc: weights(qc).__setitem__("group_size", "128"))
+    rep = v.validate(other)
+    assert rep.exit_code == 1 and any("group_size '128': not a pack-quantized layout" in f.message
+                                      for c in rep.checks.values() for f in c.failures), v.format_report(rep)

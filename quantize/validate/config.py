@@ -78,6 +78,11 @@ def _valid_patterns(patterns: list[str], where: str, problems: list[str]) -> lis
     return out
 
 
+# actorder values compressed-tensors added later as aliases (llm-compressor's GPTQ writes "static" by default); the
+# releases before them parse only "group" and "weight" (formats.md §2d)
+_ACTORDER_ALIASES = {"static": "weight", "dynamic": "group"}
+
+
 def check_config(q: QuantConfig) -> CheckResult:
     """The parse's problems, plus compressed-tensors' own parse and the keys older releases reject."""
     groups = q.qc.get("config_groups") or {}
@@ -109,6 +114,12 @@ def check_config(q: QuantConfig) -> CheckResult:
             for key in sorted(set(args) - set(ct._ARGS_KEYS)):
                 res.fail(f"config_groups.{gname}.{role}.{key}: compressed-tensors < 0.13 rejects this key "
                          f"(QuantizationArgs is extra=forbid; vLLM/SGLang validate with the CT they ship); remove it")
+            if (order := args.get("actorder")) in _ACTORDER_ALIASES:
+                res.fail(f"config_groups.{gname}.{role}.actorder is {order!r}: an alias of "
+                         f"{_ACTORDER_ALIASES[order]!r} that older compressed-tensors releases reject (their "
+                         f"ActivationOrdering has only 'group' and 'weight'; vLLM/SGLang validate with the CT they "
+                         f"ship); write {_ACTORDER_ALIASES[order]!r}" + (" or null (it changes calibration only)"
+                                                                           if order == "static" else ""))
     return res
 
 
@@ -152,7 +163,7 @@ def _parse_groups(groups: dict, top_format: str | None, problems: list[str]) -> 
         if type(bits) is not int or bits not in (4, 8) or strategy not in ("group", "channel") or (
                 strategy == "group" and not (type(gs) is int and gs > 0)):
             problems.append(f"config_groups.{gname}.weights: num_bits {bits!r}, strategy {strategy!r}, "
-                            f"group_size {gs}: not a pack-quantized layout (4/8 bits; group with a size, or channel)")
+                            f"group_size {gs!r}: not a pack-quantized layout (4/8 bits; group with a size, or channel)")
             continue
         symmetric = w.get("symmetric", True)
         if type(symmetric) is not bool:  # bool("false") is True; compressed-tensors (so vLLM/SGLang) reads False

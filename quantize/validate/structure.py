@@ -55,7 +55,8 @@ def int_module_problems(m: Module, g: Group, shape: tuple[int, int] | None,
     for leaf, want in expected_shapes(n, k, g).items():
         if leaf in p and tuple(p[leaf].shape) != want:
             out.append(f"{m.name}.{leaf} has shape {list(p[leaf].shape)}, expected {list(want)} for weight_shape "
-                       f"[{n}, {k}] with num_bits {g.num_bits}, group_size {g.group_size or k}")
+                       f"[{n}, {k}] with num_bits {g.num_bits}, "
+                       + (f"group_size {g.group_size}" if g.group_size else "strategy channel (one scale per row)"))
     return out
 
 
