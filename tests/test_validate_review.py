@@ -376,3 +376,16 @@ def test_a_channel_or_string_group_size_config_is_named_as_it_is(ckpt, outputs, 
     rep = v.validate(other)
     assert rep.exit_code == 1 and any("group_size '128': not a pack-quantized layout" in f.message
                                       for c in rep.checks.values() for f in c.failures), v.format_report(rep)
+
+
+def test_shards_without_their_index_are_one_index_failure(ckpt):
+    """The index of a sharded checkpoint removed: the report led with "24 of 24 expert projections missing" per layer,
+    warned that each shard was "a file the index does not reference (loaders skip it)" and failed integrity once per
+    shard, for one cause. Now the index check names it; structure and integrity say why they did not look."""
+    (ckpt / "model.safetensors.index.json").unlink()
+    rep = v.validate(ckpt)
+    assert rep.exit_code == 1
+    (failure,) = rep.checks["index"].failures
+    assert "no model.safetensors.index.json, though 20 .safetensors file(s) are here" in failure.message
+    assert not rep.checks["index"].warnings and not rep.checks["structure"].failures
+    assert rep.checks["integrity"].skipped and "see index" in rep.checks["integrity"].skipped

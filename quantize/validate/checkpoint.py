@@ -35,7 +35,9 @@ class Checkpoint:
         """The tensor files listed (or, without an index, the one model.safetensors) whose header could not be read:
         what they hold is unknown, so no check may call their tensors missing."""
         if not (self.root / INDEX_NAME).exists():
-            return set() if self.weight_map or not (self.root / SINGLE_NAME).exists() else {SINGLE_NAME}
+            if not (self.root / SINGLE_NAME).exists():  # shards without their index: not read (the index check)
+                return {p.name for p in self.root.glob("*.safetensors")}
+            return set() if self.weight_map else {SINGLE_NAME}
         return set(self.weight_map.values()) - set(self.shards)
 
     def entries(self) -> dict[str, TensorEntry]:
@@ -76,7 +78,8 @@ def load_checkpoint(root: Path) -> Checkpoint:
             index.fail(str(e), shard=shard)
     check_index(weight_map, total, shards, index)
     listed = set(weight_map.values()) | ({SINGLE_NAME} if not (root / INDEX_NAME).exists() else set())
-    for name in sorted(p.name for p in root.glob("*.safetensors") if p.name not in listed):
+    no_index = not (root / INDEX_NAME).exists() and not (root / SINGLE_NAME).exists()  # _read_index's failure says it
+    for name in sorted(p.name for p in root.glob("*.safetensors") if p.name not in listed and not no_index):
         index.warn(f"{name}: a safetensors file the index does not reference (loaders skip it)", shard=name)
     ck = Checkpoint(root, config, config_error, weight_map, shards, starts, index, None)
     try:
@@ -118,7 +121,14 @@ def _read_index(root: Path, res: CheckResult) -> tuple[dict[str, str], int | Non
             except CheckpointError as e:
                 res.fail(str(e), shard=SINGLE_NAME)
                 return {}, None
-        res.fail(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME}: the checkpoint stores no tensors")
+        shards = sorted(p.name for p in root.glob("*.safetensors"))
+        if shards:  # vLLM would read every file; transformers finds none of them
+            res.fail(f"{root}: no {INDEX_NAME}, though {len(shards)} .safetensors file(s) are here (e.g. {shards[0]}): "
+                     f"transformers cannot load sharded weights without it, and which file holds which tensor is "
+                     f"unknown, so they are not checked; restore the index (it is written last: a conversion that "
+                     f"stopped before it is unfinished, run it again)")
+        else:
+            res.fail(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME}: the checkpoint stores no tensors")
         return {}, None
     dups: list[str] = []
 
