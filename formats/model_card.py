@@ -308,7 +308,29 @@ def _recipe_lines(inp: CardInputs) -> list[str]:
         by_class = sorted(gptq.get("by_class", {}).items())
         rows = [[c, r["tensors"], r["rel_err_gptq"], r["rel_err_rtn"]] for c, r in by_class]
         lines += _table(["class", "tensors", "GPTQ", "RTN"], rows) + [""]
+        lines += _not_gptq_lines(gptq)
     return lines
+
+
+def _not_gptq_lines(gptq: dict) -> list[str]:
+    """What a GPTQ run quantized otherwise, which the table (GPTQ's tensors only) leaves out: the MTP layer's targets
+    (round-to-nearest: no calibration inputs reach it), the tensors GPTQ fell back to RTN on, and the experts no
+    calibration token reached (their Hessian borrowed, `expert_coverage`)."""
+    out = []
+    mtp = gptq.get("mtp") or {}
+    if mtp.get("tensors"):
+        out.append(f"- MTP layer(s) {mtp.get('layers')}: {mtp['tensors']} quantized tensors are "
+                   f"{'round-to-nearest' if mtp.get('method') == 'rtn' else mtp.get('method')}, not GPTQ "
+                   f"({mtp.get('why', 'no calibration inputs')}).")
+    if fallbacks := gptq.get("fallbacks"):
+        out.append(f"- {len(fallbacks)} tensor(s) fell back to round-to-nearest (e.g. `{fallbacks[0].get('module')}`: "
+                   f"{fallbacks[0].get('reason')}).")
+    if unreached := (gptq.get("expert_coverage") or {}).get("unreached"):
+        said = {"all_tokens": "GPTQ on the Hessian of every token of their layer", "rtn": "round-to-nearest"}
+        how = {u.get("hessian") for u in (gptq.get("expert_coverage") or {}).get("under_covered", [])} - {None}
+        out.append(f"- {len(unreached)} routed expert(s) received no calibration token: "
+                   f"{' or '.join(said.get(h, str(h)) for h in sorted(how)) or 'quantized without their own Hessian'}.")
+    return out + [""] if out else []
 
 
 def sizes_section(inp: CardInputs) -> list[str]:

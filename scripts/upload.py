@@ -49,6 +49,11 @@ class UploadError(Exception):
         self.code = code
 
 
+# A Hub license id's spelling (the Hub's list: mit, apache-2.0, cc-by-nc-4.0, llama3.1, other, ...); the list itself
+# is the Hub's and changes, so only the spelling is checked here and the Hub decides on the id
+_LICENSE = re.compile(r"[a-z0-9][a-z0-9.+-]*")
+
+
 @dataclass(frozen=True)
 class UploadOptions:
     checkpoint: Path
@@ -181,7 +186,11 @@ def check_arguments(o: UploadOptions) -> Path:
         if value is not None and not is_repo_id(value):
             raise UploadError(f"{flag} {value!r}: not a Hub model id; spell it ORG/NAME (ASCII letters, digits, "
                               f"'-', '_', '.'; neither part starts or ends with '-' or '.', no '--' or '..', no "
-                              f"'.git' at the end)", 2)
+                              f"'.git' at the end; at most 96 characters"
+                              + (f", this one has {len(value)}" if len(value) > 96 else "") + ")", 2)
+    if o.license is not None and not _LICENSE.fullmatch(o.license):  # the Hub refused it after the card was written
+        raise UploadError(f"--license {o.license!r}: not a Hub license id (lowercase letters, digits, '.', '-', '+'; "
+                          f"e.g. mit, apache-2.0, cc-by-4.0, or other for a license the Hub does not list)", 2)
     if not o.dry_run:
         from huggingface_hub import get_token
 

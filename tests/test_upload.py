@@ -732,3 +732,41 @@ def test_glmq_reports_anywhere_in_the_folder_stay_local(ckpt, hub, tmp_path):
     assert run(str(ckpt), "--repo-id", REPO, "--tp", "1").exit_code == 0
     patterns = next(c for n, c in hub if n.startswith("upload_") and n != "upload_file")["ignore_patterns"]
     assert {"evals/glmq_eval.json", "ci-validate.json", "evals/run.json"} <= set(patterns)
+
+
+def test_a_gptq_card_says_what_was_not_gptq(written):
+    """The card of a GPTQ run said "method GPTQ" and tabled GPTQ's tensors only: the MTP layer's experts (48 of 192
+    in the helper's run) were round-to-nearest, which only the run report said; nor were fallbacks or experts no token
+    reached mentioned."""
+    from glmq.calibration.engine import CalibrationSettings
+
+    report = json.loads((written / "glmq_report.json").read_text())
+    report["recipe"]["method"] = "gptq"
+    report["gptq"] = {"settings": CalibrationSettings(calibration="c.txt").identity(), "calibration_tokens": 256,
+                      "by_class": {"routed_expert": {"tensors": 48, "rel_err_gptq": 0.03, "rel_err_rtn": 0.1}},
+                      "mtp": {"layers": [3], "tensors": 24, "method": "rtn", "why": "no calibration inputs"},
+                      "fallbacks": [{"module": "model.layers.1.mlp.experts.2.up_proj", "reason": "no usable damp"}],
+                      "expert_coverage": {"unreached": [{"layer": 1, "expert": 0}],
+                                          "under_covered": [{"layer": 1, "expert": 0, "hessian": "all_tokens"}]}}
+    card = str(mc.build_card(card_inputs(written, report=report)))
+    assert "- MTP layer(s) [3]: 24 quantized tensors are round-to-nearest, not GPTQ (no calibration inputs)." in card
+    assert "- 1 tensor(s) fell back to round-to-nearest (e.g. `model.layers.1.mlp.experts.2.up_proj`: no usable " \
+           "damp)." in card
+    assert "- 1 routed expert(s) received no calibration token: GPTQ on the Hessian of every token of their layer." \
+        in card
+    report["gptq"].update(mtp={"layers": [], "tensors": 0}, fallbacks=[], expert_coverage={"unreached": []})
+    card = str(mc.build_card(card_inputs(written, report=report)))
+    assert "MTP layer(s)" not in card and "fell back" not in card and "no calibration token" not in card
+
+
+def test_a_license_that_is_no_hub_id_and_a_long_repo_id_are_refused_with_the_reason(ckpt, hub):
+    """--license "not a license!" passed the dry run into the card's metadata (the Hub refuses it, after README.md was
+    written); a repo id over the Hub's 96 characters was refused without saying that length was the reason."""
+    r = run(str(ckpt), "--repo-id", REPO, "--license", "not a license!", "--dry-run")
+    assert r.exit_code == 2 and "--license 'not a license!': not a Hub license id" in r.output and hub == []
+    assert not (ckpt / "README.md").exists()
+    long_id = "org/" + "m" * 100
+    r = run(str(ckpt), "--repo-id", long_id, "--dry-run")
+    assert r.exit_code == 2 and "at most 96 characters, this one has 104" in r.output
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--license", "apache-2.0", "--dry-run")
+    assert r.exit_code == 0 and "license: apache-2.0" in r.stdout
