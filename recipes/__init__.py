@@ -144,6 +144,9 @@ def from_dict(d: dict, origin: str) -> Recipe:
         raise RecipeError(f"{origin}: key 'name' is {name!r}; a recipe name is part of the default output folder's "
                           f"name (<model>-<name>), so it must be a non-empty name without '/' or '\\': write e.g. "
                           f"`name: {fix}`")
+    if "targets" not in d:
+        raise RecipeError(f"{origin}: key 'targets' is missing; list the tensor classes to quantize, e.g. "
+                          f"`targets: [routed_expert]` (classes: {_servable()})")
     try:
         targets = tuple(TensorClass(t) for t in d.get("targets", []))
     except ValueError as e:

@@ -232,3 +232,11 @@ def test_tune_keys_without_tune_iters_warn(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="glmq.recipes"):
         assert recipes.load(str(on)).spec.tune_iters == 5
     assert not caplog.records
+
+
+def test_a_recipe_without_targets_says_the_key_is_missing(tmp_path):
+    """It said "targets [] invalid", a list the file does not have."""
+    f = tmp_path / "r.yaml"
+    f.write_text("name: r\nnum_bits: 4\n")
+    with pytest.raises(recipes.RecipeError, match=r"r\.yaml: key 'targets' is missing; .*targets: \[routed_expert\]"):
+        recipes.load(str(f))
