@@ -187,7 +187,8 @@ def layout_problems(modules: dict[str, Module], config: dict, missing: bool = Tr
     tied = cfg.get("tie_word_embeddings") is True
     promised: dict[str, str] = {}  # tensor name -> kind
     for s in specs:
-        if EXPERT_MODULE.match(s.name.rpartition(".")[0]) or _OPTIONAL.match(s.name) or tied and s.name == "lm_head.weight":
+        expert = EXPERT_MODULE.match(s.name.rpartition(".")[0])
+        if expert or _OPTIONAL.match(s.name) or tied and s.name == "lm_head.weight":
             continue
         promised[s.name] = s.kind
     linear = {n.rpartition(".")[0] for n, kind in promised.items() if kind in _LINEAR_KINDS}
@@ -222,11 +223,13 @@ def layout_problems(modules: dict[str, Module], config: dict, missing: bool = Tr
                 out.append((name, f"has no parameter in the {family} model config.json describes (vLLM raises "
                                   f"KeyError on it); config.json and the tensors disagree"))
     stored = {int(hit[1]) for module in modules if (hit := _LAYER.match(module + "."))}
-    if stored and max(stored) + 1 != layers:  # the cause of the lines below: said first
-        out.insert(0, ("config.json", f"layers 0..{max(stored)} are stored, but num_hidden_layers "
+    top = max(stored, default=-1) + 1
+    if top > layers or missing and 0 < top < layers:  # the cause of the tensor lines: said first
+        out.insert(0, ("config.json", f"layers 0..{top - 1} are stored, but num_hidden_layers "
                                       f"({cfg['num_hidden_layers']}) + num_nextn_predict_layers "
                                       f"({cfg.get('num_nextn_predict_layers') or 0}) build layers 0..{layers - 1}: "
-                                      f"loaders would read layer {cfg['num_hidden_layers']} as the MTP layer"))
+                                      f"config.json and the tensors disagree on the layer count (the MTP layer is the "
+                                      f"last, after num_hidden_layers)"))
     out += _routing_problems(cfg)
     if cfg.get("hidden_act", "silu") != "silu":
         out.append(("config.json", f"hidden_act is {cfg['hidden_act']!r}: vLLM's and SGLang's GLM / DeepSeek MoE "
