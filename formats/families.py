@@ -436,3 +436,116 @@ def attention_presence_problems(names, config: dict, missing: bool = True) -> li
             elif built and not stored and missing:
                 problems.append((name, f"missing, but {why}: loaders build it and find no weights for it"))
     return problems
+
+
+# Tensors glmq's layout table (formats/fixtures.logical_tensors) does not decide on: the MTP layer's own head and
+# embeddings (GLM-5.2 ties them to the main model's, DeepSeek-V3 stores them; GLM-5/5.1 unconfirmed, formats.md §1)
+# rotary buffers some exports carry (loaders skip them), and an FP8 KV cache's scales (vLLM remaps and loads them).
+_OPTIONAL = re.compile(r"model\.layers\.\d+\.(shared_head\.head|embed_tokens)\.weight$|.*\.rotary_emb\.inv_freq$"
+                       r"|.*\.self_attn\.(attn\.)?(k|v|q|kv|prob)_scale$")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+# A Linear's leaves besides .weight: FP8 scales (block or compressed-tensors), INT pack-quantized ones
+_LINEAR_LEAVES = {"weight", "weight_scale", "weight_scale_inv", "input_scale", "weight_packed", "weight_shape",
+                  "weight_zero_point", "weight_g_idx"}
+
+
+UNKNOWN_TENSOR = "has no parameter"  # how `layout_problems` starts a stored tensor's problem that no layer has
+
+
+def mtp_stored(modules, config: dict) -> bool:
+    """Whether any tensor of an MTP layer (`mtp_layers`) is stored; `modules`: the module names stored."""
+    mtp = {str(i) for i in mtp_layers(config)}
+    return any((hit := _LAYER.match(m + ".")) and hit[1] in mtp for m in modules)
+
+
+def layout_problems(parts: dict[str, set[str]], config: dict, missing: bool = True, told=frozenset(),
+                    mtp_required: bool = True) -> tuple[list[tuple[str, str]], str | None]:
+    """(where, problem) for each tensor config.json's model has that is not stored, each tensor stored that it has no
+    parameter for (vLLM's load_weights raises KeyError on such a name and leaves a missing one uninitialized), the
+    layer count, and routing / activation values no loader runs; and why the list could not be made, or None.
+
+    `parts`: module -> its leaves as stored (a source's `weight`, `weight_scale_inv`; an output's `weight_packed`, ...).
+    The promised tensors are glmq's layout table (formats/fixtures.logical_tensors: the layers, dense and MoE, MLA or
+    GQA attention, the DSA indexer, the MTP layer, from the config keys loaders build them from), a Linear's weight
+    in any stored form. The routed experts are `expert_layout_problems`' (counted per layer there) and names in
+    `told` were reported by `attention_presence_problems`. `missing`: False leaves out the tensors missing (some
+    files could not be read). `mtp_required`: False accepts a model without any MTP tensor (it serves; the layer only
+    drafts tokens), as `expert_layout_problems`. Where: a tensor name, "model.layers" for the layer count, or
+    "config.json" for a value no loader runs."""
+    from glmq.formats.fixtures import family_of, logical_tensors
+
+    if count_problems(config):  # reported by the expert check
+        return [], None
+    cfg, _ = loader_config(config)
+    try:
+        family = family_of(cfg)
+        specs = [s for group in logical_tensors(cfg, family) for s in group]
+    except (KeyError, TypeError, ValueError) as e:
+        return [], f"{type(e).__name__}: {e}"
+    tied = cfg.get("tie_word_embeddings") is True
+    n_layers, nextn = int(cfg["num_hidden_layers"]), int(cfg.get("num_nextn_predict_layers") or 0)
+    layers = n_layers + (nextn if mtp_required or mtp_stored(parts, cfg) else 0)
+    promised: dict[str, str] = {}  # tensor name -> kind
+    for s in specs:
+        hit = _LAYER.match(s.name)
+        if (EXPERT_MODULE.match(s.name.rpartition(".")[0]) or _OPTIONAL.match(s.name)
+                or tied and s.name == "lm_head.weight" or hit and int(hit[1]) >= layers):
+            continue
+        promised[s.name] = s.kind
+    linear = {n.rpartition(".")[0] for n, kind in promised.items() if kind in ("linear", "bf16_linear")}
+    told = set(told)
+    out: list[tuple[str, str]] = []
+    if missing:
+        for name in promised:
+            module, _, leaf = name.rpartition(".")
+            have = parts.get(module, set())
+            here = leaf in have or module in linear and leaf == "weight" and "weight_packed" in have
+            if not here and not {name, module} & told:
+                out.append((name, "is missing, but the model config.json describes has it (vLLM would leave it "
+                                  "uninitialized or refuse the checkpoint): the conversion lost it, or config.json "
+                                  "describes another layout"))
+    for module, leaves in parts.items():
+        if EXPERT_MODULE.match(module):
+            continue
+        for leaf in leaves:
+            name = f"{module}.{leaf}"
+            if (name in promised or module in linear and leaf in _LINEAR_LEAVES or _OPTIONAL.match(name)
+                    or {name, module} & told):
+                continue
+            if tied and name == "lm_head.weight":
+                out.append((name, "is stored but config.json's tie_word_embeddings is true: loaders use "
+                                  "embed_tokens as the head and skip this one; set tie_word_embeddings to false"))
+            elif (hit := _LAYER.match(name)) and int(hit[1]) >= n_layers + nextn:
+                out.append((name, f"belongs to layer {hit[1]}, but config.json's num_hidden_layers ({n_layers}) + "
+                                  f"num_nextn_predict_layers ({nextn}) build layers 0..{n_layers + nextn - 1} only"))
+            else:
+                out.append((name, f"{UNKNOWN_TENSOR} in the {family} model config.json describes (vLLM raises "
+                                  f"KeyError on it); config.json and the tensors disagree"))
+    top = max((int(hit[1]) for m in parts if (hit := _LAYER.match(m + "."))), default=-1) + 1
+    if top > n_layers + nextn or missing and 0 < top < layers:  # the cause of the tensor lines: said first
+        out.insert(0, ("model.layers", f"layers 0..{top - 1} are stored, but config.json's num_hidden_layers "
+                                       f"({n_layers}) + num_nextn_predict_layers ({nextn}) build layers "
+                                       f"0..{n_layers + nextn - 1}: config.json and the tensors disagree on the layer "
+                                       f"count (the MTP layer is the last, after num_hidden_layers)"))
+    out += _routing_problems(cfg)
+    if cfg.get("hidden_act", "silu") != "silu":
+        out.append(("config.json", f"hidden_act is {cfg['hidden_act']!r}: vLLM's and SGLang's GLM / DeepSeek MoE "
+                                   f"layers (and Marlin-MoE) support only 'silu'"))
+    return out, None
+
+
+def _routing_problems(cfg: dict) -> list[tuple[str, str]]:
+    """("config.json", problem) for routing settings no loader can run: more experts per token than routed experts,
+    more groups picked than there are, or experts that do not split into the groups (torch.topk and the grouped
+    top-k of vLLM / SGLang fail or index out of range on the first token)."""
+    n, k = cfg.get("n_routed_experts", cfg.get("num_local_experts")), cfg.get("num_experts_per_tok")
+    groups, pick = cfg.get("n_group"), cfg.get("topk_group")
+    ints = lambda *v: all(type(x) is int and x > 0 for x in v)  # noqa: E731 (other types: count_problems' kind)
+    out = []
+    if ints(n, k) and k > n:
+        out.append(("config.json", f"num_experts_per_tok is {k}, more than the {n} routed experts"))
+    if ints(groups, pick) and pick > groups:
+        out.append(("config.json", f"topk_group is {pick}, more than n_group ({groups})"))
+    if ints(n, groups) and n % groups:
+        out.append(("config.json", f"n_group ({groups}) does not divide the {n} routed experts"))
+    return out

@@ -244,7 +244,7 @@ def logical_tensors(config: dict, family: str | None = None) -> Iterator[list[Te
     n_layers = config["num_hidden_layers"]
     dense = _dense_layers(config)
     indexed = _indexer_layers(config)
-    for i in range(n_layers + config.get("num_nextn_predict_layers", 0)):
+    for i in range(n_layers + (config.get("num_nextn_predict_layers") or 0)):  # null: none, as mtp_layers reads it
         p, mtp = f"model.layers.{i}.", i >= n_layers
         specs = [TensorSpec(p + "input_layernorm.weight", (h,), "norm"),
                  TensorSpec(p + "post_attention_layernorm.weight", (h,), "norm")]

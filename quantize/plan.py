@@ -9,11 +9,13 @@ checkpoint fails in seconds instead of hours.
 from __future__ import annotations
 
 import enum
+import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from glmq.formats.families import (LINEAR_CLASSES, TensorClass, attention_presence_problems, classify,
-                                   config_shape_problems, expert_layout_problems, layer_index, mtp_layers)
+from glmq.formats.families import (LINEAR_CLASSES, UNKNOWN_TENSOR, TensorClass, attention_presence_problems,
+                                   classify, config_shape_problems, expert_layout_problems, layer_index,
+                                   layout_problems, mtp_layers)
 from glmq.formats.safetensors_io import CheckpointError, OutSpec, TensorEntry
 from glmq.formats.source import Source, SourceFormat
 from glmq.quantize.pack import packed_shape
@@ -137,7 +139,21 @@ def make_items(source: Source, recipe: Recipe) -> list[Item]:
     layout = expert_layout_problems({_split(n)[0] for n in ents if _split(n)[1] == "weight"}, source.config,
                                     mtp_required=False)
     layout += config_shape_problems({n: e.shape for n, e in ents.items()}, source.config)
-    layout += attention_presence_problems(ents, source.config)
+    attention = attention_presence_problems(ents, source.config)
+    layout += attention
+    # every other tensor config.json's model has, and nothing it has no parameter for (the output failed validate's
+    # same check after the whole conversion); a source without its MTP layer serves, as above
+    parts: dict[str, set[str]] = {}
+    for n in ents:
+        parts.setdefault(_split(n)[0], set()).add(_split(n)[1])
+    more = layout_problems(parts, source.config, told={w for w, _ in attention}, mtp_required=False)[0]
+    unknown = [w for w, p in more if p.startswith(UNKNOWN_TENSOR)]
+    if unknown:  # converted (copied) as they are: glmq's layout table may lack a tensor a loader knows
+        logging.getLogger("glmq.plan").warning(
+            "%s: %d tensor(s) have no parameter in the model config.json describes (e.g. %s): they are copied, but "
+            "`glmq validate` fails the output unless a loader knows them (if vLLM loads this source, tell glmq's "
+            "maintainers)", source.root, len(unknown), unknown[0])
+    layout += [(w, p) for w, p in more if not p.startswith(UNKNOWN_TENSOR)]
     values = [p for where, p in layout if where == "config.json"]
     if values:  # not a disagreement with the tensors: no loader builds a model from these values
         raise PlanError(f"{source.root / 'config.json'}: values of the wrong kind; fix config.json (e.g. take it as "

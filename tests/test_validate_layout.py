@@ -8,10 +8,12 @@ tied head or activation disagreed with the tensors all passed (exit 0), though v
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from glmq import recipes
@@ -63,7 +65,7 @@ def drop(root: Path, tensor: str, rename: str | None = None) -> None:
         index["weight_map"][rename] = shard.name
     save_file(tensors, shard, metadata={"format": "pt"})
     (root / INDEX).write_text(json.dumps(index))
-    (root / "glmq_manifest.json").unlink()
+    (root / "glmq_manifest.json").unlink(missing_ok=True)
 
 
 def edit_config(root: Path, **changes) -> None:
@@ -97,7 +99,7 @@ def test_a_renamed_tensor_is_missing_and_left_over(ckpt):
 
 
 @pytest.mark.parametrize("changes, needle", [
-    ({"num_hidden_layers": 2}, "config.json: layers 0..3 are stored, but num_hidden_layers (2) + "
+    ({"num_hidden_layers": 2}, "model.layers: layers 0..3 are stored, but config.json's num_hidden_layers (2) + "
                                "num_nextn_predict_layers (1) build layers 0..2"),
     ({"num_nextn_predict_layers": 0}, "model.layers.3.eh_proj.weight: belongs to layer 3, but config.json's "
                                       "num_hidden_layers (3) + num_nextn_predict_layers (0) build layers 0..2 only"),
@@ -129,3 +131,92 @@ def test_an_unknown_architecture_warns_that_the_layout_was_not_checked(ckpt):
     rep = v.validate(ckpt)
     assert any("the tensors config.json promises were not listed" in w.message
                for w in rep.checks["structure"].warnings), v.format_report(rep)
+
+
+def strip_layer(root: Path, layer: int) -> None:
+    """Remove every tensor of decoder layer `layer` (an MTP layer, as community copies strip it)."""
+    index = json.loads((root / INDEX).read_text())
+    gone = {n for n in index["weight_map"] if n.startswith(f"model.layers.{layer}.")}
+    for shard in {index["weight_map"][n] for n in gone}:
+        tensors = {k: t for k, t in load_file(root / shard).items() if k not in gone}
+        if tensors:
+            save_file(tensors, root / shard, metadata={"format": "pt"})
+        else:
+            (root / shard).unlink()
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k not in gone}
+    index["metadata"]["total_size"] = sum(t.numel() * t.element_size() for shard in set(index["weight_map"].values())
+                                          for t in load_file(root / shard).values())
+    (root / INDEX).write_text(json.dumps(index))
+
+
+def test_a_model_without_its_mtp_layer_is_valid_with_a_warning(ckpt):
+    """A source whose MTP layer was stripped (config.json still saying num_nextn_predict_layers: 1): glmq quantize
+    converts it (vLLM and SGLang serve the main model and skip the layer), and validate failed the output: the MTP
+    experts and, since the layout check, ~20 tensors "missing". It is valid, with a warning that MTP drafting cannot
+    run; an MTP layer stored in part still fails."""
+    strip_layer(ckpt, 3)
+    (ckpt / "glmq_manifest.json").unlink()
+    rep = v.validate(ckpt)
+    assert rep.valid, v.format_report(rep)
+    assert any("no tensor of the MTP layer (model.layers.3.*) is stored" in w.message
+               for w in rep.checks["structure"].warnings)
+    drop(ckpt, "model.layers.2.input_layernorm.weight", rename="model.layers.3.enorm.weight")
+    msgs = "\n".join(structure(v.validate(ckpt)))
+    assert "model.layers.3.mlp.experts: 24 of 24 expert projections missing" in msgs
+    assert "model.layers.3.input_layernorm.weight: is missing" in msgs
+
+
+def test_quantize_refuses_a_source_whose_config_and_layout_disagree(make_ckpt, tmp_path):
+    """A source whose config.json says no MTP layer while one is stored, a tied head beside a stored lm_head, or a
+    norm missing: converted without a word, and the output failed `glmq validate` after the whole run. The plan
+    refuses it, naming the tensors; a source without any MTP tensor converts (it serves)."""
+    from glmq.quantize.plan import PlanError
+
+    def source(name: str, **changes) -> Path:
+        root = Path(shutil.copytree(make_ckpt("glm_moe_dsa", "fp8-block"), tmp_path / name))
+        edit_config(root, **changes)
+        return root
+
+    for changes, needle in (({"num_nextn_predict_layers": 0}, "belongs to layer 3, but config.json's "
+                                                              "num_hidden_layers (3) + num_nextn_predict_layers (0)"),
+                            ({"tie_word_embeddings": True}, "lm_head.weight: is stored but config.json's "
+                                                            "tie_word_embeddings is true")):
+        with pytest.raises(PlanError, match=re.escape(needle)):
+            make_plan(open_source(source(f"s{len(needle)}", **changes)), recipes.load("int4-w4a16"))
+    lost = source("lost")
+    drop(lost, "model.norm.weight")
+    with pytest.raises(PlanError, match=r"model\.norm\.weight: is missing"):
+        make_plan(open_source(lost), recipes.load("int4-w4a16"))
+    no_mtp = source("no-mtp")
+    strip_layer(no_mtp, 3)
+    assert make_plan(open_source(no_mtp), recipes.load("int4-w4a16")).items
+
+
+def test_a_source_tensor_no_layer_has_is_copied_with_a_warning_and_fails_validate(make_ckpt, tmp_path, caplog):
+    """A tensor glmq's layout table does not know may be one a loader knows: the plan copies it with a warning (it is
+    not refused: no option could convert such a source), and validate fails the output; an FP8 KV-cache scale
+    (self_attn.k_scale, which vLLM loads) is neither warned about nor failed."""
+    import logging
+
+    from glmq.formats.source import INDEX_NAME
+
+    src = Path(shutil.copytree(make_ckpt("glm4_moe", "fp8-block"), tmp_path / "src"))
+    idx = json.loads((src / INDEX_NAME).read_text())
+    shard = idx["weight_map"]["model.norm.weight"]
+    t = load_file(src / shard)
+    t["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
+    t["model.layers.0.mlp.mystery.weight"] = torch.ones(4, dtype=torch.bfloat16)
+    save_file(t, src / shard, metadata={"format": "pt"})
+    idx["weight_map"].update({"model.layers.0.self_attn.k_scale": shard, "model.layers.0.mlp.mystery.weight": shard})
+    (src / INDEX_NAME).write_text(json.dumps(idx))
+    with caplog.at_level(logging.WARNING, logger="glmq.plan"):
+        plan = make_plan(open_source(src), recipes.load("int4-w4a16"), 400_000)
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "1 tensor(s) have no parameter" in warning and "model.layers.0.mlp.mystery.weight" in warning
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stream, "ConfigJob", InProcessConfigJob)
+        stream.run(plan, tmp_path / "out", progress=False)
+    msgs = structure(v.validate(tmp_path / "out"))
+    assert [m for m in msgs if "has no parameter" in m] == [
+        "model.layers.0.mlp.mystery.weight: has no parameter in the glm4_moe model config.json describes (vLLM raises "
+        "KeyError on it); config.json and the tensors disagree"]

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import re
-
-from glmq.formats.families import (EXPERT_MODULE, LINEAR_CLASSES, attention_presence_problems, config_shape_problems,
-                                   count_problems, expert_layout_problems, loader_config)
+from glmq.formats.families import (LINEAR_CLASSES, attention_presence_problems, config_shape_problems,
+                                   expert_layout_problems, layout_problems, mtp_layers, mtp_stored)
 from glmq.quantize.validate.checkpoint import COMPANIONS, Module
 from glmq.quantize.validate.config import Group, _ct, group_for
 from glmq.quantize.validate.report import CheckResult
@@ -142,7 +140,9 @@ def check_structure(modules: dict[str, Module], groups: list[Group], shapes: dic
     attention = attention_presence_problems(stored, config or {}, missing=not unread)
     for name, problem in attention:
         res.fail(f"{name}: {problem}", tensor=name)
-    problems, why_not = layout_problems(modules, config or {}, missing=not unread, told={n for n, _ in attention})
+    parts = {name: set(m.parts) for name, m in modules.items()}
+    problems, why_not = layout_problems(parts, config or {}, missing=not unread, told={n for n, _ in attention},
+                                        mtp_required=False)
     if why_not:
         res.warn(f"the tensors config.json promises were not listed ({why_not}): only the routed experts and the "
                  f"attention switches were checked against it")
@@ -155,106 +155,18 @@ def check_structure(modules: dict[str, Module], groups: list[Group], shapes: dic
 
 
 _LAYOUT_SHOWN = 20  # layout problems reported one by one; the rest as a count (a config that names another model)
-# Tensors glmq's layout table (formats/fixtures.logical_tensors) does not decide on: the MTP layer's own head and
-# embeddings (GLM-5.2 ties them to the main model's, DeepSeek-V3 stores them; GLM-5/5.1 unconfirmed, formats.md §1)
-# and rotary buffers some exports carry (loaders skip them).
-_OPTIONAL = re.compile(r"model\.layers\.\d+\.(shared_head\.head|embed_tokens)\.weight$|.*\.rotary_emb\.inv_freq$")
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
-_LINEAR_KINDS = ("linear", "bf16_linear")
-
-
-def layout_problems(modules: dict[str, Module], config: dict, missing: bool = True,
-                    told: set[str] = frozenset()) -> tuple[list[tuple[str, str]], str | None]:
-    """(tensor, problem) for each tensor config.json promises that is not stored, and each one stored that the model
-    config.json describes has no parameter for (loaders fail on both: vLLM's load_weights raises KeyError on a name it
-    has no parameter for and leaves a missing one uninitialized); and why the list could not be made, or None.
-
-    The promised tensors are glmq's layout table (formats/fixtures.logical_tensors: the layers, dense and MoE, MLA or
-    GQA attention, the DSA indexer, the MTP layer, from the config keys loaders build them from), with a Linear's
-    weight satisfied by its pack-quantized or FP8 form. The routed experts are `expert_layout_problems`' (counted per
-    layer there) and names in `told` were reported by the attention check. `missing`: False leaves out the tensors
-    missing (some files could not be read)."""
-    from glmq.formats.fixtures import family_of, logical_tensors
-
-    if count_problems(config):  # reported by the expert check
-        return [], None
-    cfg, _ = loader_config(config)
-    try:
-        family = family_of(cfg)
-        specs = [s for group in logical_tensors(cfg, family) for s in group]
-    except (KeyError, TypeError, ValueError) as e:
-        return [], f"{type(e).__name__}: {e}"
-    tied = cfg.get("tie_word_embeddings") is True
-    promised: dict[str, str] = {}  # tensor name -> kind
-    for s in specs:
-        expert = EXPERT_MODULE.match(s.name.rpartition(".")[0])
-        if expert or _OPTIONAL.match(s.name) or tied and s.name == "lm_head.weight":
-            continue
-        promised[s.name] = s.kind
-    linear = {n.rpartition(".")[0] for n, kind in promised.items() if kind in _LINEAR_KINDS}
-    told = set(told)
-    out: list[tuple[str, str]] = []
-    if missing:
-        for name in promised:
-            module, _, leaf = name.rpartition(".")
-            m = modules.get(module)
-            here = m is not None and (leaf in m.parts or module in linear and leaf == "weight" and m.is_int)
-            if not here and not {name, module} & told:
-                out.append((name, "is missing, but the model config.json describes has it (vLLM would leave it "
-                                  "uninitialized or refuse the checkpoint): the conversion lost it, or config.json "
-                                  "describes another layout"))
-    layers = int(cfg["num_hidden_layers"]) + int(cfg.get("num_nextn_predict_layers") or 0)
-    for module, m in modules.items():
-        if EXPERT_MODULE.match(module):
-            continue
-        for leaf in m.parts:
-            name = f"{module}.{leaf}"
-            if (name in promised or module in linear and leaf in COMPANIONS or _OPTIONAL.match(name)
-                    or {name, module} & told):
-                continue
-            if tied and name == "lm_head.weight":
-                out.append((name, "is stored but config.json's tie_word_embeddings is true: loaders use "
-                                  "embed_tokens as the head and skip this one; set tie_word_embeddings to false"))
-            elif (hit := _LAYER.match(name)) and int(hit[1]) >= layers:
-                out.append((name, f"belongs to layer {hit[1]}, but config.json's num_hidden_layers "
-                                  f"({cfg['num_hidden_layers']}) + num_nextn_predict_layers "
-                                  f"({cfg.get('num_nextn_predict_layers') or 0}) build layers 0..{layers - 1} only"))
-            else:
-                out.append((name, f"has no parameter in the {family} model config.json describes (vLLM raises "
-                                  f"KeyError on it); config.json and the tensors disagree"))
-    stored = {int(hit[1]) for module in modules if (hit := _LAYER.match(module + "."))}
-    top = max(stored, default=-1) + 1
-    if top > layers or missing and 0 < top < layers:  # the cause of the tensor lines: said first
-        out.insert(0, ("config.json", f"layers 0..{top - 1} are stored, but num_hidden_layers "
-                                      f"({cfg['num_hidden_layers']}) + num_nextn_predict_layers "
-                                      f"({cfg.get('num_nextn_predict_layers') or 0}) build layers 0..{layers - 1}: "
-                                      f"config.json and the tensors disagree on the layer count (the MTP layer is the "
-                                      f"last, after num_hidden_layers)"))
-    out += _routing_problems(cfg)
-    if cfg.get("hidden_act", "silu") != "silu":
-        out.append(("config.json", f"hidden_act is {cfg['hidden_act']!r}: vLLM's and SGLang's GLM / DeepSeek MoE "
-                                   f"layers (and Marlin-MoE) support only 'silu'"))
-    return out, None
 
 
 def _check_experts(modules: dict[str, Module], config: dict, res: CheckResult) -> None:
-    """Every MoE layer holds all n_routed_experts x (gate, up, down), and no expert beyond them."""
-    for where, problem in expert_layout_problems(modules, config):
+    """Every MoE layer holds all n_routed_experts x (gate, up, down), and no expert beyond them. A model without any
+    tensor of its MTP layer(s) is served (vLLM and SGLang build the main model and skip the layer; `glmq quantize`
+    converts such a source, plan.py passes mtp_required=False too), with a warning: MTP drafting cannot run."""
+    counts = type(config.get("num_hidden_layers")) is int and type(config.get("num_nextn_predict_layers")) is int
+    mtp = list(mtp_layers(config)) if counts else []  # (other types: expert_layout_problems reports them)
+    absent = bool(mtp) and not mtp_stored(modules, config)
+    if absent:
+        res.warn(f"config.json's num_nextn_predict_layers is {len(mtp)}, but no tensor of the MTP layer "
+                 f"(model.layers.{mtp[0]}.*) is stored: vLLM and SGLang serve the model without it, but MTP "
+                 f"speculative decoding cannot run; set num_nextn_predict_layers to 0 to say so")
+    for where, problem in expert_layout_problems(modules, config, mtp_required=not absent):
         res.fail(f"{where}: {problem}", tensor=where)
-
-
-def _routing_problems(cfg: dict) -> list[tuple[str, str]]:
-    """("config.json", problem) for routing settings no loader can run: more experts per token than routed experts,
-    more groups picked than there are, or experts that do not split into the groups (torch.topk and the grouped
-    top-k of vLLM / SGLang fail or index out of range on the first token)."""
-    n, k = cfg.get("n_routed_experts", cfg.get("num_local_experts")), cfg.get("num_experts_per_tok")
-    groups, pick = cfg.get("n_group"), cfg.get("topk_group")
-    ints = lambda *v: all(type(x) is int and x > 0 for x in v)  # noqa: E731 (other types: count_problems' kind)
-    out = []
-    if ints(n, k) and k > n:
-        out.append(("config.json", f"num_experts_per_tok is {k}, more than the {n} routed experts"))
-    if ints(groups, pick) and pick > groups:
-        out.append(("config.json", f"topk_group is {pick}, more than n_group ({groups})"))
-    if ints(n, groups) and n % groups:
-        out.append(("config.json", f"n_group ({groups}) does not divide the {n} routed experts"))
-    return out
