@@ -444,10 +444,11 @@ def attention_presence_problems(names, config: dict, missing: bool = True) -> li
 _OPTIONAL = re.compile(r"model\.layers\.\d+\.(shared_head\.head|embed_tokens)\.weight$|.*\.rotary_emb\.inv_freq$"
                        r"|.*\.self_attn\.(attn\.)?(k|v|q|kv|prob)_scale$")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
-# A Linear's leaves besides .weight: FP8 scales (block or compressed-tensors), INT pack-quantized ones
-_LINEAR_LEAVES = {"weight", "weight_scale", "weight_scale_inv", "input_scale", "weight_packed", "weight_shape",
-                  "weight_zero_point", "weight_g_idx"}
-
+# A Linear's leaves besides .weight: its pack-quantized ones, and with FP8 scales (block or compressed-tensors) every
+# companion a stored Linear may have (validate's checks and the layout check read these)
+INT_LEAVES = ("weight_packed", "weight_shape", "weight_zero_point", "weight_g_idx")
+COMPANIONS = ("weight_scale", "weight_scale_inv", "input_scale", *INT_LEAVES)
+_LINEAR_LEAVES = {"weight", *COMPANIONS}
 
 UNKNOWN_TENSOR = "has no parameter"  # how `layout_problems` starts a stored tensor's problem that no layer has
 

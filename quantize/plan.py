@@ -144,8 +144,8 @@ def make_items(source: Source, recipe: Recipe) -> list[Item]:
     # every other tensor config.json's model has, and nothing it has no parameter for (the output failed validate's
     # same check after the whole conversion); a source without its MTP layer serves, as above
     parts: dict[str, set[str]] = {}
-    for n in ents:
-        parts.setdefault(_split(n)[0], set()).add(_split(n)[1])
+    for module, leaf in map(_split, ents):
+        parts.setdefault(module, set()).add(leaf)
     more = layout_problems(parts, source.config, told={w for w, _ in attention}, mtp_required=False)[0]
     unknown = [w for w, p in more if p.startswith(UNKNOWN_TENSOR)]
     if unknown:  # converted (copied) as they are: glmq's layout table may lack a tensor a loader knows

@@ -292,8 +292,8 @@ def read_eval(folder: Path, given: Path | None) -> dict | None:
     named = [i for i, n in enumerate(names, 1) if n == name]
     # the weights evaluated (`glmq eval` records a fingerprint per model; older reports have none): a row of this name
     # whose fingerprint differs evaluated another folder of that name, or this one before it was quantized again
-    mine = fingerprint(folder)
-    same = [i for i in named if rows[i].get("fingerprint") in (mine, None)]
+    weights = fingerprint(folder)
+    same = [i for i in named if rows[i].get("fingerprint") in (weights, None)]
     if not same:  # the card would show other models' numbers (as this one's, by name) and none of this one's
         why = (f"{path} evaluates {', '.join(names) or 'no quantized model'}, not this checkpoint ({name})" if not named
                else f"{path} evaluates another checkpoint named {name} (its tensors differ from those in {folder}: "

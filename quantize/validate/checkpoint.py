@@ -6,14 +6,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from glmq.formats.families import TensorClass, classify
+from glmq.formats.families import COMPANIONS, INT_LEAVES, TensorClass, classify  # noqa: F401 (re-exported)
 from glmq.formats.manifest import CHECKSUM_KEYS, MANIFEST_NAME, Manifest
 from glmq.formats.safetensors_io import CheckpointError, TensorEntry, read_header
 from glmq.formats.source import INDEX_NAME, SINGLE_NAME
 from glmq.quantize.validate.report import CannotValidate, CheckResult
-
-INT_LEAVES = ("weight_packed", "weight_shape", "weight_zero_point", "weight_g_idx")
-COMPANIONS = ("weight_scale", "weight_scale_inv", "input_scale", *INT_LEAVES)
 
 
 @dataclass
