@@ -46,7 +46,28 @@ def check_finite(t: torch.Tensor) -> None:
         return
     lo, hi = torch.aminmax(t)
     if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
-        raise NonFiniteWeightError.in_rows((~torch.isfinite(t).all(1)).nonzero().flatten().tolist())
+        rows = t.reshape(t.shape[0] if t.dim() else 1, -1)  # 1-D (a norm's weight) and 0-D tensors too
+        raise NonFiniteWeightError.in_rows((~torch.isfinite(rows).all(1)).nonzero().flatten().tolist())
+
+
+# FP8 bit patterns that are not finite numbers: e4m3fn has NaN only (S.1111.111), e5m2 Inf and NaN (S.11111.xx)
+_FP8_NONFINITE = {torch.float8_e4m3fn: (0x7F, 0x7F), torch.float8_e5m2: (0x7C, 0x7C)}
+
+
+def check_copied(t: torch.Tensor) -> None:
+    """Raise NonFiniteWeightError for a tensor written as it is read (a norm, the embeddings, a kept FP8 weight or its
+    scale) that holds NaN or Inf, as for the tensors glmq converts: a corrupt source must not pass into the output
+    because its tensor happened to be copied. Integer tensors pass; FP8 ones are checked by their bit patterns."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return
+    if t.dtype in _FP8_NONFINITE:
+        mask, bad = _FP8_NONFINITE[t.dtype]
+        hit = (t.view(torch.uint8) & mask) == bad
+        if bool(hit.any()):
+            raise NonFiniteWeightError.in_rows(hit.reshape(t.shape[0] if t.dim() else 1, -1).any(1).nonzero()
+                                               .flatten().tolist())
+        return
+    check_finite(t)
 
 
 def _decode(w: torch.Tensor, scale: torch.Tensor | None, fmt: str, block: tuple[int, int] | None,
@@ -67,10 +88,11 @@ def decode(w: torch.Tensor, scale: torch.Tensor | None, fmt: str, block: tuple[i
     """Source rows -> floating point rows (`dtype` for FP8 sources; dense weights pass through).
 
     Raises:
-        NonFiniteWeightError: an FP8 weight decodes to NaN or Inf (a NaN code, or a NaN/Inf/huge scale).
+        NonFiniteWeightError: the rows hold NaN or Inf, or an FP8 weight decodes to them (a NaN code, or a
+            NaN/Inf/huge scale).
     """
     x, checked = _decode(w, scale, fmt, block, dtype)
-    if scale is not None and not checked:
+    if not checked:  # dense weights too (a BF16/FP16/FP32 source's): written as they are, they must be numbers
         check_finite(x)
     return x
 

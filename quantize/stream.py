@@ -151,8 +151,11 @@ def convert_unit(u: Unit, plan: Plan, device: torch.device) -> list[tuple[str, t
     block = plan.source.block
     scale = d.get("weight_scale_inv", d.get("weight_scale"))
     if it.action is Action.COPY:
+        ops.check_copied(d["w"])
         return [(it.name, d["w"])]
     if it.action is Action.KEEP_FP8:
+        ops.check_copied(d["w"])
+        ops.check_copied(d["weight_scale_inv"])
         return [(it.name, d["w"]), (f"{it.module}.weight_scale", d["weight_scale_inv"])]
     if "qw" in d:  # integers computed elsewhere (GPTQ): pack this row block of them
         res = ops.pack_rows(d["qw"], u.r0, u.r1, plan.recipe.spec)

@@ -148,6 +148,50 @@ def test_nan_weight_names_the_tensor_on_the_pytorch_path(make_ckpt, tmp_path):
                  "NaN or Inf in rows [0]", "re-download")
 
 
+@pytest.mark.parametrize("name, value", [("model.layers.1.input_layernorm.weight", float("nan")),  # copied as it is
+                                         ("model.embed_tokens.weight", float("inf")),
+                                         ("model.layers.1.mlp.gate.weight", float("-inf"))])
+def test_nan_in_a_copied_tensor_names_it(ckpt, tmp_path, name, value):
+    """A tensor written as it is read must hold numbers too: a corrupt norm or embedding used to pass into the output
+    (and `glmq validate --source` passed it: the output equals the source) while the same damage in a converted
+    weight was refused."""
+    def poison(t):
+        t[name].view(-1)[5] = value
+
+    rewrite_shard(ckpt, shard_of(ckpt, name), poison)
+    out = tmp_path / "out"
+    assert_fails(glmq("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress"), out, shard_of(ckpt, name),
+                 f"tensor {name}", "NaN or Inf in rows", "re-download")
+
+
+def test_inf_in_a_dense_sources_unquantized_weight_names_it(make_ckpt, tmp_path):
+    # a BF16 source's attention (not a target of the default recipe) is written as BF16 without a scale to decode
+    src = copy_ckpt(make_ckpt("glm_moe_dsa", "bf16"), tmp_path / "src")
+    name = "model.layers.1.self_attn.o_proj.weight"
+
+    def poison(t):
+        t[name][3, 7] = float("inf")
+
+    rewrite_shard(src, shard_of(src, name), poison)
+    out = tmp_path / "out"
+    assert_fails(glmq("quantize", "-m", str(src), "-o", str(out), "--no-progress"), out, shard_of(src, name),
+                 f"tensor {name}", "NaN or Inf in rows [3]")
+
+
+def test_nan_code_in_a_kept_fp8_weight_names_it(ckpt, tmp_path):
+    name = "model.layers.1.self_attn.o_proj.weight"
+
+    def poison(t):
+        t[name].view(torch.uint8)[2, 9] = 0xFF  # e4m3fn's -NaN
+
+    rewrite_shard(ckpt, shard_of(ckpt, name), poison)
+    recipe = tmp_path / "keep.yaml"
+    recipe.write_text("name: keep\ntargets: [routed_expert]\nkeep_fp8: true\n")
+    out = tmp_path / "out"
+    assert_fails(glmq("quantize", "-m", str(ckpt), "-o", str(out), "-r", str(recipe), "--no-progress"), out,
+                 f"tensor {name}", "NaN or Inf in rows [2]")
+
+
 def test_unknown_recipe_key(ckpt, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\ntargets: [routed_expert]\ngroup_sise: 64\n")
