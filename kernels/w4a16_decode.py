@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -96,6 +97,8 @@ import torch
 
 from glmq.kernels.w4a16_dense import (_INTERPRETED, DEFAULT_SM_COUNT, MMA_CHUNK, Layout, PackedW4, _cuda_info,
                                       _pairs_asm, _raw_words_asm, _tickets, sm_count, table_serves)
+
+log = logging.getLogger(__name__)
 
 try:  # Gluon ships with Triton >= 3.4 as triton.experimental.gluon; its API is still moving
     from triton.experimental import gluon
@@ -118,6 +121,13 @@ HEURISTIC_M1_MIN_PROGRAMS_PER_SM = 2.5  # `heuristic_config` at M = 1: fewer sha
 WGMMA_PROGRAMS_PER_SM = 3  # 4-warp programs of the wgmma configs (~164 registers a thread) an SM holds at once
 TUNED_PATHS = {Layout.PAIRS: Path(__file__).with_name("tuned_decode.json"),  # one launch table per weight layout
                Layout.SPANS: Path(__file__).with_name("tuned_decode_spans.json")}
+# What decides how many programs of a launch an sm_90 SM holds at once (CUDA C++ Programming Guide, compute capability
+# 9.0): 64K 32-bit registers, given out per warp in units of 256 (a thread's count rounded up to 8), 228 KB of shared
+# memory with 1 KB reserved per program, 64 warps, 32 programs. A launch table's timings hold only while its picks
+# compile to the residency they were timed at (`residency_problem`).
+SM90_REGISTERS, SM90_SHARED, SM90_SHARED_PER_PROGRAM, SM90_WARPS, SM90_PROGRAMS = 65536, 228 << 10, 1 << 10, 64, 32
+_COMPILED: dict[tuple, tuple[int, int]] = {}  # `_compile_key` -> (registers, shared bytes) of the kernel launched
+_RESIDENCY_WARNED: set[tuple] = set()
 
 
 @dataclass(frozen=True)
@@ -1053,34 +1063,121 @@ def _table(path: str) -> dict:
         return {}
 
 
-def tuned_config(m: int, n: int, k: int, device: str, pdl: bool, layout: Layout = Layout.PAIRS
-                 ) -> DecodeConfig | None | str:
-    """The tuned choice for this GPU, weight layout, shape and M: a DecodeConfig, None (the Triton kernel measured
-    faster), or "untuned" (no entry, or a table tuned on weights of another layout: fall back to
-    `heuristic_config`). An entry holds the smallest tuned M >= m; past the largest tuned M the Triton kernel is
-    taken."""
+def _table_entry(m: int, n: int, k: int, device: str, layout: Layout) -> dict | None | str:
+    """The launch table's entry for this GPU, weight layout, shape and M (the smallest tuned M >= m), None past the
+    largest tuned M, or "untuned" (no entry, or a table tuned on weights of another layout)."""
     table = _table(str(TUNED_PATHS.get(layout, "")))
     if not table_serves(table, device) or table.get("layout", Layout.PAIRS.value) != layout.value:
         return "untuned"
     rows = table.get("decode", {}).get(f"{n},{k},{MMA_CHUNK}")
     if not rows:
         return "untuned"
-    ms = sorted(int(v) for v in rows)
-    pick = next((v for v in ms if v >= m), None)
-    if pick is None:
-        return None
-    ent = rows[str(pick)].get("pdl" if pdl else "plain")
+    pick = next((v for v in sorted(int(v) for v in rows) if v >= m), None)
+    return None if pick is None else rows[str(pick)]
+
+
+def tuned_config(m: int, n: int, k: int, device: str, pdl: bool, layout: Layout = Layout.PAIRS
+                 ) -> DecodeConfig | None | str:
+    """The tuned choice for this GPU, weight layout, shape and M: a DecodeConfig, None (the Triton kernel measured
+    faster), or "untuned" (no entry, or a table tuned on weights of another layout: fall back to
+    `heuristic_config`). An entry holds the smallest tuned M >= m; past the largest tuned M the Triton kernel is
+    taken."""
+    entry = _table_entry(m, n, k, device, layout)
+    if not isinstance(entry, dict):
+        return entry
+    ent = entry.get("pdl" if pdl else "plain")
     return DecodeConfig(**ent) if ent else None
 
 
+def tuned_residency(m: int, n: int, k: int, device: str, pdl: bool, layout: Layout = Layout.PAIRS) -> dict | None:
+    """What the launch table's pick here compiled to when it was timed: {"registers", "shared"} (the table's
+    "compiled" entries, scripts/sass_digest.py --record), or None where the table does not say."""
+    entry = _table_entry(m, n, k, device, layout)
+    got = (entry.get("compiled") or {}).get("pdl" if pdl else "plain") if isinstance(entry, dict) else None
+    return got if isinstance(got, dict) and {"registers", "shared"} <= set(got) else None
+
+
+def programs_per_sm(registers: int, shared: int, warps: int) -> int:
+    """Programs of `warps` warps, `registers` a thread and `shared` bytes of shared memory that one sm_90 SM holds at
+    once (0: none; the launch would fail)."""
+    by_registers = SM90_REGISTERS // (-(-max(registers, 1) // 8) * 8 * 32) // warps
+    return min(by_registers, SM90_SHARED // (shared + SM90_SHARED_PER_PROGRAM), SM90_WARPS // warps, SM90_PROGRAMS)
+
+
+def launch_programs(n: int, cfg: DecodeConfig) -> int:
+    """Programs in a launch of `cfg` on a weight of N rows."""
+    return -(-n // (cfg.warps * cfg.rows)) * cfg.split if cfg.split else -(-n // cfg.rows)
+
+
+def _waves(programs: int, per_sm: int, sms: int) -> float:
+    return -(-programs // (per_sm * sms)) if per_sm > 0 else float("inf")
+
+
+def _compile_key(cfg: DecodeConfig, m: int, k: int, pdl: bool, spans: bool) -> tuple:
+    """What a launch's compiled kernel depends on besides the activations' dtype (whose two builds are taken as
+    alike here): the config, the token tile, the chunks, PDL, the layout, and for `_decode_kernel` M = 1."""
+    return cfg, xshared_tokens(m) if cfg.split else decode_tokens(m), k // MMA_CHUNK, pdl, spans, m == 1 and not cfg.split
+
+
+def residency_problem(m: int, w: PackedW4, cfg: DecodeConfig, pdl: bool, timed: dict, sms: int) -> str | None:
+    """Why the pick `cfg`, timed compiled to `timed` ({"registers", "shared"}), would not run as it was timed: this
+    Triton compiled it (an earlier launch in this process, `_COMPILED`) to fewer programs an SM, so that its launch
+    takes more waves (e.g. kernels/NOTES.md session 42: a table pick at 164-165 registers under Triton 3.6 compiles
+    to 187 under Triton 3.9, two programs an SM instead of three, and ran 1.31x slower on an H100). None where it
+    runs as timed, or where nothing is known yet (the first launch)."""
+    got = _COMPILED.get(_compile_key(cfg, m, w.k, pdl, w.layout is Layout.SPANS))
+    if got is None:
+        return None
+    programs = launch_programs(w.n, cfg)
+    want_sm = programs_per_sm(timed["registers"], timed["shared"], cfg.warps)
+    have_sm = programs_per_sm(*got, cfg.warps)
+    want, have = _waves(programs, want_sm, sms), _waves(programs, have_sm, sms)
+    if have <= want:
+        return None
+    return (f"timed at {timed['registers']} registers and {timed['shared']} B of shared memory a program ({want_sm} "
+            f"programs an SM, {want} wave(s) of its {programs}), this Triton compiles it to {got[0]} registers and "
+            f"{got[1]} B ({have_sm} an SM, {have} waves)")
+
+
 def choose(m: int, w: PackedW4, device: torch.device, device_name: str, pdl: bool) -> DecodeConfig | None:
-    """The config `w4a16_matmul_packed` runs this call with on the Gluon kernel, or None for the Triton kernels."""
+    """The config `w4a16_matmul_packed` runs this call with on the Gluon kernel, or None for the Triton kernels.
+
+    A launch-table pick that this process's Triton compiled to fewer programs an SM than the table timed, so that its
+    launch needs more waves (`residency_problem`), is not taken: the Triton kernels run instead, with a warning once per
+    pick. That is known only once the pick has launched, so the first call runs it."""
     if not available(device) or not supports(m, w):
         return None
     cfg = tuned_config(m, w.n, w.k, device_name, pdl, w.layout)
+    timed = None
     if cfg == "untuned":
         cfg = heuristic_config(m, w.n, w.k, w.layout, sm_count(device)) if _cuda_info(device)[2] == (9, 0) else None
-    return cfg if cfg is not None and supports(m, w, cfg) else None
+    elif cfg is not None:
+        timed = tuned_residency(m, w.n, w.k, device_name, pdl, w.layout)
+    if cfg is None or not supports(m, w, cfg):
+        return None
+    if timed is not None and (why := residency_problem(m, w, cfg, pdl, timed, sm_count(device))):
+        key = (cfg, m, w.n, w.k, pdl)
+        if key not in _RESIDENCY_WARNED:
+            _RESIDENCY_WARNED.add(key)
+            import triton
+
+            log.warning("w4a16: the launch table's %s for a [%d, %d] weight at M = %d%s was %s (Triton %s); the "
+                        "Triton kernel runs instead. Re-tune on this Triton: python3 scripts/probe_decode.py --tune "
+                        "--merge --write %s", cfg, w.n, w.k, m, " (PDL)" if pdl else "", why, triton.__version__,
+                        TUNED_PATHS.get(w.layout))
+        return None
+    return cfg
+
+
+def _remember(key: tuple, kernel) -> None:
+    """Record the registers and shared memory of a launch's compiled kernel (Triton's handle, as a launch returns it;
+    its registers are read when it is loaded) for `residency_problem`."""
+    if key in _COMPILED:
+        return
+    try:
+        _COMPILED[key] = (int(kernel.n_regs), int(kernel.metadata.shared))
+    except (AttributeError, TypeError, ValueError):  # another Triton's handle: nothing recorded, nothing checked
+        pass
 
 
 def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeConfig, pdl: bool = False,
@@ -1106,16 +1203,18 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
     if stride_wn != MMA_CHUNK // 8 or w.scale.stride(-1) != 1:
         raise ValueError("the decode kernel needs contiguous chunk-major words (as `prepack` makes them) and scales")
     launch = {"launch_pdl": True} if pdl else {}
+    key = _compile_key(cfg, m, k, pdl, w.layout is Layout.SPANS)
     if cfg.split:
-        _launch_xshared(x, w, out, cfg, pdl, stride_wc, launch, probe)
+        _remember(key, _launch_xshared(x, w, out, cfg, pdl, stride_wc, launch, probe))
         return out
-    _decode_kernel[(-(-n // cfg.rows),)](
+    kernel = _decode_kernel[(-(-n // cfg.rows),)](
         x, w.qweight, w.scale, out, m, n, x.stride(0), stride_wc, w.scale.stride(0), out.stride(0),
         CPW=chunks // cfg.warps, W=cfg.warps, R=cfg.rows, TOK=decode_tokens(m), D=min(cfg.depth, chunks // cfg.warps),
         BF16=x.dtype == torch.bfloat16, XB=m == 1, XS=m == 1 and cfg.x_smem, SP=w.layout is Layout.SPANS, PDL=pdl,
         PDL_EARLY=pdl and cfg.pdl_early,
         PROBE=probe, num_warps=cfg.warps, **launch,
     )  # fmt: skip
+    _remember(key, kernel)
     return out
 
 
@@ -1138,7 +1237,8 @@ def _xshared_args(m: int, chunks: int, cfg: DecodeConfig, bf16: bool, spans: boo
 
 
 def _launch_xshared(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeConfig, pdl: bool, stride_wc: int,
-                    launch: dict, probe: int = 0) -> None:
+                    launch: dict, probe: int = 0):
+    """Launch the shared-x kernel; returns Triton's handle of the compiled kernel."""
     m, k = x.shape
     blocks = -(-w.n // (cfg.warps * cfg.rows))
     if cfg.split > 1:
@@ -1146,7 +1246,7 @@ def _launch_xshared(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: Decode
         tickets = _tickets(x.device, blocks)
     else:
         scratch = tickets = out  # not dereferenced without SPLIT
-    _xshared_kernel[(blocks, cfg.split)](
+    return _xshared_kernel[(blocks, cfg.split)](
         x, w.qweight, w.scale, out, scratch, tickets, m, w.n, x.stride(0), stride_wc, w.scale.stride(0), out.stride(0),
         **_xshared_args(m, k // MMA_CHUNK, cfg, x.dtype == torch.bfloat16, w.layout is Layout.SPANS, pdl, probe),
         num_warps=cfg.warps, **launch,

@@ -599,6 +599,7 @@ def timelines(shapes: dict, dev, a, out_dir: Path) -> None:
 
 
 def tune(shapes: dict, dev, a, out_dir: Path) -> None:
+    import triton
     from bench_kernels import Bench, random_int4, rel_err
     from glmq.kernels import reference as R
     from glmq.kernels import w4a16_dense as D
@@ -616,7 +617,7 @@ def tune(shapes: dict, dev, a, out_dir: Path) -> None:
     table = {"device": name, "measured": time.strftime("%Y-%m-%d", time.gmtime()),
              "how": "scripts/probe_decode.py --tune (median of 15 graph replays, weights rotated past L2, "
                     f"the lower of two passes; Gluon where <= {TUNE_MARGIN} x the Triton kernel)",
-             "layout": layout, "decode": {}}
+             "layout": layout, "triton": triton.__version__, "decode": {}}
     if a.merge and a.write and Path(a.write).exists():
         old = json.loads(Path(a.write).read_text())
         if old.get("device") == name and old.get("layout", "pairs") == layout:
@@ -624,6 +625,8 @@ def tune(shapes: dict, dev, a, out_dir: Path) -> None:
             if "also_for" in old:  # measured on the old picks: re-check after a re-tune (gpu_kernels.sh PARTS=transfer)
                 table = {"device": name, "also_for": old["also_for"], **table}
             table["measured"] = f"{old.get('measured')}; M = {', '.join(map(str, tune_m))}: {table['measured']}"
+            if old.get("triton", table["triton"]) != table["triton"]:  # each entry's "compiled" says what it ran
+                table["triton"] = f"{old.get('triton')}; M = {', '.join(map(str, tune_m))}: {table['triton']}"
     for shape, (n, k) in shapes.items():
         wp, ws = random_int4(n, k, device=dev, seed=3)
         w32 = R.dequantize_packed(wp, ws, GROUP)
@@ -655,6 +658,9 @@ def tune(shapes: dict, dev, a, out_dir: Path) -> None:
                 best = min((c for c in cands[1:] if (c[0], pdl) in times), key=lambda lc: times[(lc[0], pdl)])
                 win = times[(best[0], pdl)] <= TUNE_MARGIN * times[("triton", pdl)]
                 entry[slot] = best[1].to_dict() if win else None
+                got = DK._COMPILED.get(DK._compile_key(best[1], m, k, pdl, layout == "spans")) if win else None
+                if got:  # what the pick compiled to as timed (`w4a16_decode.residency_problem` holds launches to it)
+                    entry.setdefault("compiled", {})[slot] = {"registers": got[0], "shared": got[1]}
                 print(f"{shape:26} M={m} {slot:5}: triton {times[('triton', pdl)]:6.2f} us, gluon {best[0]} "
                       f"{times[(best[0], pdl)]:6.2f} us -> {'gluon' if win else 'triton'}")
             table["decode"].setdefault(f"{n},{k},{GROUP}", {})[str(m)] = entry

@@ -80,8 +80,8 @@ def compile_entry(entry: dict) -> dict:
     except Exception as exc:  # noqa: BLE001 - reported per entry; the others still compile
         return {"tag": tag(cfg), "error": f"{type(exc).__name__}: {exc}"[:500]}
     ins = sass_instructions(r["sass"])
-    return {"tag": tag(cfg), "registers": r["registers"], "spills": r["spills"], "instructions": len(ins),
-            "sass_sha1": hashlib.sha1("\n".join(ins).encode()).hexdigest()}
+    return {"tag": tag(cfg), "registers": r["registers"], "spills": r["spills"], "shared": r["shared"],
+            "instructions": len(ins), "sass_sha1": hashlib.sha1("\n".join(ins).encode()).hexdigest()}
 
 
 def settings() -> dict:
@@ -98,11 +98,28 @@ def compare(old: dict, new: dict) -> list[str]:
         x, y = a.get(key), b.get(key)
         if x is None or y is None:
             lines.append(f"{key}: only in {'the new' if x is None else 'the old'} digest")
-        elif x != y:
+        elif {f: v for f, v in x.items() if f in y} != {f: v for f, v in y.items() if f in x}:  # (older: no shared)
             what = ", ".join(f"{f} {x.get(f)} -> {y.get(f)}" for f in ("tag", "registers", "spills", "instructions",
                                                                       "error") if x.get(f) != y.get(f))
             lines.append(f"{key} ({y.get('tag')}): SASS differs" + (f" ({what})" if what else ""))
     return lines
+
+
+def record(table: dict, digest: dict, timed_with: str) -> dict:
+    """`table` with each Gluon pick's registers and shared memory from `digest` as its "compiled" entry (what
+    `w4a16_decode.residency_problem` compares a launch's compiled kernel with), and "triton": the version that compiled
+    them, which must be the one the table was timed under (`timed_with`)."""
+    out = json.loads(json.dumps(table))
+    for key, r in digest["entries"].items():
+        if "error" in r or "shared" not in r:
+            raise SystemExit(f"{key}: no registers and shared memory in the digest ({r.get('error', 'an older digest')})")
+        shape_m, mode = key.rsplit("|", 1)
+        shape, m = shape_m.split("|")
+        n, k = shape.split(",")
+        entry = out["decode"][f"{n},{k},128"][m]
+        entry.setdefault("compiled", {})[mode] = {"registers": r["registers"], "shared": r["shared"]}
+    out["triton"] = timed_with
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,7 +131,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="compare with a digest made under another Triton or line-info setting (an experiment)")
     ap.add_argument("--only", help="substring of the entry keys (`N,K|M|plain`) to compile")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--record", action="store_true",
+                    help="also write each pick's registers and shared memory into --table (its \"compiled\" entries): "
+                         "only under the Triton the table was timed with, named by --timed-with")
+    ap.add_argument("--timed-with", help="--record: the Triton version the table's timings were taken under")
     args = ap.parse_args(argv)
+    if args.record and args.timed_with != settings()["triton"]:
+        ap.error(f"--record writes this Triton's ({settings()['triton']}) registers into the table: pass --timed-with "
+                 f"with the version the table was timed under, and run it under that Triton")
 
     entries = [e for e in table_entries(json.loads(args.table.read_text())) if not args.only or args.only in e["key"]]
     if not entries:
@@ -141,6 +165,15 @@ def main(argv: list[str] | None = None) -> int:
         print("  " + line)
     if len(errors) == len(entries):
         return 2  # nothing compiled (e.g. a Triton without Gluon): no digest to compare
+    if args.record:
+        if errors or args.only:
+            print("--record: every pick of the table must compile (and no --only)", file=sys.stderr)
+            return 2
+        table = record(json.loads(args.table.read_text()), digest, args.timed_with)
+        tmp = args.table.with_name(args.table.name + ".tmp")
+        tmp.write_text(json.dumps(table, indent=1) + "\n")
+        tmp.replace(args.table)
+        print(f"recorded the registers and shared memory of {len(entries)} picks in {args.table}")
     if old is None:
         return 0
     diff = compare(old, digest)

@@ -1,0 +1,142 @@
+"""The launch table's picks run only at the residency they were timed at (kernels/NOTES.md, session 42): CPU tests of
+`w4a16_decode.programs_per_sm`, `residency_problem`, `choose`'s fallback, the launch record and the tables' data."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from glmq.kernels import w4a16_decode as DK
+from glmq.kernels import w4a16_dense as D
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG = DK.DecodeConfig(rows=16, warps=4, depth=2, split=4, ring=4, wgmma=True)  # 64-row programs, K split 4
+
+
+@pytest.mark.parametrize("registers, shared, warps, want", [
+    (164, 16384, 4, 3), (165, 16384, 4, 3), (168, 16384, 4, 3), (169, 16384, 4, 2), (187, 16384, 4, 2),
+    (255, 16384, 4, 2), (128, 16384, 4, 4), (64, 16384, 4, 8), (128, 0, 8, 2), (32, 0, 1, 32),
+    (64, 100 << 10, 4, 2), (64, 228 << 10, 4, 0),
+])
+def test_programs_per_sm(registers, shared, warps, want):
+    # 64K registers in per-warp units of 256, 228 KB of shared memory less 1 KB a program, 64 warps, 32 programs
+    assert DK.programs_per_sm(registers, shared, warps) == want
+
+
+def test_launch_programs():
+    assert DK.launch_programs(6144, CFG) == 96 * 4
+    assert DK.launch_programs(6145, CFG) == 97 * 4
+    assert DK.launch_programs(100, DK.DecodeConfig(rows=32, warps=4)) == 4  # `_decode_kernel`: one program a row block
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    """A launch table for "Test GPU" naming CFG at M = 16 on [6144, 512] weights, timed at 165 registers; the Gluon
+    kernel taken as available (choose() on a CPU device), and no launch recorded yet."""
+    def write(compiled=True, n=6144):
+        entry = {"plain": CFG.to_dict(), "pdl": None}
+        if compiled:
+            entry["compiled"] = {"plain": {"registers": 165, "shared": 16384}}
+        path = tmp_path / "t.json"
+        path.write_text(json.dumps({"device": "Test GPU", "layout": "pairs", "triton": "3.6.0",
+                                    "decode": {f"{n},512,128": {"16": entry}}}))
+        DK._table.cache_clear()
+        return D.prepack(torch.randint(-(2**31), 2**31 - 1, (n, 64), dtype=torch.int32),
+                         torch.rand(n, 4).to(torch.bfloat16), 128)
+
+    monkeypatch.setattr(DK, "TUNED_PATHS", {D.Layout.PAIRS: tmp_path / "t.json"})
+    monkeypatch.setattr(DK, "available", lambda device: True)
+    monkeypatch.setattr(DK, "_COMPILED", {})
+    monkeypatch.setattr(DK, "_RESIDENCY_WARNED", set())
+    yield write
+    DK._table.cache_clear()
+
+
+def _compiled(w, registers, pdl=False):
+    DK._COMPILED[DK._compile_key(CFG, 16, w.k, pdl, False)] = (registers, 16384)
+
+
+def test_choose_takes_the_pick_compiled_as_timed(table):
+    w = table()
+    assert DK.choose(16, w, torch.device("cpu"), "Test GPU", False) == CFG  # nothing launched yet: taken
+    _compiled(w, 166)  # three programs an SM, as timed
+    assert DK.choose(16, w, torch.device("cpu"), "Test GPU", False) == CFG
+
+
+def test_choose_drops_a_pick_that_lost_its_residency(table, caplog):
+    w = table()
+    _compiled(w, 187)  # two programs an SM: 384 programs on 132 SMs take two waves instead of one
+    with caplog.at_level(logging.WARNING, logger="glmq.kernels.w4a16_decode"):
+        assert DK.choose(16, w, torch.device("cpu"), "Test GPU", False) is None  # the Triton kernels
+        assert DK.choose(16, w, torch.device("cpu"), "Test GPU", False) is None
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1  # once per pick
+    assert "165 registers" in msgs[0] and "187 registers" in msgs[0] and "2 waves" in msgs[0]
+    assert "probe_decode.py --tune" in msgs[0]
+
+
+def test_choose_keeps_a_pick_whose_waves_do_not_change(table):
+    w = table(n=4096)  # 256 programs: two an SM still hold them in one wave
+    _compiled(w, 187)
+    assert DK.choose(16, w, torch.device("cpu"), "Test GPU", False) == CFG
+
+
+def test_choose_without_the_tables_compile_record(table):
+    w = table(compiled=False)  # an older table: nothing to hold the launch to
+    _compiled(w, 187)
+    assert DK.choose(16, w, torch.device("cpu"), "Test GPU", False) == CFG
+
+
+def test_remember_reads_tritons_handle():
+    key = ("k",)
+    saved = dict(DK._COMPILED)
+    try:
+        DK._remember(key, SimpleNamespace(n_regs=170, metadata=SimpleNamespace(shared=8192)))
+        assert DK._COMPILED[key] == (170, 8192)
+        DK._remember(key, SimpleNamespace(n_regs=200, metadata=SimpleNamespace(shared=8192)))
+        assert DK._COMPILED[key] == (170, 8192)  # the first launch's
+        DK._remember(("other",), object())  # a handle without them: nothing recorded, nothing raised
+        assert ("other",) not in DK._COMPILED
+    finally:
+        DK._COMPILED.clear()
+        DK._COMPILED.update(saved)
+
+
+@pytest.mark.parametrize("name", ["tuned_decode.json", "tuned_decode_spans.json"])
+def test_shipped_tables_record_what_their_picks_compiled_to(name):
+    # every Gluon pick says what it compiled to when it was timed (scripts/sass_digest.py --record, Triton 3.6.0)
+    table = json.loads((ROOT / "kernels" / name).read_text())
+    assert table["triton"] == "3.6.0"
+    picks = 0
+    for shape, rows in table["decode"].items():
+        for m, entry in rows.items():
+            for slot in ("plain", "pdl"):
+                if entry.get(slot):
+                    picks += 1
+                    got = entry["compiled"][slot]
+                    assert 32 <= got["registers"] <= 255 and got["shared"] >= 0, (shape, m, slot)
+                    cfg = DK.DecodeConfig(**entry[slot])
+                    assert DK.programs_per_sm(got["registers"], got["shared"], cfg.warps) >= 1, (shape, m, slot)
+    assert picks > 10
+
+
+def test_sass_digest_record(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import sass_digest
+
+    table = {"device": "X", "decode": {"6144,512,128": {"16": {"plain": CFG.to_dict(), "pdl": CFG.to_dict()}}}}
+    digest = {"entries": {"6144,512|16|plain": {"registers": 164, "shared": 16384},
+                          "6144,512|16|pdl": {"registers": 162, "shared": 16384}}}
+    out = sass_digest.record(table, digest, "3.6.0")
+    assert out["triton"] == "3.6.0"
+    assert out["decode"]["6144,512,128"]["16"]["compiled"] == {"plain": {"registers": 164, "shared": 16384},
+                                                               "pdl": {"registers": 162, "shared": 16384}}
+    assert "compiled" not in table["decode"]["6144,512,128"]["16"]  # a copy
+    with pytest.raises(SystemExit, match="6144,512|16|pdl"):
+        sass_digest.record(table, {"entries": {"6144,512|16|pdl": {"error": "boom"}}}, "3.6.0")
