@@ -60,7 +60,7 @@ def _strip_scheme(d: dict) -> dict:
 
 
 def build_config(spec: QuantSpec, ignore: list[str], keep_fp8_targets: list[str] | None = None,
-                 int_targets: list[str] | None = None) -> dict:
+                 int_targets: list[str] | None = None, kv_cache_scheme: dict | None = None) -> dict:
     """The `quantization_config` dict for config.json.
 
     Args:
@@ -71,17 +71,21 @@ def build_config(spec: QuantSpec, ignore: list[str], keep_fp8_targets: list[str]
             top-level format then becomes "mixed-precision".
         int_targets: group_0's targets after "Linear" (modules it holds, named for loaders that look a scheme up
             by name; `config_from_request`).
+        kv_cache_scheme: the source's FP8 KV-cache scheme (a compressed-tensors source's), carried over with its
+            `k_scale` / `v_scale` tensors: without it vLLM creates no KV-scale parameters and skips the stored ones.
     """
     groups = {"group_0": QuantizationScheme(targets=["Linear", *(int_targets or [])], weights=quantization_args(spec),
                                             format="pack-quantized")}
     if keep_fp8_targets:
         groups["group_1"] = _fp8_block_scheme(keep_fp8_targets)
     fmt = "mixed-precision" if keep_fp8_targets else "pack-quantized"
+    kv = None if kv_cache_scheme is None else QuantizationArgs.model_validate(_strip_args(kv_cache_scheme))
     qc = QuantizationConfig(config_groups=groups, quant_method="compressed-tensors", format=fmt,
-                            quantization_status="compressed", ignore=ignore)
+                            quantization_status="compressed", ignore=ignore, kv_cache_scheme=kv)
     d = qc.model_dump()
     out = {k: d.get(k) for k in _TOP_KEYS}
     out["config_groups"] = {name: _strip_scheme(g) for name, g in d["config_groups"].items()}
+    out["kv_cache_scheme"] = _strip_args(d.get("kv_cache_scheme"))
     out["sparsity_config"] = {}
     out["transform_config"] = {}
     out["version"] = CT_VERSION
@@ -109,7 +113,8 @@ def config_from_request(req: dict) -> dict:
     """Build the quantization_config and check the ignore list against every Linear module.
 
     Args:
-        req: {"spec": QuantSpec fields, "ignore": [...], "keep": [...], "modules": {name: plan action}}.
+        req: {"spec": QuantSpec fields, "ignore": [...], "keep": [...], "modules": {name: plan action}, and
+            optionally "kv_cache_scheme": the source's}.
     Raises:
         ValueError: a module's stored form disagrees with what loaders will read from the config: a quantized
             module must match neither list, a module kept FP8 the keep list only (ignore is applied first, so an
@@ -126,7 +131,7 @@ def config_from_request(req: dict) -> dict:
     # routed experts all INT4 (the ignored aside) beside an FP8 group: group_0 names them (_EXPERTS_TARGET)
     experts = {a for m, a in req["modules"].items() if is_ignored(m, [_EXPERTS_TARGET]) and not is_ignored(m, ignore)}
     int_targets = [_EXPERTS_TARGET] if keep and experts == {"quantize"} else []
-    return build_config(spec, ignore, keep or None, int_targets)
+    return build_config(spec, ignore, keep or None, int_targets, req.get("kv_cache_scheme"))
 
 
 def main() -> None:

@@ -425,7 +425,10 @@ def config_request(plan: Plan) -> dict:
     keep = _member_patterns({m for m, a in actions.items() if a is Action.KEEP_FP8}, set(actions))
     spec = {k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(plan.recipe.spec).items()}
     modules = {m: a.value for m, a in actions.items()}
-    return {"spec": spec, "ignore": ignore, "keep": keep, "modules": modules}
+    # a compressed-tensors source's FP8 KV-cache scheme goes with its k_scale / v_scale tensors, which are copied
+    kv = (plan.source.config.get("quantization_config") or {}).get("kv_cache_scheme")
+    return {"spec": spec, "ignore": ignore, "keep": keep, "modules": modules,
+            "kv_cache_scheme": kv if isinstance(kv, dict) else None}
 
 
 CONFIG_TIMEOUT_S = 600  # a GLM-5 keep_fp8 config takes ~5 s; the child's import ~10 s on a busy machine

@@ -102,3 +102,43 @@ def test_compressed_tensors_block_fp8_source_is_refused_up_front(make_ckpt, tmp_
     with pytest.raises(CheckpointError, match=r"config\.json: quantization_config group group_0 has FP8 weights of "
                                               r"strategy 'block'; glmq reads"):
         open_source(src)
+
+
+def test_a_compressed_tensors_sources_kv_cache_scheme_goes_with_its_scales(make_ckpt, tmp_path):
+    """A compressed-tensors FP8 source with an FP8 KV cache (kv_cache_scheme and per-layer k_scale / v_scale): the
+    scales are copied, so the scheme must come too (it was written null: vLLM then skips the scales, and an FP8 KV
+    cache runs with scale 1.0); and validate warns about scales beside a null scheme."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from glmq.quantize.validate import validate
+
+    src = tmp_path / "src"
+    shutil.copytree(make_ckpt("glm_moe_dsa", "fp8-ct"), src)
+    cfg = json.loads((src / "config.json").read_text())
+    scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    cfg["quantization_config"]["kv_cache_scheme"] = scheme
+    (src / "config.json").write_text(json.dumps(cfg))
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"]["model.layers.0.self_attn.o_proj.weight"]
+    tensors = load_file(src / shard)
+    for layer in range(cfg["num_hidden_layers"]):
+        for leaf in ("k_scale", "v_scale"):
+            tensors[f"model.layers.{layer}.self_attn.{leaf}"] = torch.tensor(0.5 + layer)
+            index["weight_map"][f"model.layers.{layer}.self_attn.{leaf}"] = shard
+    save_file(tensors, src / shard, metadata={"format": "pt"})
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    out = tmp_path / "out"
+    stream.run(make_plan(open_source(src), recipes.load("int4-w4a16")), out, progress=False)
+    got = json.loads((out / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]
+    assert {k: got[k] for k in scheme} == scheme
+    report = validate(out)
+    assert report.exit_code == 0 and not any("kv_cache_scheme" in w.message for w in report.checks["structure"].warnings)
+
+    cfg_out = json.loads((out / "config.json").read_text())
+    cfg_out["quantization_config"]["kv_cache_scheme"] = None
+    (out / "config.json").write_text(json.dumps(cfg_out))
+    report = validate(out)
+    warned = [w.message for w in report.checks["structure"].warnings if "kv_cache_scheme is null" in w.message]
+    assert len(warned) == 1 and f"{2 * cfg['num_hidden_layers']} KV-cache scale" in warned[0]

@@ -151,7 +151,16 @@ def check_structure(modules: dict[str, Module], groups: list[Group], shapes: dic
     if len(problems) > _LAYOUT_SHOWN:
         res.fail(f"and {len(problems) - _LAYOUT_SHOWN} more tensor(s) that disagree with config.json's layout "
                  f"(the first {_LAYOUT_SHOWN} are listed)")
+    kv = sorted(f"{m.name}.{leaf}" for m in modules.values() for leaf in m.parts if leaf in _KV_SCALES)
+    if kv and ((config or {}).get("quantization_config") or {}).get("kv_cache_scheme") is None:
+        res.warn(f"{len(kv)} KV-cache scale tensor(s) are stored (e.g. {kv[0]}) but quantization_config."
+                 f"kv_cache_scheme is null: vLLM then creates no KV-scale parameters and skips them (an FP8 KV cache "
+                 f"runs with scale 1.0); set kv_cache_scheme as the source's config has it, or remove the tensors",
+                 tensor=kv[0])
     return res
+
+
+_KV_SCALES = ("k_scale", "v_scale")  # a compressed-tensors FP8 KV cache's per-layer scales (vLLM's kv_cache_scheme)
 
 
 _LAYOUT_SHOWN = 20  # layout problems reported one by one; the rest as a count (a config that names another model)
