@@ -140,3 +140,43 @@ def test_sass_digest_record(tmp_path):
     assert "compiled" not in table["decode"]["6144,512,128"]["16"]  # a copy
     with pytest.raises(SystemExit, match="6144,512|16|pdl"):
         sass_digest.record(table, {"entries": {"6144,512|16|pdl": {"error": "boom"}}}, "3.6.0")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the shared-x kernel's launch table is sm_90's")
+def test_a_pick_that_lost_its_residency_gives_way_on_the_gpu(tmp_path, monkeypatch, caplog):
+    # A table claiming its pick was timed at 64 registers (8 programs an SM: 768 programs in one wave on 132 SMs); the
+    # real build needs ~150-165, three an SM, two waves. The first call runs the pick and records what it compiled to;
+    # from the second the Triton kernel runs, with one warning. Both give the reference's result.
+    dev = torch.device("cuda")
+    cfg = DK.DecodeConfig(rows=16, warps=4, depth=3, split=8, ring=4)
+    n, k, m = 6144, 4096, 16
+    name = torch.cuda.get_device_name(dev)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"device": name, "layout": "pairs", "triton": "test", "decode": {f"{n},{k},128": {
+        str(m): {"plain": cfg.to_dict(), "pdl": None, "compiled": {"plain": {"registers": 64, "shared": 16384}}}}}}))
+    monkeypatch.setattr(DK, "TUNED_PATHS", {D.Layout.PAIRS: path})
+    monkeypatch.setattr(DK, "_COMPILED", {})
+    monkeypatch.setattr(DK, "_RESIDENCY_WARNED", set())
+    DK._table.cache_clear()
+    try:
+        gen = torch.Generator().manual_seed(0)
+        wp = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, generator=gen).to(dev)
+        ws = (torch.rand(n, k // 128, generator=gen) * 0.01 + 0.002).to(torch.bfloat16).to(dev)
+        w = D.prepack(wp, ws, 128)
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(dev)
+        from glmq.kernels import reference as R
+
+        ref = x.double() @ R.dequantize_packed(wp, ws, 128).double().T
+        assert DK.choose(m, w, dev, name, False) == cfg
+        with caplog.at_level(logging.WARNING, logger="glmq.kernels.w4a16_decode"):
+            for _ in range(3):
+                y = D.w4a16_matmul_packed(x, w)
+                assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+        got = DK._COMPILED[DK._compile_key(cfg, m, k, False, False)]
+        assert DK.programs_per_sm(*got, 4) < 8  # what this Triton built
+        assert DK.choose(m, w, dev, name, False) is None
+        assert sum("the Triton kernel runs instead" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        DK._table.cache_clear()
