@@ -283,6 +283,7 @@ def targets_by_layer(plan: Plan) -> dict[int, list[Target]]:
 STATE_PREFIXES = ("hidden-", "carry-", "embeddings", "reference-")  # files of hidden states
 STATE_SUFFIXES = (".bin", ".tmp", cc.DIGEST_SUFFIX, TMP_SUFFIX)  # ... saved, being written, checksums, being renamed
 OWNER_NAME = "glmq-owner.json"  # in an offload folder: whose states these are (`_Run.claim_offload`)
+OFFLOAD_RECORD = "offload.json"  # in the cache folder: the offload folder this output's run keeps states in
 
 
 def offload_dir(base: str | Path, cache: Path) -> Path:
@@ -311,6 +312,7 @@ class _Run:
         if world is not None:  # every rank keeps its own copy of the hidden states
             self.act_dir = self.act_dir / f"rank-{world.rank:05d}"
         self.act_dir.mkdir(parents=True, exist_ok=True)
+        self.forget_old_offload()
         if self.offload is not None:
             self.claim_offload()
         self.progress = progress
@@ -339,6 +341,43 @@ class _Run:
                             (old or {}).get("output", "unknown owner"))
                 self.drop_states()  # .bin and .tmp alike
             atomic_write_text(path, json.dumps(owner, indent=1) + "\n")
+
+    def forget_old_offload(self) -> None:
+        """Delete this output's hidden states from the offload folder an earlier run of it used, when this run keeps
+        them elsewhere (another --offload-activations, or none): the resumed run never reads them, and the end of the
+        run removes only its own folder's, so they stayed for good (GLM-5: ~0.8 GB a layer input). Then record this
+        run's folder (`OFFLOAD_RECORD`)."""
+        record = self.cache / OFFLOAD_RECORD
+        try:
+            old = Path(json.loads(record.read_text())["dir"])
+        except (OSError, ValueError, KeyError, TypeError):
+            old = None
+        if old is not None and old != (self.offload.resolve() if self.offload is not None else None):
+            d = old / f"rank-{self.world.rank:05d}" if self.world is not None else old
+            try:
+                owner = json.loads((d / OWNER_NAME).read_text()).get("output")
+            except (OSError, ValueError, AttributeError):
+                owner = None
+            if owner == str(self.cache.parent.resolve()):  # ours, not another output's that took the folder since
+                states = [p for p in d.iterdir() if p.name.startswith(STATE_PREFIXES) and p.name.endswith(STATE_SUFFIXES)]
+                if states:
+                    log.warning("%s: hidden states of this output's earlier run, which offloaded them there; this run "
+                                "keeps them %s: deleting them", d, f"in {self.act_dir}")
+                for p in states:
+                    p.unlink(missing_ok=True)
+                (d / OWNER_NAME).unlink(missing_ok=True)
+                for folder in (d, old):
+                    try:
+                        folder.rmdir()
+                    except OSError:  # not empty (another rank's states, or files not glmq's) or already gone
+                        pass
+        if self.world is not None:  # every rank has read the old record before rank 0 replaces it
+            self.world.barrier("reading the offload record")
+        if self.world is None or self.world.rank == 0:
+            if self.offload is None:
+                record.unlink(missing_ok=True)
+            else:
+                atomic_write_text(record, json.dumps({"dir": str(self.offload.resolve())}) + "\n")
 
     def hidden_path(self, i: int, kind: str = "hidden") -> Path:
         return self.act_dir / f"{kind}-{i:05d}.bin"
@@ -627,6 +666,8 @@ def calibrate(plan: Plan, cache: Path, tokens: torch.Tensor, settings: Calibrati
     run.drop_states()  # every decoder layer is done: no hidden states are needed any more
     if run.offload is not None:
         (run.act_dir / OWNER_NAME).unlink(missing_ok=True)
+    if world is None or world.rank == 0:
+        (cache / OFFLOAD_RECORD).unlink(missing_ok=True)
     for d in (run.act_dir, run.offload):  # this rank's folder, then (the last rank to leave) the offload one
         if d is not None and d != cache:
             try:

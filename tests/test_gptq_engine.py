@@ -467,6 +467,30 @@ def test_offload_folder_shared_by_two_runs(cli_src, tmp_path):
     assert not da.exists() and (db / "hidden-00001.bin").read_bytes() == b_states  # a's folder gone, b's untouched
 
 
+@pytest.mark.parametrize("then", ["none", "elsewhere"])
+def test_a_resume_that_keeps_its_states_elsewhere_deletes_the_earlier_offloaded_ones(cli_src, tmp_path, then):
+    """Killed with --offload-activations A, resumed without it (or with B): the resumed run never reads A's states, and
+    the end of the run used to remove only its own folder's, so A's stayed for good (GLM-5: ~0.8 GB a layer input).
+    Now they are deleted at the resume, with a warning; the output is byte-identical to the uninterrupted run."""
+    from glmq.calibration.engine import OFFLOAD_RECORD, offload_dir
+
+    src, text, ref = cli_src
+    acts, other, out = tmp_path / "acts", tmp_path / "other", tmp_path / "out"
+    per_layer = 2 * math.ceil(8 / GPTQ_BATCH["cpu"])
+    r = _cli("gptq", per_layer + per_layer // 2, src, out, text, "--offload-activations", str(acts))
+    assert r.returncode == 137, r.stderr[-3000:]
+    old = offload_dir(acts, out / CACHE_DIR)
+    assert (old / "hidden-00001.bin").exists() and (out / CACHE_DIR / OFFLOAD_RECORD).exists()
+    (acts / "mine.txt").write_text("not glmq's")  # the base folder's own files stay
+    extra = ("--offload-activations", str(other)) if then == "elsewhere" else ()
+    r = _cli("none", 0, src, out, text, *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "hidden states of this output's earlier run" in r.stderr, r.stderr[-3000:]
+    assert not old.exists() and sorted(p.name for p in acts.iterdir()) == ["mine.txt"]
+    assert not list(other.rglob("*.bin")) and not (out / CACHE_DIR / OFFLOAD_RECORD).exists()
+    assert _files(out) == _files(ref)
+
+
 def test_rerun_of_a_finished_job_and_foreign_folders(glm4, tmp_path, monkeypatch):
     from glmq.calibration import layer_gptq
     from glmq.quantize.output import OutputDirError
