@@ -268,18 +268,36 @@ def test_serving_rules_name_the_class_rule_and_numbers(converted):
     assert "128 / 2 = 64, % 128 = 64" in failures(rep, "serving")[0]
 
 
-def test_gptq_checkpoint_reports_error_per_layer_instead_of_a_bound(damaged, make_ckpt):
+def test_gptq_checkpoint_reports_error_per_layer_instead_of_a_bound(converted, damaged, make_ckpt):
+    """A GPTQ checkpoint: its GPTQ modules' reconstruction error per layer (the terminal too), no bound; the modules
+    glmq quantized by round-to-nearest in a GPTQ run (the MTP layer's, the report's fallbacks) held to RTN's bound."""
+    src, _ = converted["glm5"]
     other = make_ckpt("glm_moe_dsa", "fp8-block", seed=1)  # same layout, other weights: far off any RTN bound
     assert failed_checks(v.validate(damaged, other)) == {"source"}
     man = json.loads((damaged / "glmq_manifest.json").read_text())
     man["identity"]["recipe"]["method"] = "gptq"  # what a GPTQ run records
     (damaged / "glmq_manifest.json").write_text(json.dumps(man))
-    rep = v.validate(damaged, other, sample=1.0)
-    assert failed_checks(rep) == {"source"}  # unquantized tensors still differ, but no quantized weight fails
-    assert not any("scale steps" in m for m in failures(rep, "source"))
+    report = json.loads((damaged / "glmq_report.json").read_text())
+    fallback = "model.layers.2.mlp.experts.5.up_proj"
+    report["gptq"] = {"fallbacks": [{"module": fallback, "reason": "empty_hessian"}]}  # as a GPTQ run reports one
+    (damaged / "glmq_report.json").write_text(json.dumps(report))
+
+    rep = v.validate(damaged, src, sample=1.0)  # its own source: every weight is RTN's, so all within the bound
+    assert rep.valid, rep.checks["source"].failures
     d = rep.checks["source"].details
-    assert d["method"] == "gptq" and "bound_steps" not in d and d["compared"] == 72
-    assert set(d["per_layer"]) == {"1", "2", "3"} and all(1.0 < e < 2.0 for e in d["per_layer"].values())
+    assert d["method"] == "gptq" and d["compared"] == 47 and d["rtn_in_gptq"]["compared"] == 25  # layer 3: MTP
+    assert list(d["per_layer"]) == ["1", "2"] and all(0 < e < 0.2 for e in d["per_layer"].values())
+    text = v.format_report(rep)
+    assert "round-to-nearest (MTP layer, fallbacks)" in text and "GPTQ relative error" in text
+    assert "\n    1 " in text and "2 " in text  # the per-layer lines
+
+    rep = v.validate(damaged, other, sample=1.0)
+    assert failed_checks(rep) == {"source"}  # unquantized tensors differ, and the RTN modules miss their bound
+    steps = [m for m in failures(rep, "source") if "scale steps" in m]
+    assert len(steps) == 25 and any(fallback in m for m in steps)
+    assert all(m.startswith(("model.layers.3.", fallback)) for m in steps)  # the GPTQ modules: reported only
+    d = rep.checks["source"].details
+    assert set(d["per_layer"]) == {"1", "2"} and all(1.0 < e < 2.0 for e in d["per_layer"].values())
 
 
 # ----------------------------------------------------------------------------------------- failures

@@ -111,6 +111,14 @@ def format_report(rep: Report, worst: int = 5) -> str:
              f"{'check':10s} {'result':6s} {'checked':>8s} {'failed':>7s}  details"]
     for name, c in rep.checks.items():
         lines.append(f"{name:10s} {c.status.value:6s} {c.checked:8d} {len(c.failures):7d}  {_summary(c)}")
+    if (src := rep.checks.get("source")) is not None and src.details.get("method") == "gptq" and (
+            per_layer := src.details.get("per_layer")):  # issue 4: GPTQ's reconstruction error, reported per layer
+        some = (s.get("sample") or 0) < 1
+        lines.append("  source: GPTQ relative error ||w_q - w_src|| / ||w_src||, the worst " + ("sampled " if some else "")
+                     + f"module of each layer ({len(per_layer)} layer(s)" + ("; --sample 1 for every module" if some
+                                                                              else "") + "):")
+        items = [f"{k} {v:.4f}" for k, v in per_layer.items()]
+        lines += ["    " + ", ".join(items[i:i + 8]) for i in range(0, len(items), 8)]
     for name, c in rep.checks.items():
         for f in c.worst(worst):
             lines.append(f"  {name}: {f.message}")
@@ -132,10 +140,16 @@ def _summary(c: CheckResult) -> str:
         w = d["worst"][0]
         return (f"{d['sampled']}/{d['quantized']} sampled via {','.join(d['paths'])}; worst rel err {w['rel_err']:.2e} "
                 f"(bound {max(d['bounds']):g}) {w['module']}")
-    if c.name == "source" and d.get("worst"):
-        w = d["worst"][0]
-        unit = f"steps, bound {d['bound_steps']:.4f}" if d["method"] != "gptq" else "relative, GPTQ: reported only"
-        return f"{d['compared']} weights ({d['method']}); worst {w['error']:.4f} {unit} {w['module']}"
+    if c.name == "source" and (d.get("worst") or d.get("rtn_in_gptq")):
+        parts = []
+        if d.get("worst"):
+            w = d["worst"][0]
+            unit = f"steps, bound {d['bound_steps']:.4f}" if d["method"] != "gptq" else "relative, GPTQ: reported only"
+            parts.append(f"{d['compared']} weights ({d['method']}); worst {w['error']:.4f} {unit} {w['module']}")
+        if r := d.get("rtn_in_gptq"):
+            parts.append(f"{r['compared']} round-to-nearest (MTP layer, fallbacks): worst {r['worst'][0]['error']:.4f} "
+                         f"steps, bound {d['bound_steps']:.4f} {r['worst'][0]['module']}")
+        return "; ".join(parts)
     if c.name == "integrity" and d.get("checksums"):
         return "; ".join(f"{algo} of {n} shard(s)" for algo, n in d["checksums"].items())
     if c.name == "index" and "total_bytes" in d:

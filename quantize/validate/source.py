@@ -21,7 +21,7 @@ import torch
 
 from glmq.formats import fp8
 from glmq.formats.dense import KEEP_DTYPE
-from glmq.formats.families import layer_index
+from glmq.formats.families import layer_index, mtp_layers
 from glmq.formats.manifest import REPORT_NAME
 from glmq.formats.safetensors_io import DTYPE_NAMES, DTYPES, TensorEntry, read_header
 from glmq.formats.source import weight_map
@@ -57,6 +57,21 @@ def recipe_method(ck: Checkpoint) -> str:
         except ValueError:
             rec = {}
     return str(rec.get("method", "rtn")) if isinstance(rec, dict) else "rtn"
+
+
+def rtn_in_gptq(ck: Checkpoint, quantized) -> set[str]:
+    """The modules of a GPTQ checkpoint that glmq quantized by round-to-nearest, which the source check holds to RTN's
+    bound: the MTP layer's (no calibration input reaches it) and the fallbacks the run report lists (GPTQ returned
+    `quantize_rtn`'s result: an empty or indefinite Hessian, an expert too few tokens reached)."""
+    mtp = set(mtp_layers(ck.config or {}))
+    out = {m for m in quantized if layer_index(m) in mtp} if mtp else set()
+    try:
+        doc = json.loads((ck.root / REPORT_NAME).read_text())
+        fallbacks = ((doc.get("gptq") or {}).get("fallbacks") or []) if isinstance(doc, dict) else []
+        out |= {f["module"] for f in fallbacks if isinstance(f, dict) and isinstance(f.get("module"), str)}
+    except (OSError, ValueError, AttributeError):
+        pass
+    return out
 
 
 def weight_error(packed: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, shape: tuple[int, int],
@@ -272,9 +287,10 @@ class SourceCheck:
     def __init__(self, root: Path, ck: Checkpoint, scheme: dict[str, Group]):
         self.src = SourceReader(root)
         self.method = recipe_method(ck)
+        self.rtn_modules = rtn_in_gptq(ck, scheme) if self.method == "gptq" else set()
         self.res = CheckResult("source", details={"source": str(root), "method": self.method, "worst": [],
                                                   "per_layer": {}})
-        self.errs: list[tuple[str, float]] = []
+        self.errs: list[tuple[str, float, str]] = []  # (module, error, how it was quantized)
         self.lock = threading.Lock()
         self.src_names = self.src.names()
         self.keep = self._match_names(ck.entries(), scheme)
@@ -318,11 +334,12 @@ class SourceCheck:
             self._fail(f"{module}: weight_shape {list(shape)} but the source weight is {list(w_src.shape)}", module)
             return
         zp = parts.get("weight_zero_point") if not g.symmetric else None
-        err, bound = weight_error(parts["weight_packed"], parts["weight_scale"], zp, shape, g, w_src, self.method)
+        method = "rtn" if module in self.rtn_modules else self.method
+        err, bound = weight_error(parts["weight_packed"], parts["weight_scale"], zp, shape, g, w_src, method)
         with self.lock:
             if bound is not None:
                 self.res.details["bound_steps"] = bound
-            self.errs.append((module, err))
+            self.errs.append((module, err, method))
         if not math.isfinite(err):
             self._fail(f"{module}: the dequantized weight is not finite", module, math.inf)
         elif bound is not None and err > bound:
@@ -336,11 +353,21 @@ class SourceCheck:
     def result(self) -> CheckResult:
         res = self.res
         res.failures[self.n_named:] = sorted(res.failures[self.n_named:], key=lambda f: f.tensor or "")  # any order
+        main = [(m, e) for m, e, how in self.errs if how == self.method]
+        rtn = [(m, e) for m, e, how in self.errs if how != self.method]  # a GPTQ checkpoint's RTN modules
         per_layer: dict[str, float] = {}
-        for module, err in self.errs:
+        for module, err in main:
             key = str(layer_index(module)) if layer_index(module) is not None else "other"
             per_layer[key] = max(per_layer.get(key, 0.0), err)
-        worst = sorted(self.errs, key=lambda r: (-r[1], r[0]))[:5]
-        res.details.update(compared=len(self.errs), per_layer=dict(sorted(per_layer.items())),
+        worst = sorted(main, key=lambda r: (-r[1], r[0]))[:5]
+        res.details.update(compared=len(main), per_layer=dict(sorted(per_layer.items(), key=lambda kv: _layer_key(kv[0]))),
                            worst=[{"module": m, "error": e} for m, e in worst])
+        if rtn:
+            w = sorted(rtn, key=lambda r: (-r[1], r[0]))[:5]
+            res.details["rtn_in_gptq"] = {"compared": len(rtn), "worst": [{"module": m, "error": e} for m, e in w]}
         return res
+
+
+def _layer_key(key: str) -> tuple[int, int]:
+    """Per-layer keys in layer order ("10" after "9"), "other" last."""
+    return (0, int(key)) if key.isdigit() else (1, 0)
