@@ -221,11 +221,19 @@ def _warn_serving(plan) -> None:
 
     problems = planned_problems(plan)
     if problems:
-        click.secho(f"warning: vLLM and SGLang will not load the output of recipe {plan.recipe.name!r} at any "
+        click.secho(f"warning: the output of recipe {plan.recipe.name!r} breaks the serving rules at every "
                     f"tensor-parallel degree (`glmq validate` fails it unless given --no-serving; `glmq eval` reads "
                     f"it):", fg="yellow", err=True)
         for line in problems:
-            click.secho(f"  {line}", fg="yellow", err=True)
+            click.secho(f"  {line}; {_serving_consequence(line)}", fg="yellow", err=True)
+
+
+def _serving_consequence(line: str) -> str:
+    """What a failed serving rule means to the engines (formats.md §3a): where Marlin-MoE cannot split the experts'
+    width, vLLM still serves them through its Triton WNA16 MoE kernel (slower) and only SGLang refuses them."""
+    if "(moe_intermediate / tp) % max(64, group_size)" in line:
+        return "vLLM serves these experts with its slower Triton WNA16 MoE kernel instead of Marlin, SGLang refuses them"
+    return "vLLM and SGLang refuse them"
 
 
 def parse_size(text: str) -> int:

@@ -48,12 +48,13 @@ def test_quantize_and_plan_warn_before_the_run(make_ckpt, tmp_path):
     runner = CliRunner()
     res = runner.invoke(main, ["plan", "-m", str(src), "--recipe", str(tmp_path / "asym.yaml")])
     assert res.exit_code == 0, res.output
-    assert "warning: vLLM and SGLang will not load the output of recipe 'asym'" in res.output
+    assert "warning: the output of recipe 'asym' breaks the serving rules at every tensor-parallel degree" in res.output
     assert "routed_expert: symmetric weights fails for 72 module(s)" in res.output
+    assert "vLLM and SGLang refuse them" in res.output
     res = runner.invoke(main, ["quantize", "-m", str(src), "--recipe", str(tmp_path / "asym.yaml"), "-o",
                                str(tmp_path / "out"), "--no-progress"])
     assert res.exit_code == 0, res.output
-    assert res.output.index("warning: vLLM and SGLang") < res.output.index("wrote ")  # before the work
+    assert res.output.index("warning: the output of recipe") < res.output.index("wrote ")  # before the work
     res = runner.invoke(main, ["quantize", "-m", str(src), "-o", str(tmp_path / "out2"), "--no-progress"])
     assert res.exit_code == 0 and "warning" not in res.output, res.output
 
@@ -69,3 +70,13 @@ def test_config_only_plan_warns_too(tmp_path):
     assert "routed_expert: symmetric weights fails for 58368 module(s)" in res.output  # 76 layers x 256 x 3
     res = CliRunner().invoke(main, ["plan", "-m", str(cfg), "--recipe", "int4-w4a16"])
     assert res.exit_code == 0 and "warning" not in res.output, res.output
+
+
+def test_an_expert_width_marlin_cannot_split_warns_that_vllm_falls_back(make_ckpt, tmp_path):
+    """moe_intermediate 96 at group 32: Marlin-MoE needs a multiple of 64 per rank, so vLLM takes its Triton WNA16
+    MoE kernel (formats.md §3a) and SGLang refuses; the warning said neither engine would load it."""
+    src = make_ckpt("glm_moe_dsa", config_overrides={"moe_intermediate_size": 96})
+    res = CliRunner().invoke(main, ["plan", "-m", str(src), "--recipe", "int4-w4a16-g32"])
+    assert res.exit_code == 0, res.output
+    line = next(x for x in res.output.splitlines() if "(moe_intermediate / tp) % max(64, group_size)" in x)
+    assert "vLLM serves these experts with its slower Triton WNA16 MoE kernel" in line and "SGLang refuses" in line
