@@ -512,6 +512,7 @@ class _Run:
             meta["carry"] = carry_dst[0].describe()
         meta["seconds"] = round(time.perf_counter() - t0, 3)
         meta["peak_rss_bytes"] = stream.peak_rss_bytes()
+        meta["threads"] = torch.get_num_threads()  # CPU sums are thread-count dependent (`_warn_thread_change`)
         if self.world is None or self.world.is_lead:
             cc.save_layer(self.cache, i, packed, meta)
         self.drop_states(keep=(self.hidden_path(i).name, self.hidden_path(i, "carry").name)  # only the newest
@@ -639,6 +640,18 @@ def merge_stage_metas(metas: list[dict]) -> dict:
     return out
 
 
+def _warn_thread_change(metas: list[dict | None], cache: Path) -> None:
+    """Warn when a CPU run resumes with another thread count than the finished layers were calibrated with: CPU
+    matmuls sum in a thread-dependent order, so the output is then byte-identical to an uninterrupted run with
+    neither count (a valid GPTQ result all the same)."""
+    before = sorted({m.get("threads") for m in metas if m and isinstance(m.get("threads"), int)})
+    now = torch.get_num_threads()
+    if before and before != [now]:
+        log.warning("%s: the finished layers were calibrated with %s thread(s), this run uses %d: CPU sums depend on "
+                    "the thread count, so the output will not be byte-identical to an uninterrupted run (set "
+                    "OMP_NUM_THREADS=%d to match them)", cache, "/".join(map(str, before)), now, before[-1])
+
+
 def calibrate(plan: Plan, cache: Path, tokens: torch.Tensor, settings: CalibrationSettings,
               device: str = "cpu", progress: bool = True, world=None) -> dict:
     """Steps 1-4 of the module docstring for every decoder layer not yet in `cache`; returns the report."""
@@ -650,13 +663,15 @@ def calibrate(plan: Plan, cache: Path, tokens: torch.Tensor, settings: Calibrati
     start = done.index(False) if False in done else run.n_layers
     if world is not None:  # rank 0's view, taken before any rank starts (a fast rank 0 may finish a layer
         start = world.broadcast(start, "finding the first layer to calibrate")  # before rank 1 looks)
+    if 0 < start < run.n_layers and run.device.type == "cpu":
+        _warn_thread_change([cc.layer_meta(cache, i) for i in range(start)], cache)
     if start < run.n_layers:
         run.bar = tqdm(total=sum(len(run.targets[i]) for i in range(start, run.n_layers)), unit="tensor",
                        desc="glmq gptq", disable=not progress, dynamic_ncols=True)
         try:
             src, carry = run.resume_input(start)
             for i in range(start, run.n_layers):
-                run.bar.set_description(f"GPTQ layer {i + 1}/{run.n_layers}")
+                run.bar.set_description(f"GPTQ layer {i} ({i + 1}/{run.n_layers})")  # numbered as the report does
                 src, carry = run.layer(i, src, carry)
         except BaseException:
             run.drop_partial_states()

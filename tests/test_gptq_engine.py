@@ -736,3 +736,20 @@ def test_f32_source_gives_the_bf16_sources_integers_and_a_nan_weight_names_its_t
     save_file(t, str(shard), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=f"{shard.name}: tensor {name}: NaN or Inf in rows \\[3\\]"):
         SourceTensors(open_source(fp8)).weight(name)
+
+
+def test_a_cpu_resume_with_another_thread_count_is_warned(tmp_path, caplog, monkeypatch):
+    """CPU sums depend on the thread count: a resume with another count than the finished layers' gives an output
+    byte-identical to neither uninterrupted run, which a user comparing checksums should be told."""
+    import logging
+
+    from glmq.calibration.engine import _warn_thread_change
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    with caplog.at_level(logging.WARNING):
+        _warn_thread_change([{"threads": 1}, {"threads": 1}], tmp_path)
+        _warn_thread_change([{"seconds": 1.0}, None], tmp_path)  # layers of an older glmq record none: no claim
+        assert not caplog.records
+        _warn_thread_change([{"threads": 2}, {"threads": 2}], tmp_path)
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert "calibrated with 2 thread(s), this run uses 1" in msg and "OMP_NUM_THREADS=2" in msg
