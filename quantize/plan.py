@@ -217,7 +217,10 @@ def make_items(source: Source, recipe: Recipe) -> list[Item]:
                     continue
             elif tuple(s.shape) not in ((e.shape[0], 1), (1,), ()):
                 problems.append(f"{source.path(s.shard)}: tensor {s.name} shape {list(s.shape)} is neither per-channel "
-                                f"[{e.shape[0]}, 1] nor per-tensor")
+                                f"[{e.shape[0]}, 1] nor per-tensor ([], [1]), as compressed-tensors stores them"
+                                + (f" (a per-channel scale stored flat: store it as [{e.shape[0]}, 1], e.g. "
+                                   f"t.reshape(-1, 1) before safetensors' save_file)" if tuple(s.shape) == (e.shape[0],)
+                                   else "; the checkpoint is not a compressed-tensors FP8 one glmq reads"))
                 continue
         elif leaf == "weight" and cls in targets and e.dtype not in FLOAT_DTYPES:
             problems.append(f"{where} has dtype {e.dtype}; a weight to quantize must be F8_E4M3 (with its scale) "

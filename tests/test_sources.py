@@ -142,3 +142,23 @@ def test_a_compressed_tensors_sources_kv_cache_scheme_goes_with_its_scales(make_
     report = validate(out)
     warned = [w.message for w in report.checks["structure"].warnings if "kv_cache_scheme is null" in w.message]
     assert len(warned) == 1 and f"{2 * cfg['num_hidden_layers']} KV-cache scale" in warned[0]
+
+
+def test_a_flat_per_channel_scale_is_refused_with_the_fix(make_ckpt, tmp_path):
+    """A compressed-tensors FP8 source whose per-channel weight_scale is stored [N] instead of [N, 1]: refused before
+    any work, naming the file, the tensor and the reshape that makes it readable."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(make_ckpt("glm_moe_dsa", "fp8-ct"), src)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.mlp.experts.0.up_proj.weight_scale"
+    shard = index["weight_map"][name]
+    tensors = load_file(src / shard)
+    n = tensors[name].shape[0]
+    tensors[name] = tensors[name].reshape(-1)
+    save_file(tensors, src / shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as err:
+        make_plan(open_source(src), recipes.load("int4-w4a16"))
+    msg = str(err.value)
+    assert f"{shard}: tensor {name} shape [{n}]" in msg and f"store it as [{n}, 1]" in msg and "reshape(-1, 1)" in msg
