@@ -343,34 +343,23 @@ class _Run:
             atomic_write_text(path, json.dumps(owner, indent=1) + "\n")
 
     def forget_old_offload(self) -> None:
-        """Delete this output's hidden states from the offload folder an earlier run of it used, when this run keeps
-        them elsewhere (another --offload-activations, or none): the resumed run never reads them, and the end of the
-        run removes only its own folder's, so they stayed for good (GLM-5: ~0.8 GB a layer input). Then record this
-        run's folder (`OFFLOAD_RECORD`)."""
+        """Delete this output's hidden states that this run will never read: those an earlier run left in another
+        layout, i.e. in the offload folder it used when this run keeps them elsewhere (another --offload-activations,
+        or none), or in the folders of another number of processes (a single process keeps them in its folder, rank R
+        of a distributed run in `rank-R` under it). A resumed run reads only its own folder, and the end of a run
+        removes only its own folder's states, so these stayed for good (GLM-5: ~0.8 GB a layer input and rank). Then
+        record this run's offload folder (`OFFLOAD_RECORD`). In a distributed run rank 0 deletes, and only folders
+        no rank of this run uses."""
         record = self.cache / OFFLOAD_RECORD
         try:
             old = Path(json.loads(record.read_text())["dir"])
         except (OSError, ValueError, KeyError, TypeError):
             old = None
-        if old is not None and old != (self.offload.resolve() if self.offload is not None else None):
-            d = old / f"rank-{self.world.rank:05d}" if self.world is not None else old
-            try:
-                owner = json.loads((d / OWNER_NAME).read_text()).get("output")
-            except (OSError, ValueError, AttributeError):
-                owner = None
-            if owner == str(self.cache.parent.resolve()):  # ours, not another output's that took the folder since
-                states = [p for p in d.iterdir() if p.name.startswith(STATE_PREFIXES) and p.name.endswith(STATE_SUFFIXES)]
-                if states:
-                    log.warning("%s: hidden states of this output's earlier run, which offloaded them there; this run "
-                                "keeps them %s: deleting them", d, f"in {self.act_dir}")
-                for p in states:
-                    p.unlink(missing_ok=True)
-                (d / OWNER_NAME).unlink(missing_ok=True)
-                for folder in (d, old):
-                    try:
-                        folder.rmdir()
-                    except OSError:  # not empty (another rank's states, or files not glmq's) or already gone
-                        pass
+        if self.world is None or self.world.rank == 0:
+            bases = [self.cache] + ([self.offload] if self.offload is not None else [])
+            bases += [old] if old is not None and old not in [b.resolve() for b in bases] else []
+            for base in bases:
+                self._drop_stale_states(base, own=base == self.cache)
         if self.world is not None:  # every rank has read the old record before rank 0 replaces it
             self.world.barrier("reading the offload record")
         if self.world is None or self.world.rank == 0:
@@ -378,6 +367,42 @@ class _Run:
                 record.unlink(missing_ok=True)
             else:
                 atomic_write_text(record, json.dumps({"dir": str(self.offload.resolve())}) + "\n")
+
+    def _drop_stale_states(self, base: Path, own: bool) -> None:
+        """The state folders under `base` (itself, and `rank-*` in it) that no rank of this run uses: their states
+        deleted, with their owner file and the folder where it empties (never the cache folder itself). `own`: the
+        output's cache, whose states are this output's; elsewhere only folders whose owner file names this output."""
+        if not base.is_dir():
+            return
+        this = self.offload if self.offload is not None else self.cache
+        in_use = set()
+        if base == this:
+            in_use = {base} if self.world is None else {base / f"rank-{r:05d}" for r in range(self.world.size)}
+        output = str(self.cache.parent.resolve())
+        for d in [base, *sorted(p for p in base.glob("rank-*") if p.is_dir())]:
+            if d in in_use:
+                continue
+            if not own:
+                try:
+                    if json.loads((d / OWNER_NAME).read_text()).get("output") != output:
+                        continue  # another output's (or nobody's): not ours to delete
+                except (OSError, ValueError, AttributeError):
+                    continue
+            states = [p for p in d.iterdir() if p.name.startswith(STATE_PREFIXES) and p.name.endswith(STATE_SUFFIXES)]
+            if states:
+                log.warning("%s: hidden states of this output's earlier run (%s), which this run never reads "
+                            "(it keeps them in %s): deleting them", d, "another --offload-activations or none"
+                            if base != this else "another number of processes", self.act_dir)
+            for f in states:
+                f.unlink(missing_ok=True)
+            if not own:
+                (d / OWNER_NAME).unlink(missing_ok=True)
+            for folder in (d, base):
+                if folder != self.cache and folder not in in_use:
+                    try:
+                        folder.rmdir()
+                    except OSError:  # not empty (in use, or files not glmq's) or already gone
+                        pass
 
     def hidden_path(self, i: int, kind: str = "hidden") -> Path:
         return self.act_dir / f"{kind}-{i:05d}.bin"

@@ -753,3 +753,48 @@ def test_a_cpu_resume_with_another_thread_count_is_warned(tmp_path, caplog, monk
         _warn_thread_change([{"threads": 2}, {"threads": 2}], tmp_path)
     (msg,) = [r.getMessage() for r in caplog.records]
     assert "calibrated with 2 thread(s), this run uses 1" in msg and "OMP_NUM_THREADS=2" in msg
+
+
+def test_states_of_another_number_of_processes_are_deleted(tmp_path, caplog):
+    """A GPTQ run resumed with another number of processes: a single process keeps its hidden states in the cache
+    (or offload) folder, rank R of a distributed run in `rank-R` under it; the other layout's states were never read
+    again nor removed (GLM-5: ~0.8 GB a rank). Rank 0 (or the single process) deletes them, and nothing a rank of
+    this run uses, nor another output's offloaded states."""
+    import json as _json
+    import logging
+    from types import SimpleNamespace
+
+    from glmq.calibration.engine import OWNER_NAME, _Run
+
+    def states(d):
+        d.mkdir(parents=True, exist_ok=True)
+        for name in ("hidden-00001.bin", "hidden-00001.bin.xxh3"):
+            (d / name).write_bytes(b"x")
+
+    out = tmp_path / "out"
+    cache = out / ".glmq-gptq"
+    (cache / "layer-00000.safetensors").parent.mkdir(parents=True)
+    (cache / "layer-00000.safetensors").write_bytes(b"keep")
+    states(cache / "rank-00000")
+    states(cache / "rank-00001")
+    single = SimpleNamespace(cache=cache, offload=None, world=None, act_dir=cache)
+    with caplog.at_level(logging.WARNING):
+        _Run._drop_stale_states(single, cache, own=True)  # a single process after a 2-rank run
+    assert sorted(p.name for p in cache.iterdir()) == ["layer-00000.safetensors"]
+    assert "another number of processes" in caplog.text
+
+    states(cache)  # now the single process's, then 2 ranks resume (rank-00002: a 3-rank run's)
+    states(cache / "rank-00000")
+    states(cache / "rank-00002")
+    dist = SimpleNamespace(cache=cache, offload=None, world=SimpleNamespace(rank=0, size=2), act_dir=cache / "rank-00000")
+    _Run._drop_stale_states(dist, cache, own=True)
+    assert sorted(p.name for p in cache.iterdir()) == ["layer-00000.safetensors", "rank-00000"]
+    assert len(list((cache / "rank-00000").iterdir())) == 2  # in use by this run: untouched
+
+    off = tmp_path / "acts" / "glmq-out-0123"
+    states(off / "rank-00001")
+    (off / "rank-00001" / OWNER_NAME).write_text(_json.dumps({"output": str(out.resolve())}))
+    states(off / "rank-00003")
+    (off / "rank-00003" / OWNER_NAME).write_text(_json.dumps({"output": "/elsewhere/out"}))  # another output's
+    _Run._drop_stale_states(single, off, own=False)  # this run offloads nowhere: the old folder is stale
+    assert not (off / "rank-00001").exists() and len(list((off / "rank-00003").iterdir())) == 3
