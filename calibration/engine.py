@@ -254,6 +254,11 @@ def run_gptq_from_text(plan: Plan, out: str | Path, settings: CalibrationSetting
     from glmq.calibration.data import calibration_tokens
 
     check_seq_len(plan, settings.seq_len)  # before the text is tokenized
+    if Path(out).is_dir() and (world is None or world.is_lead):
+        # a folder another glmq process writes into is refused before the text is tokenized (seconds to minutes),
+        # not after; the run takes the lock for good later (`run_gptq`)
+        with OutputLock(Path(out)) as probe:
+            probe.acquire()
     tokens = calibration_tokens(plan.source.root, settings.calibration, settings.samples, settings.seq_len,
                                 settings.seed, trust_remote_code=settings.trust_remote_code)
     return run_gptq(plan, out, tokens, settings, device, progress, world)

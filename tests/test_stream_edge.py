@@ -220,3 +220,33 @@ def test_a_failed_side_file_or_index_write_leaves_no_temporary_file(reference, t
         assert not list(out.glob("*" + safetensors_io.TMP_SUFFIX)) and not (out / "config.json").exists()
     stream.run(plan, out, progress=False)
     assert _files(out) == _files(ref)
+
+
+def test_a_gptq_run_into_a_held_folder_is_refused_before_it_tokenizes(make_ckpt, tmp_path, monkeypatch):
+    """GPTQ tokenizes its calibration text first (seconds to minutes for a large set); a folder another process writes
+    into was refused only after that. Now before the text is read."""
+    from glmq import recipes
+    from glmq.calibration import data
+    from glmq.calibration.engine import CalibrationSettings, run_gptq_from_text
+    from glmq.formats.source import open_source
+    from glmq.quantize.plan import make_plan
+
+    src = make_ckpt("glm4_moe", "fp8-block")
+    plan = make_plan(open_source(src), recipes.load("int4-w4a16").with_method("gptq"))
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def tokenized(*a, **k):
+        raise AssertionError("tokenized before the lock was checked")
+
+    monkeypatch.setattr(data, "calibration_tokens", tokenized)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(OutputDirError, match=f"{out}: another glmq process is writing into this folder"):
+            run_gptq_from_text(plan, out, CalibrationSettings(calibration=str(tmp_path / "calib.txt"), samples=2,
+                                                              seq_len=16), progress=False)
+    finally:
+        holder.communicate("")
+    assert OutputLock._held == {}
