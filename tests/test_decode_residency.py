@@ -11,9 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import triton_interpreter_guard  # tests/ is on sys.path
 
-from glmq.kernels import w4a16_decode as DK
-from glmq.kernels import w4a16_dense as D
+triton_interpreter_guard()  # before glmq.kernels imports triton: the Triton test modules collected later need the flag
+
+from glmq.kernels import w4a16_decode as DK  # noqa: E402
+from glmq.kernels import w4a16_dense as D  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = DK.DecodeConfig(rows=16, warps=4, depth=2, split=4, ring=4, wgmma=True)  # 64-row programs, K split 4
