@@ -127,7 +127,7 @@ TUNED_PATHS = {Layout.PAIRS: Path(__file__).with_name("tuned_decode.json"),  # o
 # compile to the residency they were timed at (`residency_problem`).
 SM90_REGISTERS, SM90_SHARED, SM90_SHARED_PER_PROGRAM, SM90_WARPS, SM90_PROGRAMS = 65536, 228 << 10, 1 << 10, 64, 32
 _COMPILED: dict[tuple, tuple[int, int]] = {}  # `_compile_key` -> (registers, shared bytes) of the kernel launched
-_RESIDENCY_WARNED: set[tuple] = set()
+_RESIDENCY_LOST: dict[tuple, bool] = {}  # a table pick's verdict once known (`_residency_lost`): warned once, then read
 
 
 @dataclass(frozen=True)
@@ -1148,25 +1148,35 @@ def choose(m: int, w: PackedW4, device: torch.device, device_name: str, pdl: boo
     if not available(device) or not supports(m, w):
         return None
     cfg = tuned_config(m, w.n, w.k, device_name, pdl, w.layout)
-    timed = None
-    if cfg == "untuned":
+    tuned = cfg != "untuned"
+    if not tuned:
         cfg = heuristic_config(m, w.n, w.k, w.layout, sm_count(device)) if _cuda_info(device)[2] == (9, 0) else None
-    elif cfg is not None:
-        timed = tuned_residency(m, w.n, w.k, device_name, pdl, w.layout)
     if cfg is None or not supports(m, w, cfg):
         return None
-    if timed is not None and (why := residency_problem(m, w, cfg, pdl, timed, sm_count(device))):
-        key = (cfg, m, w.n, w.k, pdl)
-        if key not in _RESIDENCY_WARNED:
-            _RESIDENCY_WARNED.add(key)
-            import triton
+    return None if tuned and _residency_lost(m, w, cfg, pdl, device, device_name) else cfg
 
-            log.warning("w4a16: the launch table's %s for a [%d, %d] weight at M = %d%s was %s (Triton %s); the "
-                        "Triton kernel runs instead. Re-tune on this Triton: python3 scripts/probe_decode.py --tune "
-                        "--merge --write %s", cfg, w.n, w.k, m, " (PDL)" if pdl else "", why, triton.__version__,
-                        TUNED_PATHS.get(w.layout))
-        return None
-    return cfg
+
+def _residency_lost(m: int, w: PackedW4, cfg: DecodeConfig, pdl: bool, device: torch.device, device_name: str
+                    ) -> bool:
+    """Whether the table's pick `cfg` lost the residency it was timed at (`residency_problem`), warned the first time.
+    The verdict is kept once the pick's compiled kernel is known (its registers do not change in a process), so later
+    calls cost a dict lookup, not the table's record and the residency arithmetic again."""
+    key = (cfg, m, w.n, w.k, pdl, w.layout, device_name)
+    if (lost := _RESIDENCY_LOST.get(key)) is not None:
+        return lost
+    timed = tuned_residency(m, w.n, w.k, device_name, pdl, w.layout)
+    if timed is not None and _compile_key(cfg, m, w.k, pdl, w.layout is Layout.SPANS) not in _COMPILED:
+        return False  # not launched yet: the first call runs the pick, and records what it compiled to
+    why = None if timed is None else residency_problem(m, w, cfg, pdl, timed, sm_count(device))
+    if why:
+        import triton
+
+        log.warning("w4a16: the launch table's %s for a [%d, %d] weight at M = %d%s was %s (Triton %s); the "
+                    "Triton kernel runs instead. Re-tune on this Triton: python3 scripts/probe_decode.py --tune "
+                    "--merge --write %s", cfg, w.n, w.k, m, " (PDL)" if pdl else "", why, triton.__version__,
+                    TUNED_PATHS.get(w.layout))
+    _RESIDENCY_LOST[key] = why is not None
+    return why is not None
 
 
 def _remember(key: tuple, kernel) -> None:

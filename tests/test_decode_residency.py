@@ -56,7 +56,7 @@ def table(tmp_path, monkeypatch):
     monkeypatch.setattr(DK, "TUNED_PATHS", {D.Layout.PAIRS: tmp_path / "t.json"})
     monkeypatch.setattr(DK, "available", lambda device: True)
     monkeypatch.setattr(DK, "_COMPILED", {})
-    monkeypatch.setattr(DK, "_RESIDENCY_WARNED", set())
+    monkeypatch.setattr(DK, "_RESIDENCY_LOST", {})
     yield write
     DK._table.cache_clear()
 
@@ -161,7 +161,7 @@ def test_a_pick_that_lost_its_residency_gives_way_on_the_gpu(tmp_path, monkeypat
         str(m): {"plain": cfg.to_dict(), "pdl": None, "compiled": {"plain": {"registers": 64, "shared": 16384}}}}}}))
     monkeypatch.setattr(DK, "TUNED_PATHS", {D.Layout.PAIRS: path})
     monkeypatch.setattr(DK, "_COMPILED", {})
-    monkeypatch.setattr(DK, "_RESIDENCY_WARNED", set())
+    monkeypatch.setattr(DK, "_RESIDENCY_LOST", {})
     DK._table.cache_clear()
     try:
         gen = torch.Generator().manual_seed(0)
