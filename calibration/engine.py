@@ -291,6 +291,20 @@ OWNER_NAME = "glmq-owner.json"  # in an offload folder: whose states these are (
 OFFLOAD_RECORD = "offload.json"  # in the cache folder: the offload folder this output's run keeps states in
 
 
+def _state_files(folder: Path) -> list[Path]:
+    """The hidden-state files in `folder`: saved, being written, their checksums, being renamed."""
+    return [p for p in folder.iterdir() if p.name.startswith(STATE_PREFIXES) and p.name.endswith(STATE_SUFFIXES)]
+
+
+def _owner(folder: Path) -> dict | None:
+    """An offload folder's owner record (`OWNER_NAME`, `_Run.claim_offload`), or None where none is readable."""
+    try:
+        got = json.loads((folder / OWNER_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return got if isinstance(got, dict) else None
+
+
 def offload_dir(base: str | Path, cache: Path) -> Path:
     """The folder under `--offload-activations BASE` for the run writing `cache`'s output folder: named by that
     folder's name and a digest of its absolute path, so that runs writing to different folders never share one."""
@@ -334,18 +348,14 @@ class _Run:
         ident = self.cache / cc.IDENTITY_NAME
         owner = {"output": str(self.cache.parent.resolve()),
                  "identity_sha256": hashlib.sha256(ident.read_bytes()).hexdigest() if ident.exists() else None}
-        path = self.act_dir / OWNER_NAME
-        try:
-            old = json.loads(path.read_text()) if path.exists() else None
-        except ValueError:
-            old = None
+        old = _owner(self.act_dir)
         if old != owner:
             stale = [p.name for p in self.act_dir.iterdir() if p.name.startswith(STATE_PREFIXES)]
             if stale:
                 log.warning("%s: hidden states of another run (%s); deleting them", self.act_dir,
                             (old or {}).get("output", "unknown owner"))
                 self.drop_states()  # .bin and .tmp alike
-            atomic_write_text(path, json.dumps(owner, indent=1) + "\n")
+            atomic_write_text(self.act_dir / OWNER_NAME, json.dumps(owner, indent=1) + "\n")
 
     def forget_old_offload(self) -> None:
         """Delete this output's hidden states that this run will never read: those an earlier run left in another
@@ -387,13 +397,9 @@ class _Run:
         for d in [base, *sorted(p for p in base.glob("rank-*") if p.is_dir())]:
             if d in in_use:
                 continue
-            if not own:
-                try:
-                    if json.loads((d / OWNER_NAME).read_text()).get("output") != output:
-                        continue  # another output's (or nobody's): not ours to delete
-                except (OSError, ValueError, AttributeError):
-                    continue
-            states = [p for p in d.iterdir() if p.name.startswith(STATE_PREFIXES) and p.name.endswith(STATE_SUFFIXES)]
+            if not own and (_owner(d) or {}).get("output") != output:
+                continue  # another output's (or nobody's): not ours to delete
+            states = _state_files(d)
             if states:
                 log.warning("%s: hidden states of this output's earlier run (%s), which this run never reads "
                             "(it keeps them in %s): deleting them", d, "another --offload-activations or none"
@@ -464,9 +470,8 @@ class _Run:
 
     def drop_states(self, keep: tuple[str, ...] = ()) -> None:
         """Delete saved/temporary hidden states and their checksums other than `keep` (file names) and theirs."""
-        for p in list(self.act_dir.iterdir()):
-            if (p.name.startswith(STATE_PREFIXES) and p.name.endswith(STATE_SUFFIXES)
-                    and p.name.removesuffix(cc.DIGEST_SUFFIX) not in keep):
+        for p in _state_files(self.act_dir):
+            if p.name.removesuffix(cc.DIGEST_SUFFIX) not in keep:
                 p.unlink(missing_ok=True)
 
     def drop_partial_states(self) -> None:
