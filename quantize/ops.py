@@ -46,8 +46,12 @@ def check_finite(t: torch.Tensor) -> None:
         return
     lo, hi = torch.aminmax(t)
     if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
-        rows = t.reshape(t.shape[0] if t.dim() else 1, -1)  # 1-D (a norm's weight) and 0-D tensors too
-        raise NonFiniteWeightError.in_rows((~torch.isfinite(rows).all(1)).nonzero().flatten().tolist())
+        raise NonFiniteWeightError.in_rows((~torch.isfinite(_rows(t)).all(1)).nonzero().flatten().tolist())
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` as [rows, columns] for naming the rows that hold a bad value: 1-D (a norm's weight) and 0-D tensors too."""
+    return t.reshape(t.shape[0] if t.dim() else 1, -1)
 
 
 # FP8 bit patterns that are not finite numbers: e4m3fn has NaN only (S.1111.111), e5m2 Inf and NaN (S.11111.xx)
@@ -64,8 +68,7 @@ def check_copied(t: torch.Tensor) -> None:
         mask, bad = _FP8_NONFINITE[t.dtype]
         hit = (t.view(torch.uint8) & mask) == bad
         if bool(hit.any()):
-            raise NonFiniteWeightError.in_rows(hit.reshape(t.shape[0] if t.dim() else 1, -1).any(1).nonzero()
-                                               .flatten().tolist())
+            raise NonFiniteWeightError.in_rows(_rows(hit).any(1).nonzero().flatten().tolist())
         return
     check_finite(t)
 
