@@ -443,7 +443,6 @@ def attention_presence_problems(names, config: dict, missing: bool = True) -> li
 # rotary buffers some exports carry (loaders skip them), and an FP8 KV cache's scales (vLLM remaps and loads them).
 _OPTIONAL = re.compile(r"model\.layers\.\d+\.(shared_head\.head|embed_tokens)\.weight$|.*\.rotary_emb\.inv_freq$"
                        r"|.*\.self_attn\.(attn\.)?(k|v|q|kv|prob)_scale$")
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 # A Linear's leaves besides .weight: its pack-quantized ones, and with FP8 scales (block or compressed-tensors) every
 # companion a stored Linear may have (validate's checks and the layout check read these)
 INT_LEAVES = ("weight_packed", "weight_shape", "weight_zero_point", "weight_g_idx")
@@ -455,8 +454,8 @@ UNKNOWN_TENSOR = "has no parameter"  # how `layout_problems` starts a stored ten
 
 def mtp_stored(modules, config: dict) -> bool:
     """Whether any tensor of an MTP layer (`mtp_layers`) is stored; `modules`: the module names stored."""
-    mtp = {str(i) for i in mtp_layers(config)}
-    return any((hit := _LAYER.match(m + ".")) and hit[1] in mtp for m in modules)
+    mtp = set(mtp_layers(config))
+    return any(layer_index(m + ".") in mtp for m in modules)
 
 
 def layout_problems(parts: dict[str, set[str]], config: dict, missing: bool = True, told=frozenset(),
@@ -522,7 +521,7 @@ def layout_problems(parts: dict[str, set[str]], config: dict, missing: bool = Tr
             else:
                 out.append((name, f"{UNKNOWN_TENSOR} in the {family} model config.json describes (vLLM raises "
                                   f"KeyError on it); config.json and the tensors disagree"))
-    top = max((int(hit[1]) for m in parts if (hit := _LAYER.match(m + "."))), default=-1) + 1
+    top = max((i for m in parts if (i := layer_index(m + ".")) is not None), default=-1) + 1
     if top > n_layers + nextn or missing and 0 < top < layers:  # the cause of the tensor lines: said first
         out.insert(0, ("model.layers", f"layers 0..{top - 1} are stored, but config.json's num_hidden_layers "
                                        f"({n_layers}) + num_nextn_predict_layers ({nextn}) build layers "
