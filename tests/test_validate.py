@@ -336,6 +336,41 @@ def test_nan_scale(damaged):
     assert failures(rep, "numerics") == [f"{name}: 1 NaN/Inf and 0 zero of 256 scales"]
 
 
+@pytest.mark.parametrize("name, value", [("model.layers.1.input_layernorm.weight", float("nan")),
+                                         ("model.embed_tokens.weight", float("inf")),
+                                         ("model.layers.1.mlp.gate.e_score_correction_bias", float("-inf"))])
+def test_nonfinite_unquantized_tensor(converted, damaged, name, value):
+    """A norm, the embeddings or the router's F32 bias holding NaN/Inf: no scale or matmul check reads them."""
+    shard = shard_of(damaged, name)
+    rewrite_shard(damaged, shard, lambda t: t[name].view(-1).__setitem__(-1, value))
+    last = read_header(damaged / shard)[0][name].shape[0] - 1  # the last element is in the last row
+    for source in (None, converted["glm5"][0]):
+        rep = v.validate(damaged, source)  # with a source the tensor is kept for the comparison: checked there
+        (f,) = rep.checks["numerics"].failures
+        assert f.message.startswith(f"{name}: NaN or Inf in rows [{last}] (") and f.shard == shard
+        assert "numerics" in failed_checks(rep)
+
+
+def test_nonfinite_rows_by_bit_pattern():
+    from glmq.quantize.validate.reading import nonfinite_rows
+
+    for dtype, name in ((torch.bfloat16, "BF16"), (torch.float16, "F16"), (torch.float32, "F32"),
+                        (torch.float64, "F64")):
+        t = torch.randn(5, 7, dtype=torch.float64).to(dtype)
+        assert nonfinite_rows(t.view(-1).view(torch.uint8).numpy(), name, (5, 7)) == []
+        t[1, 3], t[3, 0], t[3, 6] = float("nan"), float("inf"), -float("inf")
+        assert nonfinite_rows(t.view(-1).view(torch.uint8).numpy(), name, (5, 7)) == [1, 3]
+        t = torch.full((), float("nan"), dtype=dtype)
+        assert nonfinite_rows(t.view(-1).view(torch.uint8).numpy(), name, ()) == [0]
+    codes = torch.arange(256, dtype=torch.uint8)  # every e4m3fn code: NaN only at 0x7F and 0xFF
+    assert nonfinite_rows(codes.numpy(), "F8_E4M3", (256,)) == [0x7F, 0xFF]
+    assert nonfinite_rows(codes.numpy(), "F8_E5M2", (256,)) == list(range(0x7C, 0x80)) + list(range(0xFC, 0x100))
+    assert nonfinite_rows(codes.numpy(), "I8", (256,)) == []
+    big = torch.zeros(3 << 20, dtype=torch.bfloat16)  # across the chunk boundary, rows of 1024
+    big[(1 << 20) + 5] = float("nan")
+    assert nonfinite_rows(big.view(torch.uint8).numpy(), "BF16", (3 << 10, 1 << 10)) == [1 << 10]
+
+
 def test_edited_weight_shape(damaged):
     name = f"{EXPERT}.weight_shape"
     rewrite_shard(damaged, shard_of(damaged, name), lambda t: t.__setitem__(name, torch.tensor([256, 256])))

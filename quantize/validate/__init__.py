@@ -9,7 +9,8 @@ Seven checks, each returning a `CheckResult`:
   index      index <-> shard headers, total_size, duplicates.                          checkpoint.py
   serving    vLLM Marlin / Marlin-MoE shape rules at a tensor-parallel degree (formats.md §3a), per
              tensor class; failures make the checkpoint invalid (`serving=False` skips it). serving.py
-  numerics   scales finite and non-zero (every module; full_range writes negative ones); on a deterministic
+  numerics   scales finite and non-zero (every module; full_range writes negative ones); every other floating-point
+             tensor free of NaN and Inf (reading.nonfinite_rows, on the bytes as they are hashed); on a deterministic
              sample of each kind of module, the W4A16 kernel (Triton on CUDA, `kernels/reference.py` on CPU) against a float64
              matmul of the dequantized weight (cpu_kernels.py on CPU).                         numerics.py
   source     (with a source) sampled quantized weights within the RTN bound of the source weights

@@ -19,7 +19,7 @@ from glmq.quantize.validate.checkpoint import load_checkpoint, modules_of
 from glmq.quantize.validate.config import _ct, check_config, group_for, read_quant_config
 from glmq.quantize.validate.integrity import check_integrity, checksum_choice
 from glmq.quantize.validate.numerics import DEFAULT_SAMPLE, ModuleScan, sample_modules, stratum
-from glmq.quantize.validate.reading import ScanStats, scan_shards
+from glmq.quantize.validate.reading import NONFINITE_DTYPES, ScanStats, nonfinite_rows, scan_shards
 from glmq.quantize.validate.report import BeingWritten, CannotValidate, CheckResult, Report
 from glmq.quantize.validate.serving import check_serving
 from glmq.quantize.validate.source import SourceCheck
@@ -78,6 +78,9 @@ def validate(checkpoint: str | Path, source: str | Path | None = None, *, sample
     def sink(name: str, t: torch.Tensor) -> None:
         if name in scan.owner:
             scan.add(name, t)
+        elif (e := entries[name]).dtype in NONFINITE_DTYPES:  # kept for the source check; the scan tests the rest
+            if rows := nonfinite_rows(t.reshape(-1).view(torch.uint8).numpy(), e.dtype, e.shape):
+                scan.nonfinite(e, rows)
         if src is not None and name in src.keep:
             src.compare_tensor(name, t, entries[name].shard)
 
@@ -87,7 +90,7 @@ def validate(checkpoint: str | Path, source: str | Path | None = None, *, sample
     stats = ScanStats()
     with _one_intra_op_thread(), _closing(src):
         hashes, read_errors = scan_shards(ck, scan.keep | (src.keep if src else set()), sink,
-                                          workers or min(8, _cores()), stats, algorithms)
+                                          workers or min(8, _cores()), stats, algorithms, scan.nonfinite)
     t_scan = time.perf_counter()
     ct_import.join()
     try:

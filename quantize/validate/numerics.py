@@ -225,6 +225,15 @@ class ModuleScan:
             self._fail(f"{name}: W4A16 matmul ({path}) relative error {err:.3g} > bound {bound:g} "
                        f"(max|y - ref| / max|ref| against float64)", name, m, err)
 
+    def nonfinite(self, e, rows: list[int]) -> None:
+        """A floating-point tensor no check keeps (a norm, the embeddings, a kept FP8 weight) holds NaN or Inf in `rows`
+        (reading.nonfinite_rows; called from the reader threads)."""
+        with self.lock:
+            self.numerics.fail(f"{e.name}: NaN or Inf in rows {rows[:8]}{' ...' if len(rows) > 8 else ''} ({e.dtype}, "
+                               f"stored as it was read, not quantized): a serving engine would compute with them; "
+                               f"re-convert from a source whose tensor holds numbers", tensor=e.name, shard=e.shard,
+                               value=math.inf)
+
     def _fail(self, message: str, tensor: str, m: Module, value: float) -> None:
         with self.lock:
             self.numerics.fail(message, tensor=tensor, shard=m.shard(), value=value)
