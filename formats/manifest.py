@@ -127,6 +127,8 @@ class Manifest:
             return None
         try:
             d = json.loads(p.read_text())
+            if not isinstance(d, dict):
+                raise TypeError(f"it holds {type(d).__name__}, not an object")
             complete = d.get("complete", False)
             if not isinstance(complete, bool):  # bool("false") is True: a hand-edited record read as finished
                 raise TypeError(f"'complete' is {complete!r}, not true or false")

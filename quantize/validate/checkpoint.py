@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glmq.formats.families import COMPANIONS, INT_LEAVES, TensorClass, classify  # noqa: F401 (re-exported)
-from glmq.formats.manifest import CHECKSUM_KEYS, MANIFEST_NAME, Manifest
+from glmq.formats.manifest import CHECKSUM_KEYS, HEADER_KEY, MANIFEST_NAME, Manifest
 from glmq.formats.safetensors_io import CheckpointError, TensorEntry, read_header
 from glmq.formats.source import INDEX_NAME, SINGLE_NAME
 from glmq.quantize.validate.report import CannotValidate, CheckResult
@@ -77,7 +77,14 @@ def load_checkpoint(root: Path) -> Checkpoint:
     listed = set(weight_map.values()) | ({SINGLE_NAME} if not (root / INDEX_NAME).exists() else set())
     no_index = not (root / INDEX_NAME).exists() and not (root / SINGLE_NAME).exists()  # _read_index's failure says it
     for name in sorted(p.name for p in root.glob("*.safetensors") if p.name not in listed and not no_index):
-        index.warn(f"{name}: a safetensors file the index does not reference (loaders skip it)", shard=name)
+        if name == SINGLE_NAME:  # transformers looks for model.safetensors before the index
+            index.fail(f"{name}: a single-file checkpoint beside {INDEX_NAME}: transformers loads it instead of the "
+                       f"sharded weights the index lists (vLLM loads the index's); remove one of the two", shard=name)
+        elif not (root / INDEX_NAME).exists():  # no index to filter by: vLLM loads every .safetensors file
+            index.fail(f"{name}: a second .safetensors file beside {SINGLE_NAME} and no {INDEX_NAME}: vLLM and SGLang "
+                       f"load every .safetensors file of the folder, this one's tensors too; remove it", shard=name)
+        else:
+            index.warn(f"{name}: a safetensors file the index does not reference (loaders skip it)", shard=name)
     ck = Checkpoint(root, config, config_error, weight_map, shards, starts, index, None)
     try:
         ck.manifest = Manifest.load(root)
@@ -106,6 +113,8 @@ def _manifest_problem(man: Manifest) -> str | None:
             return f"files.{shard}: a checksum record is not an object of tensor -> hex digest"
         if rec.get("bytes") is not None and type(rec["bytes"]) is not int:
             return f"files.{shard}.bytes is not an integer"
+        if rec.get(HEADER_KEY) is not None and not isinstance(rec[HEADER_KEY], str):
+            return f"files.{shard}.{HEADER_KEY} is not a hex digest"
     return None
 
 
@@ -154,6 +163,17 @@ def _read_index(root: Path, res: CheckResult) -> tuple[dict[str, str], int | Non
         return {}, None
     for name in dups:
         res.fail(f"{INDEX_NAME}: tensor {name} is listed more than once", tensor=name)
+    # vLLM and SGLang load the folder's own `*.safetensors` files that the index names (a non-recursive glob): a tensor
+    # placed in a sub-folder, outside the folder or in a file of another suffix is never loaded, so it is not read here
+    # either (the structure check then names it missing); nor is a file outside the checkpoint opened
+    outside = {shard for shard in set(wm.values()) if shard != Path(shard).name or shard in ("", ".", "..")
+               or not shard.endswith(".safetensors")}
+    for shard in sorted(outside):
+        n = sum(v == shard for v in wm.values())
+        res.fail(f"{INDEX_NAME}: places {n} tensor(s) in {shard!r}, not a .safetensors file of the checkpoint's own "
+                 f"folder: vLLM and SGLang never load them; move the file into the folder and name it there",
+                 shard=shard)
+    wm = {k: v for k, v in wm.items() if v not in outside}
     meta = idx.get("metadata") or {}
     total = meta.get("total_size") if isinstance(meta, dict) else None
     if not isinstance(meta, dict) or not (total is None or type(total) is int):
