@@ -505,7 +505,10 @@ def layout_problems(parts: dict[str, set[str]], config: dict, missing: bool = Tr
                                   "uninitialized or refuse the checkpoint): the conversion lost it, or config.json "
                                   "describes another layout"))
     for module, leaves in parts.items():
-        if EXPERT_MODULE.match(module):
+        if EXPERT_MODULE.match(module):  # which experts are stored is `expert_layout_problems`'; their leaves are here
+            out += [(f"{module}.{leaf}", f"{UNKNOWN_TENSOR} in the {family} model config.json describes (an expert "
+                                         f"projection holds a Linear's weight and its quantization companions only; "
+                                         f"vLLM raises KeyError on it)") for leaf in sorted(leaves - _LINEAR_LEAVES)]
             continue
         for leaf in leaves:
             name = f"{module}.{leaf}"

@@ -27,16 +27,31 @@ def _out_file(ctx, param, value):
     if value is not None:
         import os
 
+        if not value:  # `--json "$REPORT"` with the variable unset: no report would be written, and exit 0
+            raise click.BadParameter("an empty file name; give the path of the file to write")
         parent = Path(value).resolve().parent
         if not parent.is_dir():
             raise click.BadParameter(f"{value}: folder {parent} does not exist; create it or choose another path")
         try:  # a name the file system refuses (longer than its limit): refused here too, not after the run
             os.stat(value)
         except FileNotFoundError:
-            pass
+            if not os.access(parent, os.W_OK):  # a read-only mount or folder: refused before the work, not after it
+                raise click.BadParameter(f"{value}: folder {parent} is not writable; choose another path") from None
         except OSError as e:
             raise click.BadParameter(f"{value}: {e.strerror}; choose another path") from e
+        else:
+            if not os.access(value, os.W_OK):
+                raise click.BadParameter(f"{value}: the file is not writable; choose another path")
     return value
+
+
+def _write_out(path: str, text: str, done: str = "") -> None:
+    """Write an output file (--json, --plot's data) at the end of a command; a refusal the option's check could not
+    foresee (a full disk, a mount gone read-only) is exit 2 with one line naming it, not a traceback."""
+    try:
+        Path(path).write_text(text)
+    except OSError as e:
+        _fail(f"{path}: could not be written ({e.strerror or e}); free the space or choose another path{done}", code=2)
 
 
 def _plot_file(ctx, param, value):
@@ -407,7 +422,7 @@ def quantize(ctx, model, recipe, max_shard_size, output, scheme, device, no_prog
 
         click.echo(format_report(report["gptq"]))
     if json_out:
-        Path(json_out).write_text(json.dumps(report, indent=1) + "\n")
+        _write_out(json_out, json.dumps(report, indent=1) + "\n", " (the conversion itself finished)")
 
 
 # `glmq quantize` options that only GPTQ reads (their parameter names), refused with RTN: a user who gives one means
@@ -464,7 +479,7 @@ def plan_cmd(model, recipe, max_shard_size, ranks, device, samples, seq_len, dty
         _fail(e)
     click.echo(estimate.format_summary(summary, figures))
     if json_out:
-        Path(json_out).write_text(json.dumps(summary, indent=1) + "\n")
+        _write_out(json_out, json.dumps(summary, indent=1) + "\n")
 
 
 @main.command("recipes")
@@ -481,7 +496,10 @@ def _could_not_run_report(json_out: str, checkpoint: str | None, error: str) -> 
     """validate's `--json` document for exit 2: it replaces an earlier run's report, which a CI step could read as this
     run's verdict."""
     doc = {"checkpoint": checkpoint, "valid": None, "exit_code": 2, "error": error}
-    Path(json_out).write_text(json.dumps(doc) + "\n")
+    try:
+        Path(json_out).write_text(json.dumps(doc) + "\n")
+    except OSError as e:  # the exit code (2) still says it; an earlier report left in place would not
+        click.secho(f"warning: {json_out}: the report could not be written ({e.strerror or e})", fg="yellow", err=True)
 
 
 def _json_arg(args: list[str]) -> str | None:
@@ -563,7 +581,8 @@ def validate_cmd(checkpoint, source, sample, device, tp, no_serving, json_out, s
         _fail(f"{why}; the traceback is above, please report it. Exit 2: could not run", code=2)
     click.echo(v.format_report(report))
     if json_out:
-        Path(json_out).write_text(json.dumps(report.to_dict(), indent=1) + "\n")
+        _write_out(json_out, json.dumps(report.to_dict(), indent=1) + "\n",
+                   ". The checks ran (the table above), but without the report: exit 2, could not run")
     sys.exit(report.exit_code)
 
 
@@ -594,7 +613,7 @@ def eval_cmd(source, quantized, text, seq_len, windows, json_out, plot, trust_re
 
     click.echo(format_table(result))
     if json_out:
-        Path(json_out).write_text(json.dumps(json_ready(result), indent=1, allow_nan=False) + "\n")
+        _write_out(json_out, json.dumps(json_ready(result), indent=1, allow_nan=False) + "\n")
     if plot:
         note = plot_layer_errors(result, plot)
         click.echo(note or f"plot written to {plot}")

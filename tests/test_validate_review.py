@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -71,9 +72,31 @@ def test_symmetric_as_a_string_fails_config(ckpt):
     qc = json.loads((ckpt / "config.json").read_text())["quantization_config"]
     assert ct.QuantizationConfig.model_validate(qc).config_groups["group_0"].weights.symmetric is False
     rep = v.validate(ckpt)
-    assert rep.exit_code == 1 and "config" in {k for k, c in rep.checks.items() if c.status is v.Status.FAIL}
-    assert any(m.startswith("config.json: quantization_config.config_groups.group_0.weights.symmetric is 'false'")
-               for m in messages(rep, "config"))
+    # read as loaders read it (asymmetric), with a note; the symmetric tensors then fail as asymmetric ones
+    assert rep.exit_code == 1
+    (w,) = rep.checks["config"].warnings
+    assert w.message.startswith("config.json: quantization_config.config_groups.group_0.weights.symmetric is 'false', "
+                                "not a JSON boolean: compressed-tensors ") and w.message.endswith(
+        "(so vLLM and SGLang) reads it as false, as this check does; write false")
+    assert "model.layers.1.mlp.experts.0.down_proj.weight_zero_point is missing (group_0 promises it)" in \
+        messages(rep, "structure")
+
+
+@pytest.mark.parametrize("key, value, read", [("num_bits", "4", 4), ("num_bits", 4.0, 4), ("group_size", 128.0, 128),
+                                             ("symmetric", "true", True)])
+def test_a_value_compressed_tensors_converts_is_read_as_converted_with_a_warning(ckpt, key, value, read):
+    """vLLM and SGLang read the args with compressed-tensors (pydantic, lax): "4" is 4. validate dropped the group
+    and failed every module as "stored pack-quantized but no INT config group targets it"."""
+    from glmq.formats import compressed_tensors as ct
+
+    edit_qc(ckpt, lambda qc: weights(qc).__setitem__(key, value))
+    qc = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    assert getattr(ct.QuantizationConfig.model_validate(qc).config_groups["group_0"].weights, key) == read
+    rep = v.validate(ckpt)
+    assert rep.exit_code == 0, v.format_report(rep)
+    (w,) = rep.checks["config"].warnings
+    assert w.message.startswith(f"config.json: quantization_config.config_groups.group_0.weights.{key} is {value!r}, "
+                                f"not a JSON ") and w.message.endswith(f"write {json.dumps(read)}")
 
 
 @pytest.mark.parametrize("key, edit", [
@@ -374,8 +397,10 @@ def test_a_channel_or_string_group_size_config_is_named_as_it_is(ckpt, outputs, 
     other = Path(shutil.copytree(outputs["g128"], tmp_path / "s"))
     edit_qc(other, lambda qc: weights(qc).__setitem__("group_size", "128"))
     rep = v.validate(other)
-    assert rep.exit_code == 1 and any("group_size '128': not a pack-quantized layout" in f.message
-                                      for c in rep.checks.values() for f in c.failures), v.format_report(rep)
+    # compressed-tensors 0.19's own validator compares the string with an int: refused, though pydantic would convert
+    assert rep.exit_code == 1 and any(f.message.startswith(
+        "config.json: quantization_config.config_groups.group_0.weights.group_size is '128', not a JSON integer, and "
+        "compressed-tensors") for f in rep.checks["config"].failures), v.format_report(rep)
 
 
 def test_shards_without_their_index_are_one_index_failure(ckpt):
@@ -389,3 +414,119 @@ def test_shards_without_their_index_are_one_index_failure(ckpt):
     assert "no model.safetensors.index.json, though 20 .safetensors file(s) are here" in failure.message
     assert not rep.checks["index"].warnings and not rep.checks["structure"].failures
     assert rep.checks["integrity"].skipped and "see index" in rep.checks["integrity"].skipped
+
+
+# ------------------------------------------------- session 43: what a probe of validate found (each failed before)
+@pytest.mark.parametrize("doc", ["null", "[]", '"x"', "4"])
+def test_a_manifest_that_is_json_but_not_an_object_fails_integrity(ckpt, doc):
+    """`null` in glmq_manifest.json raised AttributeError: exit 2, "failed unexpectedly, please report it"."""
+    (ckpt / "glmq_manifest.json").write_text(doc)
+    rep = v.validate(ckpt)
+    assert rep.exit_code == 1
+    (f,) = rep.checks["integrity"].failures
+    assert "unreadable glmq manifest (it holds" in f.message and "not an object" in f.message
+
+
+@pytest.mark.parametrize("value", [5, {"a": 1}, ["x"]])
+def test_a_header_checksum_that_is_not_a_string_fails_integrity(ckpt, value):
+    """A file record's header_xxh3_128 was sliced as a string: TypeError, exit 2."""
+    man = json.loads((ckpt / "glmq_manifest.json").read_text())
+    shard = sorted(man["files"])[0]
+    man["files"][shard]["header_xxh3_128"] = value
+    (ckpt / "glmq_manifest.json").write_text(json.dumps(man))
+    rep = v.validate(ckpt)
+    assert rep.exit_code == 1
+    assert any(f"files.{shard}.header_xxh3_128 is not a hex digest" in f.message
+               for f in rep.checks["integrity"].failures), v.format_report(rep)
+
+
+def test_json_report_that_cannot_be_written_is_exit_2(ckpt, tmp_path, monkeypatch):
+    """A --json target refused at the end (a full disk, a read-only mount) gave a traceback and exit 1 ("invalid")
+    after a valid verdict; an empty name wrote nothing and exited 0; an unwritable folder is refused up front."""
+    import errno
+    import os
+
+    r = CliRunner().invoke(main, ["validate", str(ckpt), "--json", ""])
+    assert r.exit_code == 2 and "an empty file name" in r.output
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real_access(p, mode))
+    r = CliRunner().invoke(main, ["validate", str(ckpt), "--json", str(tmp_path / "r.json")])
+    assert r.exit_code == 2 and "is not writable" in r.output, r.output
+    monkeypatch.setattr(os, "access", real_access)
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full)
+    r = CliRunner().invoke(main, ["validate", str(ckpt), "--json", str(tmp_path / "r.json")])
+    assert r.exit_code == 2, r.output
+    assert "verdict: VALID" in r.output and "could not be written (No space left on device)" in r.output
+    r = CliRunner().invoke(main, ["validate", str(tmp_path / "nothing"), "--json", str(tmp_path / "r.json")])
+    assert r.exit_code == 2 and "the report could not be written" in r.output, r.output
+
+
+def test_a_stray_tensor_on_an_expert_projection_fails_structure(ckpt):
+    """Dense modules' unknown leaves failed; an expert's passed (vLLM maps experts.3.down_proj.g_idx to w2_g_idx, which
+    it has no parameter for, and raises KeyError)."""
+    name = "model.layers.1.mlp.experts.3.down_proj"
+    shard = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"][f"{name}.weight_packed"]
+    rewrite(ckpt, shard, lambda t: t.update({f"{name}.g_idx": torch.zeros(128, dtype=torch.int32),
+                                            f"{name}.weight_scale_2": torch.ones(1)}))
+    rep = v.validate(ckpt)
+    msgs = messages(rep, "structure")
+    for leaf in ("g_idx", "weight_scale_2"):
+        assert any(m.startswith(f"{name}.{leaf}: has no parameter") for m in msgs), msgs
+
+
+def test_an_index_entry_outside_the_folder_fails_and_is_not_read(ckpt, tmp_path):
+    """A shard named `sub/x.safetensors` or `../x.safetensors` was read and passed; vLLM's non-recursive glob never
+    loads it."""
+    idx_path = ckpt / "model.safetensors.index.json"
+    idx = json.loads(idx_path.read_text())
+    shard = sorted(set(idx["weight_map"].values()))[0]
+    (ckpt / "sub").mkdir()
+    (ckpt / shard).rename(ckpt / "sub" / shard)
+    idx["weight_map"] = {k: (f"sub/{s}" if s == shard else s) for k, s in idx["weight_map"].items()}
+    idx_path.write_text(json.dumps(idx))
+    (ckpt / "glmq_manifest.json").unlink()
+    rep = v.validate(ckpt)
+    assert rep.exit_code == 1
+    assert any(m.startswith(f"model.safetensors.index.json: places ") and f"in 'sub/{shard}', not a .safetensors file "
+               f"of the checkpoint's own folder" in m for m in messages(rep, "index")), v.format_report(rep)
+    assert any("is missing" in m for m in messages(rep, "structure"))
+
+
+def test_a_second_weight_file_that_loaders_would_read_fails_the_index(ckpt, tmp_path):
+    """A model.safetensors beside the index (transformers loads it instead), and a second file beside a single
+    model.safetensors with no index (vLLM loads every file), were warned as "loaders skip it"."""
+    shard = sorted(p.name for p in ckpt.glob("model-*.safetensors"))[0]
+    shutil.copy(ckpt / shard, ckpt / "model.safetensors")
+    rep = v.validate(ckpt)
+    assert any(m.startswith("model.safetensors: a single-file checkpoint beside model.safetensors.index.json: "
+                            "transformers loads it") for m in messages(rep, "index")), v.format_report(rep)
+    single = tmp_path / "single"
+    single.mkdir()
+    tensors = {}
+    for p in sorted(ckpt.glob("model-*.safetensors")):
+        with safe_open(str(p), "pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})
+    save_file(tensors, str(single / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(ckpt / "config.json", single / "config.json")
+    assert v.validate(single).exit_code == 0
+    shutil.copy(ckpt / shard, single / "extra.safetensors")
+    rep = v.validate(single)
+    assert rep.exit_code == 1 and any(m.startswith("extra.safetensors: a second .safetensors file beside "
+                                                   "model.safetensors and no model.safetensors.index.json")
+                                      for m in messages(rep, "index")), v.format_report(rep)
+
+
+def rewrite(root: Path, shard: str, edit) -> None:
+    """Load a shard, let `edit(dict)` change it, save it back, and put its tensors in the index."""
+    with safe_open(str(root / shard), "pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    edit(t)
+    save_file(t, str(root / shard), metadata={"format": "pt"})
+    idx = json.loads((root / "model.safetensors.index.json").read_text())
+    idx["weight_map"].update({k: shard for k in t})
+    idx["metadata"].pop("total_size", None)
+    (root / "model.safetensors.index.json").write_text(json.dumps(idx))

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from glmq.quantize.validate.report import CheckResult
 
@@ -41,6 +42,7 @@ class QuantConfig:
     groups: list[Group]
     ignore: list[str]
     problems: list[str]
+    notes: list[tuple[str, object, object]] = field(default_factory=list)  # (key, as stored, as read): `_lax`
 
 
 def read_quant_config(config: dict | None, error: str | None) -> QuantConfig:
@@ -55,13 +57,32 @@ def read_quant_config(config: dict | None, error: str | None) -> QuantConfig:
     problems = [f"quantization_config.{key} is {qc.get(key)!r}, expected {' or '.join(map(repr, ok))}"
                 for key, ok in expect.items() if qc.get(key) not in ok]
     top_format = qc.get("format") if isinstance(qc.get("format"), str) else None
-    groups = _parse_groups(qc.get("config_groups") or {}, top_format, problems)
+    notes: list[tuple[str, object, object]] = []
+    groups = _parse_groups(qc.get("config_groups") or {}, top_format, problems, notes)
     ignore = qc.get("ignore") or []
     if not (isinstance(ignore, list) and all(isinstance(p, str) for p in ignore)):
         problems.append("quantization_config.ignore is not a list of strings")
         ignore = []
     ignore = _valid_patterns(ignore, f"{_WHERE}.ignore", problems)
-    return QuantConfig(qc, groups, ignore, problems)
+    return QuantConfig(qc, groups, ignore, problems, notes)
+
+
+def _lax(args: dict, key: str, kind: type, where: str, notes: list):
+    """`args[key]` as pydantic's lax mode, which compressed-tensors' QuantizationArgs uses, reads it (as vLLM and
+    SGLang do): "4" or 4.0 for num_bits is 4, "false" for symmetric is false. A value it converts is taken as converted
+    and noted (`check_config` warns, or fails where compressed-tensors' own validators refuse it after all, as 0.19
+    does a string group_size); one it refuses is returned unchanged (the checks then name it)."""
+    value = args.get(key)
+    if value is None or type(value) is kind:
+        return value
+    from pydantic import TypeAdapter, ValidationError  # compressed-tensors' own dependency; only on this rare path
+
+    try:
+        got = TypeAdapter(kind).validate_python(value)
+    except ValidationError:
+        return value
+    notes.append((f"{where}.{key}", value, got))
+    return got
 
 
 def _valid_patterns(patterns: list[str], where: str, problems: list[str]) -> list[str]:
@@ -95,9 +116,19 @@ def check_config(q: QuantConfig) -> CheckResult:
     ct = _ct()
     try:
         ct.QuantizationConfig.model_validate(q.qc)
+        parsed = True
     except (ValueError, TypeError) as e:
+        parsed = False
         res.fail(f"quantization_config does not parse with compressed-tensors {ct.CT_VERSION}: "
                  + " | ".join(str(e).splitlines()[:3]))
+    for key, value, got in q.notes:
+        kind = "boolean" if isinstance(got, bool) else "integer"
+        if parsed:
+            res.warn(f"{key} is {value!r}, not a JSON {kind}: compressed-tensors {ct.CT_VERSION} (so vLLM and SGLang) "
+                     f"reads it as {json.dumps(got)}, as this check does; write {json.dumps(got)}")
+        else:
+            res.fail(f"{key} is {value!r}, not a JSON {kind}, and compressed-tensors {ct.CT_VERSION} refuses the "
+                     f"config (above); write {json.dumps(got)}")
     for gname, g in groups.items():
         if not isinstance(g, dict):
             continue  # the parse reported it
@@ -123,7 +154,7 @@ def check_config(q: QuantConfig) -> CheckResult:
     return res
 
 
-def _parse_groups(groups: dict, top_format: str | None, problems: list[str]) -> list[Group]:
+def _parse_groups(groups: dict, top_format: str | None, problems: list[str], notes: list[str]) -> list[Group]:
     """The groups glmq validates; what is malformed (a type a loader would reject) goes to `problems`."""
     if not isinstance(groups, dict):
         problems.append(f"{_WHERE}.config_groups is {groups!r:.60}, not a mapping of group name -> scheme; fix "
@@ -147,6 +178,7 @@ def _parse_groups(groups: dict, top_format: str | None, problems: list[str]) -> 
         targets = tuple(_valid_patterns(raw_targets, f"{where}.targets", problems))
         if w.get("type") == "float" and fmt == "float-quantized":
             bs, bits = w.get("block_structure"), w.get("num_bits", 8)
+            bits = 8 if "num_bits" not in w else _lax(w, "num_bits", int, f"{where}.weights", notes)
             if not (bs is None or (isinstance(bs, list) and len(bs) == 2 and all(type(b) is int and b > 0 for b in bs))
                     ) or type(bits) is not int:
                 problems.append(f"{where}.weights: num_bits {bits!r}, block_structure {bs!r}: not an FP8 layout "
@@ -158,25 +190,25 @@ def _parse_groups(groups: dict, top_format: str | None, problems: list[str]) -> 
             problems.append(f"config_groups.{gname}: weights type {w.get('type')!r} with format {fmt!r}; glmq "
                             f"validates INT pack-quantized and FP8 float-quantized groups")
             continue
-        strategy, gs = w.get("strategy"), w.get("group_size")
-        bits = w.get("num_bits")
+        strategy = w.get("strategy")
+        gs, bits = (_lax(w, key, int, f"{where}.weights", notes) for key in ("group_size", "num_bits"))
         if type(bits) is not int or bits not in (4, 8) or strategy not in ("group", "channel") or (
                 strategy == "group" and not (type(gs) is int and gs > 0)):
             problems.append(f"config_groups.{gname}.weights: num_bits {bits!r}, strategy {strategy!r}, "
                             f"group_size {gs!r}: not a pack-quantized layout (4/8 bits; group with a size, or channel)")
             continue
-        symmetric = w.get("symmetric", True)
-        if type(symmetric) is not bool:  # bool("false") is True; compressed-tensors (so vLLM/SGLang) reads False
-            problems.append(f"{where}.weights.symmetric is {symmetric!r}, not a JSON boolean: vLLM and SGLang "
-                            f"parse it with compressed-tensors, which reads \"false\" as false; write true or false")
+        symmetric = True if "symmetric" not in w else _lax(w, "symmetric", bool, f"{where}.weights", notes)
+        if type(symmetric) is not bool:  # (bool("x") is True: never read it with Python's bool)
+            problems.append(f"{where}.weights.symmetric is {symmetric!r}, not a boolean compressed-tensors (so vLLM "
+                            f"and SGLang) can read; write true or false")
         # vLLM's WNA16 (Marlin) schemes take static weights and no activation quantization (formats.md §3a)
         if g.get("input_activations") is not None:
             problems.append(f"{where}.input_activations is {g['input_activations']!r:.80}: a W4A16 group quantizes "
                             f"no activations, and vLLM picks no WNA16 (Marlin) scheme for it; set it to null")
-        if w.get("dynamic", False) is not False:
+        if "dynamic" in w and _lax(w, "dynamic", bool, f"{where}.weights", notes) is not False:
             problems.append(f"{where}.weights.dynamic is {w.get('dynamic')!r}: pack-quantized weights are static, and "
                             f"vLLM picks no WNA16 (Marlin) scheme for dynamic ones; set it to false")
-        out.append(Group(gname, targets, "int", int(w["num_bits"]), gs if strategy == "group" else None,
+        out.append(Group(gname, targets, "int", bits, gs if strategy == "group" else None,
                          bool(symmetric), w.get("actorder")))
     return out
 
