@@ -503,6 +503,17 @@ def test_no_card_writes_no_readme(ckpt, hub):
     assert not (ckpt / "README.md").exists() and [c[0] for c in hub][0] == "create_repo"
 
 
+def test_card_options_without_a_card_are_refused_or_warned(ckpt, hub):
+    """--license and --base-model only fill the card: with --no-card they were dropped unsaid (exit 0)."""
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--dry-run", "--no-card", "--license", "mit",
+            "--base-model", "a/b")
+    assert r.exit_code == 2 and "--license and --base-model go into the model card's metadata only" in r.output
+    assert not hub
+    (ckpt / "README.md").write_text("# my own card\n")
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--dry-run", "--license", "mit")
+    assert r.exit_code == 0 and "; --license reaches the Hub only through that card" in r.output, r.output
+
+
 def test_eval_report_from_the_folder_or_the_option(ckpt, hub, tmp_path):
     (ckpt / "glmq_eval.json").write_text(json.dumps(EVAL))
     r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--dry-run")
