@@ -227,6 +227,10 @@ def test_int8_rtn_output_passes_the_source_check(make_ckpt, tmp_path, symmetric)
     rep = v.validate(tmp_path / "out", source=src, sample=1.0, serving=False)
     res = rep.checks["source"]
     assert res.status is v.Status.PASS and res.checked > 0, v.format_report(rep)
+    # no kernel multiplies INT8 weights here: said, not passed as "0 checked" (session 43)
+    num = rep.checks["numerics"]
+    assert num.checked == 0 and num.details["unchecked_int8"] > 0 and num.status is v.Status.WARN
+    assert "sampled INT8 module(s)" in num.warnings[0].message
     # int4's bounds as before (1/2 + 1/16, 1/2 + 1/8); int8's 1/2 + 1 and 1/2 + 2
     bounds = (v.rtn_bound_steps(symmetric, 4), v.rtn_bound_steps(symmetric, 8))
     assert bounds == ((0.5625, 1.5) if symmetric else (0.625, 2.5))
