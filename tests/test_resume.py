@@ -363,7 +363,7 @@ def test_a_manifest_record_outside_the_plan_deletes_nothing(make_ckpt, tmp_path)
     (out / "glmq_manifest.json").write_text(json.dumps(man))
     report = stream.run(plan, out, progress=False)
     assert victim.read_text() == "keep me"
-    assert report["files_skipped_resumed"] == len(plan.files)
+    assert report["rechecks"][-1]["files_rechecked"] == len(plan.files)  # nothing converted again
     assert set(json.loads((out / "glmq_manifest.json").read_text())["files"]) == {f.name for f in plan.files}
 
 
@@ -523,3 +523,23 @@ def test_what_the_resume_check_says_of_older_and_foreign_manifests(make_ckpt, tm
                                                r".* holds other data than rank 0's \(7 shard\(s\) differ\)"):
         prepare_output(make_plan(open_source(other), recipes.load("int4-w4a16"), 300_000), out, OutputLock(out), world)
     prepare_output(plan, out, OutputLock(out), world)  # the same source: fine
+
+
+def test_a_rerun_of_a_finished_folder_keeps_the_conversions_report(make_ckpt, tmp_path):
+    """Re-running a finished conversion (README: it re-checks and repairs) replaced glmq_report.json with its own
+    figures: 0 bytes processed, its seconds and peak memory, which `glmq upload` then published as the conversion's."""
+    import json
+
+    src = make_ckpt("glm_moe_dsa", "fp8-block")
+    plan = make_plan(open_source(src), recipes.load("int4-w4a16"), 300_000)
+    out = tmp_path / "out"
+    first = stream.run(plan, out, progress=False)
+    again = stream.run(plan, out, progress=False)
+    stored = json.loads((out / REPORT_NAME).read_text())
+    assert stored == again
+    assert {k: v for k, v in stored.items() if k != "rechecks"} == json.loads(json.dumps(first))
+    (check,) = stored["rechecks"]
+    assert check["files_rechecked"] == len(plan.files) and check["seconds"] > 0
+    (out / next(iter(json.loads((out / "glmq_manifest.json").read_text())["files"]))).unlink()
+    repaired = stream.run(plan, out, progress=False)  # a file converted again: this run's figures
+    assert repaired["files_skipped_resumed"] == len(plan.files) - 1 and "rechecks" not in repaired
