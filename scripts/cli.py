@@ -29,6 +29,9 @@ def _out_file(ctx, param, value):
 
         if not value:  # `--json "$REPORT"` with the variable unset: no report would be written, and exit 0
             raise click.BadParameter("an empty file name; give the path of the file to write")
+        if value == "-":  # not standard output: the terminal report goes there; a file named "-" would be a surprise
+            raise click.BadParameter("- (standard output) is not supported: the terminal report goes there; give a "
+                                     "file path, e.g. report.json (then `cat report.json`)")
         parent = Path(value).resolve().parent
         if not parent.is_dir():
             raise click.BadParameter(f"{value}: folder {parent} does not exist; create it or choose another path")

@@ -452,6 +452,8 @@ def test_json_report_that_cannot_be_written_is_exit_2(ckpt, tmp_path, monkeypatc
 
     r = CliRunner().invoke(main, ["validate", str(ckpt), "--json", ""])
     assert r.exit_code == 2 and "an empty file name" in r.output
+    r = CliRunner().invoke(main, ["validate", str(ckpt), "--json", "-"])  # wrote a file named "-"
+    assert r.exit_code == 2 and "- (standard output) is not supported" in r.output and not Path("-").exists()
     real_access = os.access
     monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real_access(p, mode))
     r = CliRunner().invoke(main, ["validate", str(ckpt), "--json", str(tmp_path / "r.json")])
