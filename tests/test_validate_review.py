@@ -497,7 +497,7 @@ def test_an_index_entry_outside_the_folder_fails_and_is_not_read(ckpt, tmp_path)
     (ckpt / "glmq_manifest.json").unlink()
     rep = v.validate(ckpt)
     assert rep.exit_code == 1
-    assert any(m.startswith(f"model.safetensors.index.json: places ") and f"in 'sub/{shard}', not a .safetensors file "
+    assert any(m.startswith("model.safetensors.index.json: places ") and f"in 'sub/{shard}', not a .safetensors file "
                f"of the checkpoint's own folder" in m for m in messages(rep, "index")), v.format_report(rep)
     assert any("is missing" in m for m in messages(rep, "structure"))
 
