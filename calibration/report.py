@@ -115,6 +115,14 @@ def mtp_note(plan: Plan) -> dict:
                    "targets are round-to-nearest by the streaming engine"}
 
 
+_SHOWN = 20  # entries of each list the terminal shows; the report's JSON holds them all
+
+
+def _more(items: list) -> str:
+    """The line that says a list was cut on the terminal, or ""."""
+    return f"\n  ... and {len(items) - _SHOWN} more (glmq_report.json lists them all)" if len(items) > _SHOWN else ""
+
+
 def format_report(rep: dict) -> str:
     """Human-readable tables of the "gptq" section."""
     lines = [f"GPTQ calibration: {rep['calibration_tokens']} tokens, {rep['seconds']:.1f} s, "
@@ -141,22 +149,24 @@ def format_report(rep: dict) -> str:
                          f"{t['seconds']:.1f} s"
                          + (f"; routed experts not tuned: {t['experts_not_tuned']}" if t.get("experts_not_tuned") else ""))
     cov = rep["expert_coverage"]
-    lines.append(f"experts under {cov['min_expert_tokens']} tokens: {len(cov['under_covered'])}"
+    under = cov["under_covered"]
+    lines.append(f"experts under {cov['min_expert_tokens']} tokens: {len(under)}"
                  + "".join(f"\n  layer {u['layer']} expert {u['expert']}: {u['tokens']} tokens -> {u['hessian']}"
-                           for u in cov["under_covered"][:20]))
+                           for u in under[:_SHOWN]) + _more(under))
     unreached = cov.get("unreached", [])
-    listed = {(u["layer"], u["expert"]) for u in cov["under_covered"][:20]}
+    listed = {(u["layer"], u["expert"]) for u in under[:_SHOWN]}
     rest = [u for u in unreached if (u["layer"], u["expert"]) not in listed]  # with the default threshold 1: none
     lines.append(f"experts no calibration token reached: {len(unreached)}"
-                 + (" (listed above)" if unreached and not rest else "")
-                 + "".join(f"\n  layer {u['layer']} expert {u['expert']}" for u in rest[:20]))
+                 + (" (listed above)" if unreached and not rest else
+                    f" ({len(unreached) - len(rest)} listed above)" if len(rest) < len(unreached) else "")
+                 + "".join(f"\n  layer {u['layer']} expert {u['expert']}" for u in rest[:_SHOWN]) + _more(rest))
     zeroed = rep.get("zeroed_columns", [])
     if zeroed:
         lines.append(f"tensors with input channels 0 in every calibration token (their weights zeroed, as reference "
                      f"GPTQ does; other calibration text may reach them): {len(zeroed)}" + "".join(
-                         f"\n  {z['module']}: {z['columns']} channels" for z in zeroed[:20]))
+                         f"\n  {z['module']}: {z['columns']} channels" for z in zeroed[:_SHOWN]) + _more(zeroed))
     lines.append(f"fallbacks: {len(rep['fallbacks'])}" + "".join(
-        f"\n  {f['module']}: {f['reason']}" for f in rep["fallbacks"][:20]))
+        f"\n  {f['module']}: {f['reason']}" for f in rep["fallbacks"][:_SHOWN]) + _more(rep["fallbacks"]))
     mtp = rep["mtp"]
     if mtp["tensors"]:
         lines.append(f"MTP layer(s) {mtp['layers']}: {mtp['tensors']} tensors round-to-nearest ({mtp['why']})")

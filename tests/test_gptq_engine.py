@@ -798,3 +798,22 @@ def test_states_of_another_number_of_processes_are_deleted(tmp_path, caplog):
     (off / "rank-00003" / OWNER_NAME).write_text(_json.dumps({"output": "/elsewhere/out"}))  # another output's
     _Run._drop_stale_states(single, off, own=False)  # this run offloads nowhere: the old folder is stale
     assert not (off / "rank-00001").exists() and len(list((off / "rank-00003").iterdir())) == 3
+
+
+def test_the_terminal_report_says_where_it_cut_a_list():
+    """More than 20 under-covered experts: the terminal showed 20 and dropped the rest unsaid, and the unreached
+    list left out those already shown without a count (a probe: 31 under-covered, 4 of them nowhere on screen)."""
+    from glmq.calibration.report import format_report
+
+    under = [{"layer": 1 + i // 16, "expert": i % 16, "tokens": i % 2, "hessian": "all_tokens"} for i in range(31)]
+    unreached = [{"layer": u["layer"], "expert": u["expert"]} for u in under if not u["tokens"]]  # 16, 11 shown
+    rep = {"calibration_tokens": 8, "seconds": 1.0, "peak_rss_bytes": 1e9, "resumed_from_layer": None, "layers": [],
+           "by_class": {}, "fallbacks": [{"module": f"m{i}", "reason": "empty_hessian"} for i in range(21)],
+           "expert_coverage": {"min_expert_tokens": 3, "under_covered": under, "unreached": unreached},
+           "mtp": {"tensors": 0}}
+    text = format_report(rep)
+    assert "experts under 3 tokens: 31" in text and "\n  ... and 11 more (glmq_report.json lists them all)" in text
+    assert "experts no calibration token reached: 16 (10 listed above)" in text
+    assert "\n  ... and 1 more (glmq_report.json lists them all)" in text  # the 21st fallback
+    shown = [ln for ln in text.splitlines() if ln.startswith("  layer ")]
+    assert len(shown) == 20 + 6  # 20 under-covered, then the 6 unreached not among them
