@@ -364,8 +364,10 @@ def _run(plan: Plan, out: Path, lock: OutputLock, device: str, progress: bool, q
         report["rss_at_start_bytes"] = rss_start  # after imports (and the CUDA context), before any data
         report.update(extra_report or {})
         if not todo and (kept := _recheck_of(out, report)) is not None:
-            report = kept
-        atomic_write_text(out / REPORT_NAME, json.dumps(report, indent=1) + "\n")
+            atomic_write_text(out / REPORT_NAME, json.dumps(kept, indent=1) + "\n")
+            report["report_kept"] = f"{REPORT_NAME} keeps the conversion's figures; this re-check is in its rechecks"
+        else:
+            atomic_write_text(out / REPORT_NAME, json.dumps(report, indent=1) + "\n")
     return report if world is None else world.broadcast(report, "final report")
 
 
@@ -380,10 +382,11 @@ RECHECKS_KEPT = 10  # re-runs of a finished folder a report lists
 
 
 def _recheck_of(out: Path, report: dict) -> dict | None:
-    """A re-run that converted nothing (every file was already written; it re-checked the folder and re-wrote the
-    index, config.json and side files) keeps the conversion's report, whose time, throughput and peak memory are
-    the figures that describe the checkpoint (`glmq upload` publishes them), and adds itself to its "rechecks";
-    None when there is no readable earlier report, which this run's then replaces."""
+    """The folder's report to store after a re-run that converted nothing (every file was already written; it
+    re-checked the folder and re-wrote the index, config.json and side files): the conversion's, whose time,
+    throughput and peak memory are the figures that describe the checkpoint (`glmq upload` publishes them), with this
+    run added to its "rechecks". None when there is no readable earlier report, which this run's then replaces. (The
+    run itself still returns, prints and writes to --json its own figures.)"""
     try:
         old = json.loads((out / REPORT_NAME).read_text())
     except (OSError, ValueError):
