@@ -154,7 +154,7 @@ def check_config(q: QuantConfig) -> CheckResult:
     return res
 
 
-def _parse_groups(groups: dict, top_format: str | None, problems: list[str], notes: list[str]) -> list[Group]:
+def _parse_groups(groups: dict, top_format: str | None, problems: list[str], notes: list) -> list[Group]:
     """The groups glmq validates; what is malformed (a type a loader would reject) goes to `problems`."""
     if not isinstance(groups, dict):
         problems.append(f"{_WHERE}.config_groups is {groups!r:.60}, not a mapping of group name -> scheme; fix "
@@ -177,7 +177,7 @@ def _parse_groups(groups: dict, top_format: str | None, problems: list[str], not
             continue
         targets = tuple(_valid_patterns(raw_targets, f"{where}.targets", problems))
         if w.get("type") == "float" and fmt == "float-quantized":
-            bs, bits = w.get("block_structure"), w.get("num_bits", 8)
+            bs = w.get("block_structure")
             bits = 8 if "num_bits" not in w else _lax(w, "num_bits", int, f"{where}.weights", notes)
             if not (bs is None or (isinstance(bs, list) and len(bs) == 2 and all(type(b) is int and b > 0 for b in bs))
                     ) or type(bits) is not int:
