@@ -363,11 +363,10 @@ def _run(plan: Plan, out: Path, lock: OutputLock, device: str, progress: bool, q
         report["stage_busy_seconds"] = {k: round(v, 3) for k, v in busy.items()}
         report["rss_at_start_bytes"] = rss_start  # after imports (and the CUDA context), before any data
         report.update(extra_report or {})
-        if not todo and (kept := _recheck_of(out, report)) is not None:
-            atomic_write_text(out / REPORT_NAME, json.dumps(kept, indent=1) + "\n")
+        kept = None if todo else _recheck_of(out, report)
+        atomic_write_text(out / REPORT_NAME, json.dumps(report if kept is None else kept, indent=1) + "\n")
+        if kept is not None:
             report["report_kept"] = f"{REPORT_NAME} keeps the conversion's figures; this re-check is in its rechecks"
-        else:
-            atomic_write_text(out / REPORT_NAME, json.dumps(report, indent=1) + "\n")
     return report if world is None else world.broadcast(report, "final report")
 
 
