@@ -191,7 +191,7 @@ def check_arguments(o: UploadOptions) -> Path:
     if o.license is not None and not _LICENSE.fullmatch(o.license):  # the Hub refused it after the card was written
         raise UploadError(f"--license {o.license!r}: not a Hub license id (lowercase letters, digits, '.', '-', '+'; "
                           f"e.g. mit, apache-2.0, cc-by-4.0, or other for a license the Hub does not list)", 2)
-    card_only = [flag for flag, value in (("--license", o.license), ("--base-model", o.base_model)) if value is not None]
+    card_only = _card_only_flags(o)
     if o.no_card and card_only:  # they only fill the card's metadata: with no card they would be dropped unsaid
         raise UploadError(f"{' and '.join(card_only)} go into the model card's metadata only, and --no-card writes "
                           f"none; drop {'them' if len(card_only) > 1 else 'it'}, or drop --no-card", 2)
@@ -349,6 +349,11 @@ def make_card(folder: Path, o: UploadOptions, validation: dict, evaluation: dict
     return build_card(inp)
 
 
+def _card_only_flags(o: UploadOptions) -> list[str]:
+    """The options given that only fill the generated card's metadata."""
+    return [flag for flag, value in (("--license", o.license), ("--base-model", o.base_model)) if value is not None]
+
+
 def card_action(folder: Path, no_card: bool) -> str:
     """"write" the card as README.md, "keep" a README.md glmq did not write, or "none" (--no-card)."""
     from glmq.formats.model_card import is_glmq_card
@@ -504,7 +509,7 @@ def upload(o: UploadOptions) -> None:
     card = make_card(folder, o, gate(folder, o), evaluation)
     action = card_action(folder, o.no_card)
     if action == "keep":
-        dropped = [flag for flag, value in (("--license", o.license), ("--base-model", o.base_model)) if value]
+        dropped = _card_only_flags(o)
         click.secho(f"warning: keeping {folder / README}: glmq did not write it, so the generated card is not "
                     f"written (merge it by hand; --dry-run prints it)"
                     + (f"; {' and '.join(dropped)} reach{'' if len(dropped) > 1 else 'es'} the Hub only through that "
