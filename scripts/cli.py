@@ -529,10 +529,7 @@ class _ValidateCommand(click.Command):
         except click.UsageError as e:
             json_out = _json_arg(raw)
             if json_out and json_out != "-" and Path(json_out).resolve().parent.is_dir():
-                try:
-                    _could_not_run_report(json_out, None, e.format_message())
-                except OSError:
-                    pass  # the path itself is what click refused (e.g. a name too long): its message says so
+                _could_not_run_report(json_out, None, e.format_message())
             raise
 
 
