@@ -350,8 +350,7 @@ class _Run:
                  "identity_sha256": hashlib.sha256(ident.read_bytes()).hexdigest() if ident.exists() else None}
         old = _owner(self.act_dir)
         if old != owner:
-            stale = [p.name for p in self.act_dir.iterdir() if p.name.startswith(STATE_PREFIXES)]
-            if stale:
+            if _state_files(self.act_dir):
                 log.warning("%s: hidden states of another run (%s); deleting them", self.act_dir,
                             (old or {}).get("output", "unknown owner"))
                 self.drop_states()  # .bin and .tmp alike
