@@ -259,7 +259,11 @@ class StreamingWriter:
         self.hashes = {s.name: hashlib.sha256() for s in specs}
         self.fast = {s.name: xxhash.xxh3_128() for s in specs}
         self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.pwrite(self.fd, head, 0)
+        try:
+            os.pwrite(self.fd, head, 0)
+        except BaseException:  # a full disk: no caller holds this writer to abort it
+            self.abort()
+            raise
         self.size = len(head) + sum(s.nbytes for s in specs)
 
     def write(self, name: str, t: torch.Tensor) -> None:

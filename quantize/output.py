@@ -10,6 +10,7 @@ folder is converted again), so that an interrupted run never leaves them beside 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import errno
@@ -158,6 +159,16 @@ def prepare_output(plan: Plan, out: Path, lock: OutputLock, world=None, calibrat
     return man
 
 
+@contextlib.contextmanager
+def _writing_into(out: Path):
+    """An OSError of a write or delete in the output folder (read-only, full, not ours) as one OutputDirError."""
+    try:
+        yield
+    except OSError as e:
+        raise OutputDirError(f"{out}: cannot write into the output folder ({e.strerror or e}); fix its "
+                             f"permissions or free space, or choose another --output") from None
+
+
 def _prepare_output(plan: Plan, out: Path, lock: OutputLock, identity: dict) -> Manifest:
     if out.exists() and not out.is_dir():
         raise OutputDirError(f"{out}: exists and is not a directory; choose another --output")
@@ -182,11 +193,8 @@ def _prepare_output(plan: Plan, out: Path, lock: OutputLock, identity: dict) -> 
                 f"{existing[0].name}); choose an empty or new --output folder, or remove this one"
             )
         man = Manifest(identity, source_mtime_ns=times, source_samples=samples)
-        try:
+        with _writing_into(out):  # the run's first write into the folder: read-only, full, or not ours
             man.save(out)
-        except OSError as e:  # the run's first write into the folder: read-only, full, or not ours
-            raise OutputDirError(f"{out}: cannot write into the output folder ({e.strerror or e}); fix its "
-                                 f"permissions or free space, or choose another --output") from None
         return man
     if man.identity != identity:
         diff = _differing(man.identity, identity)
@@ -230,9 +238,10 @@ def _prepare_output(plan: Plan, out: Path, lock: OutputLock, identity: dict) -> 
                         "from it are converted again", plan.source.path(shard), out)
     redo_shards = set(changed) | set(resampled)
     fragments = man.absorb_fragments(out)  # records of the ranks of an interrupted distributed run
-    for p in existing:  # half-written files of the interrupted run
-        if p.name.endswith(TMP_SUFFIX):
-            p.unlink()
+    with _writing_into(out):
+        for p in existing:  # half-written files of the interrupted run
+            if p.name.endswith(TMP_SUFFIX):
+                p.unlink()
     planned = {f.name: f for f in plan.files}
     kept, redo = {}, []
     for name, rec in man.files.items():
@@ -255,16 +264,17 @@ def _prepare_output(plan: Plan, out: Path, lock: OutputLock, identity: dict) -> 
         else:
             log.warning("%s: recorded as finished but does not check out; converting it again", path)
             redo.append(path)
-    if len(kept) < len(plan.files):  # a finished folder being repaired is no checkpoint until its end again
-        for name in ("config.json", INDEX_NAME):
-            (out / name).unlink(missing_ok=True)
-    for path in redo:
-        path.unlink(missing_ok=True)
     man.files = kept
     man.complete = man.complete and len(kept) == len(plan.files)
     man.source_mtime_ns = {} if man.complete else times  # the times of the shards this run reads
     man.source_samples = samples
-    man.save(out)
+    with _writing_into(out):
+        if len(kept) < len(plan.files):  # a finished folder being repaired is no checkpoint until its end again
+            for name in ("config.json", INDEX_NAME):
+                (out / name).unlink(missing_ok=True)
+        for path in redo:
+            path.unlink(missing_ok=True)
+        man.save(out)
     for p in fragments:  # now in the manifest
         manifest.remove(out, p.name)
     return man

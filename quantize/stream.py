@@ -364,9 +364,15 @@ def _run(plan: Plan, out: Path, lock: OutputLock, device: str, progress: bool, q
         report["rss_at_start_bytes"] = rss_start  # after imports (and the CUDA context), before any data
         report.update(extra_report or {})
         kept = None if todo else _recheck_of(out, report)
-        atomic_write_text(out / REPORT_NAME, json.dumps(report if kept is None else kept, indent=1) + "\n")
-        if kept is not None:
-            report["report_kept"] = f"{REPORT_NAME} keeps the conversion's figures; this re-check is in its rechecks"
+        try:
+            atomic_write_text(out / REPORT_NAME, json.dumps(report if kept is None else kept, indent=1) + "\n")
+        except OSError as e:  # the checkpoint is complete (config.json and the index are written): not a failure
+            log.warning("%s: could not be written (%s); the checkpoint is complete, and this run's figures are only in "
+                        "what it prints (and --json)", out / REPORT_NAME, e.strerror or e)
+            report["report_not_written"] = f"{REPORT_NAME}: {e.strerror or e}"
+        else:
+            if kept is not None:
+                report["report_kept"] = f"{REPORT_NAME} keeps the conversion's figures; this re-check is in its rechecks"
     return report if world is None else world.broadcast(report, "final report")
 
 

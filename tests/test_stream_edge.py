@@ -22,6 +22,7 @@ from glmq.formats.source import INDEX_NAME, open_source
 from glmq.quantize import stream
 from glmq.quantize.output import FileBook, OutputDirError, OutputLock
 from glmq.quantize.plan import make_plan
+from glmq.formats.manifest import REPORT_NAME
 from test_distributed import SHARD, _files, reference  # noqa: F401  (reference: a fixture)
 
 
@@ -250,3 +251,60 @@ def test_a_gptq_run_into_a_held_folder_is_refused_before_it_tokenizes(make_ckpt,
     finally:
         holder.communicate("")
     assert OutputLock._held == {}
+
+
+def test_a_writer_whose_header_write_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """A full disk on the header write left a 0-byte `*.glmq-tmp` (and its descriptor open): the constructor raised
+    before any caller held a writer to abort."""
+    closed = []
+    real_close = safetensors_io.os.close
+
+    def pwrite(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors_io.os, "pwrite", pwrite)
+    monkeypatch.setattr(safetensors_io.os, "close", lambda fd: (closed.append(fd), real_close(fd)))
+    with pytest.raises(OSError, match="No space"):
+        StreamingWriter(tmp_path / "a.safetensors", [OutSpec("t", "F32", (4,))])
+    assert list(tmp_path.iterdir()) == [] and len(closed) == 1
+
+
+def test_a_resume_into_a_folder_it_cannot_write_is_one_clear_error(reference, tmp_path, monkeypatch):
+    """Only a fresh run's first manifest write was turned into the one-line error; a resume into a read-only or full
+    folder ended in a bare `[Errno 30] ... glmq_manifest.json.glmq-tmp`."""
+    _, plan, ref = reference
+    out = tmp_path / "out"
+    shutil.copytree(ref, out)
+    (out / "config.json").unlink()  # as if the run had died before its end
+    import glmq.quantize.output as output
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    with monkeypatch.context() as m:
+        m.setattr(output.Manifest, "save", read_only)
+        with pytest.raises(OutputDirError, match=r"cannot write into the output folder \(Read-only file system\)"):
+            stream.run(plan, out, progress=False)
+    stream.run(plan, out, progress=False)
+    assert _files(out) == _files(ref)
+
+
+def test_a_report_that_cannot_be_written_does_not_fail_a_finished_checkpoint(reference, tmp_path, monkeypatch, caplog):
+    """The report is written after config.json and the index: a full disk there printed a bare `[Errno 28]` and
+    exit 1 for a complete checkpoint; now a warning, and the figures still come back (the CLI prints them)."""
+    _, plan, ref = reference
+    out = tmp_path / "out"
+    real = stream.atomic_write_text
+
+    def write(path, text):
+        if path.name == REPORT_NAME:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, text)
+
+    monkeypatch.setattr(stream, "atomic_write_text", write)
+    with caplog.at_level("WARNING", logger="glmq"):
+        report = stream.run(plan, out, progress=False)
+    assert report["report_not_written"] == f"{REPORT_NAME}: No space left on device" and "report_kept" not in report
+    assert "the checkpoint is complete" in caplog.text
+    assert _files(out) == _files(ref) and not (out / REPORT_NAME).exists()
+    assert not list(out.glob("*" + safetensors_io.TMP_SUFFIX))
