@@ -37,6 +37,8 @@ BASE=/tmp/pkg:/tmp/site
 if [[ -f .t39/a && ! -f /tmp/t39/triton/_C/libtriton.so ]]; then
   mkdir -p /tmp/t39 && xz -dc .t39/b | tar -C /tmp/t39 -xf - && xz -dc .t39/a > /tmp/t39/triton/_C/libtriton.so
 fi
+# (a wheel unpacked by zipfile keeps no mode bits: without this, every 3.9 compile fails "Permission denied: ptxas")
+chmod +x /tmp/t39/triton/backends/nvidia/bin/* 2>/dev/null
 PYTHONPATH=$BASE python3 -c 'import torch, triton; print("installed: torch", torch.__version__, "triton", triton.__version__)'
 # (its backends are found in its own tree: the installed Triton's entry points name an AMD backend not shipped here)
 T39="env TRITON_BACKENDS_IN_TREE=1 PYTHONPATH=/tmp/t39:$BASE"
@@ -59,3 +61,5 @@ for r in $(seq 1 "$ROUNDS"); do
   done
 done
 echo "done at $((SECONDS - T0)) s"
+# one archive: a call brings back a limited number of files
+(cd "$OUT" && tar czf benches.tgz bench-*/bench_kernels.md bench-*/bench_kernels.json 2>/dev/null && rm -rf bench-*/)
