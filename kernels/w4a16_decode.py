@@ -1097,6 +1097,21 @@ def tuned_residency(m: int, n: int, k: int, device: str, pdl: bool, layout: Layo
     return got if isinstance(got, dict) and {"registers", "shared"} <= set(got) else None
 
 
+def tuned_alternates(m: int, n: int, k: int, device: str, pdl: bool, layout: Layout = Layout.PAIRS
+                     ) -> list[tuple[DecodeConfig, dict]]:
+    """The launch table's next-fastest Gluon configs here, fastest first, each with what it compiled to when it was
+    timed (the entry's "alternates", `scripts/sass_digest.py --record --alternates`): where the pick lost its
+    residency, `choose` takes the first of them that kept its own. Entries without that record are left out."""
+    entry = _table_entry(m, n, k, device, layout)
+    alts = ((entry.get("alternates") or {}).get("pdl" if pdl else "plain") or []) if isinstance(entry, dict) else []
+    out = []
+    for alt in alts:
+        got = alt.get("compiled") if isinstance(alt, dict) else None
+        if isinstance(got, dict) and {"registers", "shared"} <= set(got) and isinstance(alt.get("config"), dict):
+            out.append((DecodeConfig(**alt["config"]), got))
+    return out
+
+
 def programs_per_sm(registers: int, shared: int, warps: int) -> int:
     """Programs of `warps` warps, `registers` a thread and `shared` bytes of shared memory that one sm_90 SM holds at
     once (0: none; the launch would fail)."""
@@ -1143,8 +1158,10 @@ def choose(m: int, w: PackedW4, device: torch.device, device_name: str, pdl: boo
     """The config `w4a16_matmul_packed` runs this call with on the Gluon kernel, or None for the Triton kernels.
 
     A launch-table pick that this process's Triton compiled to fewer programs an SM than the table timed, so that its
-    launch needs more waves (`residency_problem`), is not taken: the Triton kernels run instead, with a warning once per
-    pick. That is known only once the pick has launched, so the first call runs it."""
+    launch needs more waves (`residency_problem`), is not taken: the table's next-fastest config here that kept its
+    own residency runs instead (`tuned_alternates`), else the Triton kernels, with a warning once per config given up.
+    That is known only once a config has launched, so its first call runs it (kernels/NOTES.md, sessions 42 and 44:
+    under Triton 3.9 the pick at 6144->24576 M = 16 loses a program an SM, and the runner-up keeps its speed)."""
     if not available(device) or not supports(m, w):
         return None
     cfg = tuned_config(m, w.n, w.k, device_name, pdl, w.layout)
@@ -1153,28 +1170,36 @@ def choose(m: int, w: PackedW4, device: torch.device, device_name: str, pdl: boo
         cfg = heuristic_config(m, w.n, w.k, w.layout, sm_count(device)) if _cuda_info(device)[2] == (9, 0) else None
     if cfg is None or not supports(m, w, cfg):
         return None
-    return None if tuned and _residency_lost(m, w, cfg, pdl, device, device_name) else cfg
+    if not tuned:
+        return cfg
+    ladder = [(cfg, tuned_residency(m, w.n, w.k, device_name, pdl, w.layout))]
+    ladder += [(c, t) for c, t in tuned_alternates(m, w.n, w.k, device_name, pdl, w.layout) if supports(m, w, c)]
+    for i, (cand, timed) in enumerate(ladder):
+        instead = f"the table's next-fastest config here, {ladder[i + 1][0]}," if i + 1 < len(ladder) else \
+            "the Triton kernel"  # fmt: skip
+        if not _residency_lost(m, w, cand, pdl, device, device_name, timed, instead):
+            return cand
+    return None
 
 
-def _residency_lost(m: int, w: PackedW4, cfg: DecodeConfig, pdl: bool, device: torch.device, device_name: str
-                    ) -> bool:
-    """Whether the table's pick `cfg` lost the residency it was timed at (`residency_problem`), warned the first time.
-    The verdict is kept once the pick's compiled kernel is known (its registers do not change in a process), so later
-    calls cost a dict lookup, not the table's record and the residency arithmetic again."""
+def _residency_lost(m: int, w: PackedW4, cfg: DecodeConfig, pdl: bool, device: torch.device, device_name: str,
+                    timed: dict | None, instead: str = "the Triton kernel") -> bool:
+    """Whether the table's config `cfg`, timed compiled to `timed` (None: not recorded, nothing to hold it to), lost
+    that residency (`residency_problem`), warned the first time, naming what runs `instead`. The verdict is kept once
+    its compiled kernel is known (its registers do not change in a process), so later calls cost a dict lookup, not
+    the table's record and the residency arithmetic again."""
     key = (cfg, m, w.n, w.k, pdl, w.layout, device_name)
     if (lost := _RESIDENCY_LOST.get(key)) is not None:
         return lost
-    timed = tuned_residency(m, w.n, w.k, device_name, pdl, w.layout)
     if timed is not None and _compile_key(cfg, m, w.k, pdl, w.layout is Layout.SPANS) not in _COMPILED:
-        return False  # not launched yet: the first call runs the pick, and records what it compiled to
+        return False  # not launched yet: this call runs it, and records what it compiled to
     why = None if timed is None else residency_problem(m, w, cfg, pdl, timed, sm_count(device))
     if why:
         import triton
 
-        log.warning("w4a16: the launch table's %s for a [%d, %d] weight at M = %d%s was %s (Triton %s); the "
-                    "Triton kernel runs instead. Re-tune on this Triton: python3 scripts/probe_decode.py --tune "
-                    "--merge --write %s", cfg, w.n, w.k, m, " (PDL)" if pdl else "", why, triton.__version__,
-                    TUNED_PATHS.get(w.layout))
+        log.warning("w4a16: the launch table's %s for a [%d, %d] weight at M = %d%s was %s (Triton %s); %s runs "
+                    "instead. Re-tune on this Triton: python3 scripts/probe_decode.py --tune --merge --write %s", cfg,
+                    w.n, w.k, m, " (PDL)" if pdl else "", why, triton.__version__, instead, TUNED_PATHS.get(w.layout))
     _RESIDENCY_LOST[key] = why is not None
     return why is not None
 

@@ -3,6 +3,10 @@
     python scripts/sass_digest.py --out before.json [--table kernels/tuned_decode.json] [--workers 2]
     # ... edit kernels/w4a16_decode.py ...
     python scripts/sass_digest.py --out after.json --against before.json   # exit 1 where any SASS changed
+    # under the Triton the table was timed with: each pick's and its 2 runner-ups' registers into the table
+    python scripts/sass_digest.py --out d.json --record --timed-with 3.6.0 --alternates 2
+    # under another Triton: which picks would give way to a runner-up or the Triton kernel (no GPU needed)
+    python scripts/sass_digest.py --out d39.json --alternates 2 --ladder 132
 
 What it is for: a change to `kernels/w4a16_decode.py` that leaves every launch-table kernel's SASS byte for byte as
 it was cannot change their speed, so it needs no H200 run; one that changes any of them has to be timed
@@ -64,6 +68,30 @@ def table_entries(table: dict) -> list[dict]:
     return out
 
 
+def alternate_entries(table: dict, count: int, margin: float) -> list[dict]:
+    """For each Gluon pick of `table`, the next `count` fastest Gluon configs timed beside it (the entry's "us", same
+    plain | pdl mode) that beat the Triton kernel by `margin` as the pick did (`probe_decode.TUNE_MARGIN`), keyed
+    `N,K|M|mode|alt<i>`: what `w4a16_decode.choose` falls back to where the pick lost its residency."""
+    from glmq.kernels.w4a16_decode import DecodeConfig
+    from glmq.scripts.probe_decode import parse_tag, tag
+
+    out = []
+    for pick in table_entries(table):
+        n, k, m, mode = pick["n"], pick["k"], pick["m"], "pdl" if pick["pdl"] else "plain"
+        times = table["decode"][f"{n},{k},128"][str(m)].get("us") or {}
+        suffix = "-pdl" if pick["pdl"] else ""
+        triton = times.get("triton" + suffix)
+        if triton is None:
+            continue
+        mine = {t[: len(t) - len(suffix)]: us for t, us in times.items() if t.startswith("R") and
+                t.endswith(suffix) and (pick["pdl"] or not t.endswith("-pdl"))}  # fmt: skip
+        own = tag(DecodeConfig(**pick["config"]))
+        ranked = sorted((us, t) for t, us in mine.items() if t != own and us <= margin * triton)
+        for i, (us, t) in enumerate(ranked[:count]):
+            out.append({**pick, "key": f"{pick['key']}|alt{i}", "config": parse_tag(t).to_dict(), "us": us})
+    return out
+
+
 def compile_entry(entry: dict) -> dict:
     """Compile one table entry for sm_90 (as `decode_matmul` would launch it) and digest it."""
     from glmq.kernels import w4a16_decode as DK
@@ -105,20 +133,65 @@ def compare(old: dict, new: dict) -> list[str]:
     return lines
 
 
-def record(table: dict, digest: dict, timed_with: str) -> dict:
+def record(table: dict, digest: dict, timed_with: str, alternates: dict | None = None) -> dict:
     """`table` with each Gluon pick's registers and shared memory from `digest` as its "compiled" entry (what
     `w4a16_decode.residency_problem` compares a launch's compiled kernel with), and "triton": the version that compiled
-    them, which must be the one the table was timed under (`timed_with`)."""
+    them, which must be the one the table was timed under (`timed_with`). `alternates` (`alternate_entries` by key):
+    the digest's `|alt<i>` entries become the entry's "alternates" lists, in that order, replacing earlier ones."""
     out = json.loads(json.dumps(table))
+    alternates = alternates or {}
     for key, r in digest["entries"].items():
         if "error" in r or "shared" not in r:
             raise SystemExit(f"{key}: no registers and shared memory in the digest ({r.get('error', 'an older digest')})")
-        shape_m, mode = key.rsplit("|", 1)
-        shape, m = shape_m.split("|")
+        shape, m, mode, *alt = key.split("|")
         n, k = shape.split(",")
         entry = out["decode"][f"{n},{k},128"][m]
-        entry.setdefault("compiled", {})[mode] = {"registers": r["registers"], "shared": r["shared"]}
+        compiled = {"registers": r["registers"], "shared": r["shared"]}
+        if alt:  # an alternate: its config and time as tuned, and what it compiled to
+            a = alternates[key]
+            entry.setdefault("alternates", {}).setdefault(mode, []).append(
+                {"config": a["config"], "us": a["us"], "compiled": compiled})
+        else:
+            entry.setdefault("compiled", {})[mode] = compiled
+            entry.setdefault("alternates", {})[mode] = []  # rebuilt from this digest's alternates (if any)
+    for rows in out["decode"].values():  # no empty lists left behind
+        for entry in rows.values():
+            if "alternates" in entry:
+                entry["alternates"] = {mode: v for mode, v in entry["alternates"].items() if v}
+                if not entry["alternates"]:
+                    del entry["alternates"]
     out["triton"] = timed_with
+    return out
+
+
+def ladder(table: dict, digest: dict, sms: int) -> dict[str, str]:
+    """What `w4a16_decode.choose` settles on for each Gluon pick of `table` (its "compiled" and "alternates" records)
+    once this digest's Triton has compiled every config of the ladder (the digest must hold the `|alt<i>` entries):
+    key -> "pick", "alt<i> TAG" or "triton", by the same residency arithmetic, at `sms` SMs. Configs the table holds
+    no record of are taken as they come, as `choose` takes them."""
+    from glmq.kernels import w4a16_decode as DK
+    from glmq.scripts.probe_decode import tag
+
+    out = {}
+    for pick in table_entries(table):
+        entry = table["decode"][f"{pick['n']},{pick['k']},128"][str(pick["m"])]
+        mode = "pdl" if pick["pdl"] else "plain"
+        steps = [("pick", pick["config"], (entry.get("compiled") or {}).get(mode), pick["key"])]
+        steps += [(f"alt{i} {tag(DK.DecodeConfig(**a['config']))}", a["config"], a.get("compiled"),
+                   f"{pick['key']}|alt{i}") for i, a in enumerate((entry.get("alternates") or {}).get(mode, []))]
+        out[pick["key"]] = "triton"
+        for name, config, timed, key in steps:
+            got = digest["entries"].get(key)
+            if timed is None or got is None or "error" in got:
+                out[pick["key"]] = name
+                break
+            cfg = DK.DecodeConfig(**config)
+            programs = DK.launch_programs(pick["n"], cfg)
+            want = DK._waves(programs, DK.programs_per_sm(timed["registers"], timed["shared"], cfg.warps), sms)
+            have = DK._waves(programs, DK.programs_per_sm(got["registers"], got["shared"], cfg.warps), sms)
+            if have <= want:
+                out[pick["key"]] = name
+                break
     return out
 
 
@@ -135,12 +208,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="also write each pick's registers and shared memory into --table (its \"compiled\" entries): "
                          "only under the Triton the table was timed with, named by --timed-with")
     ap.add_argument("--timed-with", help="--record: the Triton version the table's timings were taken under")
+    ap.add_argument("--alternates", type=int, default=0,
+                    help="also compile each pick's next N fastest configs of the same tune (and with --record write "
+                         "them as its \"alternates\", which `choose` falls back to where the pick lost its residency)")
+    ap.add_argument("--ladder", type=int, metavar="SMS",
+                    help="print what `choose` would run for each pick under this Triton at SMS multiprocessors "
+                         "(132: H100 SXM and H200) where that is not the pick (with --alternates as recorded)")
     args = ap.parse_args(argv)
     if args.record and args.timed_with != settings()["triton"]:
         ap.error(f"--record writes this Triton's ({settings()['triton']}) registers into the table: pass --timed-with "
                  f"with the version the table was timed under, and run it under that Triton")
 
-    entries = [e for e in table_entries(json.loads(args.table.read_text())) if not args.only or args.only in e["key"]]
+    from glmq.scripts.probe_decode import TUNE_MARGIN
+
+    table_doc = json.loads(args.table.read_text())
+    alternates = alternate_entries(table_doc, args.alternates, TUNE_MARGIN) if args.alternates > 0 else []
+    entries = [e for e in table_entries(table_doc) + alternates if not args.only or args.only in e["key"]]
     if not entries:
         print(f"no Gluon entries in {args.table}" + (f" matching {args.only!r}" if args.only else ""), file=sys.stderr)
         return 2
@@ -169,11 +252,18 @@ def main(argv: list[str] | None = None) -> int:
         if errors or args.only:
             print("--record: every pick of the table must compile (and no --only)", file=sys.stderr)
             return 2
-        table = record(json.loads(args.table.read_text()), digest, args.timed_with)
+        table = record(json.loads(args.table.read_text()), digest, args.timed_with, {e["key"]: e for e in alternates})
         tmp = args.table.with_name(args.table.name + ".tmp")
         tmp.write_text(json.dumps(table, indent=1) + "\n")
         tmp.replace(args.table)
-        print(f"recorded the registers and shared memory of {len(entries)} picks in {args.table}")
+        print(f"recorded the registers and shared memory of {len(entries) - len(alternates)} picks and "
+              f"{len(alternates)} alternates in {args.table}")
+    if args.ladder:
+        moved = {k: v for k, v in ladder(json.loads(args.table.read_text()), digest, args.ladder).items()
+                 if v != "pick"}
+        print(f"under Triton {settings()['triton']} at {args.ladder} SMs, {len(moved)} picks give way:")
+        for key, what in moved.items():
+            print(f"  {key}: {what}")
     if old is None:
         return 0
     diff = compare(old, digest)

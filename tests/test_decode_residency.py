@@ -42,10 +42,14 @@ def test_launch_programs():
 def table(tmp_path, monkeypatch):
     """A launch table for "Test GPU" naming CFG at M = 16 on [6144, 512] weights, timed at 165 registers; the Gluon
     kernel taken as available (choose() on a CPU device), and no launch recorded yet."""
-    def write(compiled=True, n=6144):
+    def write(compiled=True, n=6144, alternates=()):
         entry = {"plain": CFG.to_dict(), "pdl": None}
         if compiled:
             entry["compiled"] = {"plain": {"registers": 165, "shared": 16384}}
+        if alternates:
+            entry["alternates"] = {"plain": [{"config": c.to_dict(), "us": 1.0, "compiled": {"registers": r,
+                                                                                             "shared": 16384}}
+                                             for c, r in alternates]}
         path = tmp_path / "t.json"
         path.write_text(json.dumps({"device": "Test GPU", "layout": "pairs", "triton": "3.6.0",
                                     "decode": {f"{n},512,128": {"16": entry}}}))
@@ -61,8 +65,8 @@ def table(tmp_path, monkeypatch):
     DK._table.cache_clear()
 
 
-def _compiled(w, registers, pdl=False):
-    DK._COMPILED[DK._compile_key(CFG, 16, w.k, pdl, False)] = (registers, 16384)
+def _compiled(w, registers, pdl=False, cfg=CFG):
+    DK._COMPILED[DK._compile_key(cfg, 16, w.k, pdl, False)] = (registers, 16384)
 
 
 def test_choose_takes_the_pick_compiled_as_timed(table):
@@ -82,6 +86,49 @@ def test_choose_drops_a_pick_that_lost_its_residency(table, caplog):
     assert len(msgs) == 1  # once per pick
     assert "165 registers" in msgs[0] and "187 registers" in msgs[0] and "2 waves" in msgs[0]
     assert "probe_decode.py --tune" in msgs[0]
+
+
+ALT1 = DK.DecodeConfig(rows=16, warps=4, depth=3, split=4, ring=4, wgmma=True)
+ALT2 = DK.DecodeConfig(rows=16, warps=4, depth=3, split=4, ring=4)
+
+
+def test_choose_falls_back_to_the_tables_next_config_that_kept_its_residency(table, caplog):
+    # Triton 3.9 at 6144->24576 M = 16 (kernels/NOTES.md, session 44): the pick and the first alternate lose a program
+    # an SM; the second alternate keeps its residency and runs, instead of the Triton kernel
+    w = table(alternates=[(ALT1, 160), (ALT2, 146)])
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.WARNING, logger="glmq.kernels.w4a16_decode"):
+        assert DK.choose(16, w, cpu, "Test GPU", False) == CFG  # nothing launched yet: the pick runs first
+        _compiled(w, 187)
+        assert DK.choose(16, w, cpu, "Test GPU", False) == ALT1  # the pick lost: the next, not yet launched, runs
+        _compiled(w, 190, cfg=ALT1)
+        assert DK.choose(16, w, cpu, "Test GPU", False) == ALT2
+        _compiled(w, 146, cfg=ALT2)  # as timed
+        for _ in range(2):
+            assert DK.choose(16, w, cpu, "Test GPU", False) == ALT2
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 2  # once per config given up
+    assert f"next-fastest config here, {ALT1}, runs instead" in msgs[0] and "187 registers" in msgs[0]
+    assert f"next-fastest config here, {ALT2}, runs instead" in msgs[1] and "190 registers" in msgs[1]
+
+
+def test_choose_takes_the_triton_kernel_when_every_alternate_lost(table, caplog):
+    w = table(alternates=[(ALT2, 146)])
+    cpu = torch.device("cpu")
+    _compiled(w, 187)
+    _compiled(w, 200, cfg=ALT2)
+    with caplog.at_level(logging.WARNING, logger="glmq.kernels.w4a16_decode"):
+        assert DK.choose(16, w, cpu, "Test GPU", False) is None
+    assert "the Triton kernel runs instead" in caplog.records[-1].getMessage()
+
+
+def test_choose_keeps_the_pick_and_never_reads_alternates_while_it_holds(table):
+    w = table(alternates=[(ALT2, 146)])
+    _compiled(w, 165)
+    _compiled(w, 250, cfg=ALT2)  # would be lost, but the pick holds
+    assert DK.choose(16, w, torch.device("cpu"), "Test GPU", False) == CFG
+    assert DK.tuned_alternates(16, 6144, 512, "Test GPU", False) == [(ALT2, {"registers": 146, "shared": 16384})]
+    assert DK.tuned_alternates(16, 6144, 512, "Test GPU", True) == []  # none recorded for PDL
 
 
 def test_choose_keeps_a_pick_whose_waves_do_not_change(table):
@@ -116,7 +163,7 @@ def test_shipped_tables_record_what_their_picks_compiled_to(name):
     # every Gluon pick says what it compiled to when it was timed (scripts/sass_digest.py --record, Triton 3.6.0)
     table = json.loads((ROOT / "kernels" / name).read_text())
     assert table["triton"] == "3.6.0"
-    picks = 0
+    picks = alternates = 0
     for shape, rows in table["decode"].items():
         for m, entry in rows.items():
             for slot in ("plain", "pdl"):
@@ -126,7 +173,16 @@ def test_shipped_tables_record_what_their_picks_compiled_to(name):
                     assert 32 <= got["registers"] <= 255 and got["shared"] >= 0, (shape, m, slot)
                     cfg = DK.DecodeConfig(**entry[slot])
                     assert DK.programs_per_sm(got["registers"], got["shared"], cfg.warps) >= 1, (shape, m, slot)
-    assert picks > 10
+                    # its fallbacks, fastest first, each with what it compiled to and never the pick itself
+                    alts = entry.get("alternates", {}).get(slot, [])
+                    times = [a["us"] for a in alts]
+                    assert times == sorted(times) and len(alts) <= 2, (shape, m, slot)
+                    for a in alts:
+                        alt = DK.DecodeConfig(**a["config"])
+                        assert alt != cfg and DK.programs_per_sm(a["compiled"]["registers"], a["compiled"]["shared"],
+                                                                 alt.warps) >= 1, (shape, m, slot)
+                    alternates += len(alts)
+    assert picks > 10 and alternates > picks
 
 
 def test_sass_digest_record(tmp_path):
@@ -143,6 +199,34 @@ def test_sass_digest_record(tmp_path):
     assert "compiled" not in table["decode"]["6144,512,128"]["16"]  # a copy
     with pytest.raises(SystemExit, match="6144,512|16|pdl"):
         sass_digest.record(table, {"entries": {"6144,512|16|pdl": {"error": "boom"}}}, "3.6.0")
+
+
+def test_sass_digest_alternates_and_their_record():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import sass_digest
+
+    from glmq.scripts.probe_decode import tag
+
+    pick, t1, t2, slow = "R16W4D2S4G4H", "R16W4D3S4G4", "R16W4D1S4G4M", "R16W4D3S4G4H"
+    us = {pick: 10.0, t1: 10.5, t2: 10.2, slow: 11.0, "triton": 11.0, pick + "-pdl": 9.0, t1 + "-pdl": 9.5,
+          "triton-pdl": 11.0}
+    table = {"device": "X", "decode": {"6144,512,128": {"16": {"plain": CFG.to_dict(), "pdl": CFG.to_dict(),
+                                                               "us": us}}}}
+    alts = sass_digest.alternate_entries(table, 3, 0.97)
+    # fastest first, the pick left out, only those that beat the Triton kernel by the margin (11.0 does not), per mode
+    assert [(a["key"], tag(DK.DecodeConfig(**a["config"])), a["us"]) for a in alts] == [
+        ("6144,512|16|plain|alt0", t2, 10.2), ("6144,512|16|plain|alt1", t1, 10.5), ("6144,512|16|pdl|alt0", t1, 9.5)]
+    digest = {"entries": {"6144,512|16|plain": {"registers": 164, "shared": 16384},
+                          "6144,512|16|pdl": {"registers": 162, "shared": 16384},
+                          **{a["key"]: {"registers": 100 + i, "shared": 8192} for i, a in enumerate(alts)}}}
+    entry = sass_digest.record(table, digest, "3.6.0", {a["key"]: a for a in alts})["decode"]["6144,512,128"]["16"]
+    assert [(a["us"], a["compiled"]["registers"]) for a in entry["alternates"]["plain"]] == [(10.2, 100), (10.5, 101)]
+    assert entry["alternates"]["pdl"] == [{"config": alts[2]["config"], "us": 9.5,
+                                           "compiled": {"registers": 102, "shared": 8192}}]
+    # recorded again without alternates: the old lists go
+    again = sass_digest.record({"decode": {"6144,512,128": {"16": entry}}}, {"entries": {
+        "6144,512|16|plain": {"registers": 164, "shared": 16384}}}, "3.6.0")
+    assert "plain" not in again["decode"]["6144,512,128"]["16"].get("alternates", {})
 
 
 @pytest.mark.gpu
@@ -183,3 +267,23 @@ def test_a_pick_that_lost_its_residency_gives_way_on_the_gpu(tmp_path, monkeypat
         assert sum("the Triton kernel runs instead" in r.getMessage() for r in caplog.records) == 1
     finally:
         DK._table.cache_clear()
+
+
+def test_sass_digest_ladder_settles_as_choose_does():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import sass_digest
+
+    rec = {"registers": 165, "shared": 16384}
+    table = {"decode": {"6144,512,128": {"16": {
+        "plain": CFG.to_dict(), "pdl": CFG.to_dict(), "compiled": {"plain": rec, "pdl": rec},
+        "alternates": {"plain": [{"config": ALT1.to_dict(), "us": 1, "compiled": rec},
+                                 {"config": ALT2.to_dict(), "us": 2, "compiled": {"registers": 146, "shared": 16384}}],
+                       "pdl": [{"config": ALT2.to_dict(), "us": 1, "compiled": rec}]}}}}}
+    lost, held = {"registers": 187, "shared": 16384}, {"registers": 160, "shared": 16384}
+    digest = {"entries": {"6144,512|16|plain": lost, "6144,512|16|plain|alt0": lost, "6144,512|16|plain|alt1": held,
+                          "6144,512|16|pdl": held}}
+    assert sass_digest.ladder(table, digest, 132) == {"6144,512|16|plain": "alt1 R16W4D3S4G4", "6144,512|16|pdl": "pick"}
+    digest["entries"]["6144,512|16|plain|alt1"] = lost
+    digest["entries"]["6144,512|16|pdl"] = lost
+    digest["entries"]["6144,512|16|pdl|alt0"] = {"error": "boom"}  # unknown: taken as it comes
+    assert sass_digest.ladder(table, digest, 132) == {"6144,512|16|plain": "triton", "6144,512|16|pdl": "alt0 R16W4D3S4G4"}
