@@ -86,18 +86,20 @@ class Family:
         name: glmq's name for the family.
         model_types: config.json `model_type` values it covers.
         has_indexer: DSA indexer tensors (`self_attn.indexer.*`) exist.
+        architectures: config.json `architectures` values (the model class vLLM and SGLang build) of the family.
     """
 
     name: str
     model_types: tuple[str, ...]
     has_indexer: bool = False
     latent_attention: bool = True  # multi-head latent attention (q_a/q_b, kv_a/kv_b); else grouped-query q/k/v
+    architectures: tuple[str, ...] = ()
 
 
 FAMILIES: tuple[Family, ...] = (
-    Family("glm_moe_dsa", ("glm_moe_dsa",), has_indexer=True),
-    Family("glm4_moe", ("glm4_moe",), latent_attention=False),
-    Family("deepseek_v3", ("deepseek_v3", "kimi_k2")),
+    Family("glm_moe_dsa", ("glm_moe_dsa",), has_indexer=True, architectures=("GlmMoeDsaForCausalLM",)),
+    Family("glm4_moe", ("glm4_moe",), latent_attention=False, architectures=("Glm4MoeForCausalLM",)),
+    Family("deepseek_v3", ("deepseek_v3", "kimi_k2"), architectures=("DeepseekV3ForCausalLM",)),  # (Kimi K2's too)
 )
 
 
@@ -105,14 +107,45 @@ class UnknownArchitectureError(ValueError):
     pass
 
 
-def family_for(config: dict, config_path: str = "config.json") -> Family:
-    """The family of a checkpoint's config.json, or a clear error."""
+def _model_type(config: dict):
     model_type = config.get("model_type")
     if model_type is None and isinstance(config.get("text_config"), dict):
         model_type = config["text_config"].get("model_type")
-    for fam in FAMILIES:
-        if model_type in fam.model_types:
-            return fam
+    return model_type
+
+
+def _family_of_model_type(config: dict) -> Family | None:
+    """The family config.json's model_type names, or None."""
+    model_type = _model_type(config)
+    return next((fam for fam in FAMILIES if model_type in fam.model_types), None)
+
+
+def architecture_problem(config: dict) -> str | None:
+    """Why config.json's `architectures` and `model_type` name different families, or None. glmq and transformers read
+    model_type, vLLM and SGLang build the model class `architectures` names: a checkpoint labelled with another family
+    (GLM-5 tensors called Glm4MoeForCausalLM) converts and validates against one layout and is served as the other.
+    An architecture glmq does not know is not judged here."""
+    fam, arches = _family_of_model_type(config), config.get("architectures")
+    if fam is None or not isinstance(arches, list):
+        return None
+    for arch in arches:
+        other = next((f for f in FAMILIES if arch in f.architectures), None)
+        if other is not None and other is not fam:
+            return (f"architectures names {arch} (the {other.name} model class vLLM and SGLang build), but model_type "
+                    f"is {_model_type(config)!r} (the {fam.name} family glmq and transformers read): they describe "
+                    f"different layouts; set both as the model's published config.json has them")
+    return None
+
+
+def family_for(config: dict, config_path: str = "config.json") -> Family:
+    """The family of a checkpoint's config.json, or a clear error (also where `architectures` names another family's
+    model class: `architecture_problem`)."""
+    model_type = _model_type(config)
+    fam = _family_of_model_type(config)
+    if fam is not None:
+        if (problem := architecture_problem(config)) is not None:
+            raise UnknownArchitectureError(f"{config_path}: {problem}")
+        return fam
     known = ", ".join(t for f in FAMILIES for t in f.model_types)
     raise UnknownArchitectureError(
         f"{config_path}: model_type {model_type!r} (architectures {config.get('architectures')}) is not a "
@@ -294,10 +327,8 @@ def _layer_shapes(config: dict) -> dict[str, tuple[str, ...]]:
 
 def _family_has(config: dict, part: str, key: str) -> bool:
     """The config's family's flag `part` (a Family attribute); for an unknown family, whether config.json has `key`."""
-    try:
-        return getattr(family_for(config), part)
-    except UnknownArchitectureError:
-        return key in config
+    fam = _family_of_model_type(config)  # (an `architectures` of another family is `architecture_problem`'s)
+    return key in config if fam is None else getattr(fam, part)
 
 
 def _latent(config: dict) -> bool:
@@ -399,12 +430,19 @@ def config_shape_problems(shapes: dict[str, tuple], config: dict) -> list[tuple[
 
 
 _ATTN_LAYER = re.compile(r"model\.layers\.\d+\.self_attn\.")
+# paths inside self_attn that only one kind of attention (or the DSA indexer) has
+_MLA_ONLY = ("q_a_proj", "q_a_layernorm.weight", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm.weight",
+             "kv_b_proj")
+_GQA_ONLY = ("k_proj", "v_proj")
+_INDEXER_MODULES = ("indexer.wq_b", "indexer.wk", "indexer.k_norm", "indexer.weights_proj")
 
 
 def attention_presence_problems(names, config: dict, missing: bool = True) -> list[tuple[str, str]]:
     """(module or tensor, problem) where config.json's attention switches and the tensors stored disagree on which
     tensors exist: multi-head latent attention's q_lora_rank (an integer: q_a_proj and q_b_proj; null: q_proj),
-    grouped-query attention's attention_bias (the q, k and v biases) and use_qk_norm (q_norm, k_norm).
+    grouped-query attention's attention_bias (the q, k and v biases) and use_qk_norm (q_norm, k_norm); and for a known
+    model_type, its family's attention: grouped-query's q, k and v projections, and no tensor only another
+    family has (MLA's q_a/kv_a/kv_b, GQA's k/v, the DSA indexer).
 
     Loaders build what the switch says: a tensor stored beside it is refused (vLLM) or dropped with a warning
     (transformers), and a missing one is left unset. A switch absent from config.json
@@ -426,6 +464,15 @@ def attention_presence_problems(names, config: dict, missing: bool = True) -> li
                            ("use_qk_norm", ("q_norm.weight", "k_norm.weight"))):
             if type(config.get(key)) is bool:
                 rules += [(p, config[key], _switch(key, config[key], defaulted)) for p in paths]
+    if (fam := _family_of_model_type(config)) is not None:
+        # the family's own attention: another family's tensors (GLM-5 or DeepSeek-V3 labelled glm4_moe) are not built,
+        # and grouped-query attention's q, k and v projections are (the switches above judge only their extras)
+        why = (f"config.json's model_type is {_model_type(config)!r} ("
+               f"{'multi-head latent' if fam.latent_attention else 'grouped-query'} attention"
+               f"{'' if fam.has_indexer else ', no DSA indexer'})")
+        rules += [(p, False, why) for p in (_GQA_ONLY if fam.latent_attention else _MLA_ONLY)]
+        rules += [] if fam.latent_attention else [(p, True, why) for p in ("q_proj", "k_proj", "v_proj")]
+        rules += [] if fam.has_indexer else [(p, False, why) for p in _INDEXER_MODULES]
     problems = []
     for layer in sorted({m.group(0) for n in names if (m := _ATTN_LAYER.match(n))}):
         for path, built, why in rules:
@@ -450,10 +497,15 @@ COMPANIONS = ("weight_scale", "weight_scale_inv", "input_scale", *INT_LEAVES)
 _LINEAR_LEAVES = {"weight", *COMPANIONS}
 
 UNKNOWN_TENSOR = "has no parameter"  # how `layout_problems` starts a stored tensor's problem that no layer has
+NO_KEY = "config.json has no key"  # how `layout_problems` starts its reason when a key the layout is built from is missing
 
 
 def mtp_stored(modules, config: dict) -> bool:
-    """Whether any tensor of an MTP layer (`mtp_layers`) is stored; `modules`: the module names stored."""
+    """Whether any tensor of an MTP layer (`mtp_layers`) is stored; `modules`: the module names stored. This is the
+    rule for `mtp_required`: a model without any MTP tensor serves (the layer only drafts tokens), one with its MTP
+    layer in part lost tensors. Layer counts of another type (count_problems reports them): False."""
+    if any(type(config.get(k)) not in (int, type(None)) for k in _LAYER_COUNTS) or "num_hidden_layers" not in config:
+        return False
     mtp = set(mtp_layers(config))
     return any(layer_index(m + ".") in mtp for m in modules)
 
@@ -471,16 +523,26 @@ def layout_problems(parts: dict[str, set[str]], config: dict, missing: bool = Tr
     `told` were reported by `attention_presence_problems`. `missing`: False leaves out the tensors missing (some
     files could not be read). `mtp_required`: False accepts a model without any MTP tensor (it serves; the layer only
     drafts tokens), as `expert_layout_problems`. Where: a tensor name, "model.layers" for the layer count, or
-    "config.json" for a value no loader runs."""
+    "config.json" for a value no loader runs or an `architecture_problem`. The reason starts with NO_KEY where
+    config.json lacks a key the layout is built from (the model it describes is not known: callers refuse it)."""
     from glmq.formats.fixtures import family_of, logical_tensors
 
     if count_problems(config):  # reported by the expert check
         return [], None
+    if (problem := architecture_problem(config)) is not None:  # which layout config.json promises is not known
+        return [("config.json", problem)], None
     cfg, _ = loader_config(config)
     try:
         family = family_of(cfg)
         specs = [s for group in logical_tensors(cfg, family) for s in group]
-    except (KeyError, TypeError, ValueError) as e:
+    except KeyError as e:  # a key loaders build the model from: the caller refuses, not skips. Where glmq does not
+        # know the loader's defaults (kimi_k2's remote code), only the layer count, which places the MTP layer
+        key = e.args[0] if e.args else None
+        if isinstance(key, str) and key not in cfg and (key == "num_hidden_layers" or
+                                                        cfg.get("model_type") in CLASS_DEFAULTS):
+            return [], f"{NO_KEY} {key!r}"
+        return [], f"{type(e).__name__}: {e}"
+    except (TypeError, ValueError) as e:
         return [], f"{type(e).__name__}: {e}"
     tied = cfg.get("tie_word_embeddings") is True
     n_layers, nextn = int(cfg["num_hidden_layers"]), int(cfg.get("num_nextn_predict_layers") or 0)

@@ -283,7 +283,9 @@ def _attention_specs(c: dict, family: str, p: str, indexer: bool) -> list[Tensor
 
 
 def _gqa_specs(c: dict, a: str) -> list[TensorSpec]:
-    h, hd = c["hidden_size"], c["head_dim"]
+    h = c["hidden_size"]
+    # without head_dim, transformers' and vLLM's Glm4Moe layers take hidden / heads (Glm4MoeConfig has no default)
+    hd = c["head_dim"] if "head_dim" in c else h // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     specs = [TensorSpec(a + "q_proj.weight", (q, h), "linear"), TensorSpec(a + "k_proj.weight", (kv, h), "linear"),
              TensorSpec(a + "v_proj.weight", (kv, h), "linear"), TensorSpec(a + "o_proj.weight", (h, q), "linear")]

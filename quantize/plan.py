@@ -13,9 +13,9 @@ import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from glmq.formats.families import (LINEAR_CLASSES, UNKNOWN_TENSOR, TensorClass, attention_presence_problems,
+from glmq.formats.families import (LINEAR_CLASSES, NO_KEY, UNKNOWN_TENSOR, TensorClass, attention_presence_problems,
                                    classify, config_shape_problems, expert_layout_problems, layer_index,
-                                   layout_problems, mtp_layers)
+                                   layout_problems, mtp_layers, mtp_stored)
 from glmq.formats.safetensors_io import CheckpointError, OutSpec, TensorEntry
 from glmq.formats.source import Source, SourceFormat
 from glmq.quantize.pack import packed_shape
@@ -135,9 +135,10 @@ def _problem_list(problems: list[str]) -> str:
 def make_items(source: Source, recipe: Recipe) -> list[Item]:
     """Classify every tensor and decide its action; raise one PlanError listing every problem."""
     ents = source.entries
-    # a config that disagrees with the experts stored was copied through, and the output failed `glmq validate`
-    layout = expert_layout_problems({_split(n)[0] for n in ents if _split(n)[1] == "weight"}, source.config,
-                                    mtp_required=False)
+    # a config that disagrees with the experts stored was copied through, and the output failed `glmq validate`; the
+    # MTP layer may be absent as a whole (it serves), not in part: validate's rule (mtp_stored)
+    weights = {_split(n)[0] for n in ents if _split(n)[1] == "weight"}
+    layout = expert_layout_problems(weights, source.config, mtp_required=mtp_stored(weights, source.config))
     layout += config_shape_problems({n: e.shape for n, e in ents.items()}, source.config)
     attention = attention_presence_problems(ents, source.config)
     layout += attention
@@ -146,7 +147,10 @@ def make_items(source: Source, recipe: Recipe) -> list[Item]:
     parts: dict[str, set[str]] = {}
     for module, leaf in map(_split, ents):
         parts.setdefault(module, set()).add(leaf)
-    more = layout_problems(parts, source.config, told={w for w, _ in attention}, mtp_required=False)[0]
+    more, why_not = layout_problems(parts, source.config, told={w for w, _ in attention}, mtp_required=False)
+    if why_not is not None and why_not.startswith(NO_KEY):  # converted, a layer was taken for another (layer 0: MTP)
+        raise PlanError(f"{source.root / 'config.json'}: no {why_not.removeprefix(NO_KEY).strip()} key, which glmq "
+                        f"plan needs; use the model's complete config.json (e.g. as published with its weights)")
     unknown = [w for w, p in more if p.startswith(UNKNOWN_TENSOR)]
     if unknown:  # converted (copied) as they are: glmq's layout table may lack a tensor a loader knows
         logging.getLogger("glmq.plan").warning(

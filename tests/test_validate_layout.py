@@ -119,11 +119,14 @@ def test_a_config_whose_layout_disagrees_with_the_tensors_fails_structure(ckpt, 
 
 
 def test_many_layout_problems_are_listed_up_to_a_count(ckpt):
-    """Another model's config (here: a GQA architecture on MLA tensors) lists the first 20 and counts the rest."""
-    edit_config(ckpt, architectures=["Glm4MoeForCausalLM"], head_dim=64, num_key_value_heads=2)
+    """A config of another layout (here: one layer fewer, so the MTP layer's ~28 tensors sit in no layer and layer 2
+    lacks the MTP tensors) lists the first 20 and counts the rest. (A GQA architecture on MLA tensors was the example
+    here: that is now refused as such, `test_an_architecture_of_another_family_is_refused_and_fails_structure`.)"""
+    edit_config(ckpt, num_hidden_layers=2)
     msgs = structure(v.validate(ckpt))
     more = [m for m in msgs if m.startswith("and ") and "more tensor(s) that disagree with config.json's layout" in m]
-    assert len(more) == 1 and len([m for m in msgs if ": is missing" in m or ": has no parameter" in m]) == 20
+    assert len(more) == 1 and len([m for m in msgs if re.search(r": (is missing|has no parameter|belongs to layer "
+                                                                r"|layers 0\.\.)", m)]) == 20
 
 
 def test_an_unknown_architecture_warns_that_the_layout_was_not_checked(ckpt):
@@ -220,3 +223,93 @@ def test_a_source_tensor_no_layer_has_is_copied_with_a_warning_and_fails_validat
     assert [m for m in msgs if "has no parameter" in m] == [
         "model.layers.0.mlp.mystery.weight: has no parameter in the glm4_moe model config.json describes (vLLM raises "
         "KeyError on it); config.json and the tensors disagree"]
+
+
+def _source(make_ckpt, root: Path, family: str = "glm_moe_dsa", **changes) -> Path:
+    root = Path(shutil.copytree(make_ckpt(family, "fp8-block"), root))
+    edit_config(root, **changes)
+    return root
+
+
+def test_quantize_refuses_an_mtp_layer_stored_without_its_experts(make_ckpt, tmp_path):
+    """The MTP layer stored but all its routed experts lost: plan and quantize passed it (expert_layout_problems with
+    mtp_required=False) and validate failed the output ("24 of 24 expert projections missing"). The MTP layer is
+    optional only when no tensor of it is stored (mtp_stored), for both."""
+    from glmq.quantize.plan import PlanError
+
+    src = _source(make_ckpt, tmp_path / "src")
+    index = json.loads((src / INDEX).read_text())
+    for name in [n for n in index["weight_map"] if n.startswith("model.layers.3.mlp.experts.")]:
+        drop(src, name)
+    with pytest.raises(PlanError, match=re.escape("model.layers.3.mlp.experts: 24 of 24 expert projections missing")):
+        make_plan(open_source(src), recipes.load("int4-w4a16"))
+
+
+def test_a_config_without_num_hidden_layers_is_refused_and_fails_structure(make_ckpt, ckpt, tmp_path):
+    """config.json without num_hidden_layers: `glmq plan` refused it, but quantize converted it (layer 0 taken for
+    the MTP layer) and validate passed it with a warning. Both refuse: the model it describes is not known."""
+    from glmq.quantize.plan import PlanError
+
+    src = _source(make_ckpt, tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["num_hidden_layers"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(PlanError, match=re.escape("config.json: no 'num_hidden_layers' key, which glmq plan needs")):
+        make_plan(open_source(src), recipes.load("int4-w4a16"))
+    cfg = json.loads((ckpt / "config.json").read_text())
+    del cfg["num_hidden_layers"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    rep = v.validate(ckpt)
+    assert rep.exit_code == 1 and "config.json: no 'num_hidden_layers' key" in "\n".join(structure(rep)), \
+        v.format_report(rep)
+
+
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v3"])
+def test_mla_tensors_labelled_glm4_moe_are_refused_and_fail_structure(make_ckpt, outputs, tmp_path, family):
+    """GLM-5 or DeepSeek-V3 tensors whose config.json says glm4_moe (grouped-query attention, no head_dim): the layout
+    table raised KeyError 'head_dim' (unlisted) and the attention check judged only the biases and qk-norms, so the
+    checkpoint converted and validated VALID. Its q/k/v projections are missing and its MLA (and indexer) tensors
+    are not built."""
+    from glmq.quantize.plan import PlanError
+
+    label = dict(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"])
+    src = _source(make_ckpt, tmp_path / "src", family, **label)
+    with pytest.raises(PlanError, match=r"self_attn\.q_proj \(and \d+ more tensors\): missing, but config\.json's "
+                                        r"model_type is 'glm4_moe' \(grouped-query attention"):
+        make_plan(open_source(src), recipes.load("int4-w4a16"))
+    out = Path(shutil.copytree(outputs["glm_moe_dsa-experts" if family == "glm_moe_dsa" else family], tmp_path / "o"))
+    edit_config(out, **label)
+    msgs = "\n".join(structure(v.validate(out)))
+    assert "model.layers.0.self_attn.q_a_proj: stored, but config.json's model_type is 'glm4_moe'" in msgs, msgs
+    assert "model.layers.0.self_attn.k_proj: missing" in msgs, msgs
+
+
+def test_a_glm4_moe_config_without_head_dim_takes_hidden_over_heads(make_ckpt, tmp_path):
+    """Glm4MoeConfig has no head_dim default: its layers take hidden_size // num_attention_heads, and so does the
+    layout table (it raised KeyError 'head_dim')."""
+    src = _source(make_ckpt, tmp_path / "src", "glm4_moe")
+    cfg = json.loads((src / "config.json").read_text())
+    assert cfg["hidden_size"] // cfg["num_attention_heads"] == cfg.pop("head_dim")
+    (src / "config.json").write_text(json.dumps(cfg))
+    from glmq.formats.families import layout_problems
+    from glmq.formats.source import weight_map
+
+    assert make_plan(open_source(src), recipes.load("int4-w4a16")).items
+    parts: dict[str, set[str]] = {}
+    for name in weight_map(src):
+        parts.setdefault(name.rpartition(".")[0], set()).add(name.rpartition(".")[2])
+    assert layout_problems(parts, cfg) == ([], None)
+
+
+def test_an_architecture_of_another_family_is_refused_and_fails_structure(make_ckpt, ckpt, tmp_path):
+    """architectures: Glm4MoeForCausalLM (what vLLM builds) beside model_type glm_moe_dsa (what glmq read): converted
+    and VALID. Both refuse it, naming the two keys."""
+    from glmq.formats.families import UnknownArchitectureError
+
+    src = _source(make_ckpt, tmp_path / "src", architectures=["Glm4MoeForCausalLM"])
+    with pytest.raises(UnknownArchitectureError, match="architectures names Glm4MoeForCausalLM .* but model_type is "
+                                                       "'glm_moe_dsa'"):
+        open_source(src)
+    edit_config(ckpt, architectures=["Glm4MoeForCausalLM"])
+    msgs = "\n".join(structure(v.validate(ckpt)))
+    assert "config.json: architectures names Glm4MoeForCausalLM" in msgs, msgs

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from glmq.formats.families import (LINEAR_CLASSES, attention_presence_problems, config_shape_problems,
+from glmq.formats.families import (LINEAR_CLASSES, NO_KEY, attention_presence_problems, config_shape_problems,
                                    expert_layout_problems, layout_problems, mtp_layers, mtp_stored)
 from glmq.quantize.validate.checkpoint import COMPANIONS, Module
 from glmq.quantize.validate.config import Group, _ct, group_for
@@ -143,7 +143,10 @@ def check_structure(modules: dict[str, Module], groups: list[Group], shapes: dic
     parts = {name: set(m.parts) for name, m in modules.items()}
     problems, why_not = layout_problems(parts, config or {}, missing=not unread, told={n for n, _ in attention},
                                         mtp_required=False)
-    if why_not:
+    if why_not and why_not.startswith(NO_KEY):  # loaders cannot build the model (glmq quantize refuses such a source)
+        res.fail(f"config.json: no {why_not.removeprefix(NO_KEY).strip()} key, which loaders build the model from: "
+                 f"the tensors it promises cannot be listed; use the model's complete config.json (e.g. the source's)")
+    elif why_not:
         res.warn(f"the tensors config.json promises were not listed ({why_not}): only the routed experts and the "
                  f"attention switches were checked against it")
     for name, problem in problems[:_LAYOUT_SHOWN]:
@@ -169,7 +172,7 @@ _LAYOUT_SHOWN = 20  # layout problems reported one by one; the rest as a count (
 def _check_experts(modules: dict[str, Module], config: dict, res: CheckResult) -> None:
     """Every MoE layer holds all n_routed_experts x (gate, up, down), and no expert beyond them. A model without any
     tensor of its MTP layer(s) is served (vLLM and SGLang build the main model and skip the layer; `glmq quantize`
-    converts such a source, plan.py passes mtp_required=False too), with a warning: MTP drafting cannot run."""
+    converts such a source: plan.py takes the same rule, mtp_stored), with a warning: MTP drafting cannot run."""
     counts = type(config.get("num_hidden_layers")) is int and type(config.get("num_nextn_predict_layers")) is int
     mtp = list(mtp_layers(config)) if counts else []  # (other types: expert_layout_problems reports them)
     absent = bool(mtp) and not mtp_stored(modules, config)
