@@ -39,6 +39,9 @@ DTYPES: dict[str, torch.dtype] = {
     "I64": torch.int64,
     "BOOL": torch.bool,
 }
+# another FP8 encoding (F8_E5M2, ...): not what the releases glmq converts store, and read as E4M3 its values are wrong
+_FP8_REMEDY = ("; glmq reads the float8_e4m3fn (F8_E4M3) block-FP8 checkpoints the model makers release: use the "
+               "released FP8 checkpoint, or convert this one to F8_E4M3 with its scales, or to BF16")
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 ITEMSIZE: dict[str, int] = {k: torch.empty(0, dtype=v).element_size() for k, v in DTYPES.items()}
 
@@ -180,7 +183,8 @@ def _header_entries(path: Path, header) -> tuple[dict[str, TensorEntry], dict[st
             raise CheckpointError(f"{path}: tensor {name}: data_offsets {offsets!r} is not [begin, end] in bytes; "
                                   f"the header is corrupt, re-download or re-write the shard")
         if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise CheckpointError(f"{path}: tensor {name} has dtype {dtype}, which glmq does not read")
+            raise CheckpointError(f"{path}: tensor {name} has dtype {dtype}, which glmq does not read"
+                                  + (_FP8_REMEDY if isinstance(dtype, str) and dtype.startswith("F8_") else ""))
         shape, (b, e) = tuple(shape), offsets
         numel = 1
         for d in shape:

@@ -34,6 +34,7 @@ from safetensors import safe_open
 
 from glmq import __version__
 from glmq.formats import manifest
+from glmq.formats.fp8 import NonFiniteWeightError
 from glmq.formats.manifest import FRAGMENT_GLOB, REPORT_NAME, Manifest
 from glmq.formats.safetensors_io import XXH3_128, CheckpointError, StreamingWriter, atomic_write_text
 from glmq.formats.source import Source
@@ -169,15 +170,31 @@ def convert_unit(u: Unit, plan: Plan, device: torch.device) -> list[tuple[str, t
     return out
 
 
+def _finite(t: torch.Tensor | None) -> bool | None:
+    """Whether a floating tensor holds no NaN or Inf (FP8 is widened first: torch has no isfinite for it); None for
+    another dtype or none."""
+    if t is None or not t.is_floating_point():
+        return None
+    return bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all())
+
+
 def _corrupt_source(plan: Plan, u: Unit, e: ValueError) -> str:
     """The message for a row block that failed to convert: it names the scale and the scale's shard when the scale
-    itself holds NaN or Inf (it may sit in another shard than the weight), else the weight and its shard."""
+    itself holds NaN or Inf, or when weight and scale are finite but their product is not (a huge scale element: the
+    weight's FP8 codes are at most 448); the scale may sit in another shard than the weight. Else the weight and its
+    shard."""
     rows = f"(rows {u.r0}-{u.r1}): {e}"
-    for leaf, entry in u.item.companions.items():
-        t = (u.data or {}).get(leaf)
-        if leaf != "input_scale" and t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+    data = u.data or {}
+    scales = [(entry, data[leaf]) for leaf, entry in u.item.companions.items()
+              if leaf != "input_scale" and _finite(data.get(leaf)) is not None]
+    for entry, t in scales:
+        if not _finite(t):
             return (f"{plan.source.path(entry.shard)}: tensor {entry.name} holds NaN or Inf, so weight {u.item.name} "
                     f"{rows}; the scale is corrupt, re-download its shard")
+    if scales and isinstance(e, NonFiniteWeightError) and _finite(data.get("w")):
+        entry, t = scales[0]
+        return (f"{plan.source.path(entry.shard)}: tensor {entry.name} holds {t.abs().max().item():.3g}, so weight "
+                f"{u.item.name} x it overflows {rows}; the scale is corrupt, re-download its shard")
     return f"{plan.source.path(u.item.src.shard)}: tensor {u.item.name} {rows}; the source weight is corrupt, " \
            f"re-download the shard"
 

@@ -92,6 +92,16 @@ def test_wrong_dtype(ckpt, tmp_path):
     assert_fails(glmq("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress"), out, EXPERT, "I8", shard_of(ckpt, EXPERT))
 
 
+def test_an_e5m2_weight_says_which_fp8_glmq_reads(ckpt, tmp_path):
+    """An F8_E5M2 weight was refused naming the file and tensor only: the message now says what to do."""
+    rewrite_shard(ckpt, shard_of(ckpt, EXPERT),
+                  lambda t: t.__setitem__(EXPERT, t[EXPERT].float().to(torch.float8_e5m2)))
+    out = tmp_path / "out"
+    assert_fails(glmq("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress"), out, shard_of(ckpt, EXPERT),
+                 f"tensor {EXPERT} has dtype F8_E5M2, which glmq does not read", "float8_e4m3fn",
+                 "use the released FP8 checkpoint")
+
+
 def test_shape_the_group_size_does_not_divide(make_ckpt, tmp_path):
     src = make_ckpt("glm_moe_dsa", "bf16", config_overrides={"moe_intermediate_size": 200})  # down_proj K: agreed
     name = "model.layers.1.mlp.experts.0.down_proj.weight"
@@ -324,6 +334,27 @@ def test_a_nan_scale_names_the_scale_and_its_shard(ckpt, tmp_path):
     r = glmq("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress")
     assert_fails(r, out, f"{shard_of(ckpt, scale)}: tensor {scale} holds NaN or Inf", "re-download its shard",
                  fresh=False)
+
+
+def test_a_huge_finite_scale_names_the_scale_and_its_shard(ckpt, tmp_path):
+    """A finite weight_scale_inv of 1e38: weight x scale overflows, and the error blamed the weight's shard (told to
+    re-download it) though the fault is the scale, here moved to a shard of its own."""
+    scale = EXPERT + "_scale_inv"
+    rewrite_shard(ckpt, shard_of(ckpt, scale), lambda t: t[scale].__setitem__((0, 0), 1e38))
+    from safetensors.torch import load_file
+
+    idx = index(ckpt)  # the scale alone in a shard of its own, away from its weight
+    tensors = load_file(ckpt / idx["weight_map"][scale])
+    save_file({scale: tensors.pop(scale)}, ckpt / "scales-only.safetensors", metadata={"format": "pt"})
+    save_file(tensors, ckpt / idx["weight_map"][scale], metadata={"format": "pt"})
+    idx["weight_map"][scale] = "scales-only.safetensors"
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(idx))
+    assert shard_of(ckpt, scale) != shard_of(ckpt, EXPERT)
+    out = tmp_path / "out"
+    r = glmq("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress")
+    assert_fails(r, out, f"scales-only.safetensors: tensor {scale} holds 1e+38", "overflows",
+                 "re-download its shard", fresh=False)
+    assert f"{shard_of(ckpt, EXPERT)}: tensor {EXPERT}" not in r.stderr
 
 
 @pytest.mark.parametrize("kind", ["directory", "fifo"])
