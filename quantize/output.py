@@ -31,7 +31,7 @@ from glmq.formats import manifest
 from glmq.formats.manifest import CHECKSUM_KEYS, HEADER_KEY, MANIFEST_NAME, Manifest, fragment_name
 from glmq.formats.safetensors_io import (PT_METADATA, SHA256, TMP_SUFFIX, XXH3_128, CheckpointError,
                                          atomic_write_text, file_tensor_checksums, layout,
-                                         replaced_atomically)
+                                         read_header, replaced_atomically)
 from glmq.formats.source import INDEX_NAME, shard_mtimes
 from glmq.quantize import config_child
 from glmq.quantize.plan import Action, OutFile, Plan
@@ -159,6 +159,34 @@ def prepare_output(plan: Plan, out: Path, lock: OutputLock, world=None, calibrat
     return man
 
 
+def _refuse_corrupt_shards(plan: Plan, out: Path, shards: list[str]) -> None:
+    """Raise before a finished folder is touched where a changed source shard holds NaN or Inf in a floating-point
+    tensor (which the conversion refuses too, but only after the folder's config.json, index and that shard's outputs
+    were deleted: a probe lost a valid checkpoint to a shard corrupted after the run). One read of those shards."""
+    import mmap
+
+    from glmq.quantize.validate.reading import NONFINITE_DTYPES, nonfinite_rows
+
+    for shard in shards:
+        path = plan.source.path(shard)
+        ents = [e for e in plan.source.entries.values() if e.shard == shard and e.dtype in NONFINITE_DTYPES]
+        if not ents:
+            continue
+        _, _, start = read_header(path)
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            view = memoryview(mm)
+            try:
+                for e in ents:
+                    rows = nonfinite_rows(view[start + e.begin:start + e.end], e.dtype, e.shape)
+                    if rows:
+                        raise OutputDirError(
+                            f"{path}: tensor {e.name} holds NaN or Inf (rows {rows[:8]}); this shard changed since "
+                            f"the finished conversion in {out}, which is left as it is; re-download the shard, then "
+                            f"run again (or use a new --output folder)")
+            finally:
+                view.release()
+
+
 @contextlib.contextmanager
 def _writing_into(out: Path):
     """An OSError of a write or delete in the output folder (read-only, full, not ours) as one OutputDirError."""
@@ -237,6 +265,8 @@ def _prepare_output(plan: Plan, out: Path, lock: OutputLock, identity: dict) -> 
             log.warning("%s: its data differs from the run's in %s (a sample of its bytes); the output files read "
                         "from it are converted again", plan.source.path(shard), out)
     redo_shards = set(changed) | set(resampled)
+    if man.complete and redo_shards:  # a finished checkpoint is about to be taken apart for the new data: not for bad
+        _refuse_corrupt_shards(plan, out, sorted(redo_shards))  # data, which would fail the run after the deletes
     fragments = man.absorb_fragments(out)  # records of the ranks of an interrupted distributed run
     with _writing_into(out):
         for p in existing:  # half-written files of the interrupted run

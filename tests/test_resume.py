@@ -545,3 +545,32 @@ def test_a_rerun_of_a_finished_folder_keeps_the_conversions_report(make_ckpt, tm
     repaired = stream.run(plan, out, progress=False)  # a file converted again: this run's figures, stored
     assert repaired["files_skipped_resumed"] == len(plan.files) - 1 and "report_kept" not in repaired
     assert json.loads((out / REPORT_NAME).read_text()) == json.loads(json.dumps(repaired))
+
+
+def test_a_finished_folder_is_not_taken_apart_for_a_shard_that_became_corrupt(make_ckpt, tmp_path):
+    """A finished folder whose source shard changed is converted again for that shard's files; when the new data held
+    a NaN, the run deleted config.json, the index and those files first and then stopped on the NaN: a valid
+    checkpoint lost, nothing in its place. Now the changed shards are scanned first and the folder is left as it is."""
+    import os
+    import shutil
+
+    import pytest
+
+    from glmq.quantize.output import OutputDirError
+
+    src = tmp_path / "src"
+    shutil.copytree(make_ckpt("glm_moe_dsa", "fp8-block"), src)
+    plan = make_plan(open_source(src), recipes.load("int4-w4a16"), 300_000)
+    out = tmp_path / "out"
+    stream.run(plan, out, progress=False)
+    before = {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+    shard, good = _break_a_sampled_window(src, plan)  # an FP8 NaN
+    edited = make_plan(open_source(src), recipes.load("int4-w4a16"), 300_000)
+    with pytest.raises(OutputDirError, match=rf"{shard.name}: tensor .* holds NaN or Inf .* which is left as it is"):
+        stream.run(edited, out, progress=False)
+    assert {p.name: p.read_bytes() for p in sorted(out.iterdir())} == before
+    shard.write_bytes(good)  # downloaded again: the folder is finished for this source as it was
+    mtime = shard.stat().st_mtime_ns
+    os.utime(shard, ns=(mtime, mtime))
+    report = stream.run(make_plan(open_source(src), recipes.load("int4-w4a16"), 300_000), out, progress=False)
+    assert report["files_skipped_resumed"] == len(plan.files)
