@@ -186,14 +186,20 @@ def check_arguments(o: UploadOptions) -> Path:
         if value is not None and not is_repo_id(value):
             raise UploadError(f"{flag} {value!r}: not a Hub model id; spell it ORG/NAME (ASCII letters, digits, "
                               f"'-', '_', '.'; neither part starts or ends with '-' or '.', no '--' or '..', no "
-                              f"'.git' at the end; at most 96 characters"
-                              + (f", this one has {len(value)}" if len(value) > 96 else "") + ")", 2)
+                              f"'.git' at the end; at most 96 characters each side of the '/'"
+                              + (f", this one has {longest}" if (longest := max(map(len, value.split("/")))) > 96
+                                 else "") + ")", 2)
+    if o.revision is not None and not _branch_ok(o.revision):  # the Hub refused it after README.md was written
+        raise UploadError(f"--revision {o.revision!r}: not a branch name (non-empty; no spaces, '..', '//', '~', "
+                          f"'^', ':', '?', '*', '[', '\\' or '@{{'; not starting with '-' or '/', nor ending with "
+                          f"'/', '.' or '.lock'); leave it out for main", 2)
     if o.license is not None and not _LICENSE.fullmatch(o.license):  # the Hub refused it after the card was written
         raise UploadError(f"--license {o.license!r}: not a Hub license id (lowercase letters, digits, '.', '-', '+'; "
                           f"e.g. mit, apache-2.0, cc-by-4.0, or other for a license the Hub does not list)", 2)
     card_only = _card_only_flags(o)
     if o.no_card and card_only:  # they only fill the card's metadata: with no card they would be dropped unsaid
-        raise UploadError(f"{' and '.join(card_only)} go into the model card's metadata only, and --no-card writes "
+        raise UploadError(f"{' and '.join(card_only)} {'go' if len(card_only) > 1 else 'goes'} into the model "
+                          f"card's metadata only, and --no-card writes "
                           f"none; drop {'them' if len(card_only) > 1 else 'it'}, or drop --no-card", 2)
     if not o.dry_run:
         from huggingface_hub import get_token
@@ -273,7 +279,8 @@ def _read_json(path: Path, what: str) -> dict | None:
 
 def read_eval(folder: Path, given: Path | None) -> dict | None:
     """--eval-report, else glmq_eval.json in the folder, else None; checked against compare()'s format and against
-    the folder's weights (formats/manifest.fingerprint)."""
+    the folder's weights (formats/manifest.fingerprint): this checkpoint's row is the one of its name whose fingerprint
+    matches (or that has none: an older report), else, for a folder renamed since, the one whose fingerprint matches."""
     from glmq.formats.manifest import fingerprint
 
     path = given or folder / EVAL_NAME
@@ -298,6 +305,8 @@ def read_eval(folder: Path, given: Path | None) -> dict | None:
     # whose fingerprint differs evaluated another folder of that name, or this one before it was quantized again
     weights = fingerprint(folder)
     same = [i for i in named if rows[i].get("fingerprint") in (weights, None)]
+    if not same:  # renamed or copied since it was evaluated: the fingerprint alone still tells which row is this one
+        same = [i for i in range(1, len(rows)) if rows[i].get("fingerprint") == weights]
     if not same:  # the card would show other models' numbers (as this one's, by name) and none of this one's
         why = (f"{path} evaluates {', '.join(names) or 'no quantized model'}, not this checkpoint ({name})" if not named
                else f"{path} evaluates another checkpoint named {name} (its tensors differ from those in {folder}: "
@@ -369,6 +378,15 @@ def card_action(folder: Path, no_card: bool) -> str:
 # ----------------------------------------------------------------------------------------- hub
 def _deprecated(fn) -> bool:
     return "deprecated" in (fn.__doc__ or "").lower()
+
+
+def _branch_ok(name: str) -> bool:
+    """Whether `name` is a branch name git (and so the Hub) takes: `git check-ref-format --branch`'s rules, by hand
+    (huggingface_hub sends the name as given and the Hub answers only after the card was written)."""
+    bad = (" ", "..", "//", "~", "^", ":", "?", "*", "[", "\\", "@{", "\t")
+    return (bool(name) and name.isprintable() and not any(b in name for b in bad) and name != "@"
+            and not name.startswith(("-", "/", ".")) and not name.endswith(("/", ".", ".lock"))
+            and "/." not in name)
 
 
 def upload_method(api, revision: str | None) -> str:

@@ -508,6 +508,8 @@ def test_card_options_without_a_card_are_refused_or_warned(ckpt, hub):
     r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--dry-run", "--no-card", "--license", "mit",
             "--base-model", "a/b")
     assert r.exit_code == 2 and "--license and --base-model go into the model card's metadata only" in r.output
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--dry-run", "--no-card", "--license", "mit")
+    assert r.exit_code == 2 and "--license goes into the model card's metadata only" in r.output
     assert not hub
     (ckpt / "README.md").write_text("# my own card\n")
     r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--dry-run", "--license", "mit")
@@ -778,6 +780,30 @@ def test_a_license_that_is_no_hub_id_and_a_long_repo_id_are_refused_with_the_rea
     assert not (ckpt / "README.md").exists()
     long_id = "org/" + "m" * 100
     r = run(str(ckpt), "--repo-id", long_id, "--dry-run")
-    assert r.exit_code == 2 and "at most 96 characters, this one has 104" in r.output
+    assert r.exit_code == 2 and "at most 96 characters each side of the '/', this one has 100" in r.output
+    assert run(str(ckpt), "--repo-id", "o/" + "m" * 96, "--tp", "1", "--dry-run").exit_code == 0  # 98 in all: taken
     r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--license", "apache-2.0", "--dry-run")
     assert r.exit_code == 0 and "license: apache-2.0" in r.stdout
+
+
+@pytest.mark.parametrize("branch", ["", "my branch", "a/..x", "x.lock", "-x"])
+def test_a_revision_that_is_no_branch_name_is_refused_before_anything_is_written(ckpt, hub, branch):
+    """--revision "" was listed as main, then sent to the Hub as an empty branch (create_branch(branch="")), after
+    README.md was written; names git refuses went the same way."""
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--revision", branch)
+    assert r.exit_code == 2 and f"--revision {branch!r}: not a branch name" in r.output
+    assert hub == [] and not (ckpt / "README.md").exists()
+
+
+def test_a_renamed_checkpoint_keeps_its_evaluation_by_fingerprint(ckpt, hub, tmp_path):
+    """The README says the evaluation is used when the report evaluated this folder's tensors; the rows were matched by
+    folder name first, so a renamed (or copied) checkpoint lost its evaluation with identical tensors."""
+    rows = [{**EVAL["models"][0], "fingerprint": "1" * 64},
+            {**EVAL["models"][1], "checkpoint": "/out/old-name", "fingerprint": fingerprint(ckpt)}]
+    (tmp_path / "e.json").write_text(json.dumps({**EVAL, "models": rows}))
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--eval-report", str(tmp_path / "e.json"), "--dry-run")
+    assert r.exit_code == 0 and "| **this checkpoint** (`old-name`) | 3.9342 |" in r.stdout, r.output
+    rows[1]["fingerprint"] = "0" * 64  # another model's tensors, under another name: still refused
+    (tmp_path / "e.json").write_text(json.dumps({**EVAL, "models": rows}))
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--eval-report", str(tmp_path / "e.json"), "--dry-run")
+    assert r.exit_code == 2 and "evaluates old-name, not this checkpoint (ckpt)" in r.output
