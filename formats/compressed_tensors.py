@@ -141,7 +141,20 @@ def main() -> None:
     (which imports transformers) costs seconds of pure-Python work that would otherwise hold the GIL
     the conversion pipeline needs.
     """
-    json.dump(config_from_request(json.load(sys.stdin)), sys.stdout)
+    doc = config_from_request(json.load(sys.stdin))
+    json.dump({**doc, PEAK_KEY: _own_peak_rss()}, sys.stdout)
+
+
+PEAK_KEY = "_glmq_child_peak_rss_bytes"  # the child's own peak resident set, beside the config (ConfigJob pops it)
+
+
+def _own_peak_rss() -> int | None:
+    """This process's VmHWM (Linux): its own peak, where ru_maxrss would carry the parent's resident set at the fork."""
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), None)
+    except OSError:
+        return None
 
 
 if __name__ == "__main__":

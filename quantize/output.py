@@ -32,6 +32,7 @@ from glmq.formats.manifest import CHECKSUM_KEYS, HEADER_KEY, MANIFEST_NAME, Mani
 from glmq.formats.safetensors_io import (PT_METADATA, SHA256, TMP_SUFFIX, XXH3_128, CheckpointError,
                                          atomic_write_text, file_tensor_checksums, layout,
                                          read_header, replaced_atomically)
+from glmq.formats.compressed_tensors import PEAK_KEY
 from glmq.formats.source import INDEX_NAME, shard_mtimes
 from glmq.quantize import config_child
 from glmq.quantize.plan import Action, OutFile, Plan
@@ -483,6 +484,7 @@ class ConfigJob:
         # autogroup scheduler shares CPU fairly between sessions; inside rank 0's session this child's
         # import (seconds of CPU) came out of rank 0's share alone and made it the slowest rank.
         self.proc = config_child.take(own_session)
+        self.peak_rss: int | None = None
         self.request = json.dumps(config_request(plan))
 
     def result(self) -> dict:
@@ -504,7 +506,9 @@ class ConfigJob:
             how = f"was killed by signal {-code}" if code < 0 else f"failed (exit code {code})"
             raise config_child.ConfigChildError(f"the child building the compressed-tensors config {how}{again}"
                                                 + (f":\n{err[-3000:]}" if err else ""))
-        return json.loads(out)
+        doc = json.loads(out)
+        self.peak_rss = doc.pop(PEAK_KEY, None)  # the report shows it beside the run's own
+        return doc
 
     def cancel(self) -> None:
         config_child.kill(self.proc)

@@ -377,6 +377,9 @@ def _run(plan: Plan, out: Path, lock: OutputLock, device: str, progress: bool, q
             if world is None:
                 raise
             raise world.failure(f"finishing {out}", e) from e
+        # the child that builds the compressed-tensors config runs beside the conversion (its imports alone ~0.5 GB):
+        # peak_rss_bytes is this process's; the job's peak is at most their sum
+        report["config_child_peak_rss_bytes"] = getattr(config_job, "peak_rss", None)
         report["stage_busy_seconds"] = {k: round(v, 3) for k, v in busy.items()}
         report["rss_at_start_bytes"] = rss_start  # after imports (and the CUDA context), before any data
         report.update(extra_report or {})
