@@ -253,6 +253,15 @@ def test_expert_without_tokens_is_reported(make_ckpt, tmp_path, min_tokens, prio
     assert {"layer": 1, "expert": 3} in rep["expert_coverage"]["unreached"]
     assert "experts no calibration token reached: " in format_report(rep) and "\n  layer 1 expert 3" in format_report(rep)
     assert format_report(rep).count("layer 1 expert 3") == 1  # listed once: among the under-covered, or the unreached
+    # the errors are in-sample, and the experts too thin for a full-rank Hessian are counted (a probe: 2 x 32 tokens
+    # were "better on 144 of 144 tensors" for a model worse than RTN by glmq eval)
+    assert rep["rel_err_measured_on"].startswith("the calibration tokens themselves (in-sample")
+    width = json.loads((src / "config.json").read_text())["hidden_size"]
+    counts = [c for lay in rep["layers"] for c in lay["tokens_per_expert"]]
+    assert rep["expert_coverage"]["below_input_width"] == {"input_width": width, "of": len(counts),
+                                                           "experts": sum(c < width for c in counts)}
+    assert "(rel.err: on the calibration tokens themselves (in-sample" in format_report(rep)
+    assert f"fewer calibration tokens than their {width} input channels: " in format_report(rep)
     dead = [f"model.layers.1.mlp.experts.3.{p}_proj" for p in ("gate", "up", "down")]
     if prior:
         assert not any(f["module"] in dead for f in rep["fallbacks"])
