@@ -224,9 +224,10 @@ def gate(folder: Path, o: UploadOptions) -> dict:
         if isinstance(e, v.BeingWritten):  # not even with --allow-invalid: the files are not all there yet
             raise UploadError(f"{folder}: {e}; nothing was uploaded", 2) from e
         if not o.allow_invalid:
-            raise UploadError(f"{folder}: glmq validate could not run ({e}); fix that, or pass --allow-invalid "
-                              f"to upload anyway", 2) from e
-        _loud(f"uploading {folder} although glmq validate could not run ({e}); the model card says so")
+            raise UploadError(f"{folder}: glmq validate could not run ({e}); fix that (a --device this machine "
+                              f"has, say), or pass --allow-invalid to upload it unvalidated", 2) from e
+        _loud(f"{'would upload' if o.dry_run else 'uploading'} {folder} although glmq validate could not run ({e}); "
+              f"the model card says so")
         return {"valid": None, "error": str(e)}
     click.echo(v.format_report(rep), err=True)
     failed = sorted(k for k, c in rep.checks.items() if c.status is v.Status.FAIL)
@@ -240,7 +241,8 @@ def gate(folder: Path, o: UploadOptions) -> dict:
                           f"nothing was uploaded. {tp} the checkpoint, or pass --allow-invalid to upload it with a "
                           f"warning in its model card", 1)
     if not rep.valid:
-        _loud(f"uploading {folder} although it did not pass glmq validate (failed checks: {', '.join(failed)}); "
+        _loud(f"{'would upload' if o.dry_run else 'uploading'} {folder} although it did not pass glmq validate "
+              f"(failed checks: {', '.join(failed)}); "
               f"the model card says so")
     return rep.to_dict()
 

@@ -316,12 +316,15 @@ def test_allow_invalid_uploads_with_the_warning_in_the_card(ckpt, hub):
     card = (ckpt / "README.md").read_text()
     assert mc.UNVALIDATED_WARNING in card and "glmq validate: INVALID, failed integrity" in card
     assert "| integrity | fail |" in card
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--allow-invalid", "--dry-run")  # says what it would do
+    assert r.exit_code == 0 and "WARNING: would upload" in r.output and "WARNING: uploading" not in r.output
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where validate cannot run on CUDA")
 def test_validation_that_cannot_run_refuses_unless_allowed(ckpt, hub):
     r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--device", "cuda")
     assert r.exit_code == 2 and "glmq validate could not run" in r.output and "no CUDA device" in r.output
+    assert "a --device this machine has" in r.output and "to upload it unvalidated" in r.output
     assert hub == []
     r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--device", "cuda", "--allow-invalid")
     assert r.exit_code == 0 and "WARNING: uploading" in r.output and len(hub) == 3
