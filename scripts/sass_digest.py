@@ -77,7 +77,7 @@ def alternate_entries(table: dict, count: int, margin: float) -> list[dict]:
 
     out = []
     for pick in table_entries(table):
-        n, k, m, mode = pick["n"], pick["k"], pick["m"], "pdl" if pick["pdl"] else "plain"
+        n, k, m = pick["n"], pick["k"], pick["m"]
         times = table["decode"][f"{n},{k},128"][str(m)].get("us") or {}
         suffix = "-pdl" if pick["pdl"] else ""
         triton = times.get("triton" + suffix)
