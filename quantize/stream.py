@@ -470,6 +470,8 @@ def _finish(plan: Plan, out: Path, man: Manifest, qc: dict, stats: RunStats, ran
     report = make_report(plan, stats, device)
     report["world_size"] = len(ranks)
     report["ranks"] = ranks
+    if len(ranks) > 1:  # peak_rss_bytes is this process's (rank 0); the job's busiest rank may have peaked higher
+        report["peak_rss_bytes_largest_rank"] = max(r["peak_rss_bytes"] for r in ranks)
     report["phase_seconds"] = {k: round(v, 3) for k, v in phases.items()}
     return report
 

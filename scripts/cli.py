@@ -443,6 +443,8 @@ def _print_summary(rep: dict, out: Path) -> None:
     click.echo(f"bytes in {_human_bytes(rep['bytes_in_total'])} -> out {_human_bytes(rep['bytes_out'])}; "
                f"{rep['seconds']:.1f} s, {rep['throughput_in_GBps'] or 0:.3f} GB/s in, "
                f"peak RSS {_human_bytes(rep['peak_rss_bytes'])}"
+               + (f" (rank 0; the largest rank's {_human_bytes(rep['peak_rss_bytes_largest_rank'])})"
+                  if "peak_rss_bytes_largest_rank" in rep else "")
                + (f" (+ {_human_bytes(rep['config_child_peak_rss_bytes'])} in the config child, alongside)"
                   if rep.get("config_child_peak_rss_bytes") else "")
                + (f", peak GPU {_human_bytes(rep['peak_gpu_bytes'])}" if "peak_gpu_bytes" in rep else ""))

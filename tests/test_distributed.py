@@ -143,6 +143,10 @@ def test_two_gloo_ranks_write_the_single_process_bytes(reference, tmp_path):
     assert rep["world_size"] == 2 and [row["rank"] for row in rep["ranks"]] == [0, 1]
     assert all(row["files_written"] > 0 for row in rep["ranks"]), "a rank had no work: use more source shards"
     assert sum(row["files_written"] for row in rep["ranks"]) == len(plan.files)
+    # the headline peak is rank 0's own: the job's largest is beside it, and on the summary line
+    assert rep["peak_rss_bytes_largest_rank"] == max(row["peak_rss_bytes"] for row in rep["ranks"]) > 0
+    assert "(rank 0; the largest rank's " in r.stdout
+    assert "peak_rss_bytes_largest_rank" not in json.loads((ref / REPORT_NAME).read_text())  # one process: none
 
 
 # One rank of the CLI that keeps a reference to its process group past `dist.shutdown` (as a traceback or a library
