@@ -88,7 +88,8 @@ def summarize(plan: Plan, metas: list[dict], settings, tokens: torch.Tensor, res
         "resumed_from_layer": resumed_from,
         "seconds": round(seconds, 3),
         "layer_seconds_total": round(sum(m["seconds"] for m in metas), 3),
-        "peak_rss_bytes": stream.peak_rss_bytes(),
+        # over every run of a resumed calibration: each layer recorded its process's peak when it ended
+        "peak_rss_bytes": max([stream.peak_rss_bytes()] + [m["peak_rss_bytes"] for m in metas]),
         "by_class": by_class,
         "layers": layers,
         # rel_err_*: measured on the calibration tokens GPTQ was fitted to (in-sample), which flatters it most where an
@@ -143,9 +144,11 @@ def _more(items: list) -> str:
 
 def format_report(rep: dict) -> str:
     """Human-readable tables of the "gptq" section."""
-    lines = [f"GPTQ calibration: {rep['calibration_tokens']} tokens, {rep['seconds']:.1f} s, "
-             f"peak RSS {rep['peak_rss_bytes'] / 1e9:.2f} GB" + (f", resumed at layer {rep['resumed_from_layer']}"
-                                                                   if rep["resumed_from_layer"] else "")]
+    resumed = rep["resumed_from_layer"]
+    took = (f"{rep['seconds']:.1f} s in this run (its layers {rep['layer_seconds_total']:.1f} s over all runs)"
+            if resumed else f"{rep['seconds']:.1f} s")
+    lines = [f"GPTQ calibration: {rep['calibration_tokens']} tokens, {took}, peak RSS {rep['peak_rss_bytes'] / 1e9:.2f} "
+             f"GB" + (f", resumed at layer {resumed}" if resumed else "")]
     lines.append(f"{'layer':>5s} {'class':16s} {'tensors':>7s} {'rel.err GPTQ':>12s} {'rel.err RTN':>11s} "
                  f"{'better':>7s} {'expert tokens min/med/max':>26s} {'s':>7s}")
     for lay in rep["layers"]:

@@ -386,6 +386,10 @@ def test_killed_mid_layer_resumes_byte_identical(cli_src, tmp_path, where):
     assert _files(out) == _files(ref)
     rep = json.loads((out / REPORT_NAME).read_text())
     assert rep["gptq"]["resumed_from_layer"] == (3 if offload else 2)  # 3: calibration had finished
+    # the peak is over every run (the killed runs' layers recorded theirs), and the terminal says whose seconds it gives
+    g = rep["gptq"]
+    assert g["peak_rss_bytes"] == max(g["peak_rss_bytes"], *(lay["peak_rss_bytes"] for lay in g["layers"]))
+    assert "s in this run (its layers " in r.stdout + r.stderr
     assert rep["files_skipped_resumed"] > 0 if offload else True
     if offload:
         assert not list((tmp_path / "acts").rglob("*")), "offloaded activations left behind"
