@@ -127,7 +127,9 @@ TUNED_PATHS = {Layout.PAIRS: Path(__file__).with_name("tuned_decode.json"),  # o
 # compile to the residency they were timed at (`residency_problem`).
 SM90_REGISTERS, SM90_SHARED, SM90_SHARED_PER_PROGRAM, SM90_WARPS, SM90_PROGRAMS = 65536, 228 << 10, 1 << 10, 64, 32
 _COMPILED: dict[tuple, tuple[int, int]] = {}  # `_compile_key` -> (registers, shared bytes) of the kernel launched
-_RESIDENCY_LOST: dict[tuple, bool] = {}  # a table pick's verdict once known (`_residency_lost`): warned once, then read
+# a table config's verdict once known (`_residency_lost`): warned once, then read; and under ("settled", ...) keys what
+# `choose` settled on for a shape and M (a DecodeConfig, or None: the Triton kernel)
+_RESIDENCY_LOST: dict[tuple, object] = {}
 
 
 @dataclass(frozen=True)
@@ -1172,13 +1174,19 @@ def choose(m: int, w: PackedW4, device: torch.device, device_name: str, pdl: boo
         return None
     if not tuned:
         return cfg
+    settled = ("settled", m, w.n, w.k, pdl, w.layout, device_name)  # once every verdict it rests on is known: one
+    if settled in _RESIDENCY_LOST:  # dict lookup a call, as before the ladder
+        return _RESIDENCY_LOST[settled]
     ladder = [(cfg, tuned_residency(m, w.n, w.k, device_name, pdl, w.layout))]
     ladder += [(c, t) for c, t in tuned_alternates(m, w.n, w.k, device_name, pdl, w.layout) if supports(m, w, c)]
     for i, (cand, timed) in enumerate(ladder):
         instead = f"the table's next-fastest config here, {ladder[i + 1][0]}," if i + 1 < len(ladder) else \
             "the Triton kernel"  # fmt: skip
         if not _residency_lost(m, w, cand, pdl, device, device_name, timed, instead):
+            if _RESIDENCY_LOST.get((cand, m, w.n, w.k, pdl, w.layout, device_name)) is False:  # known to hold
+                _RESIDENCY_LOST[settled] = cand
             return cand
+    _RESIDENCY_LOST[settled] = None
     return None
 
 

@@ -106,6 +106,8 @@ def test_choose_falls_back_to_the_tables_next_config_that_kept_its_residency(tab
         _compiled(w, 146, cfg=ALT2)  # as timed
         for _ in range(2):
             assert DK.choose(16, w, cpu, "Test GPU", False) == ALT2
+    # settled: later calls read one entry, not the table (a table edited now is not read again)
+    assert DK._RESIDENCY_LOST[("settled", 16, 6144, 512, False, D.Layout.PAIRS, "Test GPU")] == ALT2
     msgs = [r.getMessage() for r in caplog.records]
     assert len(msgs) == 2  # once per config given up
     assert f"next-fastest config here, {ALT1}, runs instead" in msgs[0] and "187 registers" in msgs[0]
@@ -119,7 +121,8 @@ def test_choose_takes_the_triton_kernel_when_every_alternate_lost(table, caplog)
     _compiled(w, 200, cfg=ALT2)
     with caplog.at_level(logging.WARNING, logger="glmq.kernels.w4a16_decode"):
         assert DK.choose(16, w, cpu, "Test GPU", False) is None
-    assert "the Triton kernel runs instead" in caplog.records[-1].getMessage()
+        assert DK.choose(16, w, cpu, "Test GPU", False) is None  # settled: no second warning
+    assert "the Triton kernel runs instead" in caplog.records[-1].getMessage() and len(caplog.records) == 2
 
 
 def test_choose_keeps_the_pick_and_never_reads_alternates_while_it_holds(table):
