@@ -23,7 +23,8 @@ from glmq.scripts.cli import main
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 # flags the README gives to other programs (torchrun, vLLM, SGLang, pip, the benchmark scripts)
-NOT_GLMQ = {"--nproc-per-node", "--tensor-parallel-size", "--model-path", "--tune", "--heuristic", "--extra-shapes"}
+NOT_GLMQ = {"--nproc-per-node", "--tensor-parallel-size", "--model-path", "--tune", "--heuristic", "--extra-shapes",
+            "--alternates", "--ladder"}  # torchrun's, vLLM's, SGLang's, scripts/probe_decode.py's, sass_digest.py's
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 
@@ -57,6 +58,15 @@ def test_every_flag_the_readme_names_is_an_option_of_some_command():
     named = set(FLAG.findall(README))
     assert "--experts-per-pass" in named  # the GPTQ memory bound the README and `glmq plan` describe
     assert not named - known, sorted(named - known)
+
+
+def test_the_script_flags_the_readme_names_are_those_scripts_options():
+    root = Path(__file__).resolve().parents[1]
+    for script, flags in (("probe_decode.py", ("--tune", "--heuristic", "--extra-shapes")),
+                          ("sass_digest.py", ("--alternates", "--ladder"))):
+        text = subprocess.run([sys.executable, str(root / "scripts" / script), "--help"], capture_output=True,
+                              text=True, check=True).stdout
+        assert all(f in text for f in flags), (script, [f for f in flags if f not in text])
 
 
 # ----------------------------------------------------------------------------------------- --max-shard-size
