@@ -141,11 +141,10 @@ def main() -> None:
     (which imports transformers) costs seconds of pure-Python work that would otherwise hold the GIL
     the conversion pipeline needs.
     """
+    from glmq.quantize.config_child import PEAK_KEY
+
     doc = config_from_request(json.load(sys.stdin))
     json.dump({**doc, PEAK_KEY: _own_peak_rss()}, sys.stdout)
-
-
-PEAK_KEY = "_glmq_child_peak_rss_bytes"  # the child's own peak resident set, beside the config (ConfigJob pops it)
 
 
 def _own_peak_rss() -> int | None:

@@ -14,6 +14,9 @@ import importlib.util
 import subprocess
 import sys
 
+# the child's own peak resident set, which it writes beside the config (`ConfigJob.result` pops it for the report)
+PEAK_KEY = "_glmq_child_peak_rss_bytes"
+
 _STARTED: list[tuple[subprocess.Popen, bool]] = []
 
 

@@ -32,7 +32,6 @@ from glmq.formats.manifest import CHECKSUM_KEYS, HEADER_KEY, MANIFEST_NAME, Mani
 from glmq.formats.safetensors_io import (PT_METADATA, SHA256, TMP_SUFFIX, XXH3_128, CheckpointError,
                                          atomic_write_text, file_tensor_checksums, layout,
                                          read_header, replaced_atomically)
-from glmq.formats.compressed_tensors import PEAK_KEY
 from glmq.formats.source import INDEX_NAME, shard_mtimes
 from glmq.quantize import config_child
 from glmq.quantize.plan import Action, OutFile, Plan
@@ -507,7 +506,7 @@ class ConfigJob:
             raise config_child.ConfigChildError(f"the child building the compressed-tensors config {how}{again}"
                                                 + (f":\n{err[-3000:]}" if err else ""))
         doc = json.loads(out)
-        self.peak_rss = doc.pop(PEAK_KEY, None)  # the report shows it beside the run's own
+        self.peak_rss = doc.pop(config_child.PEAK_KEY, None)  # the report shows it beside the run's own
         return doc
 
     def cancel(self) -> None:

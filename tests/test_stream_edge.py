@@ -318,3 +318,14 @@ def test_the_report_shows_the_config_childs_peak_beside_the_runs_own(reference):
     rep = json.loads((ref / REPORT_NAME).read_text())
     assert 50e6 < rep["config_child_peak_rss_bytes"] < 20e9 and rep["peak_rss_bytes"] > 0
     assert "_glmq_child_peak_rss_bytes" not in (ref / "config.json").read_text()
+
+
+def test_the_converter_does_not_import_compressed_tensors_itself():
+    """compressed-tensors (and with it transformers and triton) is imported in the config child only
+    (quantize/config_child.py: seconds of start-up, and a triton imported before a test module can set
+    TRITON_INTERPRET); importing a constant from glmq.formats.compressed_tensors into quantize/output.py brought it
+    into every run, and 273 kernel tests of the CI suite fell back to their fresh-interpreter rerun."""
+    code = ("import sys, glmq.quantize.stream, glmq.quantize.output, glmq.scripts.cli; "
+            "print(sorted(m for m in ('compressed_tensors', 'transformers', 'triton') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "[]", r.stdout
