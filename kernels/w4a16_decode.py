@@ -127,9 +127,8 @@ TUNED_PATHS = {Layout.PAIRS: Path(__file__).with_name("tuned_decode.json"),  # o
 # compile to the residency they were timed at (`residency_problem`).
 SM90_REGISTERS, SM90_SHARED, SM90_SHARED_PER_PROGRAM, SM90_WARPS, SM90_PROGRAMS = 65536, 228 << 10, 1 << 10, 64, 32
 _COMPILED: dict[tuple, tuple[int, int]] = {}  # `_compile_key` -> (registers, shared bytes) of the kernel launched
-# a table config's verdict once known (`_residency_lost`): warned once, then read; and under ("settled", ...) keys what
-# `choose` settled on for a shape and M (a DecodeConfig, or None: the Triton kernel)
-_RESIDENCY_LOST: dict[tuple, object] = {}
+_RESIDENCY_LOST: dict[tuple, bool] = {}  # a table config's verdict once known (`_residency_lost`): warned once, then read
+_SETTLED: dict[tuple, object] = {}  # what `choose` settled on for a shape and M: a DecodeConfig, or None (Triton kernel)
 
 
 @dataclass(frozen=True)
@@ -1136,6 +1135,17 @@ def _compile_key(cfg: DecodeConfig, m: int, k: int, pdl: bool, spans: bool) -> t
     return cfg, xshared_tokens(m) if cfg.split else decode_tokens(m), k // MMA_CHUNK, pdl, spans, m == 1 and not cfg.split
 
 
+def residency_waves(n: int, cfg: DecodeConfig, timed: dict, got: tuple[int, int], sms: int
+                    ) -> tuple[int, int, int, float, float]:
+    """(programs, programs an SM as timed, as compiled, waves as timed, as compiled) of a launch of `cfg` on a weight
+    of N rows: `timed` {"registers", "shared"} as the table recorded it, `got` (registers, shared) as compiled. What
+    `residency_problem` compares (and `scripts/sass_digest.py --ladder`, from a digest instead of a launch)."""
+    programs = launch_programs(n, cfg)
+    want_sm = programs_per_sm(timed["registers"], timed["shared"], cfg.warps)
+    have_sm = programs_per_sm(*got, cfg.warps)
+    return programs, want_sm, have_sm, _waves(programs, want_sm, sms), _waves(programs, have_sm, sms)
+
+
 def residency_problem(m: int, w: PackedW4, cfg: DecodeConfig, pdl: bool, timed: dict, sms: int) -> str | None:
     """Why the pick `cfg`, timed compiled to `timed` ({"registers", "shared"}), would not run as it was timed: this
     Triton compiled it (an earlier launch in this process, `_COMPILED`) to fewer programs an SM, so that its launch
@@ -1145,10 +1155,7 @@ def residency_problem(m: int, w: PackedW4, cfg: DecodeConfig, pdl: bool, timed: 
     got = _COMPILED.get(_compile_key(cfg, m, w.k, pdl, w.layout is Layout.SPANS))
     if got is None:
         return None
-    programs = launch_programs(w.n, cfg)
-    want_sm = programs_per_sm(timed["registers"], timed["shared"], cfg.warps)
-    have_sm = programs_per_sm(*got, cfg.warps)
-    want, have = _waves(programs, want_sm, sms), _waves(programs, have_sm, sms)
+    programs, want_sm, have_sm, want, have = residency_waves(w.n, cfg, timed, got, sms)
     if have <= want:
         return None
     return (f"timed at {timed['registers']} registers and {timed['shared']} B of shared memory a program ({want_sm} "
@@ -1174,33 +1181,35 @@ def choose(m: int, w: PackedW4, device: torch.device, device_name: str, pdl: boo
         return None
     if not tuned:
         return cfg
-    settled = ("settled", m, w.n, w.k, pdl, w.layout, device_name)  # once every verdict it rests on is known: one
-    if settled in _RESIDENCY_LOST:  # dict lookup a call, as before the ladder
-        return _RESIDENCY_LOST[settled]
+    settled = (m, w.n, w.k, pdl, w.layout, device_name)  # once every verdict it rests on is known: one dict lookup a
+    if settled in _SETTLED:  # call, as before the ladder
+        return _SETTLED[settled]
     ladder = [(cfg, tuned_residency(m, w.n, w.k, device_name, pdl, w.layout))]
     ladder += [(c, t) for c, t in tuned_alternates(m, w.n, w.k, device_name, pdl, w.layout) if supports(m, w, c)]
     for i, (cand, timed) in enumerate(ladder):
         instead = f"the table's next-fastest config here, {ladder[i + 1][0]}," if i + 1 < len(ladder) else \
             "the Triton kernel"  # fmt: skip
-        if not _residency_lost(m, w, cand, pdl, device, device_name, timed, instead):
-            if _RESIDENCY_LOST.get((cand, m, w.n, w.k, pdl, w.layout, device_name)) is False:  # known to hold
-                _RESIDENCY_LOST[settled] = cand
+        lost = _residency_lost(m, w, cand, pdl, device, device_name, timed, instead)
+        if not lost:
+            if lost is False:  # known to hold (None: this call launches it first)
+                _SETTLED[settled] = cand
             return cand
-    _RESIDENCY_LOST[settled] = None
+    _SETTLED[settled] = None
     return None
 
 
 def _residency_lost(m: int, w: PackedW4, cfg: DecodeConfig, pdl: bool, device: torch.device, device_name: str,
-                    timed: dict | None, instead: str = "the Triton kernel") -> bool:
+                    timed: dict | None, instead: str = "the Triton kernel") -> bool | None:
     """Whether the table's config `cfg`, timed compiled to `timed` (None: not recorded, nothing to hold it to), lost
-    that residency (`residency_problem`), warned the first time, naming what runs `instead`. The verdict is kept once
-    its compiled kernel is known (its registers do not change in a process), so later calls cost a dict lookup, not
-    the table's record and the residency arithmetic again."""
+    that residency (`residency_problem`), warned the first time, naming what runs `instead`; None while that is not
+    known (not launched yet: the caller runs it, which records what it compiled to). The verdict is kept once its
+    compiled kernel is known (its registers do not change in a process), so later calls cost a dict lookup, not the
+    table's record and the residency arithmetic again."""
     key = (cfg, m, w.n, w.k, pdl, w.layout, device_name)
     if (lost := _RESIDENCY_LOST.get(key)) is not None:
         return lost
     if timed is not None and _compile_key(cfg, m, w.k, pdl, w.layout is Layout.SPANS) not in _COMPILED:
-        return False  # not launched yet: this call runs it, and records what it compiled to
+        return None
     why = None if timed is None else residency_problem(m, w, cfg, pdl, timed, sm_count(device))
     if why:
         import triton

@@ -140,26 +140,27 @@ def record(table: dict, digest: dict, timed_with: str, alternates: dict | None =
     the digest's `|alt<i>` entries become the entry's "alternates" lists, in that order, replacing earlier ones."""
     out = json.loads(json.dumps(table))
     alternates = alternates or {}
+    found: dict[tuple, dict[int, dict]] = {}  # (entry, mode) of each pick recorded -> its alternates by index
     for key, r in digest["entries"].items():
         if "error" in r or "shared" not in r:
             raise SystemExit(f"{key}: no registers and shared memory in the digest ({r.get('error', 'an older digest')})")
         shape, m, mode, *alt = key.split("|")
         n, k = shape.split(",")
-        entry = out["decode"][f"{n},{k},128"][m]
         compiled = {"registers": r["registers"], "shared": r["shared"]}
+        alts = found.setdefault((f"{n},{k},128", m, mode), {})
         if alt:  # an alternate: its config and time as tuned, and what it compiled to
             a = alternates[key]
-            entry.setdefault("alternates", {}).setdefault(mode, []).append(
-                {"config": a["config"], "us": a["us"], "compiled": compiled})
+            alts[int(alt[0].removeprefix("alt"))] = {"config": a["config"], "us": a["us"], "compiled": compiled}
         else:
-            entry.setdefault("compiled", {})[mode] = compiled
-            entry.setdefault("alternates", {})[mode] = []  # rebuilt from this digest's alternates (if any)
-    for rows in out["decode"].values():  # no empty lists left behind
-        for entry in rows.values():
-            if "alternates" in entry:
-                entry["alternates"] = {mode: v for mode, v in entry["alternates"].items() if v}
-                if not entry["alternates"]:
-                    del entry["alternates"]
+            out["decode"][f"{n},{k},128"][m].setdefault("compiled", {})[mode] = compiled
+    for (shape, m, mode), alts in found.items():  # each recorded pick's alternates: this digest's, in order, or none
+        entry = out["decode"][shape][m]
+        lists = {k: v for k, v in (entry.get("alternates") or {}).items() if k != mode}
+        if alts:
+            lists[mode] = [alts[i] for i in sorted(alts)]
+        entry.pop("alternates", None)
+        if lists:
+            entry["alternates"] = lists
     out["triton"] = timed_with
     return out
 
@@ -185,10 +186,8 @@ def ladder(table: dict, digest: dict, sms: int) -> dict[str, str]:
             if timed is None or got is None or "error" in got:
                 out[pick["key"]] = name
                 break
-            cfg = DK.DecodeConfig(**config)
-            programs = DK.launch_programs(pick["n"], cfg)
-            want = DK._waves(programs, DK.programs_per_sm(timed["registers"], timed["shared"], cfg.warps), sms)
-            have = DK._waves(programs, DK.programs_per_sm(got["registers"], got["shared"], cfg.warps), sms)
+            *_, want, have = DK.residency_waves(pick["n"], DK.DecodeConfig(**config), timed,
+                                                (got["registers"], got["shared"]), sms)
             if have <= want:
                 out[pick["key"]] = name
                 break

@@ -61,6 +61,7 @@ def table(tmp_path, monkeypatch):
     monkeypatch.setattr(DK, "available", lambda device: True)
     monkeypatch.setattr(DK, "_COMPILED", {})
     monkeypatch.setattr(DK, "_RESIDENCY_LOST", {})
+    monkeypatch.setattr(DK, "_SETTLED", {})
     yield write
     DK._table.cache_clear()
 
@@ -107,7 +108,7 @@ def test_choose_falls_back_to_the_tables_next_config_that_kept_its_residency(tab
         for _ in range(2):
             assert DK.choose(16, w, cpu, "Test GPU", False) == ALT2
     # settled: later calls read one entry, not the table (a table edited now is not read again)
-    assert DK._RESIDENCY_LOST[("settled", 16, 6144, 512, False, D.Layout.PAIRS, "Test GPU")] == ALT2
+    assert DK._SETTLED[(16, 6144, 512, False, D.Layout.PAIRS, "Test GPU")] == ALT2
     msgs = [r.getMessage() for r in caplog.records]
     assert len(msgs) == 2  # once per config given up
     assert f"next-fastest config here, {ALT1}, runs instead" in msgs[0] and "187 registers" in msgs[0]
@@ -249,6 +250,7 @@ def test_a_pick_that_lost_its_residency_gives_way_on_the_gpu(tmp_path, monkeypat
     monkeypatch.setattr(DK, "TUNED_PATHS", {D.Layout.PAIRS: path})
     monkeypatch.setattr(DK, "_COMPILED", {})
     monkeypatch.setattr(DK, "_RESIDENCY_LOST", {})
+    monkeypatch.setattr(DK, "_SETTLED", {})
     DK._table.cache_clear()
     try:
         gen = torch.Generator().manual_seed(0)
