@@ -169,22 +169,19 @@ def _refuse_corrupt_shards(plan: Plan, out: Path, shards: list[str]) -> None:
 
     for shard in shards:
         path = plan.source.path(shard)
-        ents = [e for e in plan.source.entries.values() if e.shard == shard and e.dtype in NONFINITE_DTYPES]
+        entries, _, start = read_header(path)  # (checks the file holds what its header says: no mapped page past it)
+        ents = [e for e in entries.values() if e.dtype in NONFINITE_DTYPES]
         if not ents:
             continue
-        _, _, start = read_header(path)
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            view = memoryview(mm)
-            try:
-                for e in ents:
-                    rows = nonfinite_rows(view[start + e.begin:start + e.end], e.dtype, e.shape)
-                    if rows:
-                        raise OutputDirError(
-                            f"{path}: tensor {e.name} holds NaN or Inf (rows {rows[:8]}); this shard changed since "
-                            f"the finished conversion in {out}, which is left as it is; re-download the shard, then "
-                            f"run again (or use a new --output folder)")
-            finally:
-                view.release()
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as view:
+            for e in ents:
+                with view[start + e.begin:start + e.end] as data:
+                    rows = nonfinite_rows(data, e.dtype, e.shape)
+                if rows:
+                    raise OutputDirError(
+                        f"{path}: tensor {e.name} holds NaN or Inf (rows {rows[:8]}); this shard changed since the "
+                        f"finished conversion in {out}, which is left as it is; re-download the shard, then run again "
+                        f"(or use a new --output folder)")
 
 
 @contextlib.contextmanager

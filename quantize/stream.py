@@ -185,14 +185,14 @@ def _corrupt_source(plan: Plan, u: Unit, e: ValueError) -> str:
     shard."""
     rows = f"(rows {u.r0}-{u.r1}): {e}"
     data = u.data or {}
-    scales = [(entry, data[leaf]) for leaf, entry in u.item.companions.items()
-              if leaf != "input_scale" and _finite(data.get(leaf)) is not None]
-    for entry, t in scales:
-        if not _finite(t):
+    scales = [(entry, data[leaf], ok) for leaf, entry in u.item.companions.items()
+              if leaf != "input_scale" and (ok := _finite(data.get(leaf))) is not None]
+    for entry, _, ok in scales:
+        if not ok:
             return (f"{plan.source.path(entry.shard)}: tensor {entry.name} holds NaN or Inf, so weight {u.item.name} "
                     f"{rows}; the scale is corrupt, re-download its shard")
     if scales and isinstance(e, NonFiniteWeightError) and _finite(data.get("w")):
-        entry, t = scales[0]
+        entry, t, _ = scales[0]
         return (f"{plan.source.path(entry.shard)}: tensor {entry.name} holds {t.abs().max().item():.3g}, so weight "
                 f"{u.item.name} x it overflows {rows}; the scale is corrupt, re-download its shard")
     return f"{plan.source.path(u.item.src.shard)}: tensor {u.item.name} {rows}; the source weight is corrupt, " \

@@ -218,6 +218,7 @@ def gate(folder: Path, o: UploadOptions) -> dict:
     """
     from glmq.quantize import validate as v
 
+    doing = "would upload" if o.dry_run else "uploading"
     try:
         rep = v.validate(folder, sample=o.sample, device=o.device, tp=o.tp, serving=True)
     except v.CannotValidate as e:
@@ -226,8 +227,7 @@ def gate(folder: Path, o: UploadOptions) -> dict:
         if not o.allow_invalid:
             raise UploadError(f"{folder}: glmq validate could not run ({e}); fix that (a --device this machine "
                               f"has, say), or pass --allow-invalid to upload it unvalidated", 2) from e
-        _loud(f"{'would upload' if o.dry_run else 'uploading'} {folder} although glmq validate could not run ({e}); "
-              f"the model card says so")
+        _loud(f"{doing} {folder} although glmq validate could not run ({e}); the model card says so")
         return {"valid": None, "error": str(e)}
     click.echo(v.format_report(rep), err=True)
     failed = sorted(k for k, c in rep.checks.items() if c.status is v.Status.FAIL)
@@ -241,9 +241,8 @@ def gate(folder: Path, o: UploadOptions) -> dict:
                           f"nothing was uploaded. {tp} the checkpoint, or pass --allow-invalid to upload it with a "
                           f"warning in its model card", 1)
     if not rep.valid:
-        _loud(f"{'would upload' if o.dry_run else 'uploading'} {folder} although it did not pass glmq validate "
-              f"(failed checks: {', '.join(failed)}); "
-              f"the model card says so")
+        _loud(f"{doing} {folder} although it did not pass glmq validate (failed checks: {', '.join(failed)}); the "
+              f"model card says so")
     return rep.to_dict()
 
 
@@ -385,7 +384,7 @@ def _deprecated(fn) -> bool:
 def _branch_ok(name: str) -> bool:
     """Whether `name` is a branch name git (and so the Hub) takes: `git check-ref-format --branch`'s rules, by hand
     (huggingface_hub sends the name as given and the Hub answers only after the card was written)."""
-    bad = (" ", "..", "//", "~", "^", ":", "?", "*", "[", "\\", "@{", "\t")
+    bad = (" ", "..", "//", "~", "^", ":", "?", "*", "[", "\\", "@{")  # (tabs and other controls: isprintable)
     return (bool(name) and name.isprintable() and not any(b in name for b in bad) and name != "@"
             and not name.startswith(("-", "/", ".")) and not name.endswith(("/", ".", ".lock"))
             and "/." not in name)
