@@ -230,3 +230,27 @@ def test_transfer_compare_takes_medians_per_side(tmp_path):
         lines = bench_as_device.compare(bench_as_device.load_runs(src))
         assert len(lines) == 2, lines  # the header and one row: glmq at M = 64
         assert lines[1].split() == ["dense", "12288->6144", "64", "glmq", "28.0", "41.0", "1.46", "3/2"], lines
+
+
+def test_kernel_bench_notes_the_config_that_ran_after_timing(monkeypatch):
+    """bench_kernels labels a row with the config chosen once its calls have run: `w4a16_decode.choose`'s residency
+    ladder can give the launch table's pick up after its first launches, and a label taken before the launch named
+    the pick for a row the runner-up (or the Triton kernel) timed (session 44's Triton 3.9 tables)."""
+    import torch
+
+    from glmq.scripts import bench_kernels
+
+    monkeypatch.setattr(bench_kernels.Bench, "measure_copy_rate", lambda self: 1e9)
+    monkeypatch.setattr(bench_kernels.Bench, "measure_read_rate", lambda self: 1e9)
+    b = bench_kernels.Bench(torch.device("cpu"), budget_s=60, smoke=True)
+    ran = []
+    ref = torch.ones(2, 2)
+
+    def make():
+        ran.append("pick")
+        return [lambda: ran.append("runner-up")], ref.clone()
+
+    rec = b.run("dense", "s", 2, "glmq", make, ref, note=lambda: f"config after {len(ran)} calls: {ran[-1]}")
+    assert rec.status == "ok" and rec.us is not None
+    assert rec.note == f"config after {len(ran)} calls: runner-up" and len(ran) > 2
+    assert b.run("dense", "s", 2, "x", make, ref, note="plain").note == "plain"
