@@ -26,7 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from glmq import __version__
-from glmq.formats.families import LINEAR_CLASSES, ignore_list
+from glmq.formats.families import FUSED_NAMES, LINEAR_CLASSES, ignore_list
 from glmq.formats import manifest
 from glmq.formats.manifest import CHECKSUM_KEYS, HEADER_KEY, MANIFEST_NAME, Manifest, fragment_name
 from glmq.formats.safetensors_io import (PT_METADATA, SHA256, TMP_SUFFIX, XXH3_128, CheckpointError,
@@ -443,6 +443,20 @@ def _member_patterns(names: set[str], every: set[str]) -> list[str]:
     return out
 
 
+def _fused_layers(actions: dict) -> tuple[set[str], set[str]]:
+    """(fused layers whose parts are all kept FP8, every fused layer whose parts are all present): the names vLLM
+    builds them under, e.g. `model.layers.3.self_attn.qkv_proj` from its q/k/v_proj."""
+    kept, every = set(), set()
+    for parent in {m.rpartition(".")[0] for m in actions}:
+        for parts, fused in FUSED_NAMES.items():
+            acts = [actions.get(f"{parent}.{p}") for p in parts]
+            if all(a is not None for a in acts):
+                every.add(f"{parent}.{fused}")
+                if all(a is Action.KEEP_FP8 for a in acts):
+                    kept.add(f"{parent}.{fused}")
+    return kept, every
+
+
 def config_request(plan: Plan) -> dict:
     """What the compressed-tensors config depends on: spec, ignore and keep lists, every Linear module.
 
@@ -460,6 +474,10 @@ def config_request(plan: Plan) -> dict:
     # per path across the layers where it can (GLM-5: ~10 entries, not ~550 exact names, which loaders match one by
     # one against every module with `re.match`, past its 512-pattern cache)
     keep = _member_patterns({m for m, a in actions.items() if a is Action.KEEP_FP8}, set(actions))
+    # and the fused layers loaders build from kept parts (qkv_proj, gate_up_proj), by their own names: vLLM and SGLang
+    # match a fused layer's class name against "Linear" (group_0's target) before its parts' names (FUSED_NAMES)
+    fused_kept, fused_all = _fused_layers(actions)
+    keep += _member_patterns(fused_kept, fused_all)
     spec = {k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(plan.recipe.spec).items()}
     modules = {m: a.value for m, a in actions.items()}
     # a compressed-tensors source's FP8 KV-cache scheme goes with its k_scale / v_scale tensors, which are copied

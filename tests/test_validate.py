@@ -186,9 +186,9 @@ def test_keep_fp8_output_is_read_by_compressed_tensors_as_stored(converted, tmp_
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["format"] == "mixed-precision"
     # one target per module path across the layers, not one per module (GLM-5: ~10, not ~550, which loaders
-    # match one by one with re.match, past its 512-pattern cache)
+    # match one by one with re.match, past its 512-pattern cache), and the fused layers' own names (gate_up_proj)
     fp8_targets = next(g["targets"] for g in qc["config_groups"].values() if g["weights"]["type"] == "float")
-    assert len(fp8_targets) <= 10 and all(t.startswith("re:^model\\.layers\\.\\d+\\.") for t in fp8_targets)
+    assert len(fp8_targets) <= 14 and all(t.startswith("re:^model\\.layers\\.\\d+\\.") for t in fp8_targets)
     stored: dict[str, str] = {}  # Linear module -> "int" / "float" / "bf16", read from the tensors
     shapes: dict[str, tuple[int, int]] = {}
     for shard in sorted(set(index(out)["weight_map"].values())):
@@ -919,3 +919,31 @@ def test_k_smaller_than_the_group_is_checked_as_one_group():
     err, bound, _ = numerics.matmul_error(numerics._activations(0, "m", 64), pack_int32(q), scale, None, (16, 64), g,
                                           "cpu")
     assert err <= bound
+
+
+def test_keep_fp8_fused_layers_are_targeted_by_their_own_names(converted, tmp_path):
+    """vLLM's `find_matched_target` matches a fused layer (gate_up_proj, qkv_proj) by its own name, then by its class
+    name, where "Linear" (the INT group's target) is a substring of MergedColumnParallelLinear, and only then by its
+    parts' names: an FP8 group naming gate_proj and up_proj alone left vLLM building the fused layer as INT4 over FP8
+    weights, and validate passed it. The writer names the fused layers in the FP8 group; validate fails a config
+    without them, naming the fused layer and the target to add."""
+    from glmq.quantize.validate.config import fused_layer_group, read_quant_config
+
+    src, out = converted["glm5-keep-fp8"]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    groups = read_quant_config({"quantization_config": qc}, None).groups
+    fused = "model.layers.0.mlp.gate_up_proj"  # GLM-5's dense MLP (first_k_dense_replace), kept FP8
+    assert fused_layer_group(fused, groups).kind == "float"
+    assert fused_layer_group("model.layers.1.mlp.shared_experts.gate_up_proj", groups).kind == "float"
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    for g in qc["config_groups"].values():
+        g["targets"] = [t for t in g["targets"] if "gate_up_proj" not in t]
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    assert fused_layer_group(fused, read_quant_config({"quantization_config": qc}, None).groups).kind == "int"
+    rep = v.validate(bad, serving=False)
+    assert failed_checks(rep) == {"structure"}, failed_checks(rep)
+    msgs = [f.message for f in rep.checks["structure"].failures]
+    assert any(m.startswith(f"{fused}: vLLM/SGLang fuse gate_proj, up_proj") and "group_0 (INT)" in m
+               and "re:^model\\.layers\\.0\\.mlp\\.gate_up_proj$" in m for m in msgs), msgs

@@ -220,3 +220,26 @@ def group_for(module: str, groups: list[Group]) -> Group | None:
         if names and _ct().is_ignored(module, names):  # compressed-tensors' matcher, as loaders use
             return g
     return next((g for g in groups if "Linear" in g.targets), None)
+
+
+# The classes vLLM builds fused layers as (formats.md §3a), whose names its `find_matched_target` matches targets
+# against (a case-insensitive substring, or a `re:` regex) when no target matched the layer's own name.
+FUSED_CLASSES = {"qkv_proj": "QKVParallelLinear", "gate_up_proj": "MergedColumnParallelLinear",
+                 "fused_qkv_a_proj": "MergedColumnParallelLinear", "wk_weights_proj": "MergedColumnParallelLinear"}
+
+
+def fused_layer_group(fused: str, groups: list[Group]) -> Group | None:
+    """The group vLLM gives the fused layer `fused` (e.g. `model.layers.3.self_attn.qkv_proj`, built from its parts
+    q/k/v_proj; vllm/model_executor/layers/quantization/compressed_tensors/utils.py `find_matched_target`): a target
+    matching its own name, else one matching its class name (every fused class name contains "Linear"), else None:
+    its parts' names decide, as `group_for` reads them. SGLang's matcher is a copy of vLLM's."""
+    for g in groups:
+        names = [t for t in g.targets if t != "Linear"]
+        if names and _ct().is_ignored(fused, names):
+            return g
+    cls = FUSED_CLASSES.get(fused.rpartition(".")[2], "")
+    for g in groups:
+        for t in g.targets:
+            if re.match(t[3:], cls) if t.startswith("re:") else t.lower() in cls.lower():
+                return g
+    return None

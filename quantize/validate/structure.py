@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from glmq.formats.families import (LINEAR_CLASSES, NO_KEY, attention_presence_problems, config_shape_problems,
+import re
+
+from glmq.formats.families import (FUSED_NAMES, LINEAR_CLASSES, NO_KEY, attention_presence_problems, config_shape_problems,
                                    expert_layout_problems, layout_problems, mtp_layers, mtp_stored)
 from glmq.quantize.validate.checkpoint import COMPANIONS, Module
-from glmq.quantize.validate.config import Group, _ct, group_for
+from glmq.quantize.validate.config import Group, _ct, fused_layer_group, group_for
 from glmq.quantize.validate.report import CheckResult
 
 LEAF_DTYPES = {"weight_packed": ("I32",), "weight_scale": ("BF16", "F16", "F32"), "weight_shape": ("I64", "I32"),
@@ -122,6 +124,8 @@ def check_structure(modules: dict[str, Module], groups: list[Group], shapes: dic
                 form, leaf = ("INT", "weight_packed") if g.kind == "int" else ("FP8", "weight_scale")
                 res.fail(f"{m.name}.weight is stored unquantized ({w.dtype}) but matches no ignore entry: vLLM would "
                          f"build it as {form} and find no {leaf}", **where)
+    if groups:
+        _check_fused_layers(modules, groups, res)
     if unread:
         res.warn(f"{len(unread)} tensor file(s) could not be read (e.g. {sorted(unread)[0]}; see the index check): "
                  f"the tensors they hold are not checked for presence here")
@@ -161,6 +165,26 @@ def check_structure(modules: dict[str, Module], groups: list[Group], shapes: dic
                  f"runs with scale 1.0); set kv_cache_scheme as the source's config has it, or remove the tensors",
                  tensor=kv[0])
     return res
+
+
+def _check_fused_layers(modules: dict[str, Module], groups: list[Group], res: CheckResult) -> None:
+    """Each fused layer vLLM builds from stored parts (qkv_proj from q/k/v_proj, ...) resolves to a config group of the
+    parts' stored form: vLLM matches the fused layer's class name against "Linear" before its parts' names, so an FP8
+    group naming only q/k/v_proj beside an INT group targeting "Linear" builds qkv_proj as INT4 over FP8 weights."""
+    for parent in sorted({name.rpartition(".")[0] for name in modules}):
+        for parts, fused in FUSED_NAMES.items():
+            mods = [modules.get(f"{parent}.{p}") for p in parts]
+            if any(m is None for m in mods):
+                continue
+            kind = "float" if all(m.is_fp8 for m in mods) else "int" if all(m.is_int for m in mods) else None
+            g = fused_layer_group(f"{parent}.{fused}", groups) if kind else None
+            if g is not None and g.kind != kind:
+                form = "FP8 (F8_E4M3 + weight_scale)" if kind == "float" else "pack-quantized INT"
+                want = next((x.name for x in groups if x.kind == kind), "a group of that form")
+                res.fail(f"{parent}.{fused}: vLLM/SGLang fuse {', '.join(parts)} into this layer and give it "
+                         f"{g.name} ({'FP8' if g.kind == 'float' else 'INT'}) by its class name, but its parts are "
+                         f"stored {form}: add `re:^{re.escape(parent + '.' + fused)}$` (or a pattern over the layers) "
+                         f"to {want}'s targets", tensor=f"{parent}.{parts[0]}", shard=mods[0].shard())
 
 
 _KV_SCALES = ("k_scale", "v_scale")  # a compressed-tensors FP8 KV cache's per-layer scales (vLLM's kv_cache_scheme)
