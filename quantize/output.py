@@ -234,7 +234,8 @@ def _prepare_output(plan: Plan, out: Path, lock: OutputLock, identity: dict) -> 
                 f"otherwise; finish it with that glmq, or remove this folder to start over")
         raise OutputDirError(
             f"{out / MANIFEST_NAME}: this folder holds a glmq run of a different source/recipe/settings/calibration "
-            f"(differs in: {', '.join(diff)}); use a new --output folder, or remove this one to start over"
+            f"(differs in: {'; '.join(_diff_lines(man.identity, identity))}); use a new --output folder, or remove this "
+            f"one to start over"
         )
     # a shard whose data sample changed (e.g. downloaded again after a corrupt weight): its files are converted again,
     # as those of a shard whose time moved; every shard changed: another model of this layout (a fine-tune)
@@ -309,6 +310,24 @@ def _prepare_output(plan: Plan, out: Path, lock: OutputLock, identity: dict) -> 
 
 def _differing(old: dict, new: dict) -> list[str]:
     return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+
+
+def _diff_lines(old: dict, new: dict) -> list[str]:
+    """What differs between two run identities, a dict's keys one by one with their values where short (`recipe.name:
+    'int4-w4a16' then, 'mine' now`), so that a user sees which setting to put back; digests by name alone."""
+    def value(v) -> str | None:
+        text = repr(v)
+        return text if (v is None or isinstance(v, (str, int, float))) and len(text) <= 40 else None
+
+    out = []
+    for k in _differing(old, new):
+        a, b = old.get(k), new.get(k)
+        subs = [(f"{k}.{s}", a.get(s), b.get(s)) for s in _differing(a, b)] \
+            if isinstance(a, dict) and isinstance(b, dict) else [(k, a, b)]
+        for name, x, y in subs:
+            then, now = value(x), value(y)
+            out.append(f"{name}: {then} then, {now} now" if then is not None and now is not None else name)
+    return out
 
 
 def _calibration_diff(old: dict, new: dict) -> list[str]:

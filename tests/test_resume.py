@@ -574,3 +574,24 @@ def test_a_finished_folder_is_not_taken_apart_for_a_shard_that_became_corrupt(ma
     os.utime(shard, ns=(mtime, mtime))
     report = stream.run(make_plan(open_source(src), recipes.load("int4-w4a16"), 300_000), out, progress=False)
     assert report["files_skipped_resumed"] == len(plan.files)
+
+
+def test_a_resume_refused_for_another_recipe_names_the_setting_and_both_values(make_ckpt, tmp_path):
+    """The refusal said "differs in: recipe" when only the recipe's name (or one setting) had changed: the user could
+    not see what to put back. It names the recipe's keys with their values then and now."""
+    import dataclasses
+
+    import pytest
+
+    from glmq.quantize.output import OutputDirError, OutputLock, prepare_output
+
+    src = make_ckpt("glm_moe_dsa", "fp8-block")
+    plan = make_plan(open_source(src), recipes.load("int4-w4a16"), 300_000)
+    out = tmp_path / "out"
+    with OutputLock(out) as lock:
+        prepare_output(plan, out, lock)
+    other = dataclasses.replace(plan.recipe, name="mine", spec=dataclasses.replace(plan.recipe.spec, group_size=64))
+    with pytest.raises(OutputDirError) as e:
+        with OutputLock(out) as lock:
+            prepare_output(dataclasses.replace(plan, recipe=other), out, lock)
+    assert "(differs in: recipe.group_size: 128 then, 64 now; recipe.name: 'int4-w4a16' then, 'mine' now)" in str(e.value)
