@@ -29,6 +29,9 @@ UNSERVABLE_TARGETS = {
                         "so a packed mlp.gate weight cannot load",
     TensorClass.INDEXER: "vLLM fuses indexer.wk + weights_proj with quant_config=None (an FP8/BF16-only load path), and "
                          "SGLang builds weights_proj without a quant_config, so a packed indexer cannot load",
+    TensorClass.MTP_PROJ: "vLLM's and SGLang's MTP layers (deepseek_mtp, deepseek_nextn, glm4_moe_mtp) build eh_proj "
+                          "as a plain nn.Linear, without a quant_config (SGLang's ReplicatedLinear only for Quark), so a "
+                          "packed eh_proj cannot load",
 }
 
 

@@ -125,15 +125,15 @@ def test_cli_refuses_a_float_num_bits_before_writing_anything(tmp_path):
 
 # ----------------------------------------------------------------------------------------- targets
 def test_a_recipe_whose_targets_match_nothing_is_refused_before_writing(make_ckpt, tmp_path):
-    """Targets present in no weight of the checkpoint (mtp_proj on a model without MTP layers) wrote a valid-looking
-    "pack-quantized" checkpoint of BF16 weights, larger than the FP8 source, that validate passed."""
+    """Targets present in no weight of the checkpoint (dense_mlp on a model whose every layer is MoE) wrote a
+    valid-looking "pack-quantized" checkpoint of BF16 weights, larger than the FP8 source, that validate passed."""
     from glmq.scripts.cli import main
 
-    src = make_ckpt("glm4_moe", config_overrides={"num_nextn_predict_layers": 0})
-    p, out = tmp_path / "mtp-only.yaml", tmp_path / "out"
-    p.write_text("targets: [mtp_proj]\n")
+    src = make_ckpt("glm4_moe", config_overrides={"first_k_dense_replace": 0})
+    p, out = tmp_path / "dense-only.yaml", tmp_path / "out"
+    p.write_text("targets: [dense_mlp]\n")
     r = CliRunner().invoke(main, ["quantize", "-m", str(src), "-r", str(p), "-o", str(out), "--no-progress"])
-    assert r.exit_code == 1 and "quantizes nothing" in r.output and "'mtp_proj'" in r.output, r.output
+    assert r.exit_code == 1 and "quantizes nothing" in r.output and "'dense_mlp'" in r.output, r.output
     assert "routed_expert" in r.output and "'router'" not in r.output, r.output  # offers only classes a recipe may name
     assert not out.exists()
 
@@ -142,14 +142,19 @@ def test_unservable_targets_are_the_layers_the_serving_check_always_refuses():
     from glmq.quantize.validate.serving import NO_QUANT_LAYERS
 
     # every leaf the serving check refuses at any tp and shape belongs to a refused class, and each refused class
-    # has such a leaf (mlp.gate: the router; indexer.wk / weights_proj: present in every DSA indexer)
+    # has such a leaf (mlp.gate: the router; indexer.wk / weights_proj: present in every DSA indexer; eh_proj: the MTP
+    # layer's input projection)
     leaf_class = {"gate": classify("model.layers.3.mlp.gate"), "wk": classify("model.layers.3.self_attn.indexer.wk"),
-                  "weights_proj": classify("model.layers.3.self_attn.indexer.weights_proj")}
+                  "weights_proj": classify("model.layers.3.self_attn.indexer.weights_proj"),
+                  "eh_proj": classify("model.layers.78.eh_proj")}
     assert set(leaf_class) == set(NO_QUANT_LAYERS)
-    assert set(leaf_class.values()) == set(recipes.UNSERVABLE_TARGETS) == {TensorClass.ROUTER, TensorClass.INDEXER}
+    assert set(leaf_class.values()) == set(recipes.UNSERVABLE_TARGETS) == UNSERVABLE
 
 
-@pytest.mark.parametrize("cls,leaf", [("router", "gate"), ("indexer", "wk")])
+UNSERVABLE = {TensorClass.ROUTER, TensorClass.INDEXER, TensorClass.MTP_PROJ}
+
+
+@pytest.mark.parametrize("cls,leaf", [("router", "gate"), ("indexer", "wk"), ("mtp_proj", "eh_proj")])
 def test_router_and_indexer_targets_are_refused_at_load(tmp_path, cls, leaf):
     from glmq.quantize.validate.serving import NO_QUANT_LAYERS
 
@@ -161,9 +166,9 @@ def test_router_and_indexer_targets_are_refused_at_load(tmp_path, cls, leaf):
     assert NO_QUANT_LAYERS[leaf] in msg and "Remove it from targets" in msg, msg
 
 
-@pytest.mark.parametrize("cls", sorted(c.value for c in LINEAR_CLASSES - {TensorClass.ROUTER, TensorClass.INDEXER}))
+@pytest.mark.parametrize("cls", sorted(c.value for c in LINEAR_CLASSES - UNSERVABLE))
 def test_classes_servable_under_some_shapes_still_load(tmp_path, cls):
-    # lm_head, eh_proj (mtp_proj), attention, ...: the serving check only applies shape rules to them
+    # lm_head, attention, ...: the serving check only applies shape rules to them
     assert [t.value for t in recipes.load(str(write(tmp_path, targets=[cls]))).targets] == [cls]
 
 

@@ -253,14 +253,15 @@ def test_fused_members_stored_in_different_forms_fail_serving(make_ckpt, tmp_pat
 
 
 def test_serving_rules_name_the_class_rule_and_numbers(converted):
-    _, out = converted["glm5-all-linear-tiny-mla"]  # kv_a_proj_with_mqa has 160 rows
+    _, out = converted["glm5-all-linear-tiny-mla"]  # kv_a_proj_with_mqa has 160 rows, fused with q_a_proj's 128
     rep = v.validate(out)
     assert failed_checks(rep) == {"serving"}
     (msg,) = failures(rep, "serving")
-    assert msg.startswith("attention: output_size_per_partition % 64 == 0 fails for 4 module(s)")
-    assert "kv_a_proj_with_mqa: N = 160, replicated at tp 1: 160 % 64 = 32" in msg
+    assert msg.startswith("attention: output_size_per_partition % 64 == 0 fails for 8 module(s)")  # 4 layers x 2
+    assert ("vLLM's fused_qkv_a_proj = q_a_proj (128) + kv_a_proj_with_mqa (160): N = 288, replicated at tp 1: "
+            "288 % 64 = 32") in msg
     classes = rep.checks["serving"].details["classes"]
-    assert classes["attention"]["failed"] == 4 and classes["routed_expert"]["failed"] == 0
+    assert classes["attention"]["failed"] == 8 and classes["routed_expert"]["failed"] == 0
     _, out = converted["glm5"]  # moe_intermediate 128: fine at tp 1, 128 / 2 = 64 is not a multiple of 128
     assert v.validate(out, tp=1).valid
     rep = v.validate(out, tp=2)

@@ -103,7 +103,7 @@ def validate(checkpoint: str | Path, source: str | Path | None = None, *, sample
               "structure": check_structure(modules, groups, scan.shapes, ignore, ck.config, scan.values, ck.unread),
               "index": ck.index}
     if serving:
-        checks["serving"] = check_serving(modules, groups, scan.shapes, ignore, q.qc, tp)
+        checks["serving"] = check_serving(modules, groups, scan.shapes, ignore, q.qc, tp, config=ck.config)
     else:
         checks["serving"] = CheckResult("serving", skipped="skipped (serving=False / --no-serving)")
     checks["numerics"] = scan.result()

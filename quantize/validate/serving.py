@@ -6,7 +6,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 
-from glmq.formats.families import EXPERT_MODULE, FUSED_PARTNERS, LINEAR_CLASSES, TensorClass, layer_index
+from glmq.formats.families import (EXPERT_MODULE, FUSED_NAMES, FUSED_PARTNERS, LINEAR_CLASSES, TensorClass,
+                                   layer_index)
 from glmq.quantize.validate.checkpoint import Module
 from glmq.quantize.validate.config import Group, group_for
 from glmq.quantize.validate.report import CheckResult
@@ -19,30 +20,99 @@ ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
 # Layers vLLM builds without a quant_config (deepseek_v2.py), so a packed weight there cannot load.
 NO_QUANT_LAYERS = {"gate": "vLLM's GateLinear router takes no quant_config",
                    "wk": "vLLM fuses indexer.wk + weights_proj with quant_config=None",
-                   "weights_proj": "vLLM fuses indexer.wk + weights_proj with quant_config=None"}
+                   "weights_proj": "vLLM fuses indexer.wk + weights_proj with quant_config=None",
+                   "eh_proj": "vLLM's and SGLang's MTP layers (deepseek_mtp, deepseek_nextn, glm4_moe_mtp) build eh_proj "
+                              "as a plain nn.Linear, without a quant_config"}
+# Checkpoint modules vLLM loads into one fused layer (formats.md §3a), by that layer's name: their Marlin shape rules
+# hold for the fused layer's per-rank partition, not for each part. vllm/model_executor/layers/linear.py:
+# `QKVParallelLinear`
+# (qkv_proj: q heads split tp ways; KV heads split tp ways, or at tp > num_key_value_heads replicated whole, one per
+# rank), `MergedColumnParallelLinear` (gate_up_proj: asserts each part % tp == 0, then each part / tp);
+# vllm/model_executor/models/deepseek_v2.py `DeepSeekV2FusedQkvAProjLinear` (fused_qkv_a_proj, a
+# MergedColumnParallelLinear with disable_tp=True: not split). Each hands create_weights `output_partition_sizes` (its
+# parts per rank), and .../quantization/compressed_tensors/schemes/compressed_tensors_wNa16.py
+# `CompressedTensorsWNA16.create_weights` checks Marlin's shape (`verify_marlin_supports_shape`; later releases:
+# `MPLinearLayerConfig(partition_weight_shape=...)` -> kernels/mixed_precision/marlin.py `check_marlin_supports_shape`)
+# on output_size_per_partition = sum(output_partition_sizes): the fused width, not each part's.
+# (families.FUSED_NAMES less indexer.wk + weights_proj, which vLLM builds without a quant_config: NO_QUANT_LAYERS)
+FUSED_LAYERS: dict[str, tuple[str, ...]] = {layer: parts for parts, layer in FUSED_NAMES.items()
+                                            if not set(parts) & NO_QUANT_LAYERS.keys()}
+_FUSED_INTO = {leaf: layer for layer, parts in FUSED_LAYERS.items() for leaf in parts}
 
 
+def attention_heads(config: dict | None) -> tuple[int, int] | None:
+    """(num_attention_heads, num_key_value_heads) of a config.json (vLLM: num_key_value_heads defaults to
+    num_attention_heads), or None where it does not say."""
+    if not isinstance(config, dict):
+        return None
+    cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    nh, nkv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
+    ok = all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (nh, nkv))
+    return (nh, nkv) if ok else None
 
-def dense_rules(leaf: str, n: int, k: int, tp: int, g: Group) -> list[tuple[str, str]]:
-    """vLLM Marlin W4A16 rules for one dense Linear at `tp` (verify_marlin_supports_shape): (rule, numbers)."""
-    col, row = leaf in COLUMN_PARALLEL, leaf in ROW_PARALLEL
+
+def _marlin_rules(n_p: int, k: int, k_p: int, what: str, split: str, tp: int, g: Group,
+                  layer: str = "") -> list[tuple[str, str]]:
+    """verify_marlin_supports_shape on one layer's per-rank partition ([n_p, k_p] of K = k), `what` saying what its
+    N is, `layer` (a fused layer's name and parts) put before its K."""
     out = []
-    if (col and n % tp) or (row and k % tp):
-        dim, size = ("N", n) if col else ("K", k)
-        out.append(("tensor-parallel split", f"{dim} = {size} is not divisible by tp = {tp}"))
-        return out
-    n_p, k_p = (n // tp if col else n), (k // tp if row else k)
-    split = "column-parallel" if col else "row-parallel" if row else "replicated"
     if n_p % 64:
-        out.append(("output_size_per_partition % 64 == 0", f"N = {n}, {split} at tp {tp}: {n_p} % 64 = {n_p % 64}"))
+        out.append(("output_size_per_partition % 64 == 0", f"{what}, {split} at tp {tp}: {n_p} % 64 = {n_p % 64}"))
     if k_p % 128:
-        out.append(("input_size_per_partition % 128 == 0", f"K = {k}, {split} at tp {tp}: {k_p} % 128 = {k_p % 128}"))
+        out.append(("input_size_per_partition % 128 == 0", f"{layer}K = {k}, {split} at tp {tp}: {k_p} % 128 = {k_p % 128}"))
     gs = g.group_size
     if gs is not None and gs < k and k_p % gs:
         out.append(("input_size_per_partition % group_size == 0", f"{k_p} % {gs} = {k_p % gs}"))
     if gs is not None and gs not in (32, 64, 128):
         out.append(("group_size in {-1, 32, 64, 128}", f"group_size = {gs}"))
     return out
+
+
+def dense_rules(leaf: str, n: int, k: int, tp: int, g: Group) -> list[tuple[str, str]]:
+    """vLLM Marlin W4A16 rules for one dense Linear vLLM does not fuse, at `tp` (verify_marlin_supports_shape):
+    (rule, numbers). The parts of a fused layer: `fused_rules`."""
+    col, row = leaf in COLUMN_PARALLEL, leaf in ROW_PARALLEL
+    if (col and n % tp) or (row and k % tp):
+        dim, size = ("N", n) if col else ("K", k)
+        return [("tensor-parallel split", f"{dim} = {size} is not divisible by tp = {tp}")]
+    n_p, k_p = (n // tp if col else n), (k // tp if row else k)
+    split = "column-parallel" if col else "row-parallel" if row else "replicated"
+    return _marlin_rules(n_p, k, k_p, f"N = {n}", split, tp, g)
+
+
+def fused_rules(layer: str, parts: dict[str, int], k: int, tp: int, g: Group,
+                heads: tuple[int, int] | None = None) -> list[tuple[str, str]]:
+    """vLLM Marlin W4A16 rules for the fused layer `layer` (FUSED_LAYERS) at `tp`: `parts` is each member's N (leaf ->
+    rows, in FUSED_LAYERS order), `k` their common K, `heads` (num_attention_heads, num_key_value_heads) for qkv_proj
+    (None: KV heads taken as split tp ways like the q heads, exact wherever num_key_value_heads >= tp).
+    (rule, numbers), the numbers naming the fused layer and its parts."""
+    name = f"vLLM's {layer} = {' + '.join(f'{leaf} ({n})' for leaf, n in parts.items())}"
+    if layer == "fused_qkv_a_proj":  # disable_tp=True: every rank holds the whole layer
+        n_p = sum(parts.values())
+        return _marlin_rules(n_p, k, k, f"{name}: N = {n_p}", "replicated", tp, g, f"{name}: ")
+    if layer == "qkv_proj" and heads is not None and tp > 1:
+        nh, nkv = heads
+        (nq, nk, nv) = parts.values()
+        if not (nq % nh or nk % nkv or nv % nkv):
+            hq, hk, hv = nq // nh, nk // nkv, nv // nkv  # head_size, and v_head_size
+            if nh % tp:
+                return [("tensor-parallel split", f"{name}: num_attention_heads = {nh} is not divisible by tp = {tp}")]
+            if nkv % tp and tp % nkv:
+                return [("tensor-parallel split", f"{name}: num_key_value_heads = {nkv} neither divides nor is "
+                                                  f"divisible by tp = {tp}")]
+            kv_p = max(1, nkv // tp)  # QKVParallelLinear: at tp > num_key_value_heads each rank holds one whole KV head
+            held = f"{kv_p} of {nkv} KV heads" + (f" (each replicated on {tp // nkv} ranks)" if tp > nkv else "")
+            n_p = nh // tp * hq + kv_p * (hk + hv)
+            what = (f"{name}: N per rank = {nh // tp} of {nh} q heads x {hq} + {held} x ({hk} + {hv}) = {n_p}")
+            return _marlin_rules(n_p, k, k, what, "column-parallel", tp, g, f"{name}: ")
+    bad = [f"{leaf} N = {n}" for leaf, n in parts.items() if n % tp]
+    if bad:  # MergedColumnParallelLinear: assert all(output_size % tp_size == 0 ...)
+        return [("tensor-parallel split", f"{name}: {', '.join(bad)} not divisible by tp = {tp}")]
+    n_p = sum(parts.values()) // tp
+    what = f"{name}: N per rank = {' + '.join(str(n // tp) for n in parts.values())} = {n_p}"
+    if layer == "qkv_proj" and heads is None and tp > 1:
+        what += " (KV heads taken as split tp ways: no head counts from config.json)"
+    return _marlin_rules(n_p, k, k, what, "column-parallel", tp, g, f"{name}: ")
 
 
 def moe_rules(hidden: int, inter: int, tp: int, g: Group) -> list[tuple[str, str]]:
@@ -73,17 +143,42 @@ def _failure_lines(bad: dict[tuple[str, str], list]) -> list[tuple[str, str, int
             for (cls, rule), (example, numbers, count) in sorted(bad.items())]
 
 
-def _shape_rules(targets: Iterable[Target], tp: int, note, on_expert_layer=None) -> None:
+def _shape_rules(targets: Iterable[Target], tp: int, note, on_expert_layer=None,
+                 heads: tuple[int, int] | None = None) -> None:
     """The rules of quantized modules at `tp`, each failure passed to `note(class, module, rule, numbers)`: the
-    layers that take no quantization and `dense_rules` per module; per layer of routed experts,
-    `on_expert_layer(layer, [(module, shape, group)])` first, then `moe_rules` with its first expert's group."""
+    layers that take no quantization; `fused_rules` per fused layer (FUSED_LAYERS) whose parts are all quantized,
+    noted for each part, `dense_rules` per other module; per layer of routed experts,
+    `on_expert_layer(layer, [(module, shape, group)])` first, then `moe_rules` with its first expert's group.
+    `heads`: (num_attention_heads, num_key_value_heads) from config.json, for qkv_proj."""
     experts: dict[int, list[tuple[str, tuple[int, ...], Group]]] = defaultdict(list)
-    for cls, name, shape, g in targets:
-        leaf = name.rpartition(".")[2]
-        if cls in (TensorClass.ROUTER, TensorClass.INDEXER) and leaf in NO_QUANT_LAYERS:
+    dense: list[Target] = []
+    fused: dict[tuple[str, str], dict[str, Target]] = defaultdict(dict)  # (parent, fused layer) -> leaf -> target
+    for t in targets:
+        cls, name, shape, g = t
+        parent, _, leaf = name.rpartition(".")
+        if cls in (TensorClass.ROUTER, TensorClass.INDEXER, TensorClass.MTP_PROJ) and leaf in NO_QUANT_LAYERS:
             note(cls, name, "layer takes no quantization", NO_QUANT_LAYERS[leaf])
         if cls is TensorClass.ROUTED_EXPERT:
             experts[layer_index(name)].append((name, shape, g))
+            continue
+        dense.append(t)
+        if leaf in _FUSED_INTO and len(shape) == 2:
+            fused[parent, _FUSED_INTO[leaf]][leaf] = t
+    done: set[str] = set()
+    for cls, name, shape, g in dense:
+        if name in done:
+            continue
+        parent, _, leaf = name.rpartition(".")
+        members = fused.get((parent, _FUSED_INTO.get(leaf, "")), {})
+        layer = _FUSED_INTO.get(leaf)
+        if layer is not None and len(members) == len(FUSED_LAYERS[layer]) \
+                and len({t[2][1] for t in members.values()}) == 1:
+            ordered = [members[x] for x in FUSED_LAYERS[layer]]
+            parts = {x: t[2][0] for x, t in zip(FUSED_LAYERS[layer], ordered)}
+            for rule, numbers in fused_rules(layer, parts, shape[1], tp, g, heads):
+                for m_cls, m_name, _, _ in ordered:
+                    note(m_cls, m_name, rule, numbers)
+            done.update(t[1] for t in ordered)
             continue
         for rule, numbers in dense_rules(leaf, *shape, tp, g):
             note(cls, name, rule, numbers)
@@ -98,8 +193,10 @@ def _shape_rules(targets: Iterable[Target], tp: int, note, on_expert_layer=None)
 
 
 def check_serving(modules: dict[str, Module], groups: list[Group], shapes: dict, ignore: list[str], qc: dict,
-                  tp: int) -> CheckResult:
-    """Shapes and layout vLLM/SGLang serve at `tp`, reported per tensor class (pure)."""
+                  tp: int, config: dict | None = None) -> CheckResult:
+    """Shapes and layout vLLM/SGLang serve at `tp`, reported per tensor class (pure). `config`: the checkpoint's
+    config.json, whose head counts give qkv_proj's per-rank width (`fused_rules`; without it the KV heads are taken
+    as split tp ways, exact wherever num_key_value_heads >= tp)."""
     res = CheckResult("serving", details={"tp": tp, "classes": {}})
     rows: dict[str, dict] = res.details["classes"]
     quant = {n: m for n, m in modules.items() if m.is_int and shapes.get(n)}
@@ -129,7 +226,7 @@ def check_serving(modules: dict[str, Module], groups: list[Group], shapes: dict,
                      f"layer {layer}: {len(first)} schemes: {seen}; vLLM fuses the experts into one MoE layer "
                      f"and raises, SGLang reads them all with the 'Linear' group's scheme")
 
-    _shape_rules(targets(), tp, note, one_scheme)
+    _shape_rules(targets(), tp, note, one_scheme, attention_heads(config))
     _check_partners(modules, res)
     for pat in (p for p in ignore if not p.startswith("re:") and p != "lm_head"):
         hit = [n for n in quant if pat.lower() in n.lower()]
@@ -195,5 +292,5 @@ def planned_problems(plan, tp: int = 1) -> list[str]:
         bad.setdefault((cls.value, rule), [name, numbers, 0])[2] += 1
 
     _shape_rules(((it.cls, it.module, tuple(it.src.shape), g) for it in plan.items if it.action is Action.QUANTIZE),
-                 tp, note)
+                 tp, note, heads=attention_heads(plan.source.config))
     return [message for message, _, _ in _failure_lines(bad)]
