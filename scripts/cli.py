@@ -233,9 +233,13 @@ def _plan(model: str, recipe: str, scheme: str | None, max_shard_size: str):
     return make_plan(open_source(resolve_model(model)), rec, shard_bytes)
 
 
-def _warn_serving(plan) -> None:
-    """Warn, before any work, when vLLM/SGLang will refuse the output (a run of hours, then `glmq validate` fails)."""
+def _warn_serving(plan, every_line: bool = True) -> None:
+    """Warn, before any work, when vLLM/SGLang will refuse the output (a run of hours, then `glmq validate` fails);
+    and note the rules it breaks only at SERVE_TP, line by line (`glmq plan`) or in one line (`every_line` False:
+    `glmq quantize`, whose built-in tiny default is too narrow to split 8 ways)."""
     from glmq.quantize.validate.serving import planned_problems
+
+    from glmq.scripts.upload import SERVE_TP
 
     problems = planned_problems(plan)
     if problems:
@@ -244,6 +248,25 @@ def _warn_serving(plan) -> None:
                     f"it):", fg="yellow", err=True)
         for line in problems:
             click.secho(f"  {line}; {_serving_consequence(line)}", fg="yellow", err=True)
+    # rules that hold on one GPU and break once split SERVE_TP ways (GLM-4.7's experts: 1536 / 8 = 192 columns a rank,
+    # not a multiple of group 128): `glmq upload` checks that degree by default
+    seen = {_rule_of(line) for line in problems}
+    more = [line for line in planned_problems(plan, SERVE_TP) if _rule_of(line) not in seen]
+    if more and not every_line:
+        click.echo(f"note: at tp {SERVE_TP}, the degree `glmq upload` checks by default, the output of recipe "
+                   f"{plan.recipe.name!r} breaks {len(more)} serving rule(s) (e.g. {_rule_of(more[0])}; `glmq plan` "
+                   f"lists them); serve and upload it at a degree `glmq validate --tp N` passes", err=True)
+    elif more:
+        click.secho(f"warning: at tp {SERVE_TP}, the degree `glmq upload` checks by default and its model card's serve "
+                    f"commands use, the output of recipe {plan.recipe.name!r} also breaks (serve it at a degree "
+                    f"`glmq validate --tp N` passes, and upload with that --tp):", fg="yellow", err=True)
+        for line in more:
+            click.secho(f"  {line}; {_serving_consequence(line)}", fg="yellow", err=True)
+
+
+def _rule_of(line: str) -> str:
+    """'<class>: <rule>' of a `planned_problems` line ('<class>: <rule> fails for N module(s), e.g. ...')."""
+    return line.partition(" fails for ")[0]
 
 
 def _serving_consequence(line: str) -> str:
@@ -372,7 +395,7 @@ def quantize(ctx, model, recipe, max_shard_size, output, scheme, device, no_prog
     try:
         plan = _plan(model, recipe, scheme, max_shard_size)
         if os.environ.get("RANK", "0") == "0":
-            _warn_serving(plan)
+            _warn_serving(plan, every_line=False)
         method = plan.recipe.spec.method.value
         out = Path(output) if output else default_output(plan.source.root, plan.recipe.name, method)
         how = f"--scheme {scheme}" if scheme else f"recipe {plan.recipe.name!r} (method: {method})"

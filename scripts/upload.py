@@ -37,6 +37,9 @@ from pathlib import Path, PurePath
 import click
 
 README = "README.md"
+# the degree the serving rules are checked at before an upload, and the model card's serve commands use (one node of
+# 8 GPUs); `glmq quantize` and `glmq plan` warn before the run when the output would fail at it
+SERVE_TP = 8
 EVAL_NAME = "glmq_eval.json"  # `glmq eval --json` output, picked up when it lies in the checkpoint folder
 MAIN = "main"
 
@@ -62,7 +65,7 @@ class UploadOptions:
     revision: str | None = None
     base_model: str | None = None
     license: str | None = None
-    tp: int = 8
+    tp: int = SERVE_TP
     eval_report: Path | None = None
     sample: float = 0.01
     device: str = "cpu"
@@ -569,7 +572,7 @@ def upload(o: UploadOptions) -> None:
                    "ORG/NAME id, or ORG/NAME of a source in the Hugging Face cache (models--ORG--NAME); a local "
                    "source folder's name is not guessed from].")
 @click.option("--license", "license_", default=None, help="License id for the card's metadata (e.g. mit, apache-2.0).")
-@click.option("--tp", type=click.IntRange(min=1), default=8, show_default=True,
+@click.option("--tp", type=click.IntRange(min=1), default=SERVE_TP, show_default=True,
               help="Tensor-parallel degree: the serving rules are validated at it and the serve commands use it.")
 @click.option("--eval-report", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help=f"`glmq eval --json` output for the card's evaluation table [default: {EVAL_NAME} in the folder].")

@@ -80,3 +80,22 @@ def test_an_expert_width_marlin_cannot_split_warns_that_vllm_falls_back(make_ckp
     assert res.exit_code == 0, res.output
     line = next(x for x in res.output.splitlines() if "(moe_intermediate / tp) % max(64, group_size)" in x)
     assert "vLLM serves these experts with its slower Triton WNA16 MoE kernel" in line and "SGLang refuses" in line
+
+
+def test_a_recipe_that_breaks_only_at_the_upload_degree_is_warned_before_the_run():
+    """GLM-4.7's experts are 1536 wide: whole on one GPU they tile, but split 8 ways (the degree `glmq upload` checks
+    by default, scripts/upload.SERVE_TP) each rank holds 192 columns, not a multiple of group 128, and vLLM leaves
+    Marlin for its Triton MoE kernel while SGLang refuses them. The warning checked tp 1 only, so the run went ahead
+    silently and `glmq upload` refused its output hours later."""
+    from pathlib import Path
+
+    from glmq.scripts.upload import SERVE_TP
+
+    configs = Path(__file__).resolve().parents[1] / "scripts" / "configs"
+    res = CliRunner().invoke(main, ["plan", "-m", str(configs / "glm-4.7-config.json"), "--recipe", "int4-w4a16"])
+    assert res.exit_code == 0, res.output
+    assert f"warning: at tp {SERVE_TP}, the degree `glmq upload` checks by default" in res.output, res.output
+    assert "breaks the serving rules at every tensor-parallel degree" not in res.output, res.output
+    assert "1536 / 8 = 192, % 128 = 64; vLLM serves these experts with its slower Triton WNA16 MoE kernel" in res.output
+    res = CliRunner().invoke(main, ["plan", "-m", str(configs / "glm-5.2-config.json"), "--recipe", "int4-w4a16"])
+    assert res.exit_code == 0 and "warning" not in res.output, res.output  # 2048 / 8 = 256
