@@ -17,7 +17,8 @@
 # Steps, each clipped to TOTAL_S: (1) with .cubins present, scripts/ab_triton.py --time (cubins built by Triton 3.9
 # here, launched with CuPy beside the installed build); (2) scripts/bench_kernels.py on BENCH_ARGS, ROUNDS times under
 # each Triton, alternating, on the ONLY shapes, each run's files under $OUT/bench-<triton>-<round>/.
-# (0), with TUNE set: scripts/probe_decode.py --tune $TUNE under each Triton, 3.9 first (tables under $OUT/tune-<triton>/).
+# (3), with TUNE set, in the time left: scripts/probe_decode.py --tune $TUNE under each of TUNE_TRITONS (default "3.9 3.6";
+# tables under $OUT/tune-<triton>/).
 # Needs: REQUIRE (default H200): exit 3 at once on another GPU.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -50,18 +51,6 @@ if [[ -d .cubins ]]; then
     --out "$OUT" > "$OUT/ab_triton.log" 2>&1
   grep -v '^{' "$OUT/ab_triton.log" | tail -40
 fi
-if [[ -n ${TUNE-} ]]; then  # (0) TUNE: probe_decode.py --tune's arguments, e.g. "--only 12288 --m 16": the same tune under
-  # each Triton (every candidate, plain and PDL, timed twice), its table under $OUT/tune-<triton>/ (not written into
-  # kernels/: a table is read by every Triton, so what these show is decided by hand)
-  for tv in 3.9 3.6; do
-    if [[ $tv == 3.9 ]]; then RUN=$T39; else RUN="env PYTHONPATH=$BASE"; fi
-    echo "== tune under Triton $tv ($TUNE) at $((SECONDS - T0)) s"
-    mkdir -p "$OUT/tune-$tv"
-    $RUN timeout "$(( $(left) / 2 ))" python3 scripts/probe_decode.py --tune $TUNE --workers "${TUNE_WORKERS:-16}" \
-      --out "$OUT/tune-$tv" > "$OUT/tune-$tv.log" 2>&1
-    echo "exit $?"; grep -E "M=[0-9]+ (plain|pdl)" "$OUT/tune-$tv.log" | head -12
-  done
-fi
 for r in $(seq 1 "$ROUNDS"); do
   for tv in 3.6 3.9; do
     (( $(left) < BENCH_BUDGET + 20 )) && break 2
@@ -75,6 +64,19 @@ for r in $(seq 1 "$ROUNDS"); do
     rm -f "$OUT/bench-$tv-$r/bench_kernels.png"
   done
 done
+if [[ -n ${TUNE-} ]]; then  # (3) TUNE: probe_decode.py --tune's arguments, e.g. "--only 12288 --m 16": the same tune under
+  # each of TUNE_TRITONS (every candidate, plain and PDL, timed twice), its table under $OUT/tune-<triton>/ (not written
+  # into kernels/: a table is read by every Triton, so what these show is decided by hand)
+  for tv in ${TUNE_TRITONS:-3.9 3.6}; do
+    (( $(left) < 60 )) && break
+    if [[ $tv == 3.9 ]]; then RUN=$T39; else RUN="env PYTHONPATH=$BASE"; fi
+    echo "== tune under Triton $tv ($TUNE) at $((SECONDS - T0)) s"
+    mkdir -p "$OUT/tune-$tv"
+    $RUN timeout "$(left)" python3 scripts/probe_decode.py --tune $TUNE --workers "${TUNE_WORKERS:-16}" \
+      --out "$OUT/tune-$tv" > "$OUT/tune-$tv.log" 2>&1
+    echo "exit $?"; grep -E "M=[0-9]+ (plain|pdl)" "$OUT/tune-$tv.log" | head -12
+  done
+fi
 echo "done at $((SECONDS - T0)) s"
 # one archive: a call brings back a limited number of files
 (cd "$OUT" && shopt -s nullglob && got=(bench-*/bench_kernels.md bench-*/bench_kernels.json bench-*.log tune-*) &&
