@@ -26,7 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from glmq import __version__
-from glmq.formats.families import FUSED_NAMES, LINEAR_CLASSES, ignore_list
+from glmq.formats.families import EXPERT_MODULE, FUSED_NAMES, LINEAR_CLASSES, ignore_list
 from glmq.formats import manifest
 from glmq.formats.manifest import CHECKSUM_KEYS, HEADER_KEY, MANIFEST_NAME, Manifest, fragment_name
 from glmq.formats.safetensors_io import (PT_METADATA, SHA256, TMP_SUFFIX, XXH3_128, CheckpointError,
@@ -466,7 +466,8 @@ def _fused_layers(actions: dict) -> tuple[set[str], set[str]]:
     """(fused layers whose parts are all kept FP8, every fused layer whose parts are all present): the names vLLM
     builds them under, e.g. `model.layers.3.self_attn.qkv_proj` from its q/k/v_proj."""
     kept, every = set(), set()
-    for parent in {m.rpartition(".")[0] for m in actions}:
+    # (routed experts excepted: loaders build a layer's experts as one FusedMoE, not as gate_up_proj layers)
+    for parent in {m.rpartition(".")[0] for m in actions if not EXPERT_MODULE.match(m)}:
         for parts, fused in FUSED_NAMES.items():
             acts = [actions.get(f"{parent}.{p}") for p in parts]
             if all(a is not None for a in acts):

@@ -948,3 +948,23 @@ def test_keep_fp8_fused_layers_are_targeted_by_their_own_names(converted, tmp_pa
     msgs = [f.message for f in rep.checks["structure"].failures]
     assert any(m.startswith(f"{fused}: vLLM/SGLang fuse gate_proj, up_proj") and "group_0 (INT)" in m
                and "re:^model\\.layers\\.0\\.mlp\\.gate_up_proj$" in m for m in msgs), msgs
+
+
+def test_keep_fp8_experts_get_no_fused_layer_targets(make_ckpt, tmp_path):
+    """With the routed experts kept FP8 (a recipe targeting attention alone), their gate/up are not fused layers of
+    their own in vLLM (a layer's experts are one FusedMoE): the writer adds no `experts.N.gate_up_proj` targets (one per
+    expert index, hundreds on GLM-5) and validate does not ask for them."""
+    from glmq import recipes as R
+    from glmq.formats.source import open_source
+    from glmq.quantize import stream
+    from glmq.quantize.plan import make_plan
+
+    src = make_ckpt("glm4_moe")
+    (tmp_path / "r.yaml").write_text("name: attn\ntargets: [attention]\nkeep_fp8: true\n")
+    out = tmp_path / "out"
+    stream.run(make_plan(open_source(src), R.load(str(tmp_path / "r.yaml")), 400_000), out, progress=False)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    fp8 = next(g["targets"] for g in qc["config_groups"].values() if g["weights"]["type"] == "float")
+    assert any("experts\\.0\\.gate_proj" in t for t in fp8) and not any("mlp\\.experts" in t and "gate_up" in t for t in fp8)
+    rep = v.validate(out, serving=False)
+    assert rep.valid, v.format_report(rep)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import re
 
-from glmq.formats.families import (FUSED_NAMES, LINEAR_CLASSES, NO_KEY, attention_presence_problems, config_shape_problems,
-                                   expert_layout_problems, layout_problems, mtp_layers, mtp_stored)
+from glmq.formats.families import (EXPERT_MODULE, FUSED_NAMES, LINEAR_CLASSES, NO_KEY, attention_presence_problems,
+                                   config_shape_problems, expert_layout_problems, layout_problems, mtp_layers,
+                                   mtp_stored)
 from glmq.quantize.validate.checkpoint import COMPANIONS, Module
 from glmq.quantize.validate.config import Group, _ct, fused_layer_group, group_for
 from glmq.quantize.validate.report import CheckResult
@@ -171,7 +172,8 @@ def _check_fused_layers(modules: dict[str, Module], groups: list[Group], res: Ch
     """Each fused layer vLLM builds from stored parts (qkv_proj from q/k/v_proj, ...) resolves to a config group of the
     parts' stored form: vLLM matches the fused layer's class name against "Linear" before its parts' names, so an FP8
     group naming only q/k/v_proj beside an INT group targeting "Linear" builds qkv_proj as INT4 over FP8 weights."""
-    for parent in sorted({name.rpartition(".")[0] for name in modules}):
+    # (routed experts excepted: loaders build a layer's experts as one FusedMoE, not as gate_up_proj layers)
+    for parent in sorted({name.rpartition(".")[0] for name in modules if not EXPERT_MODULE.match(name)}):
         for parts, fused in FUSED_NAMES.items():
             mods = [modules.get(f"{parent}.{p}") for p in parts]
             if any(m is None for m in mods):
