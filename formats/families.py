@@ -73,16 +73,19 @@ FUSED_PARTNERS: tuple[tuple[str, ...], ...] = (
     ("gate_proj", "up_proj"),
     ("wk", "weights_proj"),
 )
-# The fused layer's own name in vLLM/SGLang (QKVParallelLinear, MergedColumnParallelLinear, ...; formats.md §3a). vLLM's
+# The fused layer's own name in vLLM (QKVParallelLinear, MergedColumnParallelLinear, ...; formats.md §3a). vLLM's
 # `find_matched_target` tries a layer's name against every target, then its class name by case-insensitive substring
 # ("Linear" is in "QKVParallelLinear"), and only then its unfused parts' names: a config group that names the parts
 # alone does not govern the fused layer while another group targets "Linear" (`fused_layer_group` in validate).
+# (indexer.wk + weights_proj is left out: vLLM builds that fused layer without a quant_config, so no group governs it.)
 FUSED_NAMES: dict[tuple[str, ...], str] = {
     ("q_proj", "k_proj", "v_proj"): "qkv_proj",
     ("q_a_proj", "kv_a_proj_with_mqa"): "fused_qkv_a_proj",
     ("gate_proj", "up_proj"): "gate_up_proj",
-    ("wk", "weights_proj"): "wk_weights_proj",
 }
+# The names SGLang builds the same fused layers under where they differ from vLLM's (deepseek_v2.py: a ReplicatedLinear
+# `fused_qkv_a_proj_with_mqa`); its matcher is a copy of vLLM's, so they need targets of their own.
+FUSED_ALIASES: dict[str, tuple[str, ...]] = {"fused_qkv_a_proj": ("fused_qkv_a_proj_with_mqa",)}
 
 # Classes whose 2-D `.weight` is an nn.Linear-like weight a recipe may quantize.
 LINEAR_CLASSES = frozenset(IGNORE_PATTERNS)

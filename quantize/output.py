@@ -26,7 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from glmq import __version__
-from glmq.formats.families import EXPERT_MODULE, FUSED_NAMES, LINEAR_CLASSES, ignore_list
+from glmq.formats.families import EXPERT_MODULE, FUSED_ALIASES, FUSED_NAMES, LINEAR_CLASSES, ignore_list
 from glmq.formats import manifest
 from glmq.formats.manifest import CHECKSUM_KEYS, HEADER_KEY, MANIFEST_NAME, Manifest, fragment_name
 from glmq.formats.safetensors_io import (PT_METADATA, SHA256, TMP_SUFFIX, XXH3_128, CheckpointError,
@@ -312,17 +312,24 @@ def _differing(old: dict, new: dict) -> list[str]:
     return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
 
 
+_ABSENT = object()
+
+
 def _diff_lines(old: dict, new: dict) -> list[str]:
     """What differs between two run identities, a dict's keys one by one with their values where short (`recipe.name:
-    'int4-w4a16' then, 'mine' now`), so that a user sees which setting to put back; digests by name alone."""
+    'int4-w4a16' then, 'mine' now`; a key one side lacks: `absent`), so that a user sees which setting to put back;
+    digests and lists by name alone."""
     def value(v) -> str | None:
-        text = repr(v)
-        return text if (v is None or isinstance(v, (str, int, float))) and len(text) <= 40 else None
+        text = "absent" if v is _ABSENT else repr(v)
+        return text if (v is None or v is _ABSENT or isinstance(v, (str, int, float))) and len(text) <= 40 else None
+
+    def keys(a: dict, b: dict) -> list:
+        return sorted((k for k in a.keys() | b.keys() if a.get(k, _ABSENT) != b.get(k, _ABSENT)), key=str)
 
     out = []
-    for k in _differing(old, new):
-        a, b = old.get(k), new.get(k)
-        subs = [(f"{k}.{s}", a.get(s), b.get(s)) for s in _differing(a, b)] \
+    for k in keys(old, new):
+        a, b = old.get(k, _ABSENT), new.get(k, _ABSENT)
+        subs = [(f"{k}.{s}", a.get(s, _ABSENT), b.get(s, _ABSENT)) for s in keys(a, b)] \
             if isinstance(a, dict) and isinstance(b, dict) else [(k, a, b)]
         for name, x, y in subs:
             then, now = value(x), value(y)
@@ -471,9 +478,10 @@ def _fused_layers(actions: dict) -> tuple[set[str], set[str]]:
         for parts, fused in FUSED_NAMES.items():
             acts = [actions.get(f"{parent}.{p}") for p in parts]
             if all(a is not None for a in acts):
-                every.add(f"{parent}.{fused}")
+                names = {f"{parent}.{x}" for x in (fused, *FUSED_ALIASES.get(fused, ()))}  # vLLM's, SGLang's
+                every |= names
                 if all(a is Action.KEEP_FP8 for a in acts):
-                    kept.add(f"{parent}.{fused}")
+                    kept |= names
     return kept, every
 
 

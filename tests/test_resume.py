@@ -595,3 +595,15 @@ def test_a_resume_refused_for_another_recipe_names_the_setting_and_both_values(m
         with OutputLock(out) as lock:
             prepare_output(dataclasses.replace(plan, recipe=other), out, lock)
     assert "(differs in: recipe.group_size: 128 then, 64 now; recipe.name: 'int4-w4a16' then, 'mine' now)" in str(e.value)
+
+
+def test_resume_diff_names_a_key_one_side_lacks():
+    """A key absent on one side and None on the other (a manifest of an older glmq without `recipe.tune_lr`) made the
+    identities differ while the per-key diff found nothing: "differs in: " named nothing."""
+    from glmq.quantize.output import _diff_lines
+
+    assert _diff_lines({"recipe": {"name": "a"}}, {"recipe": {"name": "a", "tune_lr": None}}) == [
+        "recipe.tune_lr: absent then, None now"]
+    assert _diff_lines({"x": 1}, {}) == ["x: 1 then, absent now"]
+    assert _diff_lines({"recipe": {"targets": ["a"]}}, {"recipe": {"targets": ["b"]}}) == ["recipe.targets"]
+    assert _diff_lines({1: "a", "b": 2}, {"b": 3}) == ["1: 'a' then, absent now", "b: 2 then, 3 now"]

@@ -103,9 +103,11 @@ def test_a_fused_failure_is_noted_for_each_part_and_unfused_modules_keep_their_r
 
 def test_a_fused_layer_with_a_member_not_quantized_checks_the_others_alone():
     notes = []
-    targets = [(TensorClass.ATTENTION, "model.layers.0.self_attn.q_proj", (2048, 1024), G128)]
-    serving._shape_rules(targets, 8, lambda *a: notes.append(a), heads=(16, 2))
-    assert notes == []  # column-parallel q_proj alone: 256 rows per rank
+    targets = [(TensorClass.ATTENTION, "model.layers.0.self_attn.q_proj", (96, 256), G128)]
+    serving._shape_rules(targets, 1, lambda *a: notes.append(a), heads=(16, 2))
+    # q_proj by its own rule (k/v_proj not quantized: no fused layer to check), neither skipped nor fused
+    assert [(rule, numbers) for _, _, rule, numbers in notes] == [
+        (N_RULE, "N = 96, column-parallel at tp 1: 96 % 64 = 32")]
 
 
 def test_a_quantized_eh_proj_is_a_layer_that_takes_no_quantization():

@@ -946,8 +946,60 @@ def test_keep_fp8_fused_layers_are_targeted_by_their_own_names(converted, tmp_pa
     rep = v.validate(bad, serving=False)
     assert failed_checks(rep) == {"structure"}, failed_checks(rep)
     msgs = [f.message for f in rep.checks["structure"].failures]
-    assert any(m.startswith(f"{fused}: vLLM/SGLang fuse gate_proj, up_proj") and "group_0 (INT)" in m
+    assert any(m.startswith(f"{fused}: vLLM fuses gate_proj, up_proj") and "gives it group_0 (INT4, group 128)" in m
+               and "stored under group_1 (FP8)" in m
                and "re:^model\\.layers\\.0\\.mlp\\.gate_up_proj$" in m for m in msgs), msgs
+
+
+def test_fused_layers_are_checked_against_their_parts_group_and_sglangs_names(make_ckpt, tmp_path):
+    """Two checks vLLM's matcher needs beyond the form: (1) SGLang builds q_a_proj + kv_a_proj_with_mqa as
+    `fused_qkv_a_proj_with_mqa` (kept FP8 where its rows are whole 128-row blocks), which a target anchored on vLLM's
+    `fused_qkv_a_proj` does not match: the writer names both; (2) a fused layer resolved to another INT group than its
+    parts' (another group size) was passed, since only INT against FP8 was compared."""
+    from glmq import recipes as R
+    from glmq.formats.source import open_source
+    from glmq.quantize import stream
+    from glmq.quantize.plan import make_plan
+    from glmq.quantize.validate.config import fused_layer_group, read_quant_config
+
+    src = make_ckpt("deepseek_v3", config_overrides={"kv_lora_rank": 96, "qk_rope_head_dim": 32})  # 128 rows
+    (tmp_path / "r.yaml").write_text("name: kf\ntargets: [routed_expert]\nkeep_fp8: true\n")
+    out = tmp_path / "out"
+    stream.run(make_plan(open_source(src), R.load(str(tmp_path / "r.yaml")), 400_000), out, progress=False)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    groups = read_quant_config({"quantization_config": qc}, None).groups
+    for name in ("fused_qkv_a_proj", "fused_qkv_a_proj_with_mqa"):
+        assert fused_layer_group(f"model.layers.0.self_attn.{name}", groups).kind == "float", name
+    assert v.validate(out, serving=False).valid
+    for g in qc["config_groups"].values():
+        g["targets"] = [t for t in g["targets"] if not t.endswith("fused_qkv_a_proj_with_mqa$")]
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    rep = v.validate(out, serving=False)
+    msgs = [f.message for f in rep.checks["structure"].failures]
+    assert any(m.startswith("model.layers.0.self_attn.fused_qkv_a_proj_with_mqa: SGLang fuses q_a_proj, "
+                            "kv_a_proj_with_mqa") for m in msgs), msgs
+
+    # (2): q/k/v at group 32 under a second INT group naming them; vLLM gives qkv_proj the "Linear" group's 128
+    from glmq.quantize.validate.config import Group
+    from glmq.quantize.validate.report import CheckResult
+    from glmq.quantize.validate.structure import _check_fused_layers
+
+    class M:
+        def __init__(self, name):
+            self.name, self.is_int, self.is_fp8 = name, True, False
+
+        def shard(self):
+            return "s.safetensors"
+
+    g128 = Group("group_0", ("Linear",), "int", 4, 128)
+    g32 = Group("group_1", ("re:.*\\.(q|k|v)_proj$",), "int", 4, 32)
+    mods = {n: M(n) for n in (f"model.layers.0.self_attn.{x}_proj" for x in "qkv")}
+    res = CheckResult("structure")
+    _check_fused_layers(mods, [g128, g32], res)
+    (f,) = res.failures
+    assert f.message.startswith("model.layers.0.self_attn.qkv_proj: vLLM fuses q_proj, k_proj, v_proj") and \
+        "gives it group_0 (INT4, group 128)" in f.message and "stored under group_1 (INT4, group 32)" in f.message
 
 
 def test_keep_fp8_experts_get_no_fused_layer_targets(make_ckpt, tmp_path):

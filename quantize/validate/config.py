@@ -224,8 +224,9 @@ def group_for(module: str, groups: list[Group]) -> Group | None:
 
 # The classes vLLM builds fused layers as (formats.md §3a), whose names its `find_matched_target` matches targets
 # against (a case-insensitive substring, or a `re:` regex) when no target matched the layer's own name.
+# (SGLang's fused_qkv_a_proj_with_mqa: a ReplicatedLinear)
 FUSED_CLASSES = {"qkv_proj": "QKVParallelLinear", "gate_up_proj": "MergedColumnParallelLinear",
-                 "fused_qkv_a_proj": "MergedColumnParallelLinear", "wk_weights_proj": "MergedColumnParallelLinear"}
+                 "fused_qkv_a_proj": "DeepSeekV2FusedQkvAProjLinear", "fused_qkv_a_proj_with_mqa": "ReplicatedLinear"}
 
 
 def fused_layer_group(fused: str, groups: list[Group]) -> Group | None:

@@ -84,7 +84,7 @@ def fused_rules(layer: str, parts: dict[str, int], k: int, tp: int, g: Group,
                 heads: tuple[int, int] | None = None) -> list[tuple[str, str]]:
     """vLLM Marlin W4A16 rules for the fused layer `layer` (FUSED_LAYERS) at `tp`: `parts` is each member's N (leaf ->
     rows, in FUSED_LAYERS order), `k` their common K, `heads` (num_attention_heads, num_key_value_heads) for qkv_proj
-    (None: KV heads taken as split tp ways like the q heads, exact wherever num_key_value_heads >= tp).
+    (None: KV heads taken as split tp ways like the q heads, exact where tp divides num_key_value_heads).
     (rule, numbers), the numbers naming the fused layer and its parts."""
     name = f"vLLM's {layer} = {' + '.join(f'{leaf} ({n})' for leaf, n in parts.items())}"
     if layer == "fused_qkv_a_proj":  # disable_tp=True: every rank holds the whole layer
@@ -196,7 +196,7 @@ def check_serving(modules: dict[str, Module], groups: list[Group], shapes: dict,
                   tp: int, config: dict | None = None) -> CheckResult:
     """Shapes and layout vLLM/SGLang serve at `tp`, reported per tensor class (pure). `config`: the checkpoint's
     config.json, whose head counts give qkv_proj's per-rank width (`fused_rules`; without it the KV heads are taken
-    as split tp ways, exact wherever num_key_value_heads >= tp)."""
+    as split tp ways, exact where tp divides num_key_value_heads)."""
     res = CheckResult("serving", details={"tp": tp, "classes": {}})
     rows: dict[str, dict] = res.details["classes"]
     quant = {n: m for n, m in modules.items() if m.is_int and shapes.get(n)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from glmq.formats.families import (EXPERT_MODULE, FUSED_NAMES, LINEAR_CLASSES, NO_KEY, attention_presence_problems,
+from glmq.formats.families import (EXPERT_MODULE, FUSED_ALIASES, FUSED_NAMES, LINEAR_CLASSES, NO_KEY, attention_presence_problems,
                                    config_shape_problems, expert_layout_problems, layout_problems, mtp_layers,
                                    mtp_stored)
 from glmq.quantize.validate.checkpoint import COMPANIONS, Module
@@ -169,24 +169,40 @@ def check_structure(modules: dict[str, Module], groups: list[Group], shapes: dic
 
 
 def _check_fused_layers(modules: dict[str, Module], groups: list[Group], res: CheckResult) -> None:
-    """Each fused layer vLLM builds from stored parts (qkv_proj from q/k/v_proj, ...) resolves to a config group of the
-    parts' stored form: vLLM matches the fused layer's class name against "Linear" before its parts' names, so an FP8
-    group naming only q/k/v_proj beside an INT group targeting "Linear" builds qkv_proj as INT4 over FP8 weights."""
+    """Each fused layer vLLM (and SGLang, under its own names: FUSED_ALIASES) builds from stored parts (qkv_proj from
+    q/k/v_proj, ...) resolves to the config group its parts are stored under: vLLM matches the fused layer's class name
+    against "Linear" before its parts' names, so an FP8 group naming only q/k/v_proj beside an INT group targeting
+    "Linear" builds qkv_proj as INT4 over FP8 weights (and a second INT group naming them, with its scheme)."""
+    float_groups = [g for g in groups if g.kind == "float"]
+    ct = _ct()
+
+    def stored_group(m: Module) -> Group | None:  # as check_structure reads each part
+        if m.is_int:
+            return group_for(m.name, groups)
+        return next((g for g in float_groups if ct.is_ignored(m.name, list(g.targets))), None) if m.is_fp8 else None
+
     # (routed experts excepted: loaders build a layer's experts as one FusedMoE, not as gate_up_proj layers)
     for parent in sorted({name.rpartition(".")[0] for name in modules if not EXPERT_MODULE.match(name)}):
         for parts, fused in FUSED_NAMES.items():
             mods = [modules.get(f"{parent}.{p}") for p in parts]
             if any(m is None for m in mods):
                 continue
-            kind = "float" if all(m.is_fp8 for m in mods) else "int" if all(m.is_int for m in mods) else None
-            g = fused_layer_group(f"{parent}.{fused}", groups) if kind else None
-            if g is not None and g.kind != kind:
-                form = "FP8 (F8_E4M3 + weight_scale)" if kind == "float" else "pack-quantized INT"
-                want = next((x.name for x in groups if x.kind == kind), "a group of that form")
-                res.fail(f"{parent}.{fused}: vLLM/SGLang fuse {', '.join(parts)} into this layer and give it "
-                         f"{g.name} ({'FP8' if g.kind == 'float' else 'INT'}) by its class name, but its parts are "
-                         f"stored {form}: add `re:^{re.escape(parent + '.' + fused)}$` (or a pattern over the layers) "
-                         f"to {want}'s targets", tensor=f"{parent}.{parts[0]}", shard=mods[0].shard())
+            want = {stored_group(m) for m in mods}
+            if len(want) != 1 or None in want:  # BF16 (ignored), or parts apart: check_structure / serving say so
+                continue
+            (want,) = want
+            for name in (fused, *FUSED_ALIASES.get(fused, ())):
+                g = fused_layer_group(f"{parent}.{name}", groups)
+                if g is not None and g != want:
+                    res.fail(f"{parent}.{name}: {'vLLM' if name == fused else 'SGLang'} fuses {', '.join(parts)} into "
+                             f"this layer and gives it {g.name} ({_form(g)}) by its class name, but its parts are "
+                             f"stored under {want.name} ({_form(want)}): add `re:^{re.escape(parent + '.' + name)}$` "
+                             f"(or a pattern over the layers) to {want.name}'s targets", tensor=f"{parent}.{parts[0]}",
+                             shard=mods[0].shard())
+
+
+def _form(g: Group) -> str:
+    return "FP8" if g.kind == "float" else f"INT{g.num_bits}, group {g.group_size or 'channel'}"
 
 
 _KV_SCALES = ("k_scale", "v_scale")  # a compressed-tensors FP8 KV cache's per-layer scales (vLLM's kv_cache_scheme)
