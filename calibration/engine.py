@@ -59,7 +59,7 @@ import torch
 from glmq.calibration import cache as cc
 from glmq.calibration.collect import Target, make_target
 from glmq.calibration.layer_gptq import gptq_batches, quantize_layer, sequential_stages
-from glmq.calibration.layers import LayerBuilder
+from glmq.calibration.layers import LayerBuilder, check_transformers_config
 from glmq.calibration.report import summarize
 from glmq.formats.families import layer_index
 from glmq.formats.safetensors_io import TMP_SUFFIX, atomic_write_text
@@ -202,6 +202,7 @@ def run_gptq(plan: Plan, out: str | Path, tokens: torch.Tensor, settings: Calibr
     if tokens.ndim != 2 or tokens.dtype != torch.int64:
         raise ValueError(f"calibration tokens must be an int64 [samples, seq_len] tensor, got {tokens.dtype} {list(tokens.shape)}")
     check_seq_len(plan, tokens.shape[1])
+    check_transformers_config(plan.source.root, plan.source.config)
     from glmq.calibration.data import check_token_ids
 
     check_token_ids(tokens, plan.source.root, plan.source.config)  # before the output folder is touched
@@ -254,6 +255,7 @@ def run_gptq_from_text(plan: Plan, out: str | Path, settings: CalibrationSetting
     from glmq.calibration.data import calibration_tokens
 
     check_seq_len(plan, settings.seq_len)  # before the text is tokenized
+    check_transformers_config(plan.source.root, plan.source.config)
     if Path(out).is_dir() and (world is None or world.is_lead):
         # a folder another glmq process writes into is refused before the text is tokenized (seconds to minutes),
         # not after; the run takes the lock for good later (`run_gptq`)

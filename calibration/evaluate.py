@@ -30,9 +30,13 @@ def load_model(checkpoint: str | Path, dtype: torch.dtype = torch.float32):
 
     from transformers import AutoModelForCausalLM
 
+    from glmq.calibration.layers import transformers_config_problems
     from glmq.formats.families import family_for, layer_index, mtp_layers
 
     config = dense_config(checkpoint)
+    if problems := transformers_config_problems(config):  # a model transformers' classes do not run as served
+        raise CheckpointError(f"{checkpoint}/config.json: {'; '.join(problems)}; `glmq eval` runs the model through "
+                              f"transformers' own classes, which cannot run this one")
     mtp = set(mtp_layers(config))  # transformers' model has no MTP layer: its tensors would be reported unexpected
     # transformers' own class of the family, as the GPTQ layers use (calibration/layers.hf_config): Kimi K2's
     # model_type "kimi_k2" and auto_map name custom code that the temporary folder below does not hold

@@ -58,6 +58,33 @@ _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _DROP_CONFIG_KEYS = ("quantization_config", "auto_map", "model_type", "architectures")
 
 
+def transformers_config_problems(config: dict) -> list[str]:
+    """Settings of config.json that transformers' classes of these families (HF_LAYERS) do not honour, so that GPTQ's
+    calibration forwards and `glmq eval` would run another model than the one vLLM serves, or fail half-way: their
+    routers score by sigmoid with group-limited top-k (`*TopkRouter`) whatever `scoring_func` and `topk_method` say,
+    and their MoE blocks build `n_shared_experts` shared experts, which must be at least one."""
+    out = []
+    if config.get("scoring_func", "sigmoid") != "sigmoid":
+        out.append(f"scoring_func is {config['scoring_func']!r}: transformers' router scores by sigmoid only (vLLM "
+                   f"follows scoring_func), so the calibration would route tokens as the served model does not")
+    if config.get("topk_method", "noaux_tc") not in ("noaux_tc", None):
+        out.append(f"topk_method is {config['topk_method']!r}: transformers' router runs noaux_tc's group-limited "
+                   f"top-k with the correction bias only (vLLM follows topk_method)")
+    shared = config.get("n_shared_experts", 1)
+    if not (type(shared) is int and shared > 0):
+        out.append(f"n_shared_experts is {shared!r}: transformers' MoE block builds its shared experts from it and "
+                   f"needs at least one")
+    return out
+
+
+def check_transformers_config(root, config: dict) -> None:
+    """A ValueError naming what `transformers_config_problems` finds, before any work (GPTQ, `glmq eval`)."""
+    if problems := transformers_config_problems(config):
+        raise ValueError(f"{root}/config.json: {'; '.join(problems)}. GPTQ and `glmq eval` run the model through "
+                         f"transformers' own classes, which cannot run this one; convert it with RTN (the default "
+                         f"--scheme) instead")
+
+
 def _hf(family: str) -> tuple[HFLayer, object]:
     spec = HF_LAYERS[family]
     return spec, importlib.import_module(f"transformers.models.{spec.module}.modeling_{spec.module}")

@@ -626,4 +626,12 @@ def _routing_problems(cfg: dict) -> list[tuple[str, str]]:
         out.append(("config.json", f"topk_group is {pick}, more than n_group ({groups})"))
     if ints(n, groups) and n % groups:
         out.append(("config.json", f"n_group ({groups}) does not divide the {n} routed experts"))
+    elif ints(n, groups) and n // groups < 2 and groups > 1:
+        # grouped top-k with the correction bias scores a group by its two best experts (topk(2) in vLLM, SGLang and
+        # transformers' router): a group of one expert indexes out of range
+        out.append(("config.json", f"n_group ({groups}) leaves {n // groups} routed expert per group; grouped top-k "
+                                   f"scores each group by its two best experts"))
+    elif ints(n, groups, pick, k) and pick <= groups and pick * (n // groups) < k:
+        out.append(("config.json", f"topk_group ({pick}) groups of {n // groups} experts hold fewer than the "
+                                   f"{k} experts each token picks (num_experts_per_tok)"))
     return out

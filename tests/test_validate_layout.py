@@ -109,6 +109,9 @@ def test_a_renamed_tensor_is_missing_and_left_over(ckpt):
     ({"num_experts_per_tok": 16}, "config.json: num_experts_per_tok is 16, more than the 8 routed experts"),
     ({"n_group": 2, "topk_group": 4}, "config.json: topk_group is 4, more than n_group (2)"),
     ({"n_group": 3, "topk_group": 1}, "config.json: n_group (3) does not divide the 8 routed experts"),
+    ({"n_group": 8, "topk_group": 4}, "config.json: n_group (8) leaves 1 routed expert per group"),
+    ({"n_group": 4, "topk_group": 1, "num_experts_per_tok": 3},
+     "config.json: topk_group (1) groups of 2 experts hold fewer than the 3 experts"),
 ])
 def test_a_config_whose_layout_disagrees_with_the_tensors_fails_structure(ckpt, changes, needle):
     cfg = json.loads((ckpt / "config.json").read_text())
