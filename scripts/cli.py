@@ -238,16 +238,17 @@ def _warn_serving(plan, every_line: bool = True) -> None:
     and note the rules it breaks only at SERVE_TP, line by line (`glmq plan`) or in one line (`every_line` False:
     `glmq quantize`, whose built-in tiny default is too narrow to split 8 ways)."""
     from glmq.quantize.validate.serving import planned_problems
-
     from glmq.scripts.upload import SERVE_TP
+
+    def warn(head: str, lines: list[str]) -> None:
+        click.secho(f"warning: {head}:", fg="yellow", err=True)
+        for line in lines:
+            click.secho(f"  {line}; {_serving_consequence(line)}", fg="yellow", err=True)
 
     problems = planned_problems(plan)
     if problems:
-        click.secho(f"warning: the output of recipe {plan.recipe.name!r} breaks the serving rules at every "
-                    f"tensor-parallel degree (`glmq validate` fails it unless given --no-serving; `glmq eval` reads "
-                    f"it):", fg="yellow", err=True)
-        for line in problems:
-            click.secho(f"  {line}; {_serving_consequence(line)}", fg="yellow", err=True)
+        warn(f"the output of recipe {plan.recipe.name!r} breaks the serving rules at every tensor-parallel degree "
+             f"(`glmq validate` fails it unless given --no-serving; `glmq eval` reads it)", problems)
     # rules that hold on one GPU and break once split SERVE_TP ways (GLM-4.7's experts: 1536 / 8 = 192 columns a rank,
     # not a multiple of group 128): `glmq upload` checks that degree by default
     seen = {_rule_of(line) for line in problems}
@@ -257,11 +258,9 @@ def _warn_serving(plan, every_line: bool = True) -> None:
                    f"{plan.recipe.name!r} breaks {len(more)} serving rule(s) (e.g. {_rule_of(more[0])}; `glmq plan` "
                    f"lists them); serve and upload it at a degree `glmq validate --tp N` passes", err=True)
     elif more:
-        click.secho(f"warning: at tp {SERVE_TP}, the degree `glmq upload` checks by default and its model card's serve "
-                    f"commands use, the output of recipe {plan.recipe.name!r} also breaks (serve it at a degree "
-                    f"`glmq validate --tp N` passes, and upload with that --tp):", fg="yellow", err=True)
-        for line in more:
-            click.secho(f"  {line}; {_serving_consequence(line)}", fg="yellow", err=True)
+        warn(f"at tp {SERVE_TP}, the degree `glmq upload` checks by default and its model card's serve commands use, "
+             f"the output of recipe {plan.recipe.name!r} also breaks (serve it at a degree `glmq validate --tp N` "
+             f"passes, and upload with that --tp)", more)
 
 
 def _rule_of(line: str) -> str:
