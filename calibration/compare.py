@@ -35,12 +35,10 @@ def check_same_model(source: str | Path, quantized: list[str | Path], seq_len: i
     checked before anything is loaded. Raises CheckpointError naming the checkpoint and the keys that differ, and
     ValueError for windows longer than the model's `max_position_embeddings` (positions it was never trained on
     or served at: the perplexity would be meaningless, as GPTQ's calibration refuses them too)."""
-    from glmq.calibration.layers import transformers_config_problems
+    from glmq.calibration.layers import check_transformers_config
 
     src = _config(source)
-    if problems := transformers_config_problems(src):  # before the tokenizer and the models are loaded
-        raise CheckpointError(f"{source}/config.json: {'; '.join(problems)}; `glmq eval` runs the model through "
-                              f"transformers' own classes, which cannot run this one")
+    check_transformers_config(source, src)  # before the tokenizer and the models are loaded
     limit = src.get("max_position_embeddings")
     if seq_len is not None and limit and seq_len > limit:
         raise ValueError(f"{source}: --seq-len {seq_len} is longer than the model's max_position_embeddings "

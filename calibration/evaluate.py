@@ -25,18 +25,17 @@ def load_model(checkpoint: str | Path, dtype: torch.dtype = torch.float32):
     Raises:
         CheckpointError: a parameter of the model has no tensor in the checkpoint (transformers would leave it
             randomly initialised and every figure would be wrong) or transformers cannot build one from them.
+        ValueError: config.json asks for what transformers' classes do not run (`check_transformers_config`).
     """
     import json
 
     from transformers import AutoModelForCausalLM
 
-    from glmq.calibration.layers import transformers_config_problems
+    from glmq.calibration.layers import check_transformers_config
     from glmq.formats.families import family_for, layer_index, mtp_layers
 
     config = dense_config(checkpoint)
-    if problems := transformers_config_problems(config):  # a model transformers' classes do not run as served
-        raise CheckpointError(f"{checkpoint}/config.json: {'; '.join(problems)}; `glmq eval` runs the model through "
-                              f"transformers' own classes, which cannot run this one")
+    check_transformers_config(checkpoint, config)  # a model transformers' classes do not run as served
     mtp = set(mtp_layers(config))  # transformers' model has no MTP layer: its tensors would be reported unexpected
     # transformers' own class of the family, as the GPTQ layers use (calibration/layers.hf_config): Kimi K2's
     # model_type "kimi_k2" and auto_map name custom code that the temporary folder below does not hold

@@ -308,11 +308,12 @@ def _prepare_output(plan: Plan, out: Path, lock: OutputLock, identity: dict) -> 
     return man
 
 
-def _differing(old: dict, new: dict) -> list[str]:
-    return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-
-
 _ABSENT = object()
+
+
+def _differing(old: dict, new: dict) -> list:
+    """The keys whose values differ, a key one side lacks included (also where the other holds None)."""
+    return sorted((k for k in old.keys() | new.keys() if old.get(k, _ABSENT) != new.get(k, _ABSENT)), key=str)
 
 
 def _diff_lines(old: dict, new: dict) -> list[str]:
@@ -323,13 +324,10 @@ def _diff_lines(old: dict, new: dict) -> list[str]:
         text = "absent" if v is _ABSENT else repr(v)
         return text if (v is None or v is _ABSENT or isinstance(v, (str, int, float))) and len(text) <= 40 else None
 
-    def keys(a: dict, b: dict) -> list:
-        return sorted((k for k in a.keys() | b.keys() if a.get(k, _ABSENT) != b.get(k, _ABSENT)), key=str)
-
     out = []
-    for k in keys(old, new):
+    for k in _differing(old, new):
         a, b = old.get(k, _ABSENT), new.get(k, _ABSENT)
-        subs = [(f"{k}.{s}", a.get(s, _ABSENT), b.get(s, _ABSENT)) for s in keys(a, b)] \
+        subs = [(f"{k}.{s}", a.get(s, _ABSENT), b.get(s, _ABSENT)) for s in _differing(a, b)] \
             if isinstance(a, dict) and isinstance(b, dict) else [(k, a, b)]
         for name, x, y in subs:
             then, now = value(x), value(y)

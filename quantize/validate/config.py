@@ -213,13 +213,23 @@ def _parse_groups(groups: dict, top_format: str | None, problems: list[str], not
     return out
 
 
-def group_for(module: str, groups: list[Group]) -> Group | None:
-    """The group that governs `module`, by vLLM's priority: a name/regex target, then "Linear"."""
+def _named_group(module: str, groups: list[Group]) -> Group | None:
+    """The first group with a name/regex target matching `module` (compressed-tensors' matcher, as loaders use)."""
     for g in groups:
         names = [t for t in g.targets if t != "Linear"]
-        if names and _ct().is_ignored(module, names):  # compressed-tensors' matcher, as loaders use
+        if names and _ct().is_ignored(module, names):
             return g
-    return next((g for g in groups if "Linear" in g.targets), None)
+    return None
+
+
+def group_for(module: str, groups: list[Group]) -> Group | None:
+    """The group that governs `module`, by vLLM's priority: a name/regex target, then "Linear"."""
+    return _named_group(module, groups) or next((g for g in groups if "Linear" in g.targets), None)
+
+
+def float_group_for(module: str, groups: list[Group]) -> Group | None:
+    """The first float-quantized (FP8) group with a target matching `module`: the one its stored FP8 weight loads by."""
+    return next((g for g in groups if g.kind == "float" and _ct().is_ignored(module, list(g.targets))), None)
 
 
 # The classes vLLM builds fused layers as (formats.md §3a), whose names its `find_matched_target` matches targets
@@ -234,10 +244,8 @@ def fused_layer_group(fused: str, groups: list[Group]) -> Group | None:
     q/k/v_proj; vllm/model_executor/layers/quantization/compressed_tensors/utils.py `find_matched_target`): a target
     matching its own name, else one matching its class name (every fused class name contains "Linear"), else None:
     its parts' names decide, as `group_for` reads them. SGLang's matcher is a copy of vLLM's."""
-    for g in groups:
-        names = [t for t in g.targets if t != "Linear"]
-        if names and _ct().is_ignored(fused, names):
-            return g
+    if (g := _named_group(fused, groups)) is not None:
+        return g
     cls = FUSED_CLASSES.get(fused.rpartition(".")[2], "")
     for g in groups:
         for t in g.targets:

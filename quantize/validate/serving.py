@@ -34,9 +34,8 @@ NO_QUANT_LAYERS = {"gate": "vLLM's GateLinear router takes no quant_config",
 # `CompressedTensorsWNA16.create_weights` checks Marlin's shape (`verify_marlin_supports_shape`; later releases:
 # `MPLinearLayerConfig(partition_weight_shape=...)` -> kernels/mixed_precision/marlin.py `check_marlin_supports_shape`)
 # on output_size_per_partition = sum(output_partition_sizes): the fused width, not each part's.
-# (families.FUSED_NAMES less indexer.wk + weights_proj, which vLLM builds without a quant_config: NO_QUANT_LAYERS)
-FUSED_LAYERS: dict[str, tuple[str, ...]] = {layer: parts for parts, layer in FUSED_NAMES.items()
-                                            if not set(parts) & NO_QUANT_LAYERS.keys()}
+# (families.FUSED_NAMES leaves out indexer.wk + weights_proj, which vLLM builds without a quant_config: NO_QUANT_LAYERS)
+FUSED_LAYERS: dict[str, tuple[str, ...]] = {layer: parts for parts, layer in FUSED_NAMES.items()}
 _FUSED_INTO = {leaf: layer for layer, parts in FUSED_LAYERS.items() for leaf in parts}
 
 

@@ -8,7 +8,7 @@ from glmq.formats.families import (EXPERT_MODULE, FUSED_ALIASES, FUSED_NAMES, LI
                                    config_shape_problems, expert_layout_problems, layout_problems, mtp_layers,
                                    mtp_stored)
 from glmq.quantize.validate.checkpoint import COMPANIONS, Module
-from glmq.quantize.validate.config import Group, _ct, fused_layer_group, group_for
+from glmq.quantize.validate.config import Group, _ct, float_group_for, fused_layer_group, group_for
 from glmq.quantize.validate.report import CheckResult
 
 LEAF_DTYPES = {"weight_packed": ("I32",), "weight_scale": ("BF16", "F16", "F32"), "weight_shape": ("I64", "I32"),
@@ -83,7 +83,6 @@ def check_structure(modules: dict[str, Module], groups: list[Group], shapes: dic
     values = values or {}
     res = CheckResult("structure", checked=len(modules))
     ct = _ct()
-    float_groups = [g for g in groups if g.kind == "float"]
     for m in modules.values():
         where = {"tensor": m.name, "shard": m.shard()}
         if "weight_scale_inv" in m.parts:
@@ -100,7 +99,7 @@ def check_structure(modules: dict[str, Module], groups: list[Group], shapes: dic
                 res.fail(f"{m.name} is quantized (weight_packed) but matches ignore entry {hit[0]!r}: loaders "
                          f"would build it unquantized and find no .weight", **where)
         elif m.is_fp8:
-            fg = next((g for g in float_groups if ct.is_ignored(m.name, list(g.targets))), None)
+            fg = float_group_for(m.name, groups)
             hit = [p for p in ignore if ct.is_ignored(m.name, [p])]
             if fg is None:
                 res.fail(f"{m.name}.weight is F8_E4M3 but no float-quantized config group targets it", **where)
@@ -173,13 +172,8 @@ def _check_fused_layers(modules: dict[str, Module], groups: list[Group], res: Ch
     q/k/v_proj, ...) resolves to the config group its parts are stored under: vLLM matches the fused layer's class name
     against "Linear" before its parts' names, so an FP8 group naming only q/k/v_proj beside an INT group targeting
     "Linear" builds qkv_proj as INT4 over FP8 weights (and a second INT group naming them, with its scheme)."""
-    float_groups = [g for g in groups if g.kind == "float"]
-    ct = _ct()
-
     def stored_group(m: Module) -> Group | None:  # as check_structure reads each part
-        if m.is_int:
-            return group_for(m.name, groups)
-        return next((g for g in float_groups if ct.is_ignored(m.name, list(g.targets))), None) if m.is_fp8 else None
+        return group_for(m.name, groups) if m.is_int else float_group_for(m.name, groups) if m.is_fp8 else None
 
     # (routed experts excepted: loaders build a layer's experts as one FusedMoE, not as gate_up_proj layers)
     for parent in sorted({name.rpartition(".")[0] for name in modules if not EXPERT_MODULE.match(name)}):
