@@ -187,3 +187,35 @@ def test_mla_fused_qkv_a_proj_on_a_written_checkpoint(make_ckpt):
     (line,) = [x for x in planned_problems(plan) if x.startswith(f"attention: {N_RULE}")]
     assert ("vLLM's fused_qkv_a_proj = q_a_proj (128) + kv_a_proj_with_mqa (160): N = 288, replicated at tp 1: "
             "288 % 64 = 32") in line
+
+
+# ------------------------------------------------------------------------- one INT scheme per fused layer
+def _int_module(name: str, rows: int, cols: int, group: int):
+    from glmq.formats.safetensors_io import TensorEntry
+    from glmq.quantize.validate.checkpoint import Module, classify
+
+    m = Module(name, classify(name))
+    for leaf, dtype, shape in [("weight_packed", "I32", (rows, cols // 8)), ("weight_shape", "I64", (2,)),
+                               ("weight_scale", "BF16", (rows, cols // group))]:
+        m.parts[leaf] = TensorEntry(f"{name}.{leaf}", "model.safetensors", dtype, shape, 0, 1)
+    return m
+
+
+@pytest.mark.parametrize("k_group", [128, 32])
+def test_fused_parts_under_two_int_schemes_fail_and_one_scheme_passes(k_group):
+    """vLLM gives qkv_proj one group (its class name's "Linear" group here, else q_proj's) and builds k/v_proj's
+    scales with that group's size: a k_proj stored at group 32 beside a group-128 q_proj cannot load. Two groups of
+    one scheme (a name-only split of the config) are fine."""
+    attn = "model.layers.0.self_attn"
+    mods = {f"{attn}.{leaf}": _int_module(f"{attn}.{leaf}", 256, 512, k_group if leaf == "k_proj" else 128)
+            for leaf in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    groups = [Group("group_0", ("Linear",), "int", 4, 128, True),
+              Group("group_1", ("re:.*k_proj$",), "int", 4, k_group, True)]
+    res = serving.CheckResult("serving")
+    serving._check_partners(mods, groups, res)
+    msgs = [f.message for f in res.failures]
+    if k_group == 128:
+        assert msgs == []
+    else:
+        assert msgs == [f"{attn}: 3 fused members stored as 2 INT4 group 128 symmetric (e.g. q_proj), 1 INT4 group 32 "
+                        f"symmetric (e.g. k_proj); vLLM/SGLang fuse them into one layer with one scheme and raise"]

@@ -226,7 +226,7 @@ def check_serving(modules: dict[str, Module], groups: list[Group], shapes: dict,
                      f"and raises, SGLang reads them all with the 'Linear' group's scheme")
 
     _shape_rules(targets(), tp, note, one_scheme, attention_heads(config))
-    _check_partners(modules, res)
+    _check_partners(modules, groups, res)
     for pat in (p for p in ignore if not p.startswith("re:") and p != "lm_head"):
         hit = [n for n in quant if pat.lower() in n.lower()]
         if hit:
@@ -248,17 +248,20 @@ def check_serving(modules: dict[str, Module], groups: list[Group], shapes: dict,
     return res
 
 
-def _check_partners(modules: dict[str, Module], res: CheckResult) -> None:
+def _check_partners(modules: dict[str, Module], groups: list[Group], res: CheckResult) -> None:
     """Modules an engine fuses (q/k/v, gate/up, q_a/kv_a, wk/weights_proj; all experts of a layer) need one
-    scheme: all INT, all FP8 (a mixed-precision checkpoint) or all BF16."""
+    scheme: all INT, all FP8 (a mixed-precision checkpoint) or all BF16. Fused layers' INT parts also need one INT
+    scheme: vLLM's `_match_fused_layer` gives qkv_proj the group of its first part (q_proj) and builds k/v_proj's
+    parameters with that group's bits and group size, so a k_proj stored at another group size fails its shape check
+    on load (SGLang's matcher is a copy). (A layer's experts: `one_scheme`, per MoE layer.)"""
     by_parent: dict[str, dict[str, str]] = defaultdict(dict)
     for name, m in modules.items():
         if m.is_int or ("weight" in m.parts and m.cls in LINEAR_CLASSES):
-            form = "INT" if m.is_int else "FP8" if m.is_fp8 else "BF16"
             parent, _, leaf = name.rpartition(".")
-            by_parent[parent][leaf] = form
             if (hit := EXPERT_MODULE.match(name)) is not None:
-                by_parent[f"model.layers.{hit[1]}.mlp.experts"][f"{hit[2]}.{hit[3]}_proj"] = form
+                by_parent[f"model.layers.{hit[1]}.mlp.experts"][f"{hit[2]}.{hit[3]}_proj"] = _form(m, None)
+            else:
+                by_parent[parent][leaf] = _form(m, groups)
     for parent, leaves in sorted(by_parent.items()):
         if parent.endswith(".mlp.experts"):
             sets = [list(leaves)]
@@ -272,6 +275,19 @@ def _check_partners(modules: dict[str, Module], res: CheckResult) -> None:
                 parts = ", ".join(f"{len(v)} {f} (e.g. {sorted(v)[0]})" for f, v in sorted(forms.items()))
                 res.fail(f"{parent}: {len(members)} fused members stored as {parts}; vLLM/SGLang fuse them into "
                          f"one layer with one scheme and raise", tensor=parent)
+
+
+def _form(m: Module, groups: list[Group] | None) -> str:
+    """How a module is stored: INT (with `groups`, its group's scheme: `INT4 group 128 symmetric`), FP8 or BF16."""
+    if not m.is_int:
+        return "FP8" if m.is_fp8 else "BF16"
+    g = group_for(m.name, groups) if groups is not None else None
+    if g is None:
+        return "INT"
+    # (only actorder "group" changes the parameters a loader builds: a weight_g_idx per part)
+    order = " actorder group" if g.actorder == "group" else ""
+    return (f"INT{g.num_bits} group {g.group_size or 'channel'} {'symmetric' if g.symmetric else 'asymmetric'}"
+            f"{order}")
 
 
 def planned_problems(plan, tp: int = 1) -> list[str]:
