@@ -251,8 +251,9 @@ def _warn_serving(plan, every_line: bool = True) -> None:
              f"(`glmq validate` fails it unless given --no-serving; `glmq eval` reads it)", problems)
     # rules that hold on one GPU and break once split SERVE_TP ways (GLM-4.7's experts: 1536 / 8 = 192 columns a rank,
     # not a multiple of group 128): `glmq upload` checks that degree by default
-    seen = {_rule_of(line) for line in problems}
-    more = [line for line in planned_problems(plan, SERVE_TP) if _rule_of(line) not in seen]
+    # (a rule that fails at tp 1 too is listed again where more modules fail it at SERVE_TP)
+    seen = {_rule_of(line): _count_of(line) for line in problems}
+    more = [line for line in planned_problems(plan, SERVE_TP) if _count_of(line) > seen.get(_rule_of(line), 0)]
     if more and not every_line:
         click.echo(f"note: at tp {SERVE_TP}, the degree `glmq upload` checks by default, the output of recipe "
                    f"{plan.recipe.name!r} breaks {len(more)} serving rule(s) (e.g. {_rule_of(more[0])}; `glmq plan` "
@@ -266,6 +267,11 @@ def _warn_serving(plan, every_line: bool = True) -> None:
 def _rule_of(line: str) -> str:
     """'<class>: <rule>' of a `planned_problems` line ('<class>: <rule> fails for N module(s), e.g. ...')."""
     return line.partition(" fails for ")[0]
+
+
+def _count_of(line: str) -> int:
+    """N of a `planned_problems` line's 'fails for N module(s)'."""
+    return int(line.partition(" fails for ")[2].partition(" ")[0])
 
 
 def _serving_consequence(line: str) -> str:

@@ -99,3 +99,19 @@ def test_a_recipe_that_breaks_only_at_the_upload_degree_is_warned_before_the_run
     assert "1536 / 8 = 192, % 128 = 64; vLLM serves these experts with its slower Triton WNA16 MoE kernel" in res.output
     res = CliRunner().invoke(main, ["plan", "-m", str(configs / "glm-5.2-config.json"), "--recipe", "int4-w4a16"])
     assert res.exit_code == 0 and "warning" not in res.output, res.output  # 2048 / 8 = 256
+
+
+def test_a_rule_failing_at_tp_1_is_listed_again_where_more_modules_fail_it_at_the_upload_degree(make_ckpt):
+    """All-linear on the tiny GLM-5: fused_qkv_a_proj (288 rows) fails Marlin's N % 64 rule on one GPU (8 modules);
+    split 8 ways q_b_proj fails it too (12 modules). The tp-8 list dropped every rule already warned at tp 1, so
+    those 4 modules went unnamed until `glmq upload` refused the output."""
+    from glmq.scripts.upload import SERVE_TP
+
+    src = make_ckpt("glm_moe_dsa")
+    res = CliRunner().invoke(main, ["plan", "-m", str(src), "--recipe", "int4-w4a16-all-linear"])
+    assert res.exit_code == 0, res.output
+    out = res.output
+    every, _, at_tp = out.partition(f"warning: at tp {SERVE_TP}")
+    assert "attention: output_size_per_partition % 64 == 0 fails for 8 module(s)" in every
+    assert "attention: output_size_per_partition % 64 == 0 fails for 12 module(s)" in at_tp, out
+    assert "fails for 8 module(s)" not in at_tp  # a rule failing for as many modules is not repeated
