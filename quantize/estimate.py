@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from glmq.formats.families import TensorClass, family_for, layer_index
+from glmq.formats.families import TensorClass, family_for, layer_index, loader_config
 from glmq.formats.safetensors_io import DTYPE_NAMES, ITEMSIZE, CheckpointError, TensorEntry, read_json_object
 from glmq.formats.source import Source, SourceFormat, detect_format
 from glmq.quantize.plan import DEFAULT_MAX_SHARD_BYTES, Action, make_plan
@@ -79,6 +79,11 @@ FIGURES: dict[str, Figure] = {
     "rss_process_cuda_GB": Figure(0.653, "GB", _GPU_RUN + ": median rss_at_start_bytes (imports and the CUDA context)"),
     "rss_bench_cpu_GB": Figure(0.801, "GB peak RSS", _CPU_RUN + ": median glmq peak RSS, largest input shard 0.491 GB"),
     "rss_bench_cuda_GB": Figure(1.465, "GB peak RSS", _GPU_RUN + ": median glmq peak RSS, largest input shard 0.499 GB"),
+    "rss_config_child_GB": Figure(0.489, "GB peak RSS, rank 0 only", "glmq quantize's report "
+                                  "(config_child_peak_rss_bytes), the built-in glm5-tiny run, 3 runs on the 2-core CPU "
+                                  "machine, 2026-12-07 (torch 2.13.0+cpu, compressed-tensors 0.19.0): 489.1-489.2 MB; "
+                                  "the child imports torch and compressed-tensors (quantize/config_child.py), whatever "
+                                  "the model's size"),
     "gptq_process_extra_GB": Figure(0.477, "GB above rss_process_<device>_GB", "BENCHMARKS.md 'GPTQ time and memory at "
                                     "4 and 8 layers, session 7' (CPU, 2026-12-01, `python -m glmq.scripts.bench_gptq "
                                     "scaling`): a GPTQ process holds 660-680 MiB at the start of a MoE layer with no "
@@ -180,9 +185,14 @@ def virtual_source(config_path: Path) -> Source:
     _check_values(config, config_path)
     fmt, block = detect_format(config, Path(config_path))
     weights = ((config.get("quantization_config") or {}).get("config_groups") or {}).get("group_0", {}).get("weights") or {}
-    with _config_keys(config, config_path):
-        layout = fixtures.tensor_layout(config, fmt.value if fmt.value != "dense" else "bf16", family=family.name,
+    # the layout the loaders build: a key config.json lacks takes its config class's default, as a checkpoint
+    # folder's layout check reads it (families.loader_config); a tied head is not stored
+    built, _ = loader_config(config)
+    with _config_keys(built, config_path):
+        layout = fixtures.tensor_layout(built, fmt.value if fmt.value != "dense" else "bf16", family=family.name,
                                         fp8_ct_strategy="tensor" if weights.get("strategy") == "tensor" else "channel")
+    if built.get("tie_word_embeddings") is True:
+        layout = [kept for unit in layout if (kept := [t for t in unit if t.name != "lm_head.weight"])]
     # the fixture layout stores an unquantized checkpoint in bf16; a plain FP16/FP32 one says so in its config
     # (`torch_dtype`, `dtype` since transformers 5), and an FP32 one reads, and copies, twice the bytes
     dense_dtype = None
@@ -265,6 +275,8 @@ def summarize(plan, scale: Scale, figures: dict[str, Figure], assumed: bool) -> 
         "scale": asdict(scale),
         "rtn": rtn_estimate(rtn_jobs(plan), max(shard_bytes.values()), scale, figures),
         "gptq": gptq_estimate(plan, scale, figures),
+        # the compressed-tensors config child, which rank 0 (the lead) starts first and keeps for the whole run
+        "config_child_rss": figures["rss_config_child_GB"].value * 1e9,
     }
 
 
@@ -562,7 +574,11 @@ def format_summary(s: dict, figures: dict[str, Figure] = FIGURES) -> str:
         lines.append(f"{key:32s} {row['tensors']:8d} {_gb(row['bytes_in']):>12s} {_gb(row['bytes_out']):>12s}")
     lines.append(f"{'total':32s} {s['tensors']:8d} {_gb(s['bytes_in']):>12s} {_gb(s['bytes_out']):>12s}"
                  f"   ({s['bytes_out'] / s['bytes_in']:.3f}x, {s['output_files']} output files)")
-    return "\n".join(lines + _rtn_lines(s["rtn"], sc, figures) + _gptq_lines(s["gptq"], sc, figures, s["rtn"]))
+    child = (f"rank 0 also runs the compressed-tensors config child for the whole run, alongside: "
+             f"{_gb(s['config_child_rss']).strip()} more [rss_config_child_GB: {figures['rss_config_child_GB'].basis}]")
+    again = f"rank 0 also runs the config child, alongside: {_gb(s['config_child_rss']).strip()} more (as for RTN)"
+    return "\n".join(lines + _rtn_lines(s["rtn"], sc, figures) + [child] + _gptq_lines(s["gptq"], sc, figures, s["rtn"])
+                     + ([again] if s["gptq"]["targets"] else []))
 
 
 def _rtn_lines(r: dict, sc: dict, figures: dict[str, Figure]) -> list[str]:

@@ -504,7 +504,8 @@ def plan_cmd(model, recipe, max_shard_size, ranks, device, samples, seq_len, dty
         figures = estimate.with_overrides(estimate.parse_overrides(throughput))
         scale = estimate.Scale(ranks=ranks, device=device, samples=samples, seq_len=seq_len, dtype=dtype,
                                experts_per_pass=experts_per_pass)
-        config_only = Path(model).suffix == ".json"
+        # (a file is a config.json whatever its name; a folder is a checkpoint even where its name ends in .json)
+        config_only = Path(model).is_file() or Path(model).suffix.lower() == ".json" and not Path(model).is_dir()
         plan = (estimate.plan_from_config(Path(model), recipe, parse_size(max_shard_size)) if config_only
                 else _plan(model, recipe, None, max_shard_size))
         _warn_serving(plan)

@@ -501,3 +501,60 @@ def test_plan_of_a_folder_with_only_its_config_points_at_the_config_only_plan(tm
     assert res.exit_code == 1 and isinstance(res.exception, SystemExit), (res.exception, res.output)
     assert f"plan from the config alone with `glmq plan -m {tmp_path / 'GLM-5.2' / 'config.json'}`" in res.output
     assert CliRunner().invoke(main, ["plan", "-m", str(tmp_path / "GLM-5.2" / "config.json")]).exit_code == 0
+
+
+# ------------------------------------------------------------- config-only plans read config.json as loaders do
+def _without(src: Path, tmp_path: Path, *keys: str, **set_: object) -> Path:
+    """A copy of `src`'s folder whose config.json lacks `keys` (and has `set_`)."""
+    dst = tmp_path / "src"
+    shutil.copytree(src, dst)
+    cfg = {k: v for k, v in json.loads((dst / "config.json").read_text()).items() if k not in keys}
+    (dst / "config.json").write_text(json.dumps({**cfg, **set_}))
+    return dst
+
+
+def test_config_only_plan_takes_the_class_default_of_a_missing_key_as_the_folder_plan_does(make_ckpt, tmp_path):
+    """GlmMoeDsaConfig's n_shared_experts default is 1, which the tiny model has: without the key the folder plan
+    takes the default and converts, while the config-only plan built its layout from the raw config (no shared
+    expert) and then refused its own layout: "is missing ... the conversion lost it"."""
+    src = _without(make_ckpt("glm_moe_dsa"), tmp_path, "n_shared_experts")
+    pred = estimate.from_config_file(src / "config.json", "int4-w4a16")
+    assert pred["by_class"] == estimate.from_plan(make_plan(open_source(src), recipes.load("int4-w4a16")))["by_class"]
+    assert pred["bytes_in"] == sum(data_bytes_by_class(src).values())
+
+
+def test_config_only_plan_of_a_tied_model_leaves_out_the_head_it_does_not_store(make_ckpt, tmp_path):
+    """tie_word_embeddings: true (the head is embed_tokens, lm_head.weight not stored): the config-only plan put
+    lm_head.weight in its layout and refused it ("set tie_word_embeddings to false")."""
+    from safetensors.torch import load_file, save_file
+
+    src = _without(make_ckpt("deepseek_v3"), tmp_path, tie_word_embeddings=True)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    shard = src / index["weight_map"].pop("lm_head.weight")
+    save_file({k: v for k, v in load_file(shard).items() if k != "lm_head.weight"}, shard, metadata={"format": "pt"})
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    pred = estimate.from_config_file(src / "config.json", "int4-w4a16")
+    plan = make_plan(open_source(src), recipes.load("int4-w4a16"))
+    assert pred["by_class"] == estimate.from_plan(plan)["by_class"]
+    assert "lm_head.weight" not in estimate.virtual_source(src / "config.json").entries
+
+
+def test_plan_reads_a_folder_named_like_a_json_file_as_a_checkpoint_and_any_file_as_a_config(make_ckpt, tmp_path):
+    src = make_ckpt("glm4_moe")
+    (tmp_path / "ckpt.v1.json").symlink_to(src, target_is_directory=True)
+    shutil.copy(src / "config.json", tmp_path / "CONFIG.JSON")
+    runner = CliRunner()
+    for model, config_only in ((tmp_path / "ckpt.v1.json", False), (tmp_path / "CONFIG.JSON", True)):
+        res = runner.invoke(main, ["plan", "-m", str(model)])
+        assert res.exit_code == 0, res.output
+        head = next(line for line in res.output.splitlines() if line.startswith("== predicted output"))
+        assert ("config only" in head) == config_only, head
+
+
+def test_plan_counts_the_config_child_beside_rank_0(make_ckpt):
+    """quantize's rank 0 keeps the compressed-tensors config child for the whole run (its report prints it,
+    ~0.49 GB); the plan's memory said nothing of it."""
+    res = CliRunner().invoke(main, ["plan", "-m", str(make_ckpt("glm_moe_dsa"))])
+    assert res.exit_code == 0, res.output
+    assert (f"rank 0 also runs the compressed-tensors config child for the whole run, alongside: "
+            f"{FIGURES['rss_config_child_GB'].value:.2f} GB more") in res.output
