@@ -79,11 +79,11 @@ FIGURES: dict[str, Figure] = {
     "rss_process_cuda_GB": Figure(0.653, "GB", _GPU_RUN + ": median rss_at_start_bytes (imports and the CUDA context)"),
     "rss_bench_cpu_GB": Figure(0.801, "GB peak RSS", _CPU_RUN + ": median glmq peak RSS, largest input shard 0.491 GB"),
     "rss_bench_cuda_GB": Figure(1.465, "GB peak RSS", _GPU_RUN + ": median glmq peak RSS, largest input shard 0.499 GB"),
-    "rss_config_child_GB": Figure(0.489, "GB peak RSS, rank 0 only", "glmq quantize's report "
-                                  "(config_child_peak_rss_bytes), the built-in glm5-tiny run, 3 runs on the 2-core CPU "
-                                  "machine, 2026-12-07 (torch 2.13.0+cpu, compressed-tensors 0.19.0): 489.1-489.2 MB; "
-                                  "the child imports torch and compressed-tensors (quantize/config_child.py), whatever "
-                                  "the model's size"),
+    "config_child_GB": Figure(0.4891, "GB peak RSS, rank 0 only", "BENCHMARKS.md 'The config child's memory', "
+                              "CPU (2 cores), 2026-12-07, `python scripts/bench_config_child.py --json "
+                              "benchmarks/bench_config_child.json` (3 runs of the built-in glm5-tiny; torch 2.13.0+cpu, "
+                              "compressed-tensors 0.19.0): median config_child_peak_rss_bytes of quantize's report; the "
+                              "child imports torch and compressed-tensors, whatever the model's size"),
     "gptq_process_extra_GB": Figure(0.477, "GB above rss_process_<device>_GB", "BENCHMARKS.md 'GPTQ time and memory at "
                                     "4 and 8 layers, session 7' (CPU, 2026-12-01, `python -m glmq.scripts.bench_gptq "
                                     "scaling`): a GPTQ process holds 660-680 MiB at the start of a MoE layer with no "
@@ -276,7 +276,7 @@ def summarize(plan, scale: Scale, figures: dict[str, Figure], assumed: bool) -> 
         "rtn": rtn_estimate(rtn_jobs(plan), max(shard_bytes.values()), scale, figures),
         "gptq": gptq_estimate(plan, scale, figures),
         # the compressed-tensors config child, which rank 0 (the lead) starts first and keeps for the whole run
-        "config_child_rss": figures["rss_config_child_GB"].value * 1e9,
+        "config_child_rss": figures["config_child_GB"].value * 1e9,
     }
 
 
@@ -575,7 +575,7 @@ def format_summary(s: dict, figures: dict[str, Figure] = FIGURES) -> str:
     lines.append(f"{'total':32s} {s['tensors']:8d} {_gb(s['bytes_in']):>12s} {_gb(s['bytes_out']):>12s}"
                  f"   ({s['bytes_out'] / s['bytes_in']:.3f}x, {s['output_files']} output files)")
     child = (f"rank 0 also runs the compressed-tensors config child for the whole run, alongside: "
-             f"{_gb(s['config_child_rss']).strip()} more [rss_config_child_GB: {figures['rss_config_child_GB'].basis}]")
+             f"{_gb(s['config_child_rss']).strip()} more [config_child_GB: {figures['config_child_GB'].basis}]")
     again = f"rank 0 also runs the config child, alongside: {_gb(s['config_child_rss']).strip()} more (as for RTN)"
     return "\n".join(lines + _rtn_lines(s["rtn"], sc, figures) + [child] + _gptq_lines(s["gptq"], sc, figures, s["rtn"])
                      + ([again] if s["gptq"]["targets"] else []))

@@ -167,6 +167,8 @@ def test_every_figure_names_its_source_and_matches_the_raw_benchmark_data():
                                                                        abs=0.001)  # fmt: skip
     gpu = json.loads((BENCH / "bench_gptq_gpu_triton.json").read_text())["gptq"]  # session 6, the Triton kernels
     assert FIGURES["gptq_cuda_s_per_column"].value * 3670016 == pytest.approx(gpu["gptq_solve_seconds"][1], rel=1e-3)
+    child = json.loads((BENCH / "bench_config_child.json").read_text())["median"]["config_child_peak_rss"]
+    assert FIGURES["config_child_GB"].value == pytest.approx(child / 1e9, abs=1e-4)
     tune = json.loads((BENCH / "bench_gptq_gpu_session9-tune.json").read_text())["gptq"]["tune"][0]
     assert FIGURES["gptq_cuda_tune_s_per_step"].value * tune["iters"] == pytest.approx(tune["seconds"], rel=2e-3)
 
@@ -557,4 +559,4 @@ def test_plan_counts_the_config_child_beside_rank_0(make_ckpt):
     res = CliRunner().invoke(main, ["plan", "-m", str(make_ckpt("glm_moe_dsa"))])
     assert res.exit_code == 0, res.output
     assert (f"rank 0 also runs the compressed-tensors config child for the whole run, alongside: "
-            f"{FIGURES['rss_config_child_GB'].value:.2f} GB more") in res.output
+            f"{FIGURES['config_child_GB'].value:.2f} GB more") in res.output
