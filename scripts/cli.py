@@ -233,6 +233,23 @@ def _plan(model: str, recipe: str, scheme: str | None, max_shard_size: str):
     return make_plan(open_source(resolve_model(model)), rec, shard_bytes)
 
 
+def _warn_keep_fp8(plan) -> None:
+    """keep_fp8 keeps block-FP8 weights only (plan.py; a compressed-tensors FP8 source's per-channel or per-tensor
+    scales are dequantized): say so where a recipe asks for it and the source has FP8 weights of another kind, rather
+    than write a larger output without a word. (In a block-FP8 source the weights a block does not tile, and their
+    fused partners, go to BF16 too, by design: README, formats.md §3c.)"""
+    from glmq.formats.source import SourceFormat
+    from glmq.quantize.plan import Action
+
+    if not plan.recipe.keep_fp8 or plan.source.fmt is SourceFormat.FP8_BLOCK:
+        return
+    lost = sum(1 for it in plan.items if it.action is Action.DEQUANTIZE)
+    if lost:
+        click.secho(f"warning: recipe {plan.recipe.name!r} keeps FP8 layers (keep_fp8), but this source is "
+                    f"{plan.source.fmt.value}: keep_fp8 keeps block-FP8 weights only, so its {lost} other FP8 "
+                    f"weight(s) are dequantized to BF16", fg="yellow", err=True)
+
+
 def _warn_serving(plan, every_line: bool = True) -> None:
     """Warn, before any work, when vLLM/SGLang will refuse the output (a run of hours, then `glmq validate` fails);
     and note the rules it breaks only at SERVE_TP, line by line (`glmq plan`) or in one line (`every_line` False:
@@ -400,6 +417,7 @@ def quantize(ctx, model, recipe, max_shard_size, output, scheme, device, no_prog
     try:
         plan = _plan(model, recipe, scheme, max_shard_size)
         if os.environ.get("RANK", "0") == "0":
+            _warn_keep_fp8(plan)
             _warn_serving(plan, every_line=False)
         method = plan.recipe.spec.method.value
         out = Path(output) if output else default_output(plan.source.root, plan.recipe.name, method)
@@ -508,6 +526,7 @@ def plan_cmd(model, recipe, max_shard_size, ranks, device, samples, seq_len, dty
         config_only = Path(model).is_file() or Path(model).suffix.lower() == ".json" and not Path(model).is_dir()
         plan = (estimate.plan_from_config(Path(model), recipe, parse_size(max_shard_size)) if config_only
                 else _plan(model, recipe, None, max_shard_size))
+        _warn_keep_fp8(plan)
         _warn_serving(plan)
         summary = (estimate.summarize_config_plan(plan, Path(model), scale, figures) if config_only
                    else estimate.from_plan(plan, scale, figures))

@@ -115,3 +115,15 @@ def test_a_rule_failing_at_tp_1_is_listed_again_where_more_modules_fail_it_at_th
     assert "attention: output_size_per_partition % 64 == 0 fails for 8 module(s)" in every
     assert "attention: output_size_per_partition % 64 == 0 fails for 12 module(s)" in at_tp, out
     assert "fails for 8 module(s)" not in at_tp  # a rule failing for as many modules is not repeated
+
+
+@pytest.mark.parametrize("fmt", ["fp8-ct", "fp8-block"])
+def test_keep_fp8_on_a_source_it_cannot_keep_is_warned(fmt, make_ckpt, tmp_path):
+    """keep_fp8 keeps block-FP8 weights only: on a compressed-tensors FP8 source every non-target FP8 weight was
+    dequantized to BF16 without a word (the recipe's point silently dropped)."""
+    src = make_ckpt("glm4_moe", fmt)
+    (tmp_path / "keep.yaml").write_text("name: keep\ntargets: [routed_expert]\nkeep_fp8: true\n")
+    res = CliRunner().invoke(main, ["plan", "-m", str(src), "--recipe", str(tmp_path / "keep.yaml")])
+    assert res.exit_code == 0, res.output
+    warned = "warning: recipe 'keep' keeps FP8 layers (keep_fp8), but this source is fp8-ct" in res.output
+    assert warned == (fmt == "fp8-ct"), res.output
