@@ -184,9 +184,21 @@ def layer_index(name: str) -> int | None:
 
 
 def mtp_layers(config: dict) -> range:
-    """Indices of the multi-token-prediction layers stored after the decoder layers."""
+    """Indices of the multi-token-prediction layers stored after the decoder layers, as loaders count them
+    (`layer_counts`: a num_nextn_predict_layers config.json lacks takes its config class's default)."""
     n = int(config.get("num_hidden_layers", 0))
-    return range(n, n + int(config.get("num_nextn_predict_layers", 0) or 0))
+    return range(n, n + layer_counts(config)[1])
+
+
+def layer_counts(config: dict) -> tuple[int, int, dict[str, str]]:
+    """(first_k_dense_replace, num_nextn_predict_layers) as loaders read config.json, and for each count taken from
+    its config class's default, how to say so (`loader_config`): where config.json lacks one, transformers and vLLM
+    build the model with the class default (DeepseekV3Config: 3 dense layers and 1 MTP layer), not with none.
+    GlmMoeDsaConfig has no num_nextn_predict_layers and kimi_k2 (remote code) no known defaults: 0 there. A null
+    count is 0 (none). Counts of another type are `count_problems`' (the caller checks them first)."""
+    cfg, defaulted = loader_config(config)
+    return (int(cfg.get("first_k_dense_replace") or 0), int(cfg.get("num_nextn_predict_layers") or 0),
+            {k: why for k, why in defaulted.items() if k in _LAYER_COUNTS})
 
 
 def _experts_key(config: dict) -> str:
@@ -201,7 +213,7 @@ _LAYER_COUNTS = ("num_hidden_layers", "first_k_dense_replace", "num_nextn_predic
 def count_problems(config: dict) -> list[tuple[str, str]]:
     """("config.json", problem) for an expert or layer count of the wrong kind: the expert count (n_routed_experts, or
     num_local_experts) and num_hidden_layers not a positive integer, first_k_dense_replace and
-    num_nextn_predict_layers not a non-negative integer (null: absent)."""
+    num_nextn_predict_layers not a non-negative integer (null: none; absent: the class default, `layer_counts`)."""
     problems = []
     experts = _experts_key(config)
     for k in (experts, *_LAYER_COUNTS):
@@ -215,11 +227,13 @@ def count_problems(config: dict) -> list[tuple[str, str]]:
 def expert_layout_problems(modules, config: dict, mtp_required: bool = True) -> list[tuple[str, str]]:
     """(module, problem) for every way the routed experts stored disagree with config.json, which loaders build the
     model from: an expert or layer count of the wrong kind (`count_problems`), a MoE layer without all of experts
-    0..n-1 (gate, up and down), or experts numbered n or above.
+    0..n-1 (gate, up and down), experts numbered n or above, or experts in a layer loaders build dense.
 
     The MoE layers are those that hold experts and, with the layer counts, every layer from first_k_dense_replace to
     num_hidden_layers, and the MTP layers too when `mtp_required` (a converter passes False: a source without its MTP
-    layer serves, the layer only drafts tokens). `modules`: the module names stored (without .weight).
+    layer serves, the layer only drafts tokens); the decoder layers below first_k_dense_replace are dense. The layer
+    counts are the loader's (`layer_counts`: a count config.json lacks takes its class default, and a problem that
+    depends on it says so). `modules`: the module names stored (without .weight).
     """
     key = _experts_key(config)
     n = config.get(key)
@@ -231,10 +245,25 @@ def expert_layout_problems(modules, config: dict, mtp_required: bool = True) -> 
         if (hit := EXPERT_MODULE.match(m)) is not None:
             found.setdefault(int(hit[1]), set()).add((int(hit[2]), hit[3]))
     layers = set(found)
+    dense, nextn, defaulted = layer_counts(config)
+    why: dict[int, str] = {}  # a layer that holds no expert but is MoE by a count config.json lacks: says so
     if "num_hidden_layers" in config:
-        layers |= set(range(config.get("first_k_dense_replace") or 0, config["num_hidden_layers"]))
-        if mtp_required:
-            layers |= set(mtp_layers(config))
+        n_layers = config["num_hidden_layers"]
+        moe = set(range(dense, n_layers)) | (set(mtp_layers(config)) if mtp_required else set())
+        said = {"first_k_dense_replace": f"; loaders build layers {dense}..{n_layers - 1} with experts: "
+                                         f"{_switch('first_k_dense_replace', dense, defaulted)}",
+                "num_nextn_predict_layers": f"; loaders build the MTP layer with experts: "
+                                            f"{_switch('num_nextn_predict_layers', nextn, defaulted)}"}
+        for layer in moe - layers:
+            count = "first_k_dense_replace" if layer < n_layers else "num_nextn_predict_layers"
+            if count in defaulted:
+                why[layer] = said[count]
+        built_dense = set(range(min(dense, n_layers)))
+        for layer in sorted(layers & built_dense):  # experts where loaders build a dense MLP (vLLM: KeyError)
+            problems.append((f"model.layers.{layer}.mlp.experts",
+                             f"holds experts, but {_switch('first_k_dense_replace', dense, defaulted)}: loaders "
+                             f"build layers 0..{min(dense, n_layers) - 1} with a dense MLP and no experts"))
+        layers = (layers | moe) - built_dense
     for layer in sorted(layers):
         have = found.get(layer, set())
         missing = [(e, p) for e in range(n) for p in ("gate", "up", "down") if (e, p) not in have]
@@ -243,31 +272,35 @@ def expert_layout_problems(modules, config: dict, mtp_required: bool = True) -> 
         if missing:
             e, p = missing[0]
             problems.append((where, f"{len(missing)} of {3 * n} expert projections missing (config {key} = {n}), "
-                                    f"e.g. experts.{e}.{p}_proj"))
+                                    f"e.g. experts.{e}.{p}_proj" + why.get(layer, "")))
         if extra:
             problems.append((where, f"holds experts numbered up to {extra[-1]} ({len(extra)} beyond config {key} = "
                                     f"{n}), which loaders would not build"))
     return problems
 
 
-# The config.json keys the shape table and the attention switches read, with the default a loader takes where
-# config.json lacks one: transformers 5.17's GlmMoeDsaConfig, Glm4MoeConfig and DeepseekV3Config (vLLM builds these
-# model types from the same classes). Data, not read from transformers: importing a config class costs ~4 s a process
-# and transformers is an optional dependency; tests/test_config_shapes.py compares every value with the class.
+# The config.json keys the shape table, the attention switches and the layer counts (which layers are dense, MoE or
+# MTP: `layer_counts`) read, with the default a loader takes where config.json lacks one: transformers 5.17's
+# GlmMoeDsaConfig, Glm4MoeConfig and DeepseekV3Config (vLLM builds these model types from the same classes). Data,
+# not read from transformers: importing a config class costs ~4 s a process and transformers is an optional
+# dependency; tests/test_config_shapes.py compares every value with the class.
 # kimi_k2 has no row: its loaders build the config from the checkpoint's own remote code, whose defaults glmq does not
-# read, so a key it lacks is still skipped. Glm4MoeConfig has no head_dim: its layers take hidden_size // heads.
+# read, so a key it lacks is still skipped. Glm4MoeConfig has no head_dim: its layers take hidden_size // heads, and
+# GlmMoeDsaConfig no num_nextn_predict_layers (none). Only glmq's checks read the defaults: the output's config.json
+# is the source's, keys as they were.
 _SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "n_shared_experts",
                "n_routed_experts", "num_attention_heads", "num_key_value_heads", "attention_bias")
 CLASS_DEFAULTS: dict[str, tuple[str, dict[str, object]]] = {
     "glm_moe_dsa": ("GlmMoeDsaConfig", dict(zip(_SHAPE_KEYS, (154880, 6144, 12288, 2048, 1, 256, 64, 64, False)),
                                             q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
                                             qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32,
-                                            index_head_dim=128)),
+                                            index_head_dim=128, first_k_dense_replace=3)),
     "glm4_moe": ("Glm4MoeConfig", dict(zip(_SHAPE_KEYS, (151552, 4096, 10944, 1408, 1, 128, 96, 8, False)),
-                                       use_qk_norm=False)),
+                                       use_qk_norm=False, first_k_dense_replace=1, num_nextn_predict_layers=1)),
     "deepseek_v3": ("DeepseekV3Config", dict(zip(_SHAPE_KEYS, (129280, 7168, 18432, 2048, 1, 256, 128, 128, False)),
                                              q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-                                             qk_rope_head_dim=64, v_head_dim=128)),
+                                             qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=3,
+                                             num_nextn_predict_layers=1)),
 }
 
 
@@ -544,7 +577,7 @@ def layout_problems(parts: dict[str, set[str]], config: dict, missing: bool = Tr
         return [], None
     if (problem := architecture_problem(config)) is not None:  # which layout config.json promises is not known
         return [("config.json", problem)], None
-    cfg, _ = loader_config(config)
+    cfg, _ = loader_config(config)  # (the layer counts too: `layer_counts`)
     try:
         family = family_of(cfg)
         specs = [s for group in logical_tensors(cfg, family) for s in group]
@@ -558,7 +591,9 @@ def layout_problems(parts: dict[str, set[str]], config: dict, missing: bool = Tr
     except (TypeError, ValueError) as e:
         return [], f"{type(e).__name__}: {e}"
     tied = cfg.get("tie_word_embeddings") is True
-    n_layers, nextn = int(cfg["num_hidden_layers"]), int(cfg.get("num_nextn_predict_layers") or 0)
+    n_layers, (_, nextn, defaulted) = int(cfg["num_hidden_layers"]), layer_counts(config)
+    counts = (f"config.json's num_hidden_layers ({n_layers}) + num_nextn_predict_layers ({nextn}"
+              + (f", {defaulted['num_nextn_predict_layers']}" if "num_nextn_predict_layers" in defaulted else "") + ")")
     layers = n_layers + (nextn if mtp_required or mtp_stored(parts, cfg) else 0)
     promised: dict[str, str] = {}  # tensor name -> kind
     for s in specs:
@@ -594,15 +629,14 @@ def layout_problems(parts: dict[str, set[str]], config: dict, missing: bool = Tr
                 out.append((name, "is stored but config.json's tie_word_embeddings is true: loaders use "
                                   "embed_tokens as the head and skip this one; set tie_word_embeddings to false"))
             elif (hit := _LAYER.match(name)) and int(hit[1]) >= n_layers + nextn:
-                out.append((name, f"belongs to layer {hit[1]}, but config.json's num_hidden_layers ({n_layers}) + "
-                                  f"num_nextn_predict_layers ({nextn}) build layers 0..{n_layers + nextn - 1} only"))
+                out.append((name, f"belongs to layer {hit[1]}, but {counts} build layers 0..{n_layers + nextn - 1} "
+                                  f"only"))
             else:
                 out.append((name, f"{UNKNOWN_TENSOR} in the {family} model config.json describes (vLLM raises "
                                   f"KeyError on it); config.json and the tensors disagree"))
     top = max((i for m in parts if (i := layer_index(m + ".")) is not None), default=-1) + 1
     if top > n_layers + nextn or missing and 0 < top < layers:  # the cause of the tensor lines: said first
-        out.insert(0, ("model.layers", f"layers 0..{top - 1} are stored, but config.json's num_hidden_layers "
-                                       f"({n_layers}) + num_nextn_predict_layers ({nextn}) build layers "
+        out.insert(0, ("model.layers", f"layers 0..{top - 1} are stored, but {counts} build layers "
                                        f"0..{n_layers + nextn - 1}: config.json and the tensors disagree on the layer "
                                        f"count (the MTP layer is the last, after num_hidden_layers)"))
     out += _routing_problems(cfg)

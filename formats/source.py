@@ -51,6 +51,8 @@ class Source:
         shard_samples: sha256 hex of a sample of each shard's data (`_data_sample`): a resume converts again the
             files of a shard whose data changed (downloaded again after a corrupt weight), and refuses a folder
             whose every shard changed (another model of the same layout), output._prepare_output.
+        config_path: the file `config` was read from, where it is not `root / "config.json"` (a config-only
+            source, `glmq plan -m model.json`); `config_file` is the one to name in messages.
     """
 
     root: Path
@@ -65,6 +67,12 @@ class Source:
     header_digest: str = ""
     shard_mtime_ns: dict[str, int] = field(default_factory=dict)
     shard_samples: dict[str, str] = field(default_factory=dict)
+    config_path: Path | None = None
+
+    @property
+    def config_file(self) -> Path:
+        """The file the config was read from: `config_path`, else the folder's config.json."""
+        return self.root / "config.json" if self.config_path is None else Path(self.config_path)
 
     @property
     def total_bytes(self) -> int:
@@ -238,4 +246,4 @@ def open_source(path: str | Path) -> Source:
         and not f.name.endswith(".safetensors") and not f.name.startswith(".")
     )
     return Source(root, config, family, fmt, entries, shards, shard_bytes, block, side, digest.hexdigest(),
-                  shard_mtime_ns, shard_samples)
+                  shard_mtime_ns, shard_samples, config_path)

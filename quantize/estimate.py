@@ -211,7 +211,7 @@ def virtual_source(config_path: Path) -> Source:
             pos += nbytes
             shard_bytes[name] = shard_bytes.get(name, 0) + nbytes
     return Source(Path(config_path).parent, config, family, fmt, entries, sorted(shard_bytes), shard_bytes, block, [],
-                  "config-only")
+                  "config-only", config_path=config_path)
 
 
 def _check_values(config: dict, config_path: Path) -> None:

@@ -149,7 +149,7 @@ def make_items(source: Source, recipe: Recipe) -> list[Item]:
         parts.setdefault(module, set()).add(leaf)
     more, why_not = layout_problems(parts, source.config, told={w for w, _ in attention}, mtp_required=False)
     if why_not is not None and why_not.startswith(NO_KEY):  # converted, a layer was taken for another (layer 0: MTP)
-        raise PlanError(f"{source.root / 'config.json'}: no {why_not.removeprefix(NO_KEY).strip()} key, which glmq "
+        raise PlanError(f"{source.config_file}: no {why_not.removeprefix(NO_KEY).strip()} key, which glmq "
                         f"plan needs; use the model's complete config.json (e.g. as published with its weights)")
     unknown = [w for w, p in more if p.startswith(UNKNOWN_TENSOR)]
     if unknown:  # converted (copied) as they are: glmq's layout table may lack a tensor a loader knows
@@ -160,13 +160,13 @@ def make_items(source: Source, recipe: Recipe) -> list[Item]:
     layout += [(w, p) for w, p in more if not p.startswith(UNKNOWN_TENSOR)]
     values = [p for where, p in layout if where == "config.json"]
     if values:  # not a disagreement with the tensors: no loader builds a model from these values
-        raise PlanError(f"{source.root / 'config.json'}: values of the wrong kind; fix config.json (e.g. take it as "
+        raise PlanError(f"{source.config_file}: values of the wrong kind; fix config.json (e.g. take it as "
                         f"published with the weights):" + _problem_list(values))
     if layout:
         alike: dict[str, list[str]] = {}  # a wrong key repeats one problem in every layer (GLM-5: 78 x 256 experts)
         for where, problem in layout:
             alike.setdefault(problem, []).append(where)
-        raise PlanError(f"{source.root / 'config.json'}: disagrees with the tensors stored (config and shards of "
+        raise PlanError(f"{source.config_file}: disagrees with the tensors stored (config and shards of "
                         f"different revisions?); fix config.json or re-download the checkpoint:"
                         + _problem_list([f"{w[0]}{_and_more(len(w) - 1)}: {p}"
                                          for p, w in alike.items()]))

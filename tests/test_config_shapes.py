@@ -132,6 +132,32 @@ def test_the_class_defaults_are_transformers_defaults(model_type):
     assert {k: getattr(built, k) for k in defaults} == defaults
     if model_type == "glm4_moe":  # no head_dim default: its layers take hidden / heads, as the table does
         assert not hasattr(built, "head_dim")
+    # the layer counts (which layers are dense, MoE, MTP) too; GlmMoeDsaConfig has no MTP count: none
+    counts = {"first_k_dense_replace", "num_nextn_predict_layers"}
+    assert counts & set(defaults) == {k for k in counts if hasattr(built, k)} and "first_k_dense_replace" in defaults
+
+
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "glm4_moe", "deepseek_v3"])
+def test_the_layer_counts_a_config_json_lacks_are_the_transformers_models(model_type):
+    """A fixture config without first_k_dense_replace and num_nextn_predict_layers, built by transformers' class:
+    its dense layers and MTP count are what `layer_counts` reads, and it says which it defaulted."""
+    import transformers
+
+    from glmq.calibration.layers import _DROP_CONFIG_KEYS
+    from glmq.formats.families import CLASS_DEFAULTS, layer_counts, mtp_layers
+
+    counts = ("first_k_dense_replace", "num_nextn_predict_layers")
+    config = {**fixtures.make_config(model_type, "tiny"), "num_hidden_layers": 5}
+    bare = {k: v for k, v in config.items() if k not in counts}
+    hf = transformers.CONFIG_MAPPING[model_type](**{k: v for k, v in bare.items() if k not in _DROP_CONFIG_KEYS})
+    dense, nextn, defaulted = layer_counts(bare)
+    assert (dense, nextn) == (hf.first_k_dense_replace, getattr(hf, "num_nextn_predict_layers", 0))
+    assert list(mtp_layers(bare)) == list(range(5, 5 + nextn))
+    cls_name = CLASS_DEFAULTS[model_type][0]
+    assert defaulted == {k: f"{cls_name}'s default; config.json has none" for k in counts if hasattr(hf, k)}
+    if hasattr(hf, "mlp_layer_types"):  # GlmMoeDsa builds each layer from it
+        assert hf.mlp_layer_types == ["dense"] * dense + ["sparse"] * (5 - dense)
+    assert layer_counts(config) == (config["first_k_dense_replace"], config["num_nextn_predict_layers"], {})
 
 
 @pytest.mark.parametrize("family, key", [("glm_moe_dsa", "q_lora_rank"), ("glm_moe_dsa", "index_head_dim"),
