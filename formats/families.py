@@ -187,7 +187,7 @@ def mtp_layers(config: dict) -> range:
     """Indices of the multi-token-prediction layers stored after the decoder layers, as loaders count them
     (`layer_counts`: a num_nextn_predict_layers config.json lacks takes its config class's default)."""
     n = int(config.get("num_hidden_layers", 0))
-    return range(n, n + layer_counts(config)[1])
+    return range(n, n + int(loader_config(config)[0].get("num_nextn_predict_layers") or 0))
 
 
 def layer_counts(config: dict) -> tuple[int, int, dict[str, str]]:
@@ -592,8 +592,10 @@ def layout_problems(parts: dict[str, set[str]], config: dict, missing: bool = Tr
         return [], f"{type(e).__name__}: {e}"
     tied = cfg.get("tie_word_embeddings") is True
     n_layers, (_, nextn, defaulted) = int(cfg["num_hidden_layers"]), layer_counts(config)
-    counts = (f"config.json's num_hidden_layers ({n_layers}) + num_nextn_predict_layers ({nextn}"
-              + (f", {defaulted['num_nextn_predict_layers']}" if "num_nextn_predict_layers" in defaulted else "") + ")")
+    counts = (f"config.json's num_hidden_layers ({n_layers}) + num_nextn_predict_layers ({nextn})"
+              if "num_nextn_predict_layers" not in defaulted else
+              f"num_hidden_layers ({n_layers}, config.json's) + num_nextn_predict_layers ({nextn}, "
+              f"{defaulted['num_nextn_predict_layers']})")
     layers = n_layers + (nextn if mtp_required or mtp_stored(parts, cfg) else 0)
     promised: dict[str, str] = {}  # tensor name -> kind
     for s in specs:

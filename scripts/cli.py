@@ -254,7 +254,7 @@ def _warn_serving(plan, every_line: bool = True) -> None:
     """Warn, before any work, when vLLM/SGLang will refuse the output (a run of hours, then `glmq validate` fails);
     and note the rules it breaks only at SERVE_TP, line by line (`glmq plan`) or in one line (`every_line` False:
     `glmq quantize`, whose built-in tiny default is too narrow to split 8 ways)."""
-    from glmq.quantize.validate.serving import planned_problems
+    from glmq.quantize.validate.serving import planned_failures, problem_lines
     from glmq.scripts.upload import SERVE_TP
 
     def warn(head: str, lines: list[str]) -> None:
@@ -262,33 +262,29 @@ def _warn_serving(plan, every_line: bool = True) -> None:
         for line in lines:
             click.secho(f"  {line}; {_serving_consequence(line)}", fg="yellow", err=True)
 
-    problems = planned_problems(plan)
+    failed = planned_failures(plan)
+    problems = problem_lines(failed)
     if problems:
         warn(f"the output of recipe {plan.recipe.name!r} breaks the serving rules at every tensor-parallel degree "
              f"(`glmq validate` fails it unless given --no-serving; `glmq eval` reads it)", problems)
     # rules that hold on one GPU and break once split SERVE_TP ways (GLM-4.7's experts: 1536 / 8 = 192 columns a rank,
-    # not a multiple of group 128): `glmq upload` checks that degree by default
-    # (a rule that fails at tp 1 too is listed again where more modules fail it at SERVE_TP)
-    seen = {_rule_of(line): _count_of(line) for line in problems}
-    more = [line for line in planned_problems(plan, SERVE_TP) if _count_of(line) > seen.get(_rule_of(line), 0)]
+    # not a multiple of group 128): `glmq upload` checks that degree by default. Each line names only the modules that
+    # fail at SERVE_TP and not at tp 1 (all-linear's q_b_proj beside a fused_qkv_a_proj failing the same rule at tp 1)
+    more = problem_lines({key: {m: nb for m, nb in mods.items() if m not in failed.get(key, {})}
+                          for key, mods in planned_failures(plan, SERVE_TP).items()})
     if more and not every_line:
         click.echo(f"note: at tp {SERVE_TP}, the degree `glmq upload` checks by default, the output of recipe "
                    f"{plan.recipe.name!r} breaks {len(more)} serving rule(s) (e.g. {_rule_of(more[0])}; `glmq plan` "
                    f"lists them); serve and upload it at a degree `glmq validate --tp N` passes", err=True)
     elif more:
         warn(f"at tp {SERVE_TP}, the degree `glmq upload` checks by default and its model card's serve commands use, "
-             f"the output of recipe {plan.recipe.name!r} also breaks (serve it at a degree `glmq validate --tp N` "
-             f"passes, and upload with that --tp)", more)
+             f"the output of recipe {plan.recipe.name!r} also breaks (modules not listed above; serve it at a degree "
+             f"`glmq validate --tp N` passes, and upload with that --tp)", more)
 
 
 def _rule_of(line: str) -> str:
     """'<class>: <rule>' of a `planned_problems` line ('<class>: <rule> fails for N module(s), e.g. ...')."""
     return line.partition(" fails for ")[0]
-
-
-def _count_of(line: str) -> int:
-    """N of a `planned_problems` line's 'fails for N module(s)'."""
-    return int(line.partition(" fails for ")[2].partition(" ")[0])
 
 
 def _serving_consequence(line: str) -> str:

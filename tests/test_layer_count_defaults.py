@@ -111,8 +111,8 @@ def test_an_mtp_count_the_class_default_sets_is_named(tmp_path):
     why = "DeepseekV3Config's default; config.json has none"
     two = _source(tmp_path, "deepseek_v3", "two", ("num_nextn_predict_layers",), first_k_dense_replace=1,
                   num_nextn_predict_layers=2)
-    with pytest.raises(PlanError, match=re.escape(f"num_hidden_layers (4) + num_nextn_predict_layers (1, {why}) "
-                                                  f"build layers 0..4")):
+    with pytest.raises(PlanError, match=re.escape(f"num_hidden_layers (4, config.json's) + num_nextn_predict_layers "
+                                                  f"(1, {why}) build layers 0..4")):
         make_plan(open_source(two), recipes.load("int4-w4a16"), 400_000)
     none = _source(tmp_path, "deepseek_v3", "none", first_k_dense_replace=1, num_nextn_predict_layers=0)
     stream.run(make_plan(open_source(none), recipes.load("int4-w4a16"), 400_000), tmp_path / "out", progress=False)

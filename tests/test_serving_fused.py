@@ -217,5 +217,5 @@ def test_fused_parts_under_two_int_schemes_fail_and_one_scheme_passes(k_group):
     if k_group == 128:
         assert msgs == []
     else:
-        assert msgs == [f"{attn}: 3 fused members stored as 2 INT4 group 128 symmetric (e.g. q_proj), 1 INT4 group 32 "
-                        f"symmetric (e.g. k_proj); vLLM/SGLang fuse them into one layer with one scheme and raise"]
+        assert msgs == [f"{attn}: 3 fused members stored as 2 INT4, group 128 (e.g. q_proj), 1 INT4, group 32 (e.g. "
+                        f"k_proj); vLLM/SGLang fuse them into one layer with one scheme and raise"]

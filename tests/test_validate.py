@@ -1000,6 +1000,17 @@ def test_fused_layers_are_checked_against_their_parts_group_and_sglangs_names(ma
     (f,) = res.failures
     assert f.message.startswith("model.layers.0.self_attn.qkv_proj: vLLM fuses q_proj, k_proj, v_proj") and \
         "gives it group_0 (INT4, group 128)" in f.message and "stored under group_1 (INT4, group 32)" in f.message
+    # parts under two groups of one scheme (group 32) beside the "Linear" group's 128: still group 128 for qkv_proj
+    g32q = Group("group_1", ("re:.*\\.q_proj$",), "int", 4, 32)
+    g32kv = Group("group_2", ("re:.*\\.(k|v)_proj$",), "int", 4, 32)
+    res = CheckResult("structure")
+    _check_fused_layers(mods, [g128, g32q, g32kv], res)
+    (f,) = res.failures
+    assert "gives it group_0 (INT4, group 128)" in f.message and \
+        "stored under group_1, group_2 (INT4, group 32)" in f.message, f.message
+    res = CheckResult("structure")  # and a group of the parts' scheme for the fused layer's own name passes
+    _check_fused_layers(mods, [Group("group_3", ("re:.*qkv_proj$",), "int", 4, 32), g128, g32q, g32kv], res)
+    assert res.failures == []
 
 
 def test_keep_fp8_experts_get_no_fused_layer_targets(make_ckpt, tmp_path):

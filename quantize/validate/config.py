@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from glmq.quantize.validate.report import CheckResult
 
@@ -220,6 +220,20 @@ def _named_group(module: str, groups: list[Group]) -> Group | None:
         if names and _ct().is_ignored(module, names):
             return g
     return None
+
+
+def scheme_of(g: Group) -> Group:
+    """What a loader builds from `g`: the group less its name and targets (two groups of one scheme load alike) and
+    an actorder other than "group" (only "group" stores a weight_g_idx; "weight" reorders columns before packing)."""
+    return replace(g, name="", targets=(), actorder="group" if g.actorder == "group" else None)
+
+
+def scheme_label(g: Group) -> str:
+    """`FP8`, or `INT4, group 128` (`, asymmetric` and `, actorder group` where so) for messages."""
+    if g.kind == "float":
+        return "FP8"
+    return (f"INT{g.num_bits}, group {g.group_size or 'channel'}" + ("" if g.symmetric else ", asymmetric")
+            + (", actorder group" if g.actorder == "group" else ""))
 
 
 def group_for(module: str, groups: list[Group]) -> Group | None:

@@ -9,7 +9,7 @@ from dataclasses import replace
 from glmq.formats.families import (EXPERT_MODULE, FUSED_NAMES, FUSED_PARTNERS, LINEAR_CLASSES, TensorClass,
                                    layer_index)
 from glmq.quantize.validate.checkpoint import Module
-from glmq.quantize.validate.config import Group, group_for
+from glmq.quantize.validate.config import Group, group_for, scheme_label
 from glmq.quantize.validate.report import CheckResult
 
 # vLLM's parallel layout per module leaf (deepseek_v2.py / glm4_moe.py): q_a_proj + kv_a_proj_with_mqa
@@ -250,10 +250,11 @@ def check_serving(modules: dict[str, Module], groups: list[Group], shapes: dict,
 
 def _check_partners(modules: dict[str, Module], groups: list[Group], res: CheckResult) -> None:
     """Modules an engine fuses (q/k/v, gate/up, q_a/kv_a, wk/weights_proj; all experts of a layer) need one
-    scheme: all INT, all FP8 (a mixed-precision checkpoint) or all BF16. Fused layers' INT parts also need one INT
-    scheme: vLLM's `_match_fused_layer` gives qkv_proj the group of its first part (q_proj) and builds k/v_proj's
-    parameters with that group's bits and group size, so a k_proj stored at another group size fails its shape check
-    on load (SGLang's matcher is a copy). (A layer's experts: `one_scheme`, per MoE layer.)"""
+    scheme: all INT, all FP8 (a mixed-precision checkpoint) or all BF16, and INT parts of one fused layer one INT
+    scheme: vLLM builds the fused layer (qkv_proj) from one config group, so a k_proj stored at another group size
+    than q_proj cannot load under it, whichever group that is (`find_matched_target`: the fused layer's own name, its
+    class name, then its parts' names; structure's `_check_fused_layers` checks that group against the parts' one
+    scheme). (A layer's experts: `one_scheme`, per MoE layer.)"""
     by_parent: dict[str, dict[str, str]] = defaultdict(dict)
     for name, m in modules.items():
         if m.is_int or ("weight" in m.parts and m.cls in LINEAR_CLASSES):
@@ -278,34 +279,42 @@ def _check_partners(modules: dict[str, Module], groups: list[Group], res: CheckR
 
 
 def _form(m: Module, groups: list[Group] | None) -> str:
-    """How a module is stored: INT (with `groups`, its group's scheme: `INT4 group 128 symmetric`), FP8 or BF16."""
+    """How a module is stored: INT (with `groups`, its group's scheme: `INT4, group 128`), FP8 or BF16."""
     if not m.is_int:
         return "FP8" if m.is_fp8 else "BF16"
     g = group_for(m.name, groups) if groups is not None else None
-    if g is None:
-        return "INT"
-    # (only actorder "group" changes the parameters a loader builds: a weight_g_idx per part)
-    order = " actorder group" if g.actorder == "group" else ""
-    return (f"INT{g.num_bits} group {g.group_size or 'channel'} {'symmetric' if g.symmetric else 'asymmetric'}"
-            f"{order}")
+    return "INT" if g is None else scheme_label(g)
 
 
 def planned_problems(plan, tp: int = 1) -> list[str]:
     """The serving rules the output of `plan` (quantize/plan.Plan) will fail at `tp`, from the source shapes and
     the recipe before anything is written (pure): `glmq quantize` and `glmq plan` warn with them, so a recipe whose
     output vLLM/SGLang will refuse (asymmetric routed experts, a width Marlin cannot split) is known before an
-    hours-long run, not from `glmq validate` after it. One line per (class, rule), with a count and an example.
-    The rules of `check_serving`, through the same `_shape_rules` (one recipe is one scheme for every quantized
+    hours-long run, not from `glmq validate` after it. One line per (class, rule), with a count and an example
+    (`problem_lines` of `planned_failures`)."""
+    return problem_lines(planned_failures(plan, tp))
+
+
+def planned_failures(plan, tp: int = 1) -> dict[tuple[str, str], dict[str, str]]:
+    """(class, rule) -> {module: its numbers} for every module of `plan`'s output that fails the rule at `tp`, in plan
+    order. The rules of `check_serving`, through the same `_shape_rules` (one recipe is one scheme for every quantized
     module, so its one-scheme-per-MoE-layer rule cannot fail here)."""
     from glmq.quantize.plan import Action
 
     spec = plan.recipe.spec
     g = Group("recipe", ("Linear",), "int", spec.num_bits, spec.group_size, spec.symmetric)
-    bad: dict[tuple[str, str], list] = {}
+    failed: dict[tuple[str, str], dict[str, str]] = {}
 
     def note(cls: TensorClass, name: str, rule: str, numbers: str) -> None:
-        bad.setdefault((cls.value, rule), [name, numbers, 0])[2] += 1
+        failed.setdefault((cls.value, rule), {}).setdefault(name, numbers)
 
     _shape_rules(((it.cls, it.module, tuple(it.src.shape), g) for it in plan.items if it.action is Action.QUANTIZE),
                  tp, note, heads=attention_heads(plan.source.config))
+    return failed
+
+
+def problem_lines(failures: dict[tuple[str, str], dict[str, str]]) -> list[str]:
+    """`planned_problems`' lines for `planned_failures`' modules (or a subset of them): the first module of each
+    rule is its example."""
+    bad = {key: [*next(iter(mods.items())), len(mods)] for key, mods in failures.items() if mods}
     return [message for message, _, _ in _failure_lines(bad)]

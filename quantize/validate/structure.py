@@ -8,7 +8,8 @@ from glmq.formats.families import (EXPERT_MODULE, FUSED_ALIASES, FUSED_NAMES, LI
                                    attention_presence_problems, config_shape_problems, count_problems,
                                    expert_layout_problems, layer_counts, layout_problems, mtp_layers, mtp_stored)
 from glmq.quantize.validate.checkpoint import COMPANIONS, Module
-from glmq.quantize.validate.config import Group, _ct, float_group_for, fused_layer_group, group_for
+from glmq.quantize.validate.config import (Group, _ct, float_group_for, fused_layer_group, group_for,
+                                           scheme_label, scheme_of)
 from glmq.quantize.validate.report import CheckResult
 
 LEAF_DTYPES = {"weight_packed": ("I32",), "weight_scale": ("BF16", "F16", "F32"), "weight_shape": ("I64", "I32"),
@@ -169,9 +170,10 @@ def check_structure(modules: dict[str, Module], groups: list[Group], shapes: dic
 
 def _check_fused_layers(modules: dict[str, Module], groups: list[Group], res: CheckResult) -> None:
     """Each fused layer vLLM (and SGLang, under its own names: FUSED_ALIASES) builds from stored parts (qkv_proj from
-    q/k/v_proj, ...) resolves to the config group its parts are stored under: vLLM matches the fused layer's class name
+    q/k/v_proj, ...) resolves to a config group of its parts' scheme: vLLM matches the fused layer's class name
     against "Linear" before its parts' names, so an FP8 group naming only q/k/v_proj beside an INT group targeting
-    "Linear" builds qkv_proj as INT4 over FP8 weights (and a second INT group naming them, with its scheme)."""
+    "Linear" builds qkv_proj as INT4 over FP8 weights (and groups naming q_proj and k/v_proj apart, both group 128,
+    beside a group-32 "Linear" build it at group 32)."""
     def stored_group(m: Module) -> Group | None:  # as check_structure reads each part
         return group_for(m.name, groups) if m.is_int else float_group_for(m.name, groups) if m.is_fp8 else None
 
@@ -181,22 +183,19 @@ def _check_fused_layers(modules: dict[str, Module], groups: list[Group], res: Ch
             mods = [modules.get(f"{parent}.{p}") for p in parts]
             if any(m is None for m in mods):
                 continue
-            want = {stored_group(m) for m in mods}
-            if len(want) != 1 or None in want:  # BF16 (ignored), or parts apart: check_structure / serving say so
+            stored = [stored_group(m) for m in mods]
+            # BF16 (ignored), or parts of two schemes: check_structure / serving's _check_partners say so
+            if None in stored or len({scheme_of(g) for g in stored}) != 1:
                 continue
-            (want,) = want
+            names = ", ".join(dict.fromkeys(g.name for g in stored))
             for name in (fused, *FUSED_ALIASES.get(fused, ())):
                 g = fused_layer_group(f"{parent}.{name}", groups)
-                if g is not None and g != want:
+                if g is not None and scheme_of(g) != scheme_of(stored[0]):
                     res.fail(f"{parent}.{name}: {'vLLM' if name == fused else 'SGLang'} fuses {', '.join(parts)} into "
-                             f"this layer and gives it {g.name} ({_form(g)}) by its class name, but its parts are "
-                             f"stored under {want.name} ({_form(want)}): add `re:^{re.escape(parent + '.' + name)}$` "
-                             f"(or a pattern over the layers) to {want.name}'s targets", tensor=f"{parent}.{parts[0]}",
-                             shard=mods[0].shard())
-
-
-def _form(g: Group) -> str:
-    return "FP8" if g.kind == "float" else f"INT{g.num_bits}, group {g.group_size or 'channel'}"
+                             f"this layer and gives it {g.name} ({scheme_label(g)}), matched before its parts' names, "
+                             f"but its parts are stored under {names} ({scheme_label(stored[0])}): add "
+                             f"`re:^{re.escape(parent + '.' + name)}$` (or a pattern over the layers) to "
+                             f"{stored[0].name}'s targets", tensor=f"{parent}.{parts[0]}", shard=mods[0].shard())
 
 
 _KV_SCALES = ("k_scale", "v_scale")  # a compressed-tensors FP8 KV cache's per-layer scales (vLLM's kv_cache_scheme)
