@@ -45,11 +45,24 @@ def load_tokenizer(checkpoint: str | Path, trust_remote_code: bool = False, *, e
 
     try:
         return AutoTokenizer.from_pretrained(str(checkpoint), trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError, ImportError) as e:
-        why = " ".join(str(e).split())
-        hint = ("; its tokenizer is code in the model folder: if you trust that code, pass --trust-remote-code"
-                if not trust_remote_code and "trust_remote_code" in why else "")
-        raise (error or CalibrationDataError)(f"{checkpoint}: cannot load its tokenizer ({why}){hint}; {fix}") from e
+    except Exception as e:  # (not only OSError/ValueError: a Kimi K2 folder read without its code, an AttributeError)
+        why = " ".join(str(e).split()) or type(e).__name__
+        remote = not trust_remote_code and ("trust_remote_code" in why or _names_remote_code(Path(checkpoint)))
+        hint = ("; its tokenizer or config is code in the model folder (auto_map): if you trust that code, pass "
+                "--trust-remote-code" if remote else "")
+        tail = "" if isinstance(e, ImportError) else f"; {fix}"  # (a missing package: the message says what to install)
+        raise (error or CalibrationDataError)(f"{checkpoint}: cannot load its tokenizer ({why}){hint}{tail}") from e
+
+
+def _names_remote_code(folder: Path) -> bool:
+    """Whether the folder's config.json or tokenizer_config.json maps a class onto code in the folder (auto_map)."""
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            if "auto_map" in json.loads((folder / name).read_text()):
+                return True
+        except (OSError, ValueError, TypeError):
+            continue
+    return False
 
 
 def calibration_tokens(checkpoint: str | Path, spec: str, samples: int = 128, seq_len: int = 256,

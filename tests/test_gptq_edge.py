@@ -274,3 +274,31 @@ def test_a_mistyped_calibration_file_is_named_as_missing(tok_src, tmp_path):
     installed, a Hub lookup)."""
     with pytest.raises(CalibrationDataError, match=r"calib\.txt: no such file \(the current folder is "):
         calibration_tokens(tok_src, str(tmp_path / "calib.txt"), samples=1, seq_len=2)
+
+
+def test_a_kimi_k2_folder_read_without_its_code_is_our_error_not_a_traceback(tmp_path):
+    """A Kimi K2 folder (config.json of model_type kimi_k2 mapped onto its own code, a yarn `rope_scaling` block as
+    DeepSeek-V3's): AutoTokenizer without trust_remote_code falls back to a bare PreTrainedConfig and raises
+    AttributeError (max_position_embeddings), which escaped as a traceback from `glmq eval` (exit 1, "a figure is
+    not a finite number") and GPTQ calibration. Now it is glmq's message, with the remedy."""
+    from click.testing import CliRunner
+
+    from glmq.scripts.cli import main
+
+    path = fixtures.make_checkpoint(tmp_path / "k", "deepseek_v3", config_overrides={"model_type": "kimi_k2"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg["rope_theta"], cfg["rope_scaling"] = 50000.0, {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 128, "beta_fast": 1.0,
+                           "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    (path / "config.json").write_text(json.dumps(cfg))
+    fixtures.write_byte_tokenizer(path)
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                            "eos_token": "<|endoftext|>"}))
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(DOCS))
+    with pytest.raises(CalibrationDataError, match="pass --trust-remote-code"):
+        calibration_tokens(path, str(text), 4, 32)
+    assert calibration_tokens(path, str(text), 4, 32, trust_remote_code=True).shape == (4, 32)
+    res = CliRunner().invoke(main, ["eval", str(path), str(path), "--text", str(text), "--windows", "2",
+                                    "--seq-len", "32"])
+    assert res.exit_code == 2 and "pass --trust-remote-code" in res.output, res.output
