@@ -556,6 +556,20 @@ def mtp_stored(modules, config: dict) -> bool:
     return any(layer_index(m + ".") in mtp for m in modules)
 
 
+def mtp_absent(modules, config: dict) -> str | None:
+    """The note for a model whose config.json counts MTP layers (`mtp_layers`, the loader's count) none of whose
+    tensors is stored (`mtp_stored`; `modules`: the module names stored), else None: vLLM and SGLang serve it without
+    the layer, but MTP drafting cannot run. `glmq plan`/`quantize` warn with it, `glmq validate` too."""
+    if type(config.get("num_hidden_layers")) is not int or count_problems(config):  # (reported apart)
+        return None
+    mtp = list(mtp_layers(config))
+    if not mtp or mtp_stored(modules, config):
+        return None
+    said = _switch("num_nextn_predict_layers", len(mtp), layer_counts(config)[2])
+    return (f"{said}, but no tensor of the MTP layer (model.layers.{mtp[0]}.*) is stored: vLLM and SGLang serve the "
+            f"model without it, but MTP speculative decoding cannot run; set num_nextn_predict_layers to 0 to say so")
+
+
 def layout_problems(parts: dict[str, set[str]], config: dict, missing: bool = True, told=frozenset(),
                     mtp_required: bool = True) -> tuple[list[tuple[str, str]], str | None]:
     """(where, problem) for each tensor config.json's model has that is not stored, each tensor stored that it has no

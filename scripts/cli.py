@@ -233,6 +233,18 @@ def _plan(model: str, recipe: str, scheme: str | None, max_shard_size: str):
     return make_plan(open_source(resolve_model(model)), rec, shard_bytes)
 
 
+def _warn_before_work(plan, every_line: bool = True) -> None:
+    """`glmq plan`'s and `glmq quantize`'s warnings about a plan, before any work: what the source lacks, what the
+    recipe cannot do here, and the serving rules its output breaks (`every_line`: `_warn_serving`)."""
+    from glmq.formats.families import mtp_absent
+
+    note = mtp_absent({name.rpartition(".")[0] for name in plan.source.entries}, plan.source.config)
+    if note is not None:  # (converted all the same: the output serves, as `glmq validate` says with the same note)
+        click.secho(f"warning: {note}", fg="yellow", err=True)
+    _warn_keep_fp8(plan)
+    _warn_serving(plan, every_line)
+
+
 def _warn_keep_fp8(plan) -> None:
     """keep_fp8 keeps block-FP8 weights only (plan.py; a compressed-tensors FP8 source's per-channel or per-tensor
     scales are dequantized): say so where a recipe asks for it and the source has FP8 weights of another kind, rather
@@ -413,8 +425,7 @@ def quantize(ctx, model, recipe, max_shard_size, output, scheme, device, no_prog
     try:
         plan = _plan(model, recipe, scheme, max_shard_size)
         if os.environ.get("RANK", "0") == "0":
-            _warn_keep_fp8(plan)
-            _warn_serving(plan, every_line=False)
+            _warn_before_work(plan, every_line=False)
         method = plan.recipe.spec.method.value
         out = Path(output) if output else default_output(plan.source.root, plan.recipe.name, method)
         how = f"--scheme {scheme}" if scheme else f"recipe {plan.recipe.name!r} (method: {method})"
@@ -522,8 +533,7 @@ def plan_cmd(model, recipe, max_shard_size, ranks, device, samples, seq_len, dty
         config_only = Path(model).is_file() or Path(model).suffix.lower() == ".json" and not Path(model).is_dir()
         plan = (estimate.plan_from_config(Path(model), recipe, parse_size(max_shard_size)) if config_only
                 else _plan(model, recipe, None, max_shard_size))
-        _warn_keep_fp8(plan)
-        _warn_serving(plan)
+        _warn_before_work(plan)
         summary = (estimate.summarize_config_plan(plan, Path(model), scale, figures) if config_only
                    else estimate.from_plan(plan, scale, figures))
     except (CheckpointError, RecipeError, ValueError, OSError) as e:  # OSError: e.g. a --model name too long

@@ -219,3 +219,17 @@ def test_fused_parts_under_two_int_schemes_fail_and_one_scheme_passes(k_group):
     else:
         assert msgs == [f"{attn}: 3 fused members stored as 2 INT4, group 128 (e.g. q_proj), 1 INT4, group 32 (e.g. "
                         f"k_proj); vLLM/SGLang fuse them into one layer with one scheme and raise"]
+
+
+def test_a_head_count_tp_does_not_divide_fails_whatever_is_quantized(make_ckpt, tmp_path):
+    """Routed experts INT4, attention BF16: the heads were checked only for a quantized qkv_proj, so `validate --tp 8`
+    passed a 4-head model vLLM refuses at tp 8 (and `glmq upload` would publish serve commands at that degree)."""
+    src = make_ckpt("deepseek_v3", config_overrides={"moe_intermediate_size": 512})  # experts split 8 ways: 64 rows
+    out = tmp_path / "out"
+    stream.run(make_plan(open_source(src), recipes.load("int4-w4a16-g32")), out, progress=False)
+    assert v.validate(out, tp=4, sample=0.05).valid
+    rep = v.validate(out, tp=8, sample=0.05)
+    assert _serving_failures(rep) == [
+        "attention heads: num_attention_heads = 4 is not divisible by tp = 8: vLLM "
+        "(ModelConfig.verify_with_parallel_config) and SGLang split them tp ways and refuse the model at this degree, "
+        "whatever is quantized; serve it at a tp that divides them"], _serving_failures(rep)

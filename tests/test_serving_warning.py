@@ -115,3 +115,24 @@ def test_a_rule_failing_at_tp_1_is_listed_again_for_the_modules_that_fail_it_onl
         in every
     (line,) = [x for x in at_tp.splitlines() if "attention: output_size_per_partition % 64 == 0" in x]
     assert "fails for 4 module(s), e.g. model.layers.0.self_attn.q_b_proj" in line, line
+
+
+def test_a_source_without_the_mtp_layer_its_config_counts_is_warned_before_the_run(make_ckpt, tmp_path):
+    """num_nextn_predict_layers 1, no tensor of layer N stored: plan and quantize convert it (it serves without MTP
+    drafting) but said nothing, while `glmq validate` warned about the same output afterwards."""
+    import json
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(make_ckpt("deepseek_v3", config_overrides={"num_nextn_predict_layers": 0}), src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
+    note = (f"config.json's num_nextn_predict_layers is 1, but no tensor of the MTP layer "
+            f"(model.layers.{cfg['num_hidden_layers']}.*) is stored")
+    runner = CliRunner()
+    res = runner.invoke(main, ["plan", "-m", str(src)])
+    assert res.exit_code == 0 and f"warning: {note}" in res.output, res.output
+    res = runner.invoke(main, ["quantize", "-m", str(src), "-o", str(tmp_path / "out"), "--no-progress"])
+    assert res.exit_code == 0 and f"warning: {note}" in res.output, res.output
+    rep = v.validate(tmp_path / "out")
+    assert rep.valid and any(note in w.message for w in rep.checks["structure"].warnings), v.format_report(rep)

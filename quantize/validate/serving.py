@@ -79,6 +79,19 @@ def dense_rules(leaf: str, n: int, k: int, tp: int, g: Group) -> list[tuple[str,
     return _marlin_rules(n_p, k, k_p, f"N = {n}", split, tp, g)
 
 
+def head_split_problem(heads: tuple[int, int] | None, tp: int) -> str | None:
+    """Why vLLM cannot split (num_attention_heads, num_key_value_heads) `tp` ways, or None: the q heads must divide,
+    and the KV heads divide tp ways or be replicated whole (tp a multiple of them)."""
+    if heads is None or tp == 1:
+        return None
+    nh, nkv = heads
+    if nh % tp:
+        return f"num_attention_heads = {nh} is not divisible by tp = {tp}"
+    if nkv % tp and tp % nkv:
+        return f"num_key_value_heads = {nkv} neither divides nor is divisible by tp = {tp}"
+    return None
+
+
 def fused_rules(layer: str, parts: dict[str, int], k: int, tp: int, g: Group,
                 heads: tuple[int, int] | None = None) -> list[tuple[str, str]]:
     """vLLM Marlin W4A16 rules for the fused layer `layer` (FUSED_LAYERS) at `tp`: `parts` is each member's N (leaf ->
@@ -94,11 +107,8 @@ def fused_rules(layer: str, parts: dict[str, int], k: int, tp: int, g: Group,
         (nq, nk, nv) = parts.values()
         if not (nq % nh or nk % nkv or nv % nkv):
             hq, hk, hv = nq // nh, nk // nkv, nv // nkv  # head_size, and v_head_size
-            if nh % tp:
-                return [("tensor-parallel split", f"{name}: num_attention_heads = {nh} is not divisible by tp = {tp}")]
-            if nkv % tp and tp % nkv:
-                return [("tensor-parallel split", f"{name}: num_key_value_heads = {nkv} neither divides nor is "
-                                                  f"divisible by tp = {tp}")]
+            if (split := head_split_problem(heads, tp)) is not None:
+                return [("tensor-parallel split", f"{name}: {split}")]
             kv_p = max(1, nkv // tp)  # QKVParallelLinear: at tp > num_key_value_heads each rank holds one whole KV head
             held = f"{kv_p} of {nkv} KV heads" + (f" (each replicated on {tp // nkv} ranks)" if tp > nkv else "")
             n_p = nh // tp * hq + kv_p * (hk + hv)
@@ -225,8 +235,13 @@ def check_serving(modules: dict[str, Module], groups: list[Group], shapes: dict,
                      f"layer {layer}: {len(first)} schemes: {seen}; vLLM fuses the experts into one MoE layer "
                      f"and raises, SGLang reads them all with the 'Linear' group's scheme")
 
-    _shape_rules(targets(), tp, note, one_scheme, attention_heads(config))
+    heads = attention_heads(config)
+    _shape_rules(targets(), tp, note, one_scheme, heads)
     _check_partners(modules, groups, res)
+    split = head_split_problem(heads, tp)
+    if split and not any(split in numbers for _, numbers, _ in bad.values()):  # (else a quantized qkv_proj says it)
+        res.fail(f"attention heads: {split}: vLLM (ModelConfig.verify_with_parallel_config) and SGLang split them tp "
+                 f"ways and refuse the model at this degree, whatever is quantized; serve it at a tp that divides them")
     for pat in (p for p in ignore if not p.startswith("re:") and p != "lm_head"):
         hit = [n for n in quant if pat.lower() in n.lower()]
         if hit:

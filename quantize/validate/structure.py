@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 
-from glmq.formats.families import (EXPERT_MODULE, FUSED_ALIASES, FUSED_NAMES, LINEAR_CLASSES, NO_KEY, _switch,
-                                   attention_presence_problems, config_shape_problems, count_problems,
-                                   expert_layout_problems, layer_counts, layout_problems, mtp_layers, mtp_stored)
+from glmq.formats.families import (EXPERT_MODULE, FUSED_ALIASES, FUSED_NAMES, LINEAR_CLASSES, NO_KEY,
+                                   attention_presence_problems, config_shape_problems, expert_layout_problems,
+                                   layout_problems, mtp_absent)
 from glmq.quantize.validate.checkpoint import COMPANIONS, Module
 from glmq.quantize.validate.config import (Group, _ct, float_group_for, fused_layer_group, group_for,
                                            scheme_label, scheme_of)
@@ -208,15 +208,9 @@ def _check_experts(modules: dict[str, Module], config: dict, res: CheckResult) -
     """Every MoE layer holds all n_routed_experts x (gate, up, down), and no expert beyond them. A model without any
     tensor of its MTP layer(s) is served (vLLM and SGLang build the main model and skip the layer; `glmq quantize`
     converts such a source: plan.py takes the same rule, mtp_stored), with a warning: MTP drafting cannot run."""
-    # the loader's MTP count (`layer_counts`: one config.json lacks takes its class default); other types:
-    # expert_layout_problems reports them
-    counts = type(config.get("num_hidden_layers")) is int and not count_problems(config)
-    mtp = list(mtp_layers(config)) if counts else []
-    absent = bool(mtp) and not mtp_stored(modules, config)
+    note = mtp_absent(modules, config)
+    absent = note is not None
     if absent:
-        said = _switch("num_nextn_predict_layers", len(mtp), layer_counts(config)[2])
-        res.warn(f"{said}, but no tensor of the MTP layer (model.layers.{mtp[0]}.*) is stored: vLLM and SGLang serve "
-                 f"the model without it, but MTP speculative decoding cannot run; set num_nextn_predict_layers to 0 "
-                 f"to say so")
+        res.warn(note)
     for where, problem in expert_layout_problems(modules, config, mtp_required=not absent):
         res.fail(f"{where}: {problem}", tensor=where)
