@@ -615,7 +615,7 @@ def layout_problems(parts: dict[str, set[str]], config: dict, missing: bool = Tr
     for s in specs:
         hit = _LAYER.match(s.name)
         if (EXPERT_MODULE.match(s.name.rpartition(".")[0]) or _OPTIONAL.match(s.name)
-                or tied and s.name == "lm_head.weight" or hit and int(hit[1]) >= layers):
+                or hit and int(hit[1]) >= layers):
             continue
         promised[s.name] = s.kind
     linear = {n.rpartition(".")[0] for n, kind in promised.items() if kind in ("linear", "bf16_linear")}

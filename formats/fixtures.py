@@ -238,8 +238,9 @@ def logical_tensors(config: dict, family: str | None = None) -> Iterator[list[Te
     final norm), then each decoder layer, then the MTP layer(s) at index num_hidden_layers."""
     family = family or family_of(config)
     h, vocab = config["hidden_size"], config["vocab_size"]
-    yield [TensorSpec("lm_head.weight", (vocab, h), "bf16_linear"),
-           TensorSpec("model.embed_tokens.weight", (vocab, h), "bf16_linear"),
+    # (a tied head is embed_tokens: loaders store and read no lm_head.weight)
+    head = [] if config.get("tie_word_embeddings") is True else [TensorSpec("lm_head.weight", (vocab, h), "bf16_linear")]
+    yield [*head, TensorSpec("model.embed_tokens.weight", (vocab, h), "bf16_linear"),
            TensorSpec("model.norm.weight", (h,), "norm")]
     n_layers = config["num_hidden_layers"]
     dense = _dense_layers(config)

@@ -186,13 +186,11 @@ def virtual_source(config_path: Path) -> Source:
     fmt, block = detect_format(config, Path(config_path))
     weights = ((config.get("quantization_config") or {}).get("config_groups") or {}).get("group_0", {}).get("weights") or {}
     # the layout the loaders build: a key config.json lacks takes its config class's default, as a checkpoint
-    # folder's layout check reads it (families.loader_config); a tied head is not stored
+    # folder's layout check reads it (families.loader_config)
     built, _ = loader_config(config)
     with _config_keys(built, config_path):
         layout = fixtures.tensor_layout(built, fmt.value if fmt.value != "dense" else "bf16", family=family.name,
                                         fp8_ct_strategy="tensor" if weights.get("strategy") == "tensor" else "channel")
-    if built.get("tie_word_embeddings") is True:
-        layout = [kept for unit in layout if (kept := [t for t in unit if t.name != "lm_head.weight"])]
     # the fixture layout stores an unquantized checkpoint in bf16; a plain FP16/FP32 one says so in its config
     # (`torch_dtype`, `dtype` since transformers 5), and an FP32 one reads, and copies, twice the bytes
     dense_dtype = None
