@@ -290,13 +290,15 @@ def _warn_serving(plan, every_line: bool = True) -> None:
                    f"lists them); serve and upload it at a degree `glmq validate --tp N` passes", err=True)
     elif more:
         warn(f"at tp {SERVE_TP}, the degree `glmq upload` checks by default and its model card's serve commands use, "
-             f"the output of recipe {plan.recipe.name!r} also breaks (modules not listed above; serve it at a degree "
+             f"the output of recipe {plan.recipe.name!r} {'also ' if problems else ''}breaks "
+             f"({'modules not listed above; ' if problems else ''}serve it at a degree "
              f"`glmq validate --tp N` passes, and upload with that --tp)", more)
 
 
 def _rule_of(line: str) -> str:
-    """'<class>: <rule>' of a `planned_problems` line ('<class>: <rule> fails for N module(s), e.g. ...')."""
-    return line.partition(" fails for ")[0]
+    """'<class>: <rule>' of a `planned_problems` line ('<class>: <rule> fails for N module(s), e.g. ...', or
+    '... fails: ...')."""
+    return line.partition(" fails")[0]
 
 
 def _serving_consequence(line: str) -> str:
@@ -304,6 +306,10 @@ def _serving_consequence(line: str) -> str:
     width, vLLM still serves them through its Triton WNA16 MoE kernel (slower) and only SGLang refuses them."""
     if "(moe_intermediate / tp) % max(64, group_size)" in line:
         return "vLLM serves these experts with its slower Triton WNA16 MoE kernel instead of Marlin, SGLang refuses them"
+    from glmq.quantize.validate.serving import HEAD_SPLIT_RULE
+
+    if HEAD_SPLIT_RULE in line:
+        return "vLLM and SGLang refuse the model at this degree"
     return "vLLM and SGLang refuse them"
 
 

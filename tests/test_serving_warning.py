@@ -136,3 +136,29 @@ def test_a_source_without_the_mtp_layer_its_config_counts_is_warned_before_the_r
     assert res.exit_code == 0 and f"warning: {note}" in res.output, res.output
     rep = v.validate(tmp_path / "out")
     assert rep.valid and any(note in w.message for w in rep.checks["structure"].warnings), v.format_report(rep)
+
+
+def test_at_the_upload_degree_the_prediction_is_what_validate_fails_there_head_split_included(make_ckpt, tmp_path):
+    """The tiny model's 4 attention heads do not split 8 ways: `glmq validate --tp 8` (and so `glmq upload`) fails
+    the whole model, whatever is quantized (its attention is BF16 under int4-w4a16). The plan's tp-8 prediction
+    named only the experts' rule, so `glmq quantize` noted one broken rule of the two."""
+    from glmq.quantize.validate.serving import HEAD_SPLIT_RULE
+
+    src = make_ckpt("glm_moe_dsa")
+    plan = make_plan(open_source(src), recipes.load("int4-w4a16"), 400_000)
+    stream.run(plan, tmp_path / "out", progress=False)
+    for tp, split in ((8, True), (4, False)):
+        predicted = planned_problems(plan, tp)
+        found = [f.message for f in v.validate(tmp_path / "out", sample=0.05, tp=tp).checks["serving"].failures]
+        assert _rule_counts([p for p in predicted if " fails for " in p]) == _rule_counts(
+            [m for m in found if " fails for " in m])
+        heads = [p for p in predicted if HEAD_SPLIT_RULE in p]
+        assert [m for m in found if m.startswith("attention heads: ")] == (
+            [f"attention heads: num_attention_heads = 4 is not divisible by tp = {tp}: vLLM "
+             f"(ModelConfig.verify_with_parallel_config) and SGLang split them tp ways and refuse the model at this "
+             f"degree, whatever is quantized; serve it at a tp that divides them"] if split else [])
+        assert heads == ([f"attention: {HEAD_SPLIT_RULE} fails: num_attention_heads = 4 is not divisible by tp = "
+                          f"{tp}, whatever is quantized"] if split else []), predicted
+    res = CliRunner().invoke(main, ["quantize", "-m", str(src), "-o", str(tmp_path / "out2"), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert "breaks 2 serving rule(s) (e.g. attention: attention heads split tp ways;" in res.output, res.output

@@ -79,6 +79,9 @@ def dense_rules(leaf: str, n: int, k: int, tp: int, g: Group) -> list[tuple[str,
     return _marlin_rules(n_p, k, k_p, f"N = {n}", split, tp, g)
 
 
+HEAD_SPLIT_RULE = "attention heads split tp ways"  # (planned_failures' rule for a model-wide head split)
+
+
 def head_split_problem(heads: tuple[int, int] | None, tp: int) -> str | None:
     """Why vLLM cannot split (num_attention_heads, num_key_value_heads) `tp` ways, or None: the q heads must divide,
     and the KV heads divide tp ways or be replicated whole (tp a multiple of them)."""
@@ -323,8 +326,12 @@ def planned_failures(plan, tp: int = 1) -> dict[tuple[str, str], dict[str, str]]
     def note(cls: TensorClass, name: str, rule: str, numbers: str) -> None:
         failed.setdefault((cls.value, rule), {}).setdefault(name, numbers)
 
+    heads = attention_heads(plan.source.config)
     _shape_rules(((it.cls, it.module, tuple(it.src.shape), g) for it in plan.items if it.action is Action.QUANTIZE),
-                 tp, note, heads=attention_heads(plan.source.config))
+                 tp, note, heads=heads)
+    split = head_split_problem(heads, tp)
+    if split and not any(split in nb for mods in failed.values() for nb in mods.values()):  # as check_serving
+        note(TensorClass.ATTENTION, "config.json", HEAD_SPLIT_RULE, f"{split}, whatever is quantized")
     return failed
 
 
@@ -332,4 +339,5 @@ def problem_lines(failures: dict[tuple[str, str], dict[str, str]]) -> list[str]:
     """`planned_problems`' lines for `planned_failures`' modules (or a subset of them): the first module of each
     rule is its example."""
     bad = {key: [*next(iter(mods.items())), len(mods)] for key, mods in failures.items() if mods}
-    return [message for message, _, _ in _failure_lines(bad)]
+    return [f"{key[0]}: {key[1]} fails: {bad[key][1]}" if key[1] == HEAD_SPLIT_RULE else message  # (no module's)
+            for key, (message, _, _) in zip(sorted(bad), _failure_lines(bad))]
