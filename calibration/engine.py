@@ -268,10 +268,12 @@ def run_gptq_from_text(plan: Plan, out: str | Path, settings: CalibrationSetting
 
 def check_seq_len(plan: Plan, seq_len: int) -> None:
     """Calibration windows longer than the model's `max_position_embeddings` would calibrate on positions it does
-    not serve (vLLM and SGLang refuse longer prompts): a ValueError naming the limit."""
+    not serve (vLLM and SGLang refuse longer prompts): a CalibrationDataError (a ValueError) naming the limit."""
+    from glmq.calibration.data import CalibrationDataError
+
     limit = plan.source.config.get("max_position_embeddings")
     if limit and seq_len > limit:
-        raise ValueError(f"{plan.source.root}: --seq-len {seq_len} is longer than the model's max_position_embeddings "
+        raise CalibrationDataError(f"{plan.source.root}: --seq-len {seq_len} is longer than the model's max_position_embeddings "
                          f"({limit}); use --seq-len {limit} or less")
 
 

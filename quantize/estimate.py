@@ -237,11 +237,11 @@ def from_config_file(config_path: Path, recipe: str, scale: Scale = Scale(), fig
     return summarize_config_plan(plan_from_config(config_path, recipe, max_shard_bytes), config_path, scale, figures)
 
 
-def plan_from_config(config_path: Path, recipe: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES):
-    """The plan of `from_config_file` (its source: `virtual_source`)."""
+def plan_from_config(config_path: Path, recipe, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES):
+    """The plan of `from_config_file` (its source: `virtual_source`); `recipe` a name or path, or a loaded Recipe."""
     source = virtual_source(config_path)
     with _config_keys(source.config, Path(config_path)):
-        return make_plan(source, load_recipe(recipe), max_shard_bytes)
+        return make_plan(source, load_recipe(recipe) if isinstance(recipe, str) else recipe, max_shard_bytes)
 
 
 def summarize_config_plan(plan, config_path: Path, scale: Scale = Scale(), figures: dict[str, Figure] = FIGURES) -> dict:

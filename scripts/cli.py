@@ -8,6 +8,7 @@ import logging
 import math
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
@@ -48,6 +49,25 @@ def _out_file(ctx, param, value):
     return value
 
 
+def _output_folder(ctx, param, value):
+    """quantize's --output: not empty (`-o "$OUT"` with the variable unset would resume, or write into, the default
+    folder), and not an existing file (refused here, exit 2, not by the writer after planning)."""
+    if value is not None:
+        if not value:
+            raise click.BadParameter("an empty folder name; give the output folder, or leave --output out for the "
+                                     "default")
+        if Path(value).exists() and not Path(value).is_dir():
+            raise click.BadParameter(f"{value}: exists and is not a directory; choose another --output")
+    return value
+
+
+def reject_nan(ctx, param, value):
+    """click's FloatRange lets nan through (every comparison with it is false): a usage error (exit 2) here."""
+    if value is not None and math.isnan(value):
+        raise click.BadParameter("nan is not a number")
+    return value
+
+
 def _write_out(path: str, text: str, done: str = "") -> None:
     """Write an output file (--json, --plot's data) at the end of a command; a refusal the option's check could not
     foresee (a full disk, a mount gone read-only) is exit 2 with one line naming it, not a traceback."""
@@ -78,8 +98,8 @@ def _builtin_source(ctx, param, value):
         return value
     try:
         return str(resolve_model(value))
-    except click.BadParameter as e:  # resolve_model names --model; here it is --source or eval's SOURCE
-        raise click.BadParameter(e.message, ctx=ctx, param=param) from e
+    except (click.BadParameter, CannotStart) as e:  # resolve_model names --model; here it is --source or eval's
+        raise click.BadParameter(e.message, ctx=ctx, param=param) from e      # SOURCE (validate: its JSON report)
 
 
 def _source_folder(ctx, param, value):
@@ -97,28 +117,39 @@ def resolve_model(model: str) -> Path:
     """A checkpoint folder, or `builtin:<name>`: a tiny generated checkpoint with a real layout."""
     if not model.startswith(BUILTIN_PREFIX):
         return Path(model)
-    from glmq.formats import fixtures
-
     name = model[len(BUILTIN_PREFIX):]
     builtins = {"glm5-tiny": "glm_moe_dsa", "glm4-tiny": "glm4_moe", "deepseek-v3-tiny": "deepseek_v3"}
     if name not in builtins:
         raise click.BadParameter(f"unknown built-in model {name!r}; choose one of {sorted(builtins)}", param_hint="--model")
     path = DEFAULT_CACHE / f"{name}-fp8"
+    try:
+        _generate_builtin(name, builtins[name], path)
+    except OSError as e:  # a read-only working folder, or .glmq-cache a file: a traceback before (validate: exit 1)
+        raise CannotStart(f"cannot generate the built-in {name} checkpoint in {DEFAULT_CACHE.resolve()} "
+                          f"({e.strerror or e}); run glmq from a folder it can write to (the built-in models are "
+                          f"generated into ./{DEFAULT_CACHE} there)") from e
+    return path
+
+
+def _generate_builtin(name: str, family: str, path: Path) -> None:
+    """`resolve_model`'s built-in `name` (of `family`) generated into `path`, with its tokenizer, unless there."""
+    from glmq.formats import fixtures
+
     if not (path / "config.json").exists():
         import contextlib
         import os
         import shutil
         import tempfile
 
-        click.echo(f"generating the built-in {name} FP8 checkpoint ({builtins[name]} layout) in {path}", err=True)
+        click.echo(f"generating the built-in {name} FP8 checkpoint ({family} layout) in {path}", err=True)
         # Generated in a folder of this process's own and renamed into place whole: an interrupted generation
         # leaves no half checkpoint that every later run refuses ("not empty"), and the ranks of `torchrun ...
         # glmq quantize` (each resolves the default model) do not write into one folder at once.
         DEFAULT_CACHE.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=DEFAULT_CACHE))
         try:
-            fixtures.make_checkpoint(tmp / "ckpt", builtins[name], preset="tiny", source_format="fp8-block",
-                                     config_overrides=BUILTIN_OVERRIDES.get(builtins[name]))
+            fixtures.make_checkpoint(tmp / "ckpt", family, preset="tiny", source_format="fp8-block",
+                                     config_overrides=BUILTIN_OVERRIDES.get(family))
             for _ in range(2):
                 with contextlib.suppress(OSError):  # the target exists: another rank's whole checkpoint, or a
                     os.rename(tmp / "ckpt", path)   # half one that an interrupted generation left in place
@@ -130,7 +161,6 @@ def resolve_model(model: str) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
     if not (path / "tokenizer.json").exists():
         _add_builtin_tokenizer(path)
-    return path
 
 
 def _add_builtin_tokenizer(path: Path) -> None:
@@ -169,11 +199,15 @@ def default_output(source: Path, recipe: str, method: str = "rtn") -> Path:
     return Path(f"{name}-{recipe}{suffix}")
 
 
-class DeviceUnavailable(click.ClickException):
-    """`--device cuda` without a visible CUDA device: one line `Error: ...`, exit code 2 (as click's own
-    usage errors, e.g. an unknown --device), not click.UsageError's usage lines."""
+class CannotStart(click.ClickException):
+    """The command cannot start as asked, for a reason no option's value shows (the working folder is read-only):
+    one line `Error: ...`, exit code 2 (as click's own usage errors), not click.UsageError's usage lines."""
 
     exit_code = 2
+
+
+class DeviceUnavailable(CannotStart):
+    """`--device cuda` without a visible CUDA device."""
 
 
 def _check_cuda() -> None:
@@ -183,7 +217,9 @@ def _check_cuda() -> None:
         raise DeviceUnavailable(missing)
 
 
-def _fail(e: Exception, code: int = 1) -> None:
+def _fail(e: Exception | str, code: int = 1) -> NoReturn:
+    """`error: ...` in one line, and exit `code`: 2 where the command could not start as asked (an option's value, a
+    path), 1 where it ran and failed (the source's content, the output folder's, a write), as validate's and eval's."""
     click.secho(f"error: {e}", fg="red", err=True)
     sys.exit(code)
 
@@ -225,12 +261,37 @@ def main(verbose: bool) -> None:
 
 
 def _plan(model: str, recipe: str, scheme: str | None, max_shard_size: str):
-    from glmq import recipes
+    """The plan of `glmq quantize` / `glmq plan` on a checkpoint folder. An option whose value cannot be used (a
+    --model that is no folder, an unknown or malformed --recipe, a --max-shard-size that is no size) is `error: ...`
+    with exit 2, as click's own usage errors; what the source's files hold (CheckpointError) is exit 1, the command's
+    own failure."""
     from glmq.formats.source import open_source
     from glmq.quantize.plan import make_plan
 
-    rec, shard_bytes = recipes.load(recipe).with_method(scheme), parse_size(max_shard_size)
-    return make_plan(open_source(resolve_model(model)), rec, shard_bytes)
+    rec, shard_bytes = _recipe(recipe, scheme), _shard_size(max_shard_size)
+    path = resolve_model(model)
+    if not path.is_dir():
+        _fail(f"{model}: {'not a directory' if path.exists() else 'no such folder'}; --model takes a checkpoint folder",
+              code=2)
+    return make_plan(open_source(path), rec, shard_bytes)
+
+
+def _recipe(recipe: str, scheme: str | None = None):
+    """--recipe (and --scheme) loaded; a RecipeError is a usage error (exit 2)."""
+    from glmq import recipes
+
+    try:
+        return recipes.load(recipe).with_method(scheme)
+    except recipes.RecipeError as e:
+        _fail(e, code=2)
+
+
+def _shard_size(text: str) -> int:
+    """--max-shard-size in bytes; an unreadable size is a usage error (exit 2)."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        _fail(e, code=2)
 
 
 def _warn_before_work(plan, every_line: bool = True) -> None:
@@ -363,7 +424,7 @@ def _skip_triton() -> None:
 
 @main.command()
 @common
-@click.option("--output", "-o", default=None,
+@click.option("--output", "-o", default=None, callback=_output_folder,
               help="Output folder (default: <model folder name without -FP8>-<recipe>, with -gptq after it for a GPTQ "
                    "run, in the working directory). "
                    "Resumes an interrupted run of the same job.")
@@ -391,7 +452,7 @@ def _skip_triton() -> None:
               help="GPTQ: routed experts that receive fewer calibration tokens get the all-token Hessian only, and "
                    "are listed in the report [default: 1, i.e. experts no token reaches; rarer experts' Hessians are "
                    "blended with the all-token one anyway].")
-@click.option("--all-token-limit", default=None, type=click.FloatRange(min=0, min_open=True),
+@click.option("--all-token-limit", default=None, type=click.FloatRange(min=0, min_open=True), callback=reject_nan,
               help="GPTQ: the experts' all-token down-projection Hessians (the prior blended into every expert's, "
                    "and an under-covered expert's own) take the first N x I calibration tokens, I the experts' "
                    "intermediate size [default: 4; a large N, or inf, takes every token].")
@@ -424,6 +485,7 @@ def quantize(ctx, model, recipe, max_shard_size, output, scheme, device, no_prog
 
     if os.environ.get("RANK", "0") == "0":  # its import overlaps ours (GPTQ: it then waits, idle, for the writer)
         config_child.prestart(own_session=int(os.environ.get("WORLD_SIZE", "1")) > 1)
+    from glmq.calibration.data import CalibrationDataError
     from glmq.formats.safetensors_io import CheckpointError
     from glmq.quantize import dist, stream
     from glmq.recipes import RecipeError
@@ -474,6 +536,8 @@ def quantize(ctx, model, recipe, max_shard_size, output, scheme, device, no_prog
     except dist.RankFailure as e:
         click.echo(f"glmq: {e}", err=True)
         sys.exit(1)
+    except CalibrationDataError as e:  # --calibration's text, the tokenizer, --seq-len: could not start (2)
+        _fail(e, code=2)
     except (CheckpointError, RecipeError, ValueError, OSError) as e:  # OSError: e.g. an --output name too long
         _fail(e)
     if report is None:  # a rank other than 0: rank 0 prints the summary
@@ -533,11 +597,16 @@ def plan_cmd(model, recipe, max_shard_size, ranks, device, samples, seq_len, dty
 
     try:
         figures = estimate.with_overrides(estimate.parse_overrides(throughput))
+    except ValueError as e:
+        _fail(e, code=2)
+    try:
         scale = estimate.Scale(ranks=ranks, device=device, samples=samples, seq_len=seq_len, dtype=dtype,
                                experts_per_pass=experts_per_pass)
         # (a file is a config.json whatever its name; a folder is a checkpoint even where its name ends in .json)
         config_only = Path(model).is_file() or Path(model).suffix.lower() == ".json" and not Path(model).is_dir()
-        plan = (estimate.plan_from_config(Path(model), recipe, parse_size(max_shard_size)) if config_only
+        if config_only and not Path(model).is_file():
+            _fail(f"{model}: no such file; --model takes a config.json or a checkpoint folder", code=2)
+        plan = (estimate.plan_from_config(Path(model), _recipe(recipe), _shard_size(max_shard_size)) if config_only
                 else _plan(model, recipe, None, max_shard_size))
         _warn_before_work(plan)
         summary = (estimate.summarize_config_plan(plan, Path(model), scale, figures) if config_only
@@ -602,7 +671,7 @@ class _ValidateCommand(click.Command):
 @click.option("--source", default=None, callback=_builtin_source,
               help="Source checkpoint folder (or builtin:<name>): compare weights (RTN: within the rounding bound; "
                    "GPTQ: error per layer).")
-@click.option("--sample", type=click.FloatRange(0, 1, min_open=True), default=None,
+@click.option("--sample", type=click.FloatRange(0, 1, min_open=True), default=None, callback=reject_nan,
               help="Fraction of each kind of quantized module (class, projection, shape), at least one each, that gets "
                    "the matmul / source-weight checks (deterministic with --seed). Default 0.005 "
                    "(validate.DEFAULT_SAMPLE: cheap next to hashing every byte); 1.0 checks all. Scales, structure and "

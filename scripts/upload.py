@@ -560,6 +560,13 @@ def upload(o: UploadOptions) -> None:
                + (f"/tree/{o.revision}" if o.revision not in (None, MAIN) else ""))
 
 
+def _reject_nan(ctx, param, value):
+    """cli.reject_nan (imported when called: the CLI module imports this one)."""
+    from glmq.scripts.cli import reject_nan
+
+    return reject_nan(ctx, param, value)
+
+
 @click.command("upload")
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("--repo-id", required=True, metavar="ORG/NAME",
@@ -577,6 +584,7 @@ def upload(o: UploadOptions) -> None:
 @click.option("--eval-report", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help=f"`glmq eval --json` output for the card's evaluation table [default: {EVAL_NAME} in the folder].")
 @click.option("--sample", type=click.FloatRange(0, 1, min_open=True), default=0.01, show_default=True,
+              callback=_reject_nan,
               help="Fraction of quantized modules that get validate's kernel check (all tensors are checksummed).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where validate runs the kernel check.")

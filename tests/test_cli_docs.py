@@ -72,11 +72,12 @@ def test_the_script_flags_the_readme_names_are_those_scripts_options():
 # ----------------------------------------------------------------------------------------- --max-shard-size
 @pytest.mark.parametrize("text", ["5G", "abc", "0", "-5GB", "inf"])
 def test_a_wrong_max_shard_size_names_the_option_and_the_spellings(tmp_path, text):
-    """Was `error: invalid literal for int() with base 10: '5G'` (or `max_shard_bytes must be positive`)."""
+    """Was `error: invalid literal for int() with base 10: '5G'` (or `max_shard_bytes must be positive`). A usage
+    error: exit 2, as click's own (it was 1, the code of a conversion that failed)."""
     out = tmp_path / "out"
     for args in (["quantize", "-o", str(out), "--no-progress"], ["plan"]):
         r = CliRunner().invoke(main, [*args, "-m", str(tmp_path / "no-model"), "--max-shard-size", text])
-        assert r.exit_code == 1, (r.output, r.exception)
+        assert r.exit_code == 2 and r.output.startswith("error: "), (r.output, r.exception)
         assert f"--max-shard-size {text!r}: expected a positive size such as 5GB" in r.output, r.output
     assert not out.exists()
 

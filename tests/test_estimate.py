@@ -413,7 +413,8 @@ def test_cli_config_only_plan_follows_max_shard_size(make_ckpt, tmp_path):
 
 def test_cli_plan_bad_input_is_a_one_line_error(tmp_path):
     """A missing config.json, one without a key the estimate needs, a zero/negative/NaN --throughput:
-    `error: ...` naming the file, key or option, exit code 1, no traceback."""
+    `error: ...` naming the file, key or option, no traceback; exit code 2 where the option's value cannot be used (a
+    file that is not there, a --throughput), 1 where the file's content fails."""
     cfg = json.loads((CONFIGS / "glm-5.2-config.json").read_text())
     del cfg["hidden_size"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -435,7 +436,8 @@ def test_cli_plan_bad_input_is_a_one_line_error(tmp_path):
     ]
     for args, needles in cases:
         res = CliRunner().invoke(main, ["plan", *args])
-        assert res.exit_code == 1 and isinstance(res.exception, SystemExit), (args, res.exception, res.output)
+        code = 2 if "--throughput" in args or "typo" in args[1] else 1
+        assert res.exit_code == code and isinstance(res.exception, SystemExit), (args, res.exception, res.output)
         assert res.output.startswith("error: ") and len(res.output.strip().splitlines()) == 1, res.output
         for n in needles:
             assert n in res.output, (n, res.output)

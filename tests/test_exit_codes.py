@@ -1,0 +1,95 @@
+"""Exit codes the commands share: 2 where a command could not start as asked (an option's value, a path, the working
+folder), 1 where it ran and failed (validate: invalid; eval: a figure not finite; quantize/plan: the source's or the
+output folder's content). A CI step reads 1 from `glmq quantize --recipe typo` as "the conversion failed"."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from glmq.scripts import cli
+from glmq.scripts.cli import main
+
+
+@pytest.fixture
+def src(make_ckpt):
+    return make_ckpt("glm_moe_dsa")
+
+
+def _run(args):
+    return CliRunner().invoke(main, args)
+
+
+def test_an_option_value_quantize_cannot_use_is_exit_2_and_nothing_is_written(src, tmp_path):
+    out = tmp_path / "out"
+    src = Path(shutil.copytree(src, tmp_path / "src"))
+    cli._add_builtin_tokenizer(src)  # (GPTQ's checks of the text come after its tokenizer's)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "calib.txt").write_text("some text " * 200)
+    cases = [
+        (["-m", str(tmp_path / "nowhere")], "no such folder; --model takes a checkpoint folder"),
+        (["-m", str(tmp_path / "afile")], "not a directory; --model takes a checkpoint folder"),
+        (["-m", str(src), "--recipe", "nope"], "recipe 'nope': no such file and not a shipped recipe"),
+        (["-m", str(src), "--max-shard-size", "5G"], "--max-shard-size '5G': expected a positive size"),
+        (["-m", str(src), "-o", ""], "an empty folder name"),
+        (["-m", str(src), "-o", str(tmp_path / "afile")], "exists and is not a directory; choose another --output"),
+        (["-m", str(src), "--scheme", "gptq", "--calibration", str(tmp_path / "none.txt")], "none.txt: no such file"),
+        (["-m", str(src), "--scheme", "gptq", "--calibration", str(tmp_path / "calib.txt"), "--seq-len", "100000"],
+         "--seq-len 100000 is longer than the model's max_position_embeddings"),
+        (["-m", str(src), "--scheme", "gptq", "--calibration", str(tmp_path / "calib.txt"), "--all-token-limit",
+          "nan"], "nan is not a number"),
+    ]
+    for args, needle in cases:
+        res = _run(["quantize", "--no-progress", *(["-o", str(out)] if "-o" not in args else []), *args])
+        assert res.exit_code == 2, (args, res.output, res.exception)
+        assert needle in res.output, (args, res.output)
+        assert "Traceback" not in res.output
+        assert not out.exists(), args  # refused before any work
+
+
+def test_plan_and_validate_refuse_unusable_option_values_with_2(src, tmp_path):
+    for args, needle in [
+        (["plan", "-m", str(tmp_path / "nowhere")], "no such folder"),
+        (["plan", "-m", str(src), "--recipe", "nope"], "recipe 'nope'"),
+        (["plan", "-m", str(src), "--throughput", "nope=1"], "unknown --throughput key"),
+        (["validate", str(src), "--sample", "nan"], "nan is not a number"),
+        (["upload", str(src), "--repo-id", "org/name", "--dry-run", "--sample", "nan"], "nan is not a number"),
+    ]:
+        res = _run(args)
+        assert res.exit_code == 2 and needle in res.output, (args, res.output, res.exception)
+
+
+def test_a_source_whose_content_fails_is_still_exit_1(src, tmp_path):
+    """What the files hold is the command's own failure (1), not a usage error."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    for cmd in (["quantize", "--no-progress", "-o", str(tmp_path / "out")], ["plan"]):
+        res = _run([*cmd, "-m", str(bad)])
+        assert res.exit_code == 1 and res.output.startswith(("error: ", "warning")), (cmd, res.output)
+
+
+def test_a_builtin_that_cannot_be_generated_is_could_not_run(tmp_path, monkeypatch):
+    """A working folder glmq cannot write its built-in cache into (here `.glmq-cache` under a file, as a read-only
+    folder is for root): validate --source builtin:... and eval's builtin SOURCE gave a traceback and exit 1
+    (validate's "invalid", eval's "a figure is not finite") and no --json report; quantize and plan a traceback's
+    last line. Now exit 2 with one message naming the folder and what to do."""
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setattr(cli, "DEFAULT_CACHE", tmp_path / "afile" / ".glmq-cache")
+    report = tmp_path / "v.json"
+    report.write_text('{"valid": true}')  # an earlier run's verdict, which must not survive
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "eval.txt").write_text("text " * 100)
+    for args in (["validate", str(tmp_path / "ck"), "--source", "builtin:glm5-tiny", "--json", str(report)],
+                 ["eval", "builtin:glm5-tiny", "--text", str(tmp_path / "eval.txt")],
+                 ["quantize", "--no-progress", "-o", str(tmp_path / "out")],
+                 ["plan"]):
+        res = _run(args)
+        assert res.exit_code == 2, (args, res.output, res.exception)
+        assert "cannot generate the built-in glm5-tiny checkpoint in" in res.output, (args, res.output)
+        assert "run glmq from a folder it can write to" in res.output
+    assert json.loads(report.read_text())["exit_code"] == 2
