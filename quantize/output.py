@@ -572,4 +572,8 @@ def finish_checkpoint(plan: Plan, out: Path, man: Manifest, quantization_config:
     atomic_write_text(out / "config.json", json.dumps(output_config(plan, quantization_config), indent=2) + "\n")
     man.complete = True
     man.source_mtime_ns = {}  # a finished manifest holds nothing time-dependent
-    man.save(out)
+    try:
+        man.save(out)
+    except BaseException:  # (a full disk): no config.json beside an incomplete manifest, a folder vLLM would load
+        (out / "config.json").unlink(missing_ok=True)
+        raise

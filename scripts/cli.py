@@ -36,6 +36,8 @@ def _out_file(ctx, param, value):
         parent = Path(value).resolve().parent
         if not parent.is_dir():
             raise click.BadParameter(f"{value}: folder {parent} does not exist; create it or choose another path")
+        if (why := replaces_model_file(value)) is not None:
+            raise click.BadParameter(f"{value}: {why}; choose another path")
         try:  # a name the file system refuses (longer than its limit): refused here too, not after the run
             os.stat(value)
         except FileNotFoundError:
@@ -68,11 +70,60 @@ def reject_nan(ctx, param, value):
     return value
 
 
+# Files a model folder consists of (a source, a glmq output, a Hugging Face snapshot): a report written over one of them
+# destroyed the model and the command still exited 0 (`--json SRC/config.json`, or a shard through a snapshot's link
+# into blobs/). glmq's own files, what vLLM/transformers read beside the weights (source.py copies them as side files)
+_MODEL_FILE_NAMES = {"config.json", "generation_config.json", "special_tokens_map.json", "added_tokens.json",
+                     "preprocessor_config.json", "merges.txt", "README.md"}
+_MODEL_FILE_PREFIXES = ("tokenizer", "vocab", "chat_template", "model.safetensors", "glmq_")
+_MODEL_FILE_SUFFIXES = (".safetensors", ".py", ".jinja", ".model", ".tiktoken", ".bin", ".pt", ".pth")
+
+
+def replaces_model_file(path: str, model_folder: Path | None = None) -> str | None:
+    """Why writing a report to `path` would replace a file of a model (None if it would not): a weights file
+    anywhere, or a file of a model folder's own kind (config, index, tokenizer, code, glmq's manifest and report) in
+    a folder that holds a model (config.json or safetensors; `model_folder`, whatever it holds now: quantize's output).
+    Checked for the path as given and where a link leads."""
+    import os
+
+    for p in dict.fromkeys((Path(os.path.abspath(path)), Path(os.path.realpath(path)))):
+        name = p.name
+        if name.endswith(_MODEL_FILE_SUFFIXES[:1]):
+            return f"{name} is a weights file (a report is JSON or PNG)" + (
+                f", {path} leads to it" if p.name != Path(path).name else "")
+        folder = p.parent
+        output = model_folder is not None and folder in (Path(os.path.abspath(model_folder)),
+                                                         Path(os.path.realpath(model_folder)))
+        if not (output or (folder / "config.json").is_file() or any(folder.glob("*.safetensors"))):
+            continue
+        if name in _MODEL_FILE_NAMES or name.startswith(_MODEL_FILE_PREFIXES) or name.endswith(_MODEL_FILE_SUFFIXES):
+            return f"would replace {name}, a file of the model in {folder}"
+    return None
+
+
+def _write_text(path: str, text: str) -> None:
+    """A report file under a temporary name, then renamed: no half report, and a link in its place is replaced, not
+    followed (into a model's blobs/). A device or pipe (`--json /dev/stdout`) is written as it is."""
+    import os
+    import stat
+
+    from glmq.formats.safetensors_io import atomic_write_text
+
+    try:
+        special = not stat.S_ISREG(os.stat(path).st_mode)
+    except FileNotFoundError:
+        special = False
+    if special:
+        Path(path).write_text(text)
+    else:
+        atomic_write_text(Path(path), text)
+
+
 def _write_out(path: str, text: str, done: str = "") -> None:
     """Write an output file (--json, --plot's data) at the end of a command; a refusal the option's check could not
     foresee (a full disk, a mount gone read-only) is exit 2 with one line naming it, not a traceback."""
     try:
-        Path(path).write_text(text)
+        _write_text(path, text)
     except OSError as e:
         _fail(f"{path}: could not be written ({e.strerror or e}); free the space or choose another path{done}", code=2)
 
@@ -496,6 +547,8 @@ def quantize(ctx, model, recipe, max_shard_size, output, scheme, device, no_prog
             _warn_before_work(plan, every_line=False)
         method = plan.recipe.spec.method.value
         out = Path(output) if output else default_output(plan.source.root, plan.recipe.name, method)
+        if json_out and (why := replaces_model_file(json_out, out)) is not None:  # (an output folder not yet written)
+            _fail(f"--json {json_out}: {why}; choose another path", code=2)
         how = f"--scheme {scheme}" if scheme else f"recipe {plan.recipe.name!r} (method: {method})"
         given = [f"--{name.replace('_', '-')}" for name in GPTQ_ONLY
                  if ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT)]
@@ -632,8 +685,11 @@ def _could_not_run_report(json_out: str, checkpoint: str | None, error: str) -> 
     """validate's `--json` document for exit 2: it replaces an earlier run's report, which a CI step could read as this
     run's verdict."""
     doc = {"checkpoint": checkpoint, "valid": None, "exit_code": 2, "error": error}
+    if (why := replaces_model_file(json_out)) is not None:  # (--json's own check: in click's refusal, it may not
+        click.secho(f"warning: {json_out}: no report written: {why}", fg="yellow", err=True)  # have run yet)
+        return
     try:
-        Path(json_out).write_text(json.dumps(doc) + "\n")
+        _write_text(json_out, json.dumps(doc) + "\n")
     except OSError as e:  # the exit code (2) still says it; an earlier report left in place would not
         click.secho(f"warning: {json_out}: the report could not be written ({e.strerror or e})", fg="yellow", err=True)
 

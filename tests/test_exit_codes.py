@@ -93,3 +93,40 @@ def test_a_builtin_that_cannot_be_generated_is_could_not_run(tmp_path, monkeypat
         assert "cannot generate the built-in glm5-tiny checkpoint in" in res.output, (args, res.output)
         assert "run glmq from a folder it can write to" in res.output
     assert json.loads(report.read_text())["exit_code"] == 2
+
+
+def test_a_report_path_that_would_replace_a_file_of_a_model_is_refused(src, tmp_path):
+    """`--json SRC/config.json` (or a shard, or a snapshot's link into blobs/) overwrote the model with the report and
+    exited 0. A report may go into a model folder under a name of its own (upload leaves such reports out), and
+    replaces a link in its place instead of writing through it."""
+    src = Path(shutil.copytree(src, tmp_path / "src"))
+    shard = sorted(src.glob("*.safetensors"))[0]
+    blob = tmp_path / "blobs" / "abc"
+    blob.parent.mkdir()
+    snap = tmp_path / "snap"
+    shutil.copytree(src, snap)
+    (snap / shard.name).unlink()
+    shutil.copy(shard, blob)
+    (snap / shard.name).symlink_to(blob)
+    before = {p: p.read_bytes() for p in [*src.iterdir(), blob] if p.is_file()}
+    out = tmp_path / "out"
+    out.mkdir()  # (empty: the run would write config.json there before the report)
+    for cmd, path in [(["plan", "-m", str(src)], src / "config.json"),
+                      (["plan", "-m", str(src)], src / "tokenizer_config.json"),
+                      (["plan", "-m", str(src)], snap / shard.name),
+                      (["validate", str(src)], src / shard.name),
+                      (["validate", str(src)], src / "model.safetensors.index.json"),
+                      (["quantize", "--no-progress", "-m", str(src), "-o", str(out)], out / "config.json"),
+                      (["quantize", "--no-progress", "-m", str(src), "-o", str(out)], out / "glmq_manifest.json")]:
+        res = _run([*cmd, "--json", str(path)])
+        assert res.exit_code == 2, (cmd, path, res.output, res.exception)
+        assert "choose another path" in res.output and ("a file of the model" in res.output
+                                                        or "is a weights file" in res.output), res.output
+    assert {p: p.read_bytes() for p in before} == before
+    assert not any(out.iterdir())
+    res = _run(["plan", "-m", str(src), "--json", str(src / "plan.json")])  # a name of its own: fine
+    assert res.exit_code == 0 and json.loads((src / "plan.json").read_text())
+    (tmp_path / "report.json").symlink_to(blob)  # a link that leads to a blob under a name of no kind
+    res = _run(["plan", "-m", str(src), "--json", str(tmp_path / "report.json")])
+    assert res.exit_code == 0 and not (tmp_path / "report.json").is_symlink()  # replaced, not written through
+    assert blob.read_bytes() == shard.read_bytes()

@@ -213,10 +213,22 @@ def test_a_failed_side_file_or_index_write_leaves_no_temporary_file(reference, t
             tmp.write_text(text[:100])
             full()
 
-    for target, name, fn in ((output.shutil, "copyfileobj", full), (output, "atomic_write_text", index_fills_the_disk)):
+    from glmq.formats.manifest import Manifest
+
+    save = Manifest.save
+
+    def the_last_save_fills_the_disk(self, *a, **k):  # config.json is written; the complete manifest is not
+        if self.complete:
+            full()
+        return save(self, *a, **k)
+
+    # (the third: config.json stayed beside a manifest saying "complete: false", a folder vLLM loads)
+    for target, name, fn in ((output.shutil, "copyfileobj", full), (output, "atomic_write_text", index_fills_the_disk),
+                             (Manifest, "save", the_last_save_fills_the_disk)):
         with monkeypatch.context() as m:
             m.setattr(target, name, fn)
-            with pytest.raises(OutputDirError, match="writing the side files, index or config.json failed: .*No space"):
+            with pytest.raises(OutputDirError,
+                               match="writing the side files, index, config.json or manifest failed: .*No space"):
                 stream.run(plan, out, progress=False)
         assert not list(out.glob("*" + safetensors_io.TMP_SUFFIX)) and not (out / "config.json").exists()
     stream.run(plan, out, progress=False)
