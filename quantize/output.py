@@ -201,7 +201,10 @@ def _prepare_output(plan: Plan, out: Path, lock: OutputLock, identity: dict) -> 
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # e.g. a parent is a file (NotADirectoryError), or no permission
         blocker = next((p for p in reversed(out.parents) if p.exists() and not p.is_dir()), None)
-        why = f"{blocker} is a file, not a directory" if blocker is not None else (e.strerror or str(e))
+        dangling = next((p for p in (out, *out.parents) if p.is_symlink() and not p.exists()), None)
+        why = (f"{blocker} is a file, not a directory" if blocker is not None else
+               f"{dangling} is a link to {os.readlink(dangling)}, which does not exist" if dangling is not None else
+               (e.strerror or str(e)))
         raise OutputDirError(f"{out}: cannot create the output folder: {why}; choose another --output") from None
     lock.acquire()  # before anything in the folder is read, deleted or written
     existing = [p for p in out.iterdir()]

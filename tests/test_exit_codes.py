@@ -130,3 +130,11 @@ def test_a_report_path_that_would_replace_a_file_of_a_model_is_refused(src, tmp_
     res = _run(["plan", "-m", str(src), "--json", str(tmp_path / "report.json")])
     assert res.exit_code == 0 and not (tmp_path / "report.json").is_symlink()  # replaced, not written through
     assert blob.read_bytes() == shard.read_bytes()
+
+
+def test_an_output_that_is_a_dangling_link_is_named_as_one(src, tmp_path):
+    """Was "cannot create the output folder: File exists" (mkdir of a link whose target is gone)."""
+    (tmp_path / "out").symlink_to(tmp_path / "gone")
+    res = _run(["quantize", "--no-progress", "-m", str(src), "-o", str(tmp_path / "out")])
+    assert res.exit_code == 1, res.output
+    assert f"out is a link to {tmp_path / 'gone'}, which does not exist; choose another --output" in res.output
