@@ -577,6 +577,11 @@ def finish_checkpoint(plan: Plan, out: Path, man: Manifest, quantization_config:
     man.source_mtime_ns = {}  # a finished manifest holds nothing time-dependent
     try:
         man.save(out)
-    except BaseException:  # (a full disk): no config.json beside an incomplete manifest, a folder vLLM would load
-        (out / "config.json").unlink(missing_ok=True)
+    except BaseException:  # (a full disk): no config.json beside an incomplete manifest, a folder vLLM would load,
+        try:                           # unless the complete one is in place (the journal's removal failed)
+            done = (saved := Manifest.load(out)) is not None and saved.complete
+        except Exception:
+            done = False
+        if not done:
+            (out / "config.json").unlink(missing_ok=True)
         raise

@@ -55,11 +55,22 @@ def _output_folder(ctx, param, value):
     """quantize's --output: not empty (`-o "$OUT"` with the variable unset would resume, or write into, the default
     folder), and not an existing file (refused here, exit 2, not by the writer after planning)."""
     if value is not None:
+        import os
+
         if not value:
             raise click.BadParameter("an empty folder name; give the output folder, or leave --output out for the "
                                      "default")
-        if Path(value).exists() and not Path(value).is_dir():
-            raise click.BadParameter(f"{value}: exists and is not a directory; choose another --output")
+        path = Path(value)
+        try:
+            if path.exists() and not path.is_dir():
+                raise click.BadParameter(f"{value}: exists and is not a directory; choose another --output")
+            if path.is_symlink() and not path.exists():
+                raise click.BadParameter(f"{value} is a link to {os.readlink(path)}, which does not exist; choose "
+                                         f"another --output")
+            if (blocker := next((p for p in path.parents if p.exists() and not p.is_dir()), None)) is not None:
+                raise click.BadParameter(f"{value}: {blocker} is a file, not a directory; choose another --output")
+        except OSError as e:  # a name longer than the file system's limit
+            raise click.BadParameter(f"{value}: {e.strerror or e}; choose another --output") from None
     return value
 
 
@@ -73,16 +84,18 @@ def reject_nan(ctx, param, value):
 # Files a model folder consists of (a source, a glmq output, a Hugging Face snapshot): a report written over one of them
 # destroyed the model and the command still exited 0 (`--json SRC/config.json`, or a shard through a snapshot's link
 # into blobs/). glmq's own files, what vLLM/transformers read beside the weights (source.py copies them as side files)
+# (exact names: a report of its own name, glmq_eval.json that `glmq upload` reads from the folder, is welcome there)
 _MODEL_FILE_NAMES = {"config.json", "generation_config.json", "special_tokens_map.json", "added_tokens.json",
-                     "preprocessor_config.json", "merges.txt", "README.md"}
-_MODEL_FILE_PREFIXES = ("tokenizer", "vocab", "chat_template", "model.safetensors", "glmq_")
+                     "preprocessor_config.json", "merges.txt", "README.md", "model.safetensors.index.json",
+                     "tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "chat_template.json",
+                     "glmq_manifest.json", "glmq_manifest.journal.jsonl", "glmq_report.json"}
 _MODEL_FILE_SUFFIXES = (".safetensors", ".py", ".jinja", ".model", ".tiktoken", ".bin", ".pt", ".pth")
 
 
 def replaces_model_file(path: str, model_folder: Path | None = None) -> str | None:
     """Why writing a report to `path` would replace a file of a model (None if it would not): a weights file
     anywhere, or a file of a model folder's own kind (config, index, tokenizer, code, glmq's manifest and report) in
-    a folder that holds a model (config.json or safetensors; `model_folder`, whatever it holds now: quantize's output).
+    a folder that holds a model (`_holds_model`; `model_folder`, whatever it holds now: quantize's output).
     Checked for the path as given and where a link leads."""
     import os
 
@@ -94,29 +107,60 @@ def replaces_model_file(path: str, model_folder: Path | None = None) -> str | No
         folder = p.parent
         output = model_folder is not None and folder in (Path(os.path.abspath(model_folder)),
                                                          Path(os.path.realpath(model_folder)))
-        if not (output or (folder / "config.json").is_file() or any(folder.glob("*.safetensors"))):
+        if not (output or _holds_model(folder)):
             continue
-        if name in _MODEL_FILE_NAMES or name.startswith(_MODEL_FILE_PREFIXES) or name.endswith(_MODEL_FILE_SUFFIXES):
+        if name in _MODEL_FILE_NAMES or name.endswith(_MODEL_FILE_SUFFIXES):
             return f"would replace {name}, a file of the model in {folder}"
     return None
 
 
+def _holds_model(folder: Path) -> bool:
+    """Safetensors files, or a config.json of a model (model_type or architectures): not a project folder whose own
+    config.json a report may replace as asked."""
+    if any(folder.glob("*.safetensors")):
+        return True
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and ("model_type" in config or "architectures" in config)
+
+
 def _write_text(path: str, text: str) -> None:
     """A report file under a temporary name, then renamed: no half report, and a link in its place is replaced, not
-    followed (into a model's blobs/). A device or pipe (`--json /dev/stdout`) is written as it is."""
+    followed (into a model's blobs/). A device, pipe or /proc path (`--json /dev/stdout`, which leads to a regular
+    file when stdout is redirected to one) is written as it is. The temporary name is short (`mkstemp`): a report
+    name at the file system's length limit has no room for a suffix."""
     import os
     import stat
-
-    from glmq.formats.safetensors_io import atomic_write_text
+    import tempfile
 
     try:
         special = not stat.S_ISREG(os.stat(path).st_mode)
     except FileNotFoundError:
         special = False
-    if special:
+    if special or any(p.startswith(("/dev/", "/proc/")) for p in (os.path.abspath(path), os.path.realpath(path))):
         Path(path).write_text(text)
-    else:
-        atomic_write_text(Path(path), text)
+        return
+    fd, tmp = tempfile.mkstemp(prefix=".glmq-report-", dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # (mkstemp's 0600: a report is as readable as any file the user writes)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _write_out(path: str, text: str, done: str = "") -> None:
@@ -270,7 +314,8 @@ def _check_cuda() -> None:
 
 def _fail(e: Exception | str, code: int = 1) -> NoReturn:
     """`error: ...` in one line, and exit `code`: 2 where the command could not start as asked (an option's value, a
-    path), 1 where it ran and failed (the source's content, the output folder's, a write), as validate's and eval's."""
+    path) or its report file could not be written, 1 where it ran and failed (the source's content, the output
+    folder's, a write of the output), as validate's and eval's (README, "exit codes")."""
     click.secho(f"error: {e}", fg="red", err=True)
     sys.exit(code)
 
@@ -320,8 +365,15 @@ def _plan(model: str, recipe: str, scheme: str | None, max_shard_size: str):
     from glmq.quantize.plan import make_plan
 
     rec, shard_bytes = _recipe(recipe, scheme), _shard_size(max_shard_size)
+    if not model:  # `-m "$MODEL"` with the variable unset: the working folder, which may even be a checkpoint
+        _fail("--model '': an empty folder name; give the checkpoint folder, or leave --model out for the built-in",
+              code=2)
     path = resolve_model(model)
-    if not path.is_dir():
+    try:
+        folder = path.is_dir()
+    except OSError as e:  # a name longer than the file system's limit
+        _fail(f"{model}: {e.strerror or e}; --model takes a checkpoint folder", code=2)
+    if not folder:
         _fail(f"{model}: {'not a directory' if path.exists() else 'no such folder'}; --model takes a checkpoint folder",
               code=2)
     return make_plan(open_source(path), rec, shard_bytes)
@@ -656,7 +708,10 @@ def plan_cmd(model, recipe, max_shard_size, ranks, device, samples, seq_len, dty
         scale = estimate.Scale(ranks=ranks, device=device, samples=samples, seq_len=seq_len, dtype=dtype,
                                experts_per_pass=experts_per_pass)
         # (a file is a config.json whatever its name; a folder is a checkpoint even where its name ends in .json)
-        config_only = Path(model).is_file() or Path(model).suffix.lower() == ".json" and not Path(model).is_dir()
+        try:
+            config_only = Path(model).is_file() or Path(model).suffix.lower() == ".json" and not Path(model).is_dir()
+        except OSError as e:  # a name longer than the file system's limit
+            _fail(f"{model}: {e.strerror or e}; --model takes a config.json or a checkpoint folder", code=2)
         if config_only and not Path(model).is_file():
             _fail(f"{model}: no such file; --model takes a config.json or a checkpoint folder", code=2)
         plan = (estimate.plan_from_config(Path(model), _recipe(recipe), _shard_size(max_shard_size)) if config_only

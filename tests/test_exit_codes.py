@@ -136,5 +136,42 @@ def test_an_output_that_is_a_dangling_link_is_named_as_one(src, tmp_path):
     """Was "cannot create the output folder: File exists" (mkdir of a link whose target is gone)."""
     (tmp_path / "out").symlink_to(tmp_path / "gone")
     res = _run(["quantize", "--no-progress", "-m", str(src), "-o", str(tmp_path / "out")])
-    assert res.exit_code == 1, res.output
+    assert res.exit_code == 2, res.output
     assert f"out is a link to {tmp_path / 'gone'}, which does not exist; choose another --output" in res.output
+    (tmp_path / "afile").write_text("x")
+    res = _run(["quantize", "--no-progress", "-m", str(src), "-o", str(tmp_path / "afile" / "out")])
+    assert res.exit_code == 2 and "afile is a file, not a directory" in res.output, res.output
+    res = _run(["quantize", "--no-progress", "-m", "", "-o", str(tmp_path / "o2")])
+    assert res.exit_code == 2 and "--model '': an empty folder name" in res.output, res.output
+    from glmq.quantize.output import _prepare_output  # the writer's own message, for the Python API
+    with pytest.raises(Exception, match="is a link to .*which does not exist"):
+        _prepare_output(None, tmp_path / "out", None, {})
+
+
+def test_a_report_may_replace_a_config_json_that_is_no_model_s(src, tmp_path, monkeypatch):
+    """A project folder's own config.json (no model_type, no architectures, no weights beside it) is the user's to
+    replace; only a model's files are kept from a report."""
+    (tmp_path / "config.json").write_text('{"ci": true}')
+    monkeypatch.chdir(tmp_path)
+    res = _run(["plan", "-m", str(src), "--json", "config.json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "config.json").read_text()) != {"ci": True}  # the plan's summary now
+
+
+def test_reports_of_their_own_name_go_into_a_model_folder(src, tmp_path):
+    """glmq_eval.json (upload's EVAL_NAME, read from the checkpoint folder) and any report name of the user's own are
+    welcome in a model folder; a report name at the file system's length limit is written (the temporary name is
+    short), and the file gets the umask's mode, not mkstemp's 0600."""
+    import os
+
+    from glmq.scripts.upload import EVAL_NAME
+
+    src = Path(shutil.copytree(src, tmp_path / "src"))
+    for name in (EVAL_NAME, "glmq_validate.json", "tokenizer_stats.json", "r" * 250 + ".json"):
+        assert cli.replaces_model_file(str(src / name)) is None, name
+        res = _run(["plan", "-m", str(src), "--json", str(src / name)])
+        assert res.exit_code == 0 and json.loads((src / name).read_text()), (name, res.output)
+        assert (src / name).stat().st_mode & 0o777 == 0o666 & ~cli._umask()
+    assert not [p for p in src.iterdir() if p.name.startswith(".glmq-report-")]
+    assert cli.replaces_model_file(str(src / "tokenizer.json")) and cli.replaces_model_file(str(src / "x.safetensors"))
+    assert os.path.exists(src / "config.json")

@@ -60,10 +60,10 @@ def test_model_or_output_name_too_long_is_one_error_line(make_ckpt, tmp_path):
     """Before: tracebacks (OSError: File name too long) from quantize --output, plan --model and validate."""
     r = CliRunner().invoke(main, ["quantize", "-m", str(make_ckpt("glm4_moe", "fp8-block")),
                                   "-o", str(tmp_path / LONG), "--no-progress"])
-    assert r.exit_code == 1 and "error:" in r.output and "File name too long" in r.output, r.output
+    assert r.exit_code == 2 and "Error:" in r.output and "File name too long" in r.output, r.output
     assert not isinstance(r.exception, OSError) or isinstance(r.exception, SystemExit)
     r = CliRunner().invoke(main, ["plan", "-m", str(tmp_path / LONG)])
-    assert r.exit_code == 1 and "error:" in r.output, r.output
+    assert r.exit_code == 2 and "error:" in r.output and "File name too long" in r.output, r.output
     r = CliRunner().invoke(main, ["validate", str(tmp_path / LONG), "--json", str(tmp_path / "r.json")])
     assert r.exit_code == 2 and "Traceback" not in r.output and "unexpectedly" not in r.output, r.output
     assert json.loads((tmp_path / "r.json").read_text())["exit_code"] == 2

@@ -117,7 +117,7 @@ def test_cli_refuses_a_float_num_bits_before_writing_anything(tmp_path):
     p, out = write(tmp_path, num_bits=4.0), tmp_path / "out"
     r = CliRunner().invoke(main, ["quantize", "-m", str(tmp_path / "no-model"), "-r", str(p), "-o", str(out),
                                   "--no-progress"])
-    assert r.exit_code == 1 and "'num_bits' is 4.0" in r.output and "Traceback" not in r.output, r.output
+    assert r.exit_code == 2 and "'num_bits' is 4.0" in r.output and "Traceback" not in r.output, r.output
     assert not out.exists()
     r = CliRunner().invoke(main, ["plan", "-m", str(tmp_path / "no-model"), "-r", str(p)])
     assert r.exit_code != 0 and "'num_bits' is 4.0" in r.output, r.output
@@ -204,7 +204,7 @@ def test_unreadable_recipe_file_is_a_recipe_error_naming_it(tmp_path):
         with pytest.raises(recipes.RecipeError, match=f"{p}: cannot read it as a recipe"):
             recipes.load(str(p))
         r = CliRunner().invoke(main, ["plan", "-m", str(tmp_path / "no-model"), "-r", str(p)])
-        assert r.exit_code == 1 and f"error: {p}: cannot read it" in r.output, (r.output, r.exception)
+        assert r.exit_code == 2 and f"error: {p}: cannot read it" in r.output, (r.output, r.exception)
 
 
 def test_a_recipe_file_with_an_upper_case_suffix_loads(tmp_path):

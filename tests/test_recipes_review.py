@@ -43,7 +43,7 @@ def test_unknown_keys_of_mixed_types_are_a_recipe_error_not_a_typeerror(tmp_path
     with pytest.raises(recipes.RecipeError, match=r"unknown key\(s\) \[4, 'foo'\]"):
         recipes.load(str(p))
     r = CliRunner().invoke(main, ["plan", "-m", str(tmp_path / "no-model"), "-r", str(p)])
-    assert r.exit_code == 1 and "unknown key(s) [4, 'foo']" in r.output, (r.output, r.exception)
+    assert r.exit_code == 2 and "unknown key(s) [4, 'foo']" in r.output, (r.output, r.exception)
 
 
 LLMC = {
@@ -88,7 +88,7 @@ def test_default_output_stays_in_the_working_directory(make_ckpt, tmp_path, monk
     monkeypatch.chdir(tmp_path)
     p = _write(tmp_path, "name: w4/g128\ntargets: [routed_expert]\n")
     r = CliRunner().invoke(main, ["quantize", "-m", str(src), "-r", str(p), "--no-progress"])
-    assert r.exit_code == 1 and "key 'name' is 'w4/g128'" in r.output, (r.output, r.exception)
+    assert r.exit_code == 2 and "key 'name' is 'w4/g128'" in r.output, (r.output, r.exception)
     assert sorted(x.name for x in tmp_path.iterdir()) == ["mine.yaml"]
     # a plain name, and the file's stem when there is none, still load
     assert recipes.load(str(_write(tmp_path, "name: w4-g128\ntargets: [routed_expert]\n"))).name == "w4-g128"
