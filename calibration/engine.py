@@ -273,8 +273,8 @@ def check_seq_len(plan: Plan, seq_len: int) -> None:
 
     limit = plan.source.config.get("max_position_embeddings")
     if limit and seq_len > limit:
-        raise CalibrationDataError(f"{plan.source.root}: --seq-len {seq_len} is longer than the model's max_position_embeddings "
-                         f"({limit}); use --seq-len {limit} or less")
+        raise CalibrationDataError(f"{plan.source.root}: --seq-len {seq_len} is longer than the model's "
+                                   f"max_position_embeddings ({limit}); use --seq-len {limit} or less")
 
 
 def targets_by_layer(plan: Plan) -> dict[int, list[Target]]:

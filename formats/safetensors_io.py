@@ -308,10 +308,11 @@ class StreamingWriter:
 
 
 @contextlib.contextmanager
-def replaced_atomically(path: Path):
-    """Yield a temporary name beside `path` to write; then fsync it and rename it to `path`. On any failure (a full
-    disk, Ctrl-C) the temporary file is removed: no half file is left beside the folder's real ones."""
-    tmp = Path(str(path) + TMP_SUFFIX)
+def replaced_atomically(path: Path, tmp: Path | None = None):
+    """Yield a temporary name beside `path` to write (`tmp`, default `path` + TMP_SUFFIX, the name a resumed run
+    clears); then fsync it and rename it to `path`. On any failure (a full disk, Ctrl-C) the temporary file is
+    removed: no half file is left beside the folder's real ones."""
+    tmp = Path(str(path) + TMP_SUFFIX) if tmp is None else tmp
     try:
         yield tmp
         with open(tmp, "rb") as f:

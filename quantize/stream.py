@@ -371,9 +371,9 @@ def _run(plan: Plan, out: Path, lock: OutputLock, device: str, progress: bool, q
             report = _finish(plan, out, man, qc, stats, ranks, device, phases, t0)
         except Exception as e:
             if world is None and isinstance(e, OSError):  # e.g. the disk filled up with the side files
-                raise OutputDirError(f"{out}: writing the side files, index, config.json or manifest failed: {e}; free space "
-                                     f"or fix the output folder, then re-run the same command (the converted files "
-                                     f"are kept)") from e
+                raise OutputDirError(f"{out}: writing the side files, index, config.json or manifest failed: {e}; "
+                                     f"free space or fix the output folder, then re-run the same command (the "
+                                     f"converted files are kept)") from e
             if world is None:
                 raise
             raise world.failure(f"finishing {out}", e) from e

@@ -129,11 +129,12 @@ def _holds_model(folder: Path) -> bool:
 def _write_text(path: str, text: str) -> None:
     """A report file under a temporary name, then renamed: no half report, and a link in its place is replaced, not
     followed (into a model's blobs/). A device, pipe or /proc path (`--json /dev/stdout`, which leads to a regular
-    file when stdout is redirected to one) is written as it is. The temporary name is short (`mkstemp`): a report
-    name at the file system's length limit has no room for a suffix."""
+    file when stdout is redirected to one) is written as it is. The temporary name is short: a report name at the
+    file system's length limit has no room for a suffix."""
     import os
     import stat
-    import tempfile
+
+    from glmq.formats.safetensors_io import replaced_atomically
 
     try:
         special = not stat.S_ISREG(os.stat(path).st_mode)
@@ -142,25 +143,8 @@ def _write_text(path: str, text: str) -> None:
     if special or any(p.startswith(("/dev/", "/proc/")) for p in (os.path.abspath(path), os.path.realpath(path))):
         Path(path).write_text(text)
         return
-    fd, tmp = tempfile.mkstemp(prefix=".glmq-report-", dir=os.path.dirname(os.path.abspath(path)))
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # (mkstemp's 0600: a report is as readable as any file the user writes)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    import os
-
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    with replaced_atomically(Path(path), Path(path).parent / f".glmq-report-{os.getpid()}") as tmp:
+        tmp.write_text(text)
 
 
 def _write_out(path: str, text: str, done: str = "") -> None:
@@ -709,10 +693,11 @@ def plan_cmd(model, recipe, max_shard_size, ranks, device, samples, seq_len, dty
                                experts_per_pass=experts_per_pass)
         # (a file is a config.json whatever its name; a folder is a checkpoint even where its name ends in .json)
         try:
-            config_only = Path(model).is_file() or Path(model).suffix.lower() == ".json" and not Path(model).is_dir()
+            is_file = Path(model).is_file()
+            config_only = is_file or Path(model).suffix.lower() == ".json" and not Path(model).is_dir()
         except OSError as e:  # a name longer than the file system's limit
             _fail(f"{model}: {e.strerror or e}; --model takes a config.json or a checkpoint folder", code=2)
-        if config_only and not Path(model).is_file():
+        if config_only and not is_file:
             _fail(f"{model}: no such file; --model takes a config.json or a checkpoint folder", code=2)
         plan = (estimate.plan_from_config(Path(model), _recipe(recipe), _shard_size(max_shard_size)) if config_only
                 else _plan(model, recipe, None, max_shard_size))

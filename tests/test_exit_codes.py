@@ -161,8 +161,11 @@ def test_a_report_may_replace_a_config_json_that_is_no_model_s(src, tmp_path, mo
 def test_reports_of_their_own_name_go_into_a_model_folder(src, tmp_path):
     """glmq_eval.json (upload's EVAL_NAME, read from the checkpoint folder) and any report name of the user's own are
     welcome in a model folder; a report name at the file system's length limit is written (the temporary name is
-    short), and the file gets the umask's mode, not mkstemp's 0600."""
+    short), and the file gets the umask's mode, as any file the user writes."""
     import os
+
+    umask = os.umask(0)
+    os.umask(umask)
 
     from glmq.scripts.upload import EVAL_NAME
 
@@ -171,7 +174,7 @@ def test_reports_of_their_own_name_go_into_a_model_folder(src, tmp_path):
         assert cli.replaces_model_file(str(src / name)) is None, name
         res = _run(["plan", "-m", str(src), "--json", str(src / name)])
         assert res.exit_code == 0 and json.loads((src / name).read_text()), (name, res.output)
-        assert (src / name).stat().st_mode & 0o777 == 0o666 & ~cli._umask()
+        assert (src / name).stat().st_mode & 0o777 == 0o666 & ~umask
     assert not [p for p in src.iterdir() if p.name.startswith(".glmq-report-")]
     assert cli.replaces_model_file(str(src / "tokenizer.json")) and cli.replaces_model_file(str(src / "x.safetensors"))
     assert os.path.exists(src / "config.json")

@@ -463,9 +463,7 @@ def test_json_report_that_cannot_be_written_is_exit_2(ckpt, tmp_path, monkeypatc
     def full(self, *a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    import tempfile
-
-    monkeypatch.setattr(tempfile, "mkstemp", lambda *a, **k: full(None))  # (the report's file: cli._write_text)
+    monkeypatch.setattr(Path, "write_text", full)
     r = CliRunner().invoke(main, ["validate", str(ckpt), "--json", str(tmp_path / "r.json")])
     assert r.exit_code == 2, r.output
     assert "verdict: VALID" in r.output and "could not be written (No space left on device)" in r.output

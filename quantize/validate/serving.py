@@ -150,8 +150,9 @@ Target = tuple[TensorClass, str, tuple[int, ...], Group]  # (class, module, its 
 
 def _failure_lines(bad: dict[tuple[str, str], list]) -> list[tuple[str, str, int]]:
     """(message, example module, count) per (class, rule) of `bad` ((class, rule) -> [first module, its numbers,
-    count]), sorted."""
-    return [(f"{cls}: {rule} fails for {count} module(s), e.g. {example}: {numbers}", example, count)
+    count]), sorted. (HEAD_SPLIT_RULE is the model's, not a module's: its line names no module.)"""
+    return [(f"{cls}: {rule} fails: {numbers}" if rule == HEAD_SPLIT_RULE else
+             f"{cls}: {rule} fails for {count} module(s), e.g. {example}: {numbers}", example, count)
             for (cls, rule), (example, numbers, count) in sorted(bad.items())]
 
 
@@ -339,5 +340,4 @@ def problem_lines(failures: dict[tuple[str, str], dict[str, str]]) -> list[str]:
     """`planned_problems`' lines for `planned_failures`' modules (or a subset of them): the first module of each
     rule is its example."""
     bad = {key: [*next(iter(mods.items())), len(mods)] for key, mods in failures.items() if mods}
-    return [f"{key[0]}: {key[1]} fails: {bad[key][1]}" if key[1] == HEAD_SPLIT_RULE else message  # (no module's)
-            for key, (message, _, _) in zip(sorted(bad), _failure_lines(bad))]
+    return [message for message, _, _ in _failure_lines(bad)]
