@@ -140,15 +140,13 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_layer_errors(result: dict, path: str | Path) -> str | None:
-    """Write a PNG of the per-layer errors; returns None, or why no plot was written."""
-    try:
-        import matplotlib
+def plot_layer_errors(result: dict, path: str | Path, fmt: str = "png") -> None:
+    """Write a plot of the per-layer errors in `fmt` (png, svg, pdf), whatever `path`'s name (a temporary one)."""
+    import matplotlib  # (its absence is refused when --plot is parsed: scripts/cli._plot_file)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot written (pip install matplotlib)"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in result["models"]:
         if r["layer_rel_error"]:
@@ -159,6 +157,7 @@ def plot_layer_errors(result: dict, path: str | Path) -> str | None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return None
+    try:
+        fig.savefig(path, dpi=120, format=fmt)
+    finally:
+        plt.close(fig)

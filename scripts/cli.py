@@ -126,11 +126,11 @@ def _holds_model(folder: Path) -> bool:
     return isinstance(config, dict) and ("model_type" in config or "architectures" in config)
 
 
-def _write_text(path: str, text: str) -> None:
-    """A report file under a temporary name, then renamed: no half report, and a link in its place is replaced, not
-    followed (into a model's blobs/). A device, pipe or /proc path (`--json /dev/stdout`, which leads to a regular
-    file when stdout is redirected to one) is written as it is. The temporary name is short: a report name at the
-    file system's length limit has no room for a suffix."""
+def _write_file(path: str, write) -> None:
+    """A report file, written by `write(name)`, under a temporary name, then renamed: no half report, and a link in its
+    place is replaced, not followed (into a model's blobs/). A device, pipe or /proc path (`--json /dev/stdout`, which
+    leads to a regular file when stdout is redirected to one) is written as it is. The temporary name is short: a
+    report name at the file system's length limit has no room for a suffix."""
     import os
     import stat
 
@@ -141,17 +141,22 @@ def _write_text(path: str, text: str) -> None:
     except FileNotFoundError:
         special = False
     if special or any(p.startswith(("/dev/", "/proc/")) for p in (os.path.abspath(path), os.path.realpath(path))):
-        Path(path).write_text(text)
+        write(Path(path))
         return
     with replaced_atomically(Path(path), Path(path).parent / f".glmq-report-{os.getpid()}") as tmp:
-        tmp.write_text(text)
+        write(tmp)
 
 
-def _write_out(path: str, text: str, done: str = "") -> None:
-    """Write an output file (--json, --plot's data) at the end of a command; a refusal the option's check could not
-    foresee (a full disk, a mount gone read-only) is exit 2 with one line naming it, not a traceback."""
+def _write_text(path: str, text: str) -> None:
+    _write_file(path, lambda p: p.write_text(text))
+
+
+def _write_out(path: str, content, done: str = "") -> None:
+    """Write an output file (--json's text, or --plot's figure: a function of the name to write) at the end of a
+    command; a refusal the option's check could not foresee (a full disk, a mount gone read-only) is exit 2 with one
+    line naming it, not a traceback."""
     try:
-        _write_text(path, text)
+        _write_file(path, content) if callable(content) else _write_text(path, content)
     except OSError as e:
         _fail(f"{path}: could not be written ({e.strerror or e}); free the space or choose another path{done}", code=2)
 
@@ -843,9 +848,10 @@ def eval_cmd(source, quantized, text, seq_len, windows, json_out, plot, trust_re
     click.echo(format_table(result))
     if json_out:
         _write_out(json_out, json.dumps(json_ready(result), indent=1, allow_nan=False) + "\n")
-    if plot:
-        note = plot_layer_errors(result, plot)
-        click.echo(note or f"plot written to {plot}")
+    if plot:  # (through _write_out, as the JSON: matplotlib's savefig would follow a link and leave a half file)
+        fmt = Path(plot).suffix[1:].lower()
+        _write_out(plot, lambda p: plot_layer_errors(result, p, fmt if fmt in ("png", "svg", "pdf") else "png"))
+        click.echo(f"plot written to {plot}")
     if bad := non_finite(result):  # a broken model is a failed evaluation, not figures to compare
         _fail(f"figures that are not finite numbers (the model's log-probs overflow or are NaN; "
               f"{'null in ' + str(json_out) if json_out else 'no JSON written'}): " + "; ".join(bad[:4])

@@ -198,6 +198,41 @@ def test_plot_without_matplotlib_is_refused_before_the_work(glm4, tmp_path, monk
     assert not (tmp_path / "e.json").exists() and "perplexity" not in out
 
 
+def test_plot_replaces_a_link_and_a_full_disk_is_one_line(glm4, tmp_path, monkeypatch):
+    """--plot was written by matplotlib's savefig: through a link in its place (into a model's blobs/), and a full disk
+    was an OSError traceback with a half PNG left. It goes through the reports' temporary name and rename, as --json
+    does, in the format its name asks for (a stand-in matplotlib and plot writer: CI has no matplotlib)."""
+    import types
+
+    from glmq.calibration import compare
+
+    src, rtn, text = glm4
+    monkeypatch.setitem(sys.modules, "matplotlib", types.ModuleType("matplotlib"))
+    formats = []
+
+    def plot(result, path, fmt="png"):
+        formats.append(fmt)
+        Path(path).write_bytes(b"PLOT " + fmt.encode())
+
+    monkeypatch.setattr(compare, "plot_layer_errors", plot)
+    blob = tmp_path / "blob"
+    blob.write_bytes(b"a model's bytes")
+    (tmp_path / "p.svg").symlink_to(blob)
+    code, out, exc = _eval(src, rtn, "--text", text, "--windows", "1", "--plot", tmp_path / "p.svg")
+    assert exc is None and code == 0 and f"plot written to {tmp_path / 'p.svg'}" in out, out
+    assert blob.read_bytes() == b"a model's bytes" and not (tmp_path / "p.svg").is_symlink()
+    assert (tmp_path / "p.svg").read_bytes() == b"PLOT svg" and formats == ["svg"]
+
+    def full(result, path, fmt="png"):
+        Path(path).write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(compare, "plot_layer_errors", full)
+    code, out, exc = _eval(src, rtn, "--text", text, "--windows", "1", "--plot", tmp_path / "q.png")
+    assert exc is None and code == 2 and f"{tmp_path / 'q.png'}: could not be written (No space left on device)" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blob", "p.svg"]
+
+
 def test_windows_longer_than_the_models_positions_are_refused(glm4):
     """--seq-len past max_position_embeddings scored positions the model never saw (perplexity 196 on the shared
     model, exit 0); GPTQ's calibration refuses them, and so does eval, before loading anything."""
