@@ -194,18 +194,30 @@ def _writing_into(out: Path):
                              f"permissions or free space, or choose another --output") from None
 
 
+def output_folder_problem(out: Path) -> str | None:
+    """Why `out` cannot be, or become, an output folder, found without creating anything (None: no reason known
+    before trying): a file in its place, a link to nothing (mkdir said only "File exists"), a file among its parents.
+    The CLI asks when --output is parsed (exit 2 before any work); the writer asks again for the Python API."""
+    try:
+        if out.exists() and not out.is_dir():
+            return "exists and is not a directory"
+        if (dangling := next((p for p in (out, *out.parents) if p.is_symlink() and not p.exists()), None)) is not None:
+            return f"{'' if dangling == out else f'{dangling} is '}a link to {os.readlink(dangling)}, which does not exist"
+        if (blocker := next((p for p in reversed(out.parents) if p.exists() and not p.is_dir()), None)) is not None:
+            return f"{blocker} is a file, not a directory"
+    except OSError as e:  # a name longer than the file system's limit
+        return e.strerror or str(e)
+    return None
+
+
 def _prepare_output(plan: Plan, out: Path, lock: OutputLock, identity: dict) -> Manifest:
-    if out.exists() and not out.is_dir():
-        raise OutputDirError(f"{out}: exists and is not a directory; choose another --output")
+    if (why := output_folder_problem(out)) is not None:
+        raise OutputDirError(f"{out}: {why}; choose another --output")
     try:
         out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # e.g. a parent is a file (NotADirectoryError), or no permission
-        blocker = next((p for p in reversed(out.parents) if p.exists() and not p.is_dir()), None)
-        dangling = next((p for p in (out, *out.parents) if p.is_symlink() and not p.exists()), None)
-        why = (f"{blocker} is a file, not a directory" if blocker is not None else
-               f"{dangling} is a link to {os.readlink(dangling)}, which does not exist" if dangling is not None else
-               (e.strerror or str(e)))
-        raise OutputDirError(f"{out}: cannot create the output folder: {why}; choose another --output") from None
+    except OSError as e:  # e.g. no permission
+        raise OutputDirError(f"{out}: cannot create the output folder: {e.strerror or e}; choose another --output") \
+            from None
     lock.acquire()  # before anything in the folder is read, deleted or written
     existing = [p for p in out.iterdir()]
     man = Manifest.load(out)

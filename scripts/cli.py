@@ -55,22 +55,13 @@ def _output_folder(ctx, param, value):
     """quantize's --output: not empty (`-o "$OUT"` with the variable unset would resume, or write into, the default
     folder), and not an existing file (refused here, exit 2, not by the writer after planning)."""
     if value is not None:
-        import os
-
         if not value:
             raise click.BadParameter("an empty folder name; give the output folder, or leave --output out for the "
                                      "default")
-        path = Path(value)
-        try:
-            if path.exists() and not path.is_dir():
-                raise click.BadParameter(f"{value}: exists and is not a directory; choose another --output")
-            if path.is_symlink() and not path.exists():
-                raise click.BadParameter(f"{value} is a link to {os.readlink(path)}, which does not exist; choose "
-                                         f"another --output")
-            if (blocker := next((p for p in path.parents if p.exists() and not p.is_dir()), None)) is not None:
-                raise click.BadParameter(f"{value}: {blocker} is a file, not a directory; choose another --output")
-        except OSError as e:  # a name longer than the file system's limit
-            raise click.BadParameter(f"{value}: {e.strerror or e}; choose another --output") from None
+        from glmq.quantize.output import output_folder_problem
+
+        if (why := output_folder_problem(Path(value))) is not None:
+            raise click.BadParameter(f"{value}: {why}; choose another --output")
     return value
 
 

@@ -137,14 +137,14 @@ def test_an_output_that_is_a_dangling_link_is_named_as_one(src, tmp_path):
     (tmp_path / "out").symlink_to(tmp_path / "gone")
     res = _run(["quantize", "--no-progress", "-m", str(src), "-o", str(tmp_path / "out")])
     assert res.exit_code == 2, res.output
-    assert f"out is a link to {tmp_path / 'gone'}, which does not exist; choose another --output" in res.output
+    assert f"out: a link to {tmp_path / 'gone'}, which does not exist; choose another --output" in res.output
     (tmp_path / "afile").write_text("x")
     res = _run(["quantize", "--no-progress", "-m", str(src), "-o", str(tmp_path / "afile" / "out")])
     assert res.exit_code == 2 and "afile is a file, not a directory" in res.output, res.output
     res = _run(["quantize", "--no-progress", "-m", "", "-o", str(tmp_path / "o2")])
     assert res.exit_code == 2 and "--model '': an empty folder name" in res.output, res.output
     from glmq.quantize.output import _prepare_output  # the writer's own message, for the Python API
-    with pytest.raises(Exception, match="is a link to .*which does not exist"):
+    with pytest.raises(Exception, match="out: a link to .*which does not exist"):
         _prepare_output(None, tmp_path / "out", None, {})
 
 
