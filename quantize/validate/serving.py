@@ -1,4 +1,5 @@
-"""The serving check: vLLM Marlin / Marlin-MoE shape rules at a tensor-parallel degree (pure)."""
+"""The serving check: vLLM Marlin / Marlin-MoE shape rules, and the FP8-block split rules of the layers a keep_fp8
+recipe keeps, at a tensor-parallel degree (pure)."""
 
 from __future__ import annotations
 
@@ -145,6 +146,75 @@ def moe_rules(hidden: int, inter: int, tp: int, g: Group) -> list[tuple[str, str
     return out
 
 
+# FP8-block layers (a keep_fp8 recipe's mixed-precision output): vLLM's and SGLang's `validate_fp8_block_shape`
+# (quantization/utils/fp8_utils.py) on a Linear's partition, and Fp8MoEMethod.create_weights (the compressed-tensors
+# W8A8 FP8 MoE scheme's twin) on a layer of experts: a weight split tp ways must split into whole 128x128 blocks.
+FP8_N_RULE = "FP8 output_partition_size % block_n == 0"
+FP8_K_RULE = "FP8 input_size_per_partition % block_k == 0"
+
+
+def fp8_dense_rules(leaf: str, n: int, k: int, tp: int, block: tuple[int, int]) -> list[tuple[str, str]]:
+    """validate_fp8_block_shape for one FP8-block Linear vLLM does not fuse, at `tp`: a column-parallel layer's rows
+    per rank are whole blocks (block_n), a row-parallel layer's columns per rank (block_k); a replicated or unsplit
+    (tp 1) layer has no rule. (rule, numbers)."""
+    col, row = leaf in COLUMN_PARALLEL, leaf in ROW_PARALLEL
+    if tp == 1 or not (col or row):
+        return []
+    if (col and n % tp) or (row and k % tp):
+        dim, size = ("N", n) if col else ("K", k)
+        return [("tensor-parallel split", f"{dim} = {size} is not divisible by tp = {tp}")]
+    bn, bk = block
+    if col and (n // tp) % bn:
+        return [(FP8_N_RULE, f"N = {n}, column-parallel at tp {tp}: {n // tp} % {bn} = {n // tp % bn}")]
+    if row and (k // tp) % bk:
+        return [(FP8_K_RULE, f"K = {k}, row-parallel at tp {tp}: {k // tp} % {bk} = {k // tp % bk}")]
+    return []
+
+
+def fp8_fused_rules(layer: str, parts: dict[str, int], tp: int, block: tuple[int, int],
+                    heads: tuple[int, int] | None = None) -> list[tuple[str, str]]:
+    """validate_fp8_block_shape for the fused FP8-block layer `layer` (FUSED_LAYERS; `parts`: each member's N in
+    order) at `tp`: split tp ways, every part's rows per rank are whole blocks; merged but not split (tp 1, or
+    fused_qkv_a_proj, replicated), every part but the last (kv_a_proj_with_mqa's 576 rows may end in a part block).
+    qkv_proj's parts per rank follow its head counts (`fused_rules`); at tp > num_key_value_heads the per-rank width
+    is not a tp-th of the whole, and vLLM checks it as merged only. (rule, numbers)."""
+    name = f"vLLM's {layer} = {' + '.join(f'{leaf} ({n})' for leaf, n in parts.items())}"
+    split = tp > 1 and layer != "fused_qkv_a_proj"
+    sizes = dict(parts)
+    if split and layer == "qkv_proj" and heads is not None and not any(
+            n % h for n, h in zip(parts.values(), (heads[0], heads[1], heads[1]))):
+        if (why := head_split_problem(heads, tp)) is not None:
+            return [("tensor-parallel split", f"{name}: {why}")]
+        nh, nkv = heads
+        kv_p = max(1, nkv // tp)
+        sizes = dict(zip(parts, (nh // tp * parts["q_proj"] // nh, kv_p * parts["k_proj"] // nkv,
+                                 kv_p * parts["v_proj"] // nkv)))
+        split = sum(parts.values()) // sum(sizes.values()) == tp
+    elif split:
+        if bad := [f"{leaf} N = {n}" for leaf, n in parts.items() if n % tp]:
+            return [("tensor-parallel split", f"{name}: {', '.join(bad)} not divisible by tp = {tp}")]
+        sizes = {leaf: n // tp for leaf, n in parts.items()}
+    bn = block[0]
+    checked = list(sizes.items()) if split else list(sizes.items())[:-1]
+    bad = [f"{leaf} {n}{' per rank' if split else ''} % {bn} = {n % bn}" for leaf, n in checked if n % bn]
+    where = f"column-parallel at tp {tp}" if split else "merged, not split"
+    return [(FP8_N_RULE, f"{name}, {where}: {', '.join(bad)}")] if bad else []
+
+
+def fp8_moe_rules(inter: int, tp: int, block: tuple[int, int]) -> list[tuple[str, str]]:
+    """Fp8MoEMethod.create_weights (block quantization) at `tp`: the experts' intermediate width per rank is whole
+    blocks as gate/up's rows (block_n) and, split, as down's columns (block_k). (rule, numbers)."""
+    if inter % tp:
+        return [("tensor-parallel split", f"moe_intermediate = {inter} is not divisible by tp = {tp}")]
+    i_p, (bn, bk) = inter // tp, block
+    out = []
+    if i_p % bn:
+        out.append(("FP8 (moe_intermediate / tp) % block_n == 0", f"{inter} / {tp} = {i_p}, % {bn} = {i_p % bn}"))
+    if tp > 1 and i_p % bk:
+        out.append(("FP8 (moe_intermediate / tp) % block_k == 0", f"{inter} / {tp} = {i_p}, % {bk} = {i_p % bk}"))
+    return out
+
+
 Target = tuple[TensorClass, str, tuple[int, ...], Group]  # (class, module, its [N, K] weight shape, its group)
 
 
@@ -159,10 +229,11 @@ def _failure_lines(bad: dict[tuple[str, str], list]) -> list[tuple[str, str, int
 def _shape_rules(targets: Iterable[Target], tp: int, note, on_expert_layer=None,
                  heads: tuple[int, int] | None = None) -> None:
     """The rules of quantized modules at `tp`, each failure passed to `note(class, module, rule, numbers)`: the
-    layers that take no quantization; `fused_rules` per fused layer (FUSED_LAYERS) whose parts are all quantized,
-    noted for each part, `dense_rules` per other module; per layer of routed experts,
-    `on_expert_layer(layer, [(module, shape, group)])` first, then `moe_rules` with its first expert's group.
-    `heads`: (num_attention_heads, num_key_value_heads) from config.json, for qkv_proj."""
+    layers that take no quantization; `fused_rules` per fused layer (FUSED_LAYERS) whose parts are all quantized
+    alike, noted for each part, `dense_rules` per other module; per layer of routed experts,
+    `on_expert_layer(layer, [(module, shape, group)])` first, then `moe_rules` with its first expert's group. A module
+    of an FP8-block group (kind "float") gets the FP8 rules instead (`fp8_fused_rules`, `fp8_dense_rules`,
+    `fp8_moe_rules`). `heads`: (num_attention_heads, num_key_value_heads) from config.json, for qkv_proj."""
     experts: dict[int, list[tuple[str, tuple[int, ...], Group]]] = defaultdict(list)
     dense: list[Target] = []
     fused: dict[tuple[str, str], dict[str, Target]] = defaultdict(dict)  # (parent, fused layer) -> leaf -> target
@@ -185,22 +256,27 @@ def _shape_rules(targets: Iterable[Target], tp: int, note, on_expert_layer=None,
         members = fused.get((parent, _FUSED_INTO.get(leaf, "")), {})
         layer = _FUSED_INTO.get(leaf)
         if layer is not None and len(members) == len(FUSED_LAYERS[layer]) \
-                and len({t[2][1] for t in members.values()}) == 1:
+                and len({t[2][1] for t in members.values()}) == 1 and len({t[3].kind for t in members.values()}) == 1:
             ordered = [members[x] for x in FUSED_LAYERS[layer]]
             parts = {x: t[2][0] for x, t in zip(FUSED_LAYERS[layer], ordered)}
-            for rule, numbers in fused_rules(layer, parts, shape[1], tp, g, heads):
+            rules = (fp8_fused_rules(layer, parts, tp, g.block, heads) if g.kind == "float" else
+                     fused_rules(layer, parts, shape[1], tp, g, heads))
+            for rule, numbers in rules:
                 for m_cls, m_name, _, _ in ordered:
                     note(m_cls, m_name, rule, numbers)
             done.update(t[1] for t in ordered)
             continue
-        for rule, numbers in dense_rules(leaf, *shape, tp, g):
+        for rule, numbers in (fp8_dense_rules(leaf, *shape, tp, g.block) if g.kind == "float" else
+                              dense_rules(leaf, *shape, tp, g)):
             note(cls, name, rule, numbers)
     for layer, mods in sorted(experts.items()):
         if on_expert_layer is not None:
             on_expert_layer(layer, mods)
         gate = next((shape for name, shape, _ in mods if name.endswith(("gate_proj", "up_proj"))), None)
         inter, hidden = gate if gate else mods[0][1][::-1]
-        for rule, numbers in moe_rules(hidden, inter, tp, mods[0][2]):
+        g = mods[0][2]
+        for rule, numbers in (fp8_moe_rules(inter, tp, g.block) if g.kind == "float" else
+                              moe_rules(hidden, inter, tp, g)):
             for name, _, _ in mods:
                 note(TensorClass.ROUTED_EXPERT, name, rule, f"layer {layer}: {numbers}")
 
@@ -219,12 +295,22 @@ def check_serving(modules: dict[str, Module], groups: list[Group], shapes: dict,
         bad.setdefault((cls.value, rule), [name, numbers, 0])[2] += 1
         rows[cls.value]["failed"].add(name)
 
+    fp8 = {}  # the FP8-block modules of a mixed-precision checkpoint (keep_fp8), under their float group
+    for name, m in modules.items():
+        if m.is_fp8 and not m.is_int and len(m.parts["weight"].shape) == 2:
+            g = group_for(name, groups)
+            if g is not None and g.kind == "float" and g.block:
+                fp8[name] = (m, g)
+
     def targets() -> Iterator[Target]:
         for name, m in quant.items():
             rows.setdefault(m.cls.value, {"modules": 0, "failed": set()})["modules"] += 1
             g = group_for(name, groups)
             if g is not None:
                 yield m.cls, name, shapes[name], g
+        for name, (m, g) in fp8.items():
+            rows.setdefault(m.cls.value, {"modules": 0, "failed": set()})["modules"] += 1
+            yield m.cls, name, tuple(m.parts["weight"].shape), g
 
     def one_scheme(layer: int, mods: list) -> None:
         first: dict[Group, tuple[Group, str]] = {}  # a scheme (a group less name and targets): its first user
@@ -263,7 +349,7 @@ def check_serving(modules: dict[str, Module], groups: list[Group], shapes: dict,
         row["failed"] = len(row["failed"])
         row["rules"] = [{"rule": r, "modules": c, "example": ex, "numbers": nb}
                         for (k, r), (ex, nb, c) in bad.items() if k == cls]
-    res.checked = len(quant)
+    res.checked = len(quant) + len(fp8)
     return res
 
 
@@ -317,7 +403,7 @@ def planned_problems(plan, tp: int = 1) -> list[str]:
 def planned_failures(plan, tp: int = 1) -> dict[tuple[str, str], dict[str, str]]:
     """(class, rule) -> {module: its numbers} for every module of `plan`'s output that fails the rule at `tp`, in plan
     order. The rules of `check_serving`, through the same `_shape_rules` (one recipe is one scheme for every quantized
-    module, so its one-scheme-per-MoE-layer rule cannot fail here)."""
+    module, so its one-scheme-per-MoE-layer rule cannot fail here), the kept FP8-block modules' (keep_fp8) included."""
     from glmq.quantize.plan import Action
 
     spec = plan.recipe.spec
@@ -327,8 +413,11 @@ def planned_failures(plan, tp: int = 1) -> dict[tuple[str, str], dict[str, str]]
     def note(cls: TensorClass, name: str, rule: str, numbers: str) -> None:
         failed.setdefault((cls.value, rule), {}).setdefault(name, numbers)
 
+    block = plan.source.block
+    fp8 = Group("fp8", ("Linear",), "float", 8, block=tuple(block)) if block else None
     heads = attention_heads(plan.source.config)
-    _shape_rules(((it.cls, it.module, tuple(it.src.shape), g) for it in plan.items if it.action is Action.QUANTIZE),
+    _shape_rules(((it.cls, it.module, tuple(it.src.shape), g if it.action is Action.QUANTIZE else fp8)
+                  for it in plan.items if it.action is Action.QUANTIZE or (it.action is Action.KEEP_FP8 and fp8)),
                  tp, note, heads=heads)
     split = head_split_problem(heads, tp)
     if split and not any(split in nb for mods in failed.values() for nb in mods.values()):  # as check_serving
