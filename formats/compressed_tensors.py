@@ -37,13 +37,15 @@ def quantization_args(spec: QuantSpec) -> QuantizationArgs:
                             group_size=spec.group_size, dynamic=False, actorder=None, observer="minmax")
 
 
-def _fp8_block_scheme(targets: list[str]) -> QuantizationScheme:
+def _fp8_block_scheme(targets: list[str], block: tuple[int, int] = (128, 128)) -> QuantizationScheme:
+    """The FP8 group of kept source blocks: `block` is the source's (rows, cols), whose scales are stored as they are;
+    activations quantized per token in groups of the block's columns, as the source's own (DeepSeek) scheme runs."""
     return QuantizationScheme(
         targets=targets,
         weights=QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="block",
-                                 block_structure=[128, 128], dynamic=False, observer="static_minmax"),
+                                 block_structure=list(block), dynamic=False, observer="static_minmax"),
         input_activations=QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="group",
-                                           group_size=128, dynamic=True, observer=None),
+                                           group_size=block[1], dynamic=True, observer=None),
         format="float-quantized",
     )
 
@@ -60,7 +62,8 @@ def _strip_scheme(d: dict) -> dict:
 
 
 def build_config(spec: QuantSpec, ignore: list[str], keep_fp8_targets: list[str] | None = None,
-                 int_targets: list[str] | None = None, kv_cache_scheme: dict | None = None) -> dict:
+                 int_targets: list[str] | None = None, kv_cache_scheme: dict | None = None,
+                 fp8_block: tuple[int, int] = (128, 128)) -> dict:
     """The `quantization_config` dict for config.json.
 
     Args:
@@ -77,7 +80,7 @@ def build_config(spec: QuantSpec, ignore: list[str], keep_fp8_targets: list[str]
     groups = {"group_0": QuantizationScheme(targets=["Linear", *(int_targets or [])], weights=quantization_args(spec),
                                             format="pack-quantized")}
     if keep_fp8_targets:
-        groups["group_1"] = _fp8_block_scheme(keep_fp8_targets)
+        groups["group_1"] = _fp8_block_scheme(keep_fp8_targets, fp8_block)
     fmt = "mixed-precision" if keep_fp8_targets else "pack-quantized"
     kv = None if kv_cache_scheme is None else QuantizationArgs.model_validate(_strip_args(kv_cache_scheme))
     qc = QuantizationConfig(config_groups=groups, quant_method="compressed-tensors", format=fmt,
@@ -114,7 +117,7 @@ def config_from_request(req: dict) -> dict:
 
     Args:
         req: {"spec": QuantSpec fields, "ignore": [...], "keep": [...], "modules": {name: plan action}, and
-            optionally "kv_cache_scheme": the source's}.
+            optionally "kv_cache_scheme": the source's, "fp8_block": the kept FP8 blocks' [rows, cols] (128x128)}.
     Raises:
         ValueError: a module's stored form disagrees with what loaders will read from the config: a quantized
             module must match neither list, a module kept FP8 the keep list only (ignore is applied first, so an
@@ -131,7 +134,8 @@ def config_from_request(req: dict) -> dict:
     # routed experts all INT4 (the ignored aside) beside an FP8 group: group_0 names them (_EXPERTS_TARGET)
     experts = {a for m, a in req["modules"].items() if is_ignored(m, [_EXPERTS_TARGET]) and not is_ignored(m, ignore)}
     int_targets = [_EXPERTS_TARGET] if keep and experts == {"quantize"} else []
-    return build_config(spec, ignore, keep or None, int_targets, req.get("kv_cache_scheme"))
+    return build_config(spec, ignore, keep or None, int_targets, req.get("kv_cache_scheme"),
+                        tuple(req.get("fp8_block") or (128, 128)))
 
 
 def main() -> None:

@@ -523,8 +523,11 @@ def config_request(plan: Plan) -> dict:
     modules = {m: a.value for m, a in actions.items()}
     # a compressed-tensors source's FP8 KV-cache scheme goes with its k_scale / v_scale tensors, which are copied
     kv = (plan.source.config.get("quantization_config") or {}).get("kv_cache_scheme")
-    return {"spec": spec, "ignore": ignore, "keep": keep, "modules": modules,
-            "kv_cache_scheme": kv if isinstance(kv, dict) else None}
+    req = {"spec": spec, "ignore": ignore, "keep": keep, "modules": modules,
+           "kv_cache_scheme": kv if isinstance(kv, dict) else None}
+    if keep and plan.source.block:  # the kept blocks' size, stored as the source's (not always 128x128)
+        req["fp8_block"] = list(plan.source.block)
+    return req
 
 
 CONFIG_TIMEOUT_S = 600  # a GLM-5 keep_fp8 config takes ~5 s; the child's import ~10 s on a busy machine

@@ -64,14 +64,18 @@ def test_a_merged_layer_split_checks_every_part_per_rank():
 
 def test_qkv_follows_its_head_counts():
     """16 q heads and 2 KV heads of 128: at tp 2 each rank holds 8 q heads and 1 KV head (1024 + 128 + 128 rows, all
-    whole blocks); at tp 8 a whole KV head is replicated on 4 ranks, the per-rank width is no tp-th of the whole and
-    vLLM checks the parts as merged only (the last, v, exempt)."""
+    whole blocks); at tp 8 a whole KV head is replicated on 4 ranks (256 + 128 + 128). QKVParallelLinear's output_size
+    is its per-rank width times tp, so every part is checked as split, v_proj too (a review caught a first version
+    that took the replicated case as merged and let a v_proj of 64 rows a rank pass)."""
     parts = {"q_proj": 2048, "k_proj": 256, "v_proj": 256}
     assert fp8_fused_rules("qkv_proj", parts, 2, B, heads=(16, 2)) == []
     assert fp8_fused_rules("qkv_proj", parts, 8, B, heads=(16, 2)) == []
     small = {"q_proj": 16 * 64, "k_proj": 2 * 64, "v_proj": 2 * 64}  # heads of 64: 64 rows of K per rank at tp 2
     ((rule, numbers),) = fp8_fused_rules("qkv_proj", small, 2, B, heads=(16, 2))
     assert rule == FP8_N_RULE and "k_proj 64 per rank % 128 = 64, v_proj 64 per rank % 128 = 64" in numbers
+    narrow_v = {"q_proj": 2048, "k_proj": 256, "v_proj": 128}  # v heads of 64: 64 rows a rank at tp 8
+    ((rule, numbers),) = fp8_fused_rules("qkv_proj", narrow_v, 8, B, heads=(16, 2))
+    assert rule == FP8_N_RULE and numbers.endswith("column-parallel at tp 8: v_proj 64 per rank % 128 = 64")
     twelve = {"q_proj": 12 * 128, "k_proj": 256, "v_proj": 256}
     ((rule, numbers),) = fp8_fused_rules("qkv_proj", twelve, 8, B, heads=(12, 2))
     assert rule == "tensor-parallel split" and "num_attention_heads = 12 is not divisible by tp = 8" in numbers
@@ -154,3 +158,49 @@ def test_validate_and_the_plan_agree_on_the_kept_fp8_layers(kept, tp):
         assert not rep.valid
         assert any(m.startswith(f"attention: {FP8_N_RULE} fails for") and "column-parallel at tp" in m
                    for m in (f.message for f in rep.checks["serving"].failures))
+
+
+def test_a_source_of_64x64_blocks_keeps_them_as_64x64(make_ckpt, tmp_path):
+    """keep_fp8 stores the source's scales as they are, but the config's FP8 group always said 128x128: a 64x64-block
+    source gave a checkpoint whose every kept scale had the wrong shape for its config (validate: invalid; vLLM
+    reads the scales at the wrong block). The group now declares the source's block, and the serving rules use it."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from test_validate import InProcessConfigJob
+
+    src = tmp_path / "src64"
+    shutil.copytree(make_ckpt("glm_moe_dsa", "fp8-block", config_overrides={"index_head_dim": 128}), src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"]["weight_block_size"] = [64, 64]
+    (src / "config.json").write_text(json.dumps(cfg))
+    shapes = {n: t.shape for shard in src.glob("*.safetensors") for n, t in load_file(shard).items()}
+    for shard in src.glob("*.safetensors"):  # each 128x128 block's scale on its four 64x64 blocks: the same weights
+        tensors = load_file(shard)
+        for name, t in list(tensors.items()):
+            if name.endswith("_scale_inv"):
+                rows, cols = shapes[name.removesuffix("_scale_inv")]
+                big = t.repeat_interleave(2, 0).repeat_interleave(2, 1)
+                tensors[name] = big[:-(-rows // 64), :-(-cols // 64)].contiguous()
+        save_file(tensors, shard, metadata={"format": "pt"})
+    (tmp_path / "keep.yaml").write_text(KEEP_FP8)
+    plan = make_plan(open_source(src), recipes.load(str(tmp_path / "keep.yaml")), 400_000)
+    assert plan.source.block == (64, 64) and any(it.action is Action.KEEP_FP8 for it in plan.items)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(stream, "ConfigJob", InProcessConfigJob)
+    try:
+        stream.run(plan, tmp_path / "out", progress=False)
+    finally:
+        mp.undo()
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    fp8 = [g for g in qc["config_groups"].values() if g["weights"]["type"] == "float"]
+    assert [g["weights"]["block_structure"] for g in fp8] == [[64, 64]]
+    assert fp8[0]["input_activations"]["group_size"] == 64
+    rep = v.validate(tmp_path / "out", source=src, tp=1, sample=0.05)
+    assert rep.valid, v.format_report(rep)
+    # q_b_proj's 384 rows split 2 ways are 192: three 64-row blocks a rank, where 128-row blocks would not divide
+    assert _validated(tmp_path / "out", 2) == {
+        key: len(mods) for key, mods in serving.planned_failures(plan, 2).items()}
+    assert ("attention", FP8_N_RULE) not in _validated(tmp_path / "out", 2)

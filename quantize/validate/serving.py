@@ -176,8 +176,9 @@ def fp8_fused_rules(layer: str, parts: dict[str, int], tp: int, block: tuple[int
     """validate_fp8_block_shape for the fused FP8-block layer `layer` (FUSED_LAYERS; `parts`: each member's N in
     order) at `tp`: split tp ways, every part's rows per rank are whole blocks; merged but not split (tp 1, or
     fused_qkv_a_proj, replicated), every part but the last (kv_a_proj_with_mqa's 576 rows may end in a part block).
-    qkv_proj's parts per rank follow its head counts (`fused_rules`); at tp > num_key_value_heads the per-rank width
-    is not a tp-th of the whole, and vLLM checks it as merged only. (rule, numbers)."""
+    qkv_proj's parts per rank follow its head counts (`fused_rules`), a whole KV head on each rank at
+    tp > num_key_value_heads; QKVParallelLinear's output_size is its per-rank width times tp, so vLLM checks all
+    three parts as split. (rule, numbers)."""
     name = f"vLLM's {layer} = {' + '.join(f'{leaf} ({n})' for leaf, n in parts.items())}"
     split = tp > 1 and layer != "fused_qkv_a_proj"
     sizes = dict(parts)
@@ -189,7 +190,6 @@ def fp8_fused_rules(layer: str, parts: dict[str, int], tp: int, block: tuple[int
         kv_p = max(1, nkv // tp)
         sizes = dict(zip(parts, (nh // tp * parts["q_proj"] // nh, kv_p * parts["k_proj"] // nkv,
                                  kv_p * parts["v_proj"] // nkv)))
-        split = sum(parts.values()) // sum(sizes.values()) == tp
     elif split:
         if bad := [f"{leaf} N = {n}" for leaf, n in parts.items() if n % tp]:
             return [("tensor-parallel split", f"{name}: {', '.join(bad)} not divisible by tp = {tp}")]
