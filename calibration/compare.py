@@ -141,7 +141,8 @@ def format_table(result: dict) -> str:
 
 
 def plot_layer_errors(result: dict, path: str | Path, fmt: str = "png") -> None:
-    """Write a plot of the per-layer errors in `fmt` (png, svg, pdf), whatever `path`'s name (a temporary one)."""
+    """Write a plot of the per-layer errors in `fmt` (a format matplotlib writes: png, svg, pdf, ...), whatever
+    `path`'s name (a temporary one)."""
     import matplotlib  # (its absence is refused when --plot is parsed: scripts/cli._plot_file)
 
     matplotlib.use("Agg")

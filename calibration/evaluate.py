@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from glmq.formats.dense import dense_config, iter_dense
-from glmq.formats.safetensors_io import CheckpointError, read_json_object
+from glmq.formats.safetensors_io import CheckpointError, read_json_object, save_safetensors
 
 
 def load_model(checkpoint: str | Path, dtype: torch.dtype = torch.float32):
@@ -43,9 +42,15 @@ def load_model(checkpoint: str | Path, dtype: torch.dtype = torch.float32):
         "model_type": family_for(config, str(Path(checkpoint) / "config.json")).name}
     with tempfile.TemporaryDirectory(prefix="glmq-eval-") as tmp:
         tensors = {k: t for k, t in iter_dense(checkpoint, dtype) if layer_index(k) not in mtp}
-        save_file(tensors, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
-        del tensors
-        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        size = sum(t.nbytes for t in tensors.values())
+        try:
+            save_safetensors(tensors, Path(tmp) / "model.safetensors", metadata={"format": "pt"})
+            del tensors
+            (Path(tmp) / "config.json").write_text(json.dumps(config))
+        except OSError as e:  # a full /tmp: say what the copy is and where it can go instead
+            raise OSError(e.errno, f"{e.strerror} (the model's temporary copy for transformers, {size / 1e9:.2f} GB "
+                                   f"in {tempfile.gettempdir()}; set TMPDIR to a folder with room for it)",
+                          e.filename) from e
         try:
             model, info = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, output_loading_info=True)
         except RuntimeError as e:

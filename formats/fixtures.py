@@ -43,7 +43,7 @@ import shutil
 from typing import Iterator
 
 import torch
-from safetensors.torch import save_file
+from glmq.formats.safetensors_io import save_safetensors
 
 FAMILIES = ("glm_moe_dsa", "glm4_moe", "deepseek_v3")  # kimi_k2 = deepseek_v3 with model_type "kimi_k2"
 PRESETS = ("tiny", "bench")
@@ -527,7 +527,7 @@ def write_shards(out_dir: pathlib.Path, shards: list[list[StoredTensor]], source
             tensors[t.name] = pending.pop(t.name)
             weight_map[t.name] = fname
             total += t.nbytes
-        save_file(tensors, str(out_dir / fname), metadata={"format": "pt"})
+        save_safetensors(tensors, out_dir / fname, metadata={"format": "pt"})
         del tensors
     if pending:
         raise RuntimeError(f"fixture bug: tensors made but never written: {sorted(pending)[:5]}")

@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import stat
 import struct
 from dataclasses import dataclass
@@ -307,6 +308,32 @@ class StreamingWriter:
         self.tmp.unlink(missing_ok=True)
 
 
+def named_os_error(e: BaseException, path: str | Path) -> OSError | None:
+    """`e` as an OSError that names `path`, where it is a write's failure naming no file: an OSError without a
+    filename (`f.write` on a full disk names none; it is given `path`, in place), or safetensors' SafetensorError
+    "Error while serializing: I/O error: ... (os error N)", which is no OSError and carries no errno (read from its
+    text: safetensors gives no other way to tell). None: `e` is neither (a SafetensorError of another kind)."""
+    if isinstance(e, OSError):
+        if e.filename is None:
+            e.filename = str(path)
+        return e
+    if type(e).__name__ == "SafetensorError" and (m := re.search(r"\(os error (\d+)\)", str(e))):
+        return OSError(int(m[1]), os.strerror(int(m[1])), str(path))
+    return None
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None) -> None:
+    """safetensors' `save_file`, whose I/O failure (a full disk) is an OSError naming `path` (`named_os_error`)."""
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except Exception as e:
+        if (named := named_os_error(e, path)) is None or named is e:
+            raise
+        raise named from e
+
+
 @contextlib.contextmanager
 def replaced_atomically(path: Path, tmp: Path | None = None):
     """Yield a temporary name beside `path` to write (`tmp`, default `path` + TMP_SUFFIX, the name a resumed run
@@ -318,9 +345,11 @@ def replaced_atomically(path: Path, tmp: Path | None = None):
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
-        raise
+        if (named := named_os_error(e, path)) is None or named is e:  # (a nameless write error now names `path`)
+            raise
+        raise named from e
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -48,7 +48,24 @@ def _out_file(ctx, param, value):
         else:
             if not os.access(value, os.W_OK):
                 raise click.BadParameter(f"{value}: the file is not writable; choose another path")
+            if not _special_path(value) and not os.access(parent, os.W_OK):  # (replaced through a name there)
+                raise click.BadParameter(f"{value}: folder {parent} is not writable, and the file is replaced "
+                                         f"through a temporary name there; choose another path")
     return value
+
+
+def _special_path(path: str) -> bool:
+    """A device, pipe or /proc path (`--json /dev/stdout`, which leads to a regular file when stdout is redirected to
+    one): written as it is, not replaced through a temporary name."""
+    import os
+    import stat
+
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return True
+    except FileNotFoundError:
+        pass
+    return any(p.startswith(("/dev/", "/proc/")) for p in (os.path.abspath(path), os.path.realpath(path)))
 
 
 def _output_folder(ctx, param, value):
@@ -119,19 +136,13 @@ def _holds_model(folder: Path) -> bool:
 
 def _write_file(path: str, write) -> None:
     """A report file, written by `write(name)`, under a temporary name, then renamed: no half report, and a link in its
-    place is replaced, not followed (into a model's blobs/). A device, pipe or /proc path (`--json /dev/stdout`, which
-    leads to a regular file when stdout is redirected to one) is written as it is. The temporary name is short: a
-    report name at the file system's length limit has no room for a suffix."""
+    place is replaced, not followed (into a model's blobs/). A `_special_path` is written as it is. The temporary name
+    is short: a report name at the file system's length limit has no room for a suffix."""
     import os
-    import stat
 
     from glmq.formats.safetensors_io import replaced_atomically
 
-    try:
-        special = not stat.S_ISREG(os.stat(path).st_mode)
-    except FileNotFoundError:
-        special = False
-    if special or any(p.startswith(("/dev/", "/proc/")) for p in (os.path.abspath(path), os.path.realpath(path))):
+    if _special_path(path):
         write(Path(path))
         return
     with replaced_atomically(Path(path), Path(path).parent / f".glmq-report-{os.getpid()}") as tmp:
@@ -158,10 +169,14 @@ def _plot_file(ctx, param, value):
     value = _out_file(ctx, param, value)
     if value is not None:
         try:
-            import matplotlib  # noqa: F401
+            from matplotlib.backend_bases import FigureCanvasBase
         except ImportError:
             raise click.BadParameter(f"{value}: the plot needs matplotlib, which is not installed; "
                                      f"`pip install matplotlib`, or leave --plot out") from None
+        kinds = FigureCanvasBase.get_supported_filetypes()  # its formats by file suffix (png, svg, pdf, jpg, ...)
+        if (suffix := Path(value).suffix[1:].lower()) and suffix not in kinds:
+            raise click.BadParameter(f"{value}: matplotlib writes no .{suffix} files; name it .png, or one of "
+                                     f"{', '.join('.' + k for k in sorted(kinds) if k != 'png')}")
     return value
 
 
@@ -292,6 +307,17 @@ def _check_cuda() -> None:
         raise DeviceUnavailable(missing)
 
 
+def _full_disk(e: Exception) -> str | None:
+    """A full disk or quota met by a write of the run's own (GPTQ's layer files and hidden states, the offload
+    folder): the file and what to do, where the bare OSError said only "[Errno 28] No space left on device"."""
+    import errno
+
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"{e.filename or 'a file of the run'}: {e.strerror}; free space on that disk (or point the run's "
+                f"folder there elsewhere), then re-run the same command: the finished work is kept and resumed")
+    return None
+
+
 def _fail(e: Exception | str, code: int = 1) -> NoReturn:
     """`error: ...` in one line, and exit `code`: 2 where the command could not start as asked (an option's value, a
     path) or its report file could not be written, 1 where it ran and failed (the source's content, the output
@@ -328,7 +354,21 @@ def _leave_as_a_rank(command):
     return run
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Glmq(click.Group):
+    """Ctrl-C is exit 130 (the shell's code for SIGINT) with a line saying what was kept, where click said only
+    "Aborted!" with exit 1, which the exit-code rule reads as "ran and failed"."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            resumes = ctx.invoked_subcommand == "quantize"  # (a half written file is removed; no index or config yet)
+            click.secho("\ninterrupted" + (": nothing unfinished looks complete; re-run the same command to resume "
+                                            "(finished files are kept)" if resumes else ""), fg="red", err=True)
+            ctx.exit(130)
+
+
+@click.group(cls=_Glmq, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="glmq")
 @click.option("-v", "--verbose", is_flag=True, help="Log details.")
 def main(verbose: bool) -> None:
@@ -624,7 +664,7 @@ def quantize(ctx, model, recipe, max_shard_size, output, scheme, device, no_prog
     except CalibrationDataError as e:  # --calibration's text, the tokenizer, --seq-len: could not start (2)
         _fail(e, code=2)
     except (CheckpointError, RecipeError, ValueError, OSError) as e:  # OSError: e.g. an --output name too long
-        _fail(e)
+        _fail(_full_disk(e) or e)
     if report is None:  # a rank other than 0: rank 0 prints the summary
         return
     _print_summary(report, out)
@@ -840,8 +880,8 @@ def eval_cmd(source, quantized, text, seq_len, windows, json_out, plot, trust_re
     if json_out:
         _write_out(json_out, json.dumps(json_ready(result), indent=1, allow_nan=False) + "\n")
     if plot:  # (through _write_out, as the JSON: matplotlib's savefig would follow a link and leave a half file)
-        fmt = Path(plot).suffix[1:].lower()
-        _write_out(plot, lambda p: plot_layer_errors(result, p, fmt if fmt in ("png", "svg", "pdf") else "png"))
+        fmt = Path(plot).suffix[1:].lower() or "png"  # (one matplotlib writes: _plot_file)
+        _write_out(plot, lambda p: plot_layer_errors(result, p, fmt))
         click.echo(f"plot written to {plot}")
     if bad := non_finite(result):  # a broken model is a failed evaluation, not figures to compare
         _fail(f"figures that are not finite numbers (the model's log-probs overflow or are NaN; "

@@ -207,7 +207,16 @@ def test_plot_replaces_a_link_and_a_full_disk_is_one_line(glm4, tmp_path, monkey
     from glmq.calibration import compare
 
     src, rtn, text = glm4
+    backend_bases = types.ModuleType("matplotlib.backend_bases")
+
+    class FigureCanvasBase:
+        @staticmethod
+        def get_supported_filetypes():
+            return {"png": "Portable Network Graphics", "svg": "Scalable Vector Graphics", "jpg": "JPEG"}
+
+    backend_bases.FigureCanvasBase = FigureCanvasBase
     monkeypatch.setitem(sys.modules, "matplotlib", types.ModuleType("matplotlib"))
+    monkeypatch.setitem(sys.modules, "matplotlib.backend_bases", backend_bases)
     formats = []
 
     def plot(result, path, fmt="png"):
@@ -222,6 +231,11 @@ def test_plot_replaces_a_link_and_a_full_disk_is_one_line(glm4, tmp_path, monkey
     assert exc is None and code == 0 and f"plot written to {tmp_path / 'p.svg'}" in out, out
     assert blob.read_bytes() == b"a model's bytes" and not (tmp_path / "p.svg").is_symlink()
     assert (tmp_path / "p.svg").read_bytes() == b"PLOT svg" and formats == ["svg"]
+    code, out, exc = _eval(src, rtn, "--text", text, "--windows", "1", "--plot", tmp_path / "p.JPG")
+    assert code == 0 and (tmp_path / "p.JPG").read_bytes() == b"PLOT jpg"  # the format its name asks for
+    (tmp_path / "p.JPG").unlink()
+    code, out, exc = _eval(src, rtn, "--text", text, "--plot", tmp_path / "p.tiff")  # refused before the work
+    assert code == 2 and "p.tiff: matplotlib writes no .tiff files; name it .png, or one of .jpg, .svg" in out, out
 
     def full(result, path, fmt="png"):
         Path(path).write_bytes(b"half")

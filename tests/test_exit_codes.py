@@ -178,3 +178,18 @@ def test_reports_of_their_own_name_go_into_a_model_folder(src, tmp_path):
     assert not [p for p in src.iterdir() if p.name.startswith(".glmq-report-")]
     assert cli.replaces_model_file(str(src / "tokenizer.json")) and cli.replaces_model_file(str(src / "x.safetensors"))
     assert os.path.exists(src / "config.json")
+
+
+def test_a_report_over_a_file_in_a_read_only_folder_is_refused_before_the_work(src, tmp_path, monkeypatch):
+    """A report replaces its file through a temporary name beside it: the folder must be writable even where the file
+    is (a writable report in a read-only folder failed after the run, exit 2; os.access is stood in for, as root may
+    write anywhere)."""
+    import os
+
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro" / "plan.json").write_text("{}")
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == tmp_path / "ro" else real(p, mode))
+    res = _run(["plan", "-m", str(src), "--json", str(tmp_path / "ro" / "plan.json")])
+    assert res.exit_code == 2 and f"folder {tmp_path / 'ro'} is not writable, and the file is replaced" in res.output
+    assert (tmp_path / "ro" / "plan.json").read_text() == "{}"
