@@ -37,7 +37,7 @@ def test_safetensors_io_errors_become_os_errors_naming_the_file(tmp_path, monkey
     with pytest.raises(OSError, match=r"No space left on device: '.*layer\.safetensors'"):
         save_safetensors({"t": torch.zeros(2)}, tmp_path / "layer.safetensors")
     with pytest.raises(OSError, match=r"No space left on device: '.*final\.safetensors'"):
-        with replaced_atomically(tmp_path / "final.safetensors") as tmp:
+        with replaced_atomically(tmp_path / "final.safetensors"):
             _full()
     assert not list(tmp_path.iterdir())  # the temporary file is gone
 
