@@ -48,7 +48,7 @@ def load_model(checkpoint: str | Path, dtype: torch.dtype = torch.float32):
             del tensors
             (Path(tmp) / "config.json").write_text(json.dumps(config))
         except OSError as e:  # a full /tmp: say what the copy is and where it can go instead
-            raise OSError(e.errno, f"{e.strerror} (the model's temporary copy for transformers, {size / 1e9:.2f} GB "
+            raise OSError(e.errno, f"{e.strerror or e} (the model's temporary copy for transformers, {size / 1e9:.2f} GB "
                                    f"in {tempfile.gettempdir()}; set TMPDIR to a folder with room for it)",
                           e.filename) from e
         try:

@@ -314,7 +314,7 @@ def named_os_error(e: BaseException, path: str | Path) -> OSError | None:
     "Error while serializing: I/O error: ... (os error N)", which is no OSError and carries no errno (read from its
     text: safetensors gives no other way to tell). None: `e` is neither (a SafetensorError of another kind)."""
     if isinstance(e, OSError):
-        if e.filename is None:
+        if e.filename is None and e.errno is not None:  # (one without an errno, OSError("text"), keeps its text)
             e.filename = str(path)
         return e
     if type(e).__name__ == "SafetensorError" and (m := re.search(r"\(os error (\d+)\)", str(e))):

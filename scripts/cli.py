@@ -40,16 +40,17 @@ def _out_file(ctx, param, value):
             raise click.BadParameter(f"{value}: {why}; choose another path")
         try:  # a name the file system refuses (longer than its limit): refused here too, not after the run
             os.stat(value)
-        except FileNotFoundError:
-            if not os.access(parent, os.W_OK):  # a read-only mount or folder: refused before the work, not after it
+        except FileNotFoundError:  # (a dangling link too: replaced in its own folder)
+            if not os.access(Path(os.path.abspath(value)).parent, os.W_OK):  # a read-only mount or folder
                 raise click.BadParameter(f"{value}: folder {parent} is not writable; choose another path") from None
         except OSError as e:
             raise click.BadParameter(f"{value}: {e.strerror}; choose another path") from e
         else:
             if not os.access(value, os.W_OK):
                 raise click.BadParameter(f"{value}: the file is not writable; choose another path")
-            if not _special_path(value) and not os.access(parent, os.W_OK):  # (replaced through a name there)
-                raise click.BadParameter(f"{value}: folder {parent} is not writable, and the file is replaced "
+            own = Path(os.path.abspath(value)).parent  # (a link is replaced in its own folder, not its target's)
+            if not _special_path(value) and not os.access(own, os.W_OK):
+                raise click.BadParameter(f"{value}: folder {own} is not writable, and the file is replaced "
                                          f"through a temporary name there; choose another path")
     return value
 
@@ -174,6 +175,7 @@ def _plot_file(ctx, param, value):
             raise click.BadParameter(f"{value}: the plot needs matplotlib, which is not installed; "
                                      f"`pip install matplotlib`, or leave --plot out") from None
         kinds = FigureCanvasBase.get_supported_filetypes()  # its formats by file suffix (png, svg, pdf, jpg, ...)
+        kinds.pop("pgf", None)  # (needs a LaTeX install: it failed after the evaluation)
         if (suffix := Path(value).suffix[1:].lower()) and suffix not in kinds:
             raise click.BadParameter(f"{value}: matplotlib writes no .{suffix} files; name it .png, or one of "
                                      f"{', '.join('.' + k for k in sorted(kinds) if k != 'png')}")
@@ -313,8 +315,8 @@ def _full_disk(e: Exception) -> str | None:
     import errno
 
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return (f"{e.filename or 'a file of the run'}: {e.strerror}; free space on that disk (or point the run's "
-                f"folder there elsewhere), then re-run the same command: the finished work is kept and resumed")
+        return (f"{e.filename or 'a file of the run'}: {e.strerror}; free space on that disk (or give the run a "
+                f"folder on another), then re-run the same command: the finished work is kept and resumed")
     return None
 
 
@@ -333,6 +335,8 @@ def _leave_as_a_rank(command):
 
     @functools.wraps(command)
     def run(*args, **kwargs):
+        import os
+
         from glmq.quantize import dist
 
         if not dist.launched():
@@ -349,9 +353,17 @@ def _leave_as_a_rank(command):
         except click.ClickException as e:
             e.show()
             code = e.exit_code
+        except KeyboardInterrupt:  # every rank gets the Ctrl-C: rank 0 says it, once; none tears down the interpreter
+            if os.environ.get("RANK", "0") == "0":
+                click.secho(f"\n{_INTERRUPTED}", fg="red", err=True)
+            code = 130
         dist.leave(code)
 
     return run
+
+
+_INTERRUPTED = ("interrupted: nothing unfinished looks complete; re-run the same command to resume (finished files are "
+                "kept)")
 
 
 class _Glmq(click.Group):
@@ -363,8 +375,7 @@ class _Glmq(click.Group):
             return super().invoke(ctx)
         except KeyboardInterrupt:
             resumes = ctx.invoked_subcommand == "quantize"  # (a half written file is removed; no index or config yet)
-            click.secho("\ninterrupted" + (": nothing unfinished looks complete; re-run the same command to resume "
-                                            "(finished files are kept)" if resumes else ""), fg="red", err=True)
+            click.secho("\n" + (_INTERRUPTED if resumes else "interrupted"), fg="red", err=True)
             ctx.exit(130)
 
 

@@ -554,7 +554,13 @@ def upload(o: UploadOptions) -> None:
     if text is not None:
         from glmq.formats.safetensors_io import atomic_write_text
 
-        atomic_write_text(folder / README, text)
+        try:
+            atomic_write_text(folder / README, text)
+        except OSError as e:  # a full disk or a read-only folder: before anything is sent (a traceback before)
+            from glmq.scripts.cli import CannotStart
+
+            raise CannotStart(f"{folder / README}: the model card could not be written ({e.strerror or e}); "
+                                       f"free space or make the folder writable, or pass --no-card") from e
     push_or_explain(folder, o, api, method, report, local)
     click.echo(f"uploaded {folder} to https://huggingface.co/{o.repo_id}"
                + (f"/tree/{o.revision}" if o.revision not in (None, MAIN) else ""))

@@ -7,8 +7,6 @@ mounts; here the failures are made by a stand-in writer or /dev/full, as CI cann
 from __future__ import annotations
 
 import errno
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -42,12 +40,32 @@ def test_safetensors_io_errors_become_os_errors_naming_the_file(tmp_path, monkey
     assert not list(tmp_path.iterdir())  # the temporary file is gone
 
 
-@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-def test_hidden_states_on_a_full_disk_name_their_file():
-    store = cache.Activations((4, 8), torch.float32, path=Path("/dev/full"))
+def test_hidden_states_on_a_full_disk_name_their_file(tmp_path, monkeypatch):
+    class Full:  # a file on a full disk: f.write's OSError names no file
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def seek(self, pos):
+            pass
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    store = cache.Activations.new_file(tmp_path / "hidden-00000.bin", (4, 8), torch.float32)
+    monkeypatch.setattr(cache, "open", lambda *a, **k: Full(), raising=False)  # (the module's name before builtins')
     with pytest.raises(OSError) as info:
         store.write(0, torch.ones(4, 8))
-    assert info.value.errno == errno.ENOSPC and info.value.filename == "/dev/full"
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(tmp_path / "hidden-00000.bin")
+
+
+def test_an_os_error_without_an_errno_keeps_its_text(tmp_path):
+    """OSError("text") (Pillow's encoder errors, under --plot) printed "[Errno None] None: 'path'" once named."""
+    with pytest.raises(OSError, match="^encoder error -2$"):
+        with replaced_atomically(tmp_path / "x.tif"):
+            raise OSError("encoder error -2")
 
 
 @pytest.fixture
@@ -106,3 +124,22 @@ def test_ctrl_c_is_130_and_quantize_says_it_resumes(make_ckpt, tmp_path, monkeyp
                                   str(tmp_path / "out"), "--no-progress"])
     assert r.exit_code == 130 and "Aborted" not in r.output, r.output
     assert "interrupted: nothing unfinished looks complete; re-run the same command to resume" in r.output
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_ctrl_c_under_torchrun_leaves_through_dist_leave_and_rank_0_says_it(rank, monkeypatch, capsys):
+    """Each rank gets the Ctrl-C: each printed the line, and left through the interpreter's teardown, which
+    dist.leave exists to avoid (gloo/NCCL destructors may abort)."""
+    from glmq.quantize import dist
+
+    left = []
+    monkeypatch.setattr(dist, "launched", lambda: True)
+    monkeypatch.setattr(dist, "leave", left.append)
+    monkeypatch.setenv("RANK", rank)
+
+    def command():
+        raise KeyboardInterrupt
+
+    cli._leave_as_a_rank(command)()
+    assert left == [130]
+    assert ("interrupted: nothing unfinished looks complete" in capsys.readouterr().err) == (rank == "0")

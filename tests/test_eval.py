@@ -212,7 +212,8 @@ def test_plot_replaces_a_link_and_a_full_disk_is_one_line(glm4, tmp_path, monkey
     class FigureCanvasBase:
         @staticmethod
         def get_supported_filetypes():
-            return {"png": "Portable Network Graphics", "svg": "Scalable Vector Graphics", "jpg": "JPEG"}
+            return {"png": "Portable Network Graphics", "svg": "Scalable Vector Graphics", "jpg": "JPEG",
+                    "pgf": "PGF code for LaTeX"}
 
     backend_bases.FigureCanvasBase = FigureCanvasBase
     monkeypatch.setitem(sys.modules, "matplotlib", types.ModuleType("matplotlib"))
@@ -236,6 +237,8 @@ def test_plot_replaces_a_link_and_a_full_disk_is_one_line(glm4, tmp_path, monkey
     (tmp_path / "p.JPG").unlink()
     code, out, exc = _eval(src, rtn, "--text", text, "--plot", tmp_path / "p.tiff")  # refused before the work
     assert code == 2 and "p.tiff: matplotlib writes no .tiff files; name it .png, or one of .jpg, .svg" in out, out
+    code, out, exc = _eval(src, rtn, "--text", text, "--plot", tmp_path / "p.pgf")  # needs LaTeX: failed at the end
+    assert code == 2 and "p.pgf: matplotlib writes no .pgf files" in out, out
 
     def full(result, path, fmt="png"):
         Path(path).write_bytes(b"half")

@@ -193,3 +193,23 @@ def test_a_report_over_a_file_in_a_read_only_folder_is_refused_before_the_work(s
     res = _run(["plan", "-m", str(src), "--json", str(tmp_path / "ro" / "plan.json")])
     assert res.exit_code == 2 and f"folder {tmp_path / 'ro'} is not writable, and the file is replaced" in res.output
     assert (tmp_path / "ro" / "plan.json").read_text() == "{}"
+
+
+def test_a_report_through_a_link_needs_the_links_own_folder_writable(src, tmp_path, monkeypatch):
+    """The link is replaced in its own folder: a link in a writable folder to a file in a read-only one is fine, a
+    link in a read-only folder is refused before the work (the target's folder was checked instead)."""
+    import os
+
+    for d in ("ro", "rw"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "ro" / "target.json").write_text("{}")
+    (tmp_path / "rw" / "real.json").write_text("{}")
+    (tmp_path / "rw" / "link.json").symlink_to(tmp_path / "ro" / "target.json")
+    (tmp_path / "ro" / "link2.json").symlink_to(tmp_path / "rw" / "real.json")
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == tmp_path / "ro" else real(p, mode))
+    res = _run(["plan", "-m", str(src), "--json", str(tmp_path / "rw" / "link.json")])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "ro" / "target.json").read_text() == "{}" and not (tmp_path / "rw" / "link.json").is_symlink()
+    res = _run(["plan", "-m", str(src), "--json", str(tmp_path / "ro" / "link2.json")])
+    assert res.exit_code == 2 and f"folder {tmp_path / 'ro'} is not writable" in res.output, res.output

@@ -810,3 +810,18 @@ def test_a_renamed_checkpoint_keeps_its_evaluation_by_fingerprint(ckpt, hub, tmp
     (tmp_path / "e.json").write_text(json.dumps({**EVAL, "models": rows}))
     r = run(str(ckpt), "--repo-id", REPO, "--tp", "1", "--eval-report", str(tmp_path / "e.json"), "--dry-run")
     assert r.exit_code == 2 and "evaluates old-name, not this checkpoint (ckpt)" in r.output
+
+
+def test_a_card_that_cannot_be_written_stops_before_anything_is_sent(ckpt, hub, monkeypatch):
+    """A full disk (or a read-only folder) at README.md: a traceback before; now exit 2 naming the file, and no call
+    reaches the Hub."""
+    from glmq.formats import safetensors_io
+
+    def full(path, text):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(safetensors_io, "atomic_write_text", full)
+    r = run(str(ckpt), "--repo-id", REPO, "--tp", "1")
+    assert r.exit_code == 2 and f"{ckpt / 'README.md'}: the model card could not be written (No space left on " \
+        "device); free space or make the folder writable, or pass --no-card" in r.output, r.output
+    assert not [name for name, _ in hub if name != "_validate_yaml"]
