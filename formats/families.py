@@ -534,7 +534,8 @@ def attention_presence_problems(names, config: dict, missing: bool = True) -> li
 # Tensors glmq's layout table (formats/fixtures.logical_tensors) does not decide on: the MTP layer's own head and
 # embeddings (GLM-5.2 ties them to the main model's, DeepSeek-V3 stores them; GLM-5/5.1 unconfirmed, formats.md §1)
 # rotary buffers some exports carry (loaders skip them), and an FP8 KV cache's scales (vLLM remaps and loads them).
-_OPTIONAL = re.compile(r"model\.layers\.\d+\.(shared_head\.head|embed_tokens)\.weight$|.*\.rotary_emb\.inv_freq$"
+_OPTIONAL = re.compile(r"model\.layers\.\d+\.(shared_head\.head\.(weight|weight_packed|weight_scale|weight_shape|"
+                       r"weight_zero_point|weight_g_idx)|embed_tokens\.weight)$|.*\.rotary_emb\.inv_freq$"
                        r"|.*\.self_attn\.(attn\.)?(k|v|q|kv|prob)_scale$")
 # A Linear's leaves besides .weight: its pack-quantized ones, and with FP8 scales (block or compressed-tensors) every
 # companion a stored Linear may have (validate's checks and the layout check read these)

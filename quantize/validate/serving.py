@@ -340,6 +340,13 @@ def check_serving(modules: dict[str, Module], groups: list[Group], shapes: dict,
     if not any("Linear" in g.targets for g in groups if g.kind == "int"):
         res.warn("no INT group targets 'Linear': older vLLM (WNA16 Marlin-MoE) and SGLang before PR #29761 "
                  "raise KeyError")
+    plain = [n for n, m in modules.items() if m.cls is TensorClass.ROUTED_EXPERT and not m.is_int and not m.is_fp8
+             and "weight" in m.parts]
+    if plain and quant:  # (found by a probe: transformers 5.17 with compressed-tensors 0.19; vLLM and SGLang load them)
+        res.warn(f"{len(plain)} routed expert projection(s) stored unquantized (e.g. {plain[0]}) beside a "
+                 f"compressed-tensors config: transformers leaves its fused experts unloaded (random) for such a "
+                 f"checkpoint, reporting the stored ones as UNEXPECTED; vLLM and SGLang load them and glmq eval reads "
+                 f"them as stored; quantize the routed experts to load the model with transformers")
     if quant and qc.get("format") != "pack-quantized":
         res.warn(f"top-level format {qc.get('format')!r}: older SGLang reads it for W4A16 MoE and needs "
                  f"'pack-quantized'")
