@@ -224,7 +224,7 @@ def test_same_arguments_give_byte_identical_files(matrix, tmp_path):
 def test_an_interrupted_generation_leaves_nothing_and_the_rerun_works(tmp_path, monkeypatch, where):
     """Ctrl-C in the third shard left two shards in out_dir (the rerun: `... is not empty`); in the side files it left
     config.json without them, which the bench scripts' `config.json exists` check takes for a whole checkpoint."""
-    real_save, calls = fx.save_file, []
+    real_save, calls = fx.save_safetensors, []
 
     def save(tensors, path, metadata=None):
         calls.append(path)
@@ -236,7 +236,7 @@ def test_an_interrupted_generation_leaves_nothing_and_the_rerun_works(tmp_path, 
         raise KeyboardInterrupt
 
     if where == "shard":
-        monkeypatch.setattr(fx, "save_file", save)
+        monkeypatch.setattr(fx, "save_safetensors", save)
     else:
         monkeypatch.setattr(fx, "_write_side_files", side_files)
     with pytest.raises(KeyboardInterrupt):
