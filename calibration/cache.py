@@ -37,8 +37,8 @@ import xxhash
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from glmq.formats.safetensors_io import (CheckpointError, atomic_write_text, named_os_error, replaced_atomically,
-                                        tensor_bytes)
+from glmq.formats.safetensors_io import (CheckpointError, atomic_write_text, naming_write_errors,
+                                        replaced_atomically, tensor_bytes)
 from glmq.quantize import ops
 from glmq.quantize.pack import unpack_int32, unpack_zero_point
 from glmq.quantize.rtn import QWeight
@@ -326,12 +326,9 @@ class Activations:
         if self.data is not None:
             self.data[b0:b0 + t.shape[0]] = t
             return
-        try:
-            with open(self.path, "r+b") as f:
-                f.seek(b0 * self.row_bytes)
-                f.write(t.reshape(-1).view(torch.uint8).numpy())  # buffer protocol: no extra copy
-        except OSError as e:  # a full disk: f.write's error names no file
-            raise named_os_error(e, self.path) from None
+        with naming_write_errors(self.path), open(self.path, "r+b") as f:  # (a full disk: f.write names no file)
+            f.seek(b0 * self.row_bytes)
+            f.write(t.reshape(-1).view(torch.uint8).numpy())  # buffer protocol: no extra copy
 
     def digest(self) -> str:
         """xxh3-128 of the states' bytes."""

@@ -322,16 +322,23 @@ def named_os_error(e: BaseException, path: str | Path) -> OSError | None:
     return None
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None) -> None:
-    """safetensors' `save_file`, whose I/O failure (a full disk) is an OSError naming `path` (`named_os_error`)."""
-    from safetensors.torch import save_file
-
+@contextlib.contextmanager
+def naming_write_errors(path: str | Path):
+    """Writes to `path` inside: a failure that names no file (`named_os_error`) names `path`."""
     try:
-        save_file(tensors, str(path), metadata=metadata)
+        yield
     except Exception as e:
         if (named := named_os_error(e, path)) is None or named is e:
             raise
         raise named from e
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None) -> None:
+    """safetensors' `save_file`, whose I/O failure (a full disk) is an OSError naming `path` (`named_os_error`)."""
+    from safetensors.torch import save_file
+
+    with naming_write_errors(path):
+        save_file(tensors, str(path), metadata=metadata)
 
 
 @contextlib.contextmanager
@@ -340,16 +347,15 @@ def replaced_atomically(path: Path, tmp: Path | None = None):
     clears); then fsync it and rename it to `path`. On any failure (a full disk, Ctrl-C) the temporary file is
     removed: no half file is left beside the folder's real ones."""
     tmp = Path(str(path) + TMP_SUFFIX) if tmp is None else tmp
-    try:
-        yield tmp
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if (named := named_os_error(e, path)) is None or named is e:  # (a nameless write error now names `path`)
+    with naming_write_errors(path):  # (a nameless write error, to the temporary name, names `path`)
+        try:
+            yield tmp
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
             raise
-        raise named from e
 
 
 def atomic_write_text(path: Path, text: str) -> None:
