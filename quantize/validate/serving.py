@@ -96,6 +96,19 @@ def head_split_problem(heads: tuple[int, int] | None, tp: int) -> str | None:
     return None
 
 
+def _qkv_rows_per_rank(parts: dict[str, int], heads: tuple[int, int] | None, tp: int) -> tuple[int, int, int] | None:
+    """q_proj's, k_proj's and v_proj's rows per rank at `tp` under QKVParallelLinear: the q heads split tp ways, the
+    KV heads too, or at tp > num_key_value_heads one whole KV head on each rank; None where `heads` (from config.json)
+    do not divide the parts' rows. (Whether tp may split the heads at all: `head_split_problem`.)"""
+    if heads is None:
+        return None
+    (nh, nkv), (nq, nk, nv) = heads, parts.values()
+    if nq % nh or nk % nkv or nv % nkv:
+        return None
+    kv_p = max(1, nkv // tp)
+    return nh // tp * (nq // nh), kv_p * (nk // nkv), kv_p * (nv // nkv)
+
+
 def fused_rules(layer: str, parts: dict[str, int], k: int, tp: int, g: Group,
                 heads: tuple[int, int] | None = None) -> list[tuple[str, str]]:
     """vLLM Marlin W4A16 rules for the fused layer `layer` (FUSED_LAYERS) at `tp`: `parts` is each member's N (leaf ->
@@ -106,18 +119,16 @@ def fused_rules(layer: str, parts: dict[str, int], k: int, tp: int, g: Group,
     if layer == "fused_qkv_a_proj":  # disable_tp=True: every rank holds the whole layer
         n_p = sum(parts.values())
         return _marlin_rules(n_p, k, k, f"{name}: N = {n_p}", "replicated", tp, g, f"{name}: ")
-    if layer == "qkv_proj" and heads is not None and tp > 1:
+    if layer == "qkv_proj" and tp > 1 and (per_rank := _qkv_rows_per_rank(parts, heads, tp)) is not None:
+        if (split := head_split_problem(heads, tp)) is not None:
+            return [("tensor-parallel split", f"{name}: {split}")]
         nh, nkv = heads
-        (nq, nk, nv) = parts.values()
-        if not (nq % nh or nk % nkv or nv % nkv):
-            hq, hk, hv = nq // nh, nk // nkv, nv // nkv  # head_size, and v_head_size
-            if (split := head_split_problem(heads, tp)) is not None:
-                return [("tensor-parallel split", f"{name}: {split}")]
-            kv_p = max(1, nkv // tp)  # QKVParallelLinear: at tp > num_key_value_heads each rank holds one whole KV head
-            held = f"{kv_p} of {nkv} KV heads" + (f" (each replicated on {tp // nkv} ranks)" if tp > nkv else "")
-            n_p = nh // tp * hq + kv_p * (hk + hv)
-            what = (f"{name}: N per rank = {nh // tp} of {nh} q heads x {hq} + {held} x ({hk} + {hv}) = {n_p}")
-            return _marlin_rules(n_p, k, k, what, "column-parallel", tp, g, f"{name}: ")
+        hq, hk, hv = (n // h for n, h in zip(parts.values(), (nh, nkv, nkv)))  # head_size, and v_head_size
+        kv_p = max(1, nkv // tp)
+        held = f"{kv_p} of {nkv} KV heads" + (f" (each replicated on {tp // nkv} ranks)" if tp > nkv else "")
+        n_p = sum(per_rank)
+        what = (f"{name}: N per rank = {nh // tp} of {nh} q heads x {hq} + {held} x ({hk} + {hv}) = {n_p}")
+        return _marlin_rules(n_p, k, k, what, "column-parallel", tp, g, f"{name}: ")
     bad = [f"{leaf} N = {n}" for leaf, n in parts.items() if n % tp]
     if bad:  # MergedColumnParallelLinear: assert all(output_size % tp_size == 0 ...)
         return [("tensor-parallel split", f"{name}: {', '.join(bad)} not divisible by tp = {tp}")]
@@ -182,14 +193,10 @@ def fp8_fused_rules(layer: str, parts: dict[str, int], tp: int, block: tuple[int
     name = f"vLLM's {layer} = {' + '.join(f'{leaf} ({n})' for leaf, n in parts.items())}"
     split = tp > 1 and layer != "fused_qkv_a_proj"
     sizes = dict(parts)
-    if split and layer == "qkv_proj" and heads is not None and not any(
-            n % h for n, h in zip(parts.values(), (heads[0], heads[1], heads[1]))):
+    if split and layer == "qkv_proj" and (per_rank := _qkv_rows_per_rank(parts, heads, tp)) is not None:
         if (why := head_split_problem(heads, tp)) is not None:
             return [("tensor-parallel split", f"{name}: {why}")]
-        nh, nkv = heads
-        kv_p = max(1, nkv // tp)
-        sizes = dict(zip(parts, (nh // tp * parts["q_proj"] // nh, kv_p * parts["k_proj"] // nkv,
-                                 kv_p * parts["v_proj"] // nkv)))
+        sizes = dict(zip(parts, per_rank))
     elif split:
         if bad := [f"{leaf} N = {n}" for leaf, n in parts.items() if n % tp]:
             return [("tensor-parallel split", f"{name}: {', '.join(bad)} not divisible by tp = {tp}")]
