@@ -38,17 +38,17 @@ def _out_file(ctx, param, value):
             raise click.BadParameter(f"{value}: folder {parent} does not exist; create it or choose another path")
         if (why := replaces_model_file(value)) is not None:
             raise click.BadParameter(f"{value}: {why}; choose another path")
+        own = Path(os.path.abspath(value)).parent  # where the file is written: a link is replaced in its own folder
         try:  # a name the file system refuses (longer than its limit): refused here too, not after the run
             os.stat(value)
-        except FileNotFoundError:  # (a dangling link too: replaced in its own folder)
-            if not os.access(Path(os.path.abspath(value)).parent, os.W_OK):  # a read-only mount or folder
-                raise click.BadParameter(f"{value}: folder {parent} is not writable; choose another path") from None
+        except FileNotFoundError:  # (a dangling link too)
+            if not os.access(own, os.W_OK):  # a read-only mount or folder: refused before the work, not after it
+                raise click.BadParameter(f"{value}: folder {own} is not writable; choose another path") from None
         except OSError as e:
             raise click.BadParameter(f"{value}: {e.strerror}; choose another path") from e
         else:
             if not os.access(value, os.W_OK):
                 raise click.BadParameter(f"{value}: the file is not writable; choose another path")
-            own = Path(os.path.abspath(value)).parent  # (a link is replaced in its own folder, not its target's)
             if not _special_path(value) and not os.access(own, os.W_OK):
                 raise click.BadParameter(f"{value}: folder {own} is not writable, and the file is replaced "
                                          f"through a temporary name there; choose another path")
