@@ -16,6 +16,7 @@ from glmq.quantize.plan import Action, make_plan
 from glmq.quantize.validate import serving
 from glmq.quantize.validate.config import Group
 from glmq.quantize.validate.serving import FP8_K_RULE, FP8_N_RULE, fp8_dense_rules, fp8_fused_rules, fp8_moe_rules
+from test_validate import InProcessConfigJob  # tests/ is on sys.path (pytest prepends it)
 
 B = (128, 128)
 FP8 = Group("fp8", ("Linear",), "float", 8, block=B)
@@ -117,21 +118,21 @@ def test_shape_rules_give_fp8_modules_the_fp8_rules_and_int_modules_marlins():
 def kept(make_ckpt, tmp_path_factory):
     """(plan, output) of keep_fp8 on the tiny GLM-5 layout: INT4 routed experts, FP8-block attention (q_b_proj 384
     rows, o_proj 256 columns), shared experts (128 rows) and the dense layer's MLP."""
-    from test_validate import InProcessConfigJob  # tests/ is on sys.path (pytest prepends it)
-
     tmp = tmp_path_factory.mktemp("keep")
     src = make_ckpt("glm_moe_dsa", "fp8-block", config_overrides={"index_head_dim": 128})
     (tmp / "keep.yaml").write_text(KEEP_FP8)
     plan = make_plan(open_source(src), recipes.load(str(tmp / "keep.yaml")), 400_000)
     assert {it.cls for it in plan.items if it.action is Action.KEEP_FP8} >= {TensorClass.ATTENTION,
                                                                              TensorClass.SHARED_EXPERT}
-    mp = pytest.MonkeyPatch()
-    mp.setattr(stream, "ConfigJob", InProcessConfigJob)
-    try:
-        stream.run(plan, tmp / "out", progress=False)
-    finally:
-        mp.undo()
-    return plan, tmp / "out"
+    return plan, _write(plan, tmp / "out")
+
+
+def _write(plan, out):
+    """`stream.run` with the compressed-tensors config built in this process (test_validate.InProcessConfigJob)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stream, "ConfigJob", InProcessConfigJob)
+        stream.run(plan, out, progress=False)
+    return out
 
 
 def _validated(out, tp: int) -> dict[tuple[str, str], set[str]]:
@@ -169,8 +170,6 @@ def test_a_source_of_64x64_blocks_keeps_them_as_64x64(make_ckpt, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from test_validate import InProcessConfigJob
-
     src = tmp_path / "src64"
     shutil.copytree(make_ckpt("glm_moe_dsa", "fp8-block", config_overrides={"index_head_dim": 128}), src)
     cfg = json.loads((src / "config.json").read_text())
@@ -188,12 +187,7 @@ def test_a_source_of_64x64_blocks_keeps_them_as_64x64(make_ckpt, tmp_path):
     (tmp_path / "keep.yaml").write_text(KEEP_FP8)
     plan = make_plan(open_source(src), recipes.load(str(tmp_path / "keep.yaml")), 400_000)
     assert plan.source.block == (64, 64) and any(it.action is Action.KEEP_FP8 for it in plan.items)
-    mp = pytest.MonkeyPatch()
-    mp.setattr(stream, "ConfigJob", InProcessConfigJob)
-    try:
-        stream.run(plan, tmp_path / "out", progress=False)
-    finally:
-        mp.undo()
+    _write(plan, tmp_path / "out")
     qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     fp8 = [g for g in qc["config_groups"].values() if g["weights"]["type"] == "float"]
     assert [g["weights"]["block_structure"] for g in fp8] == [[64, 64]]
