@@ -450,6 +450,11 @@ def _warn_keep_fp8(plan) -> None:
 
     if not plan.recipe.keep_fp8 or plan.source.fmt is SourceFormat.FP8_BLOCK:
         return
+    if plan.source.fmt is SourceFormat.DENSE:  # nothing FP8 to keep: the output is the recipe's without keep_fp8
+        click.secho(f"note: recipe {plan.recipe.name!r} keeps FP8 layers (keep_fp8), but this source has no FP8 "
+                    f"weights ({plan.source.fmt.value}): its other layers stay as they are, so keep_fp8 changes "
+                    f"nothing here", fg="yellow", err=True)
+        return
     lost = sum(1 for it in plan.items if it.action is Action.DEQUANTIZE)
     if lost:
         click.secho(f"warning: recipe {plan.recipe.name!r} keeps FP8 layers (keep_fp8), but this source is "

@@ -198,3 +198,22 @@ def test_a_source_of_64x64_blocks_keeps_them_as_64x64(make_ckpt, tmp_path):
     assert _validated(tmp_path / "out", 2) == {
         key: len(mods) for key, mods in serving.planned_failures(plan, 2).items()}
     assert ("attention", FP8_N_RULE) not in _validated(tmp_path / "out", 2)
+
+
+@pytest.mark.parametrize("fmt, says", [
+    ("fp8-block", None),
+    ("fp8-ct", "keeps block-FP8 weights only, so its"),
+    ("bf16", "this source has no FP8 weights (dense): its other layers stay as they are, so keep_fp8 changes nothing"),
+])
+def test_plan_says_what_keep_fp8_does_with_each_source(fmt, says, make_ckpt, tmp_path):
+    """keep_fp8 keeps block-FP8 weights: on a compressed-tensors FP8 source they are dequantized, and on a BF16 source
+    there is nothing to keep; `glmq plan` (and quantize, the same warnings before the work) says which, not silence."""
+    from click.testing import CliRunner
+
+    from glmq.scripts.cli import main
+
+    (tmp_path / "keep.yaml").write_text(KEEP_FP8)
+    res = CliRunner().invoke(main, ["plan", "-m", str(make_ckpt("glm_moe_dsa", fmt)), "-r", str(tmp_path / "keep.yaml")])
+    assert res.exit_code == 0, res.output
+    said = " ".join(res.output.split())
+    assert (says is None and "keeps FP8 layers" not in said) or (says is not None and says in said), said
