@@ -96,7 +96,8 @@ from pathlib import Path
 import torch
 
 from glmq.kernels.w4a16_dense import (_INTERPRETED, DEFAULT_SM_COUNT, MMA_CHUNK, Layout, PackedW4, _cuda_info,
-                                      _pairs_asm, _raw_words_asm, _tickets, sm_count, table_serves)
+                                      _pairs_asm, _raw_words_asm, _tickets, pdl_supported, sm_count,
+                                      table_serves)
 
 log = logging.getLogger(__name__)
 
@@ -1163,14 +1164,17 @@ def residency_problem(m: int, w: PackedW4, cfg: DecodeConfig, pdl: bool, timed: 
             f"{got[1]} B ({have_sm} an SM, {have} waves)")
 
 
-def choose(m: int, w: PackedW4, device: torch.device, device_name: str, pdl: bool) -> DecodeConfig | None:
+def choose(m: int, w: PackedW4, device: torch.device, device_name: str, pdl: bool,
+           dtype: torch.dtype = torch.bfloat16) -> DecodeConfig | None:
     """The config `w4a16_matmul_packed` runs this call with on the Gluon kernel, or None for the Triton kernels.
 
-    A launch-table pick that this process's Triton compiled to fewer programs an SM than the table timed, so that its
+    A launch-table pick that this process's Triton compiles to fewer programs an SM than the table timed, so that its
     launch needs more waves (`residency_problem`), is not taken: the table's next-fastest config here that kept its
-    own residency runs instead (`tuned_alternates`), else the Triton kernels, with a warning once per config given up.
-    That is known only once a config has launched, so its first call runs it (kernels/NOTES.md, sessions 42 and 44:
-    under Triton 3.9 the pick at 6144->24576 M = 16 loses a program an SM, and the runner-up keeps its speed)."""
+    own residency runs instead (`tuned_alternates`), else the Triton kernels, with a warning once per config given up
+    (kernels/NOTES.md, sessions 42 and 44: under Triton 3.9 the pick at 6144->24576 M = 16 loses a program an SM, and
+    the runner-up keeps its speed). On a CUDA device each config is compiled (not launched) for activations of
+    `dtype` before it is judged (`_compile_ahead`), so the first call already runs what the ladder settles on; where
+    that cannot be done, a config's first call runs it, and that launch tells."""
     if not available(device) or not supports(m, w):
         return None
     cfg = tuned_config(m, w.n, w.k, device_name, pdl, w.layout)
@@ -1189,7 +1193,7 @@ def choose(m: int, w: PackedW4, device: torch.device, device_name: str, pdl: boo
     for i, (cand, timed) in enumerate(ladder):
         instead = f"the table's next-fastest config here, {ladder[i + 1][0]}," if i + 1 < len(ladder) else \
             "the Triton kernel"  # fmt: skip
-        lost = _residency_lost(m, w, cand, pdl, device, device_name, timed, instead)
+        lost = _residency_lost(m, w, cand, pdl, device, device_name, timed, instead, dtype)
         if not lost:
             if lost is False:  # known to hold (None: this call launches it first)
                 _SETTLED[settled] = cand
@@ -1199,16 +1203,20 @@ def choose(m: int, w: PackedW4, device: torch.device, device_name: str, pdl: boo
 
 
 def _residency_lost(m: int, w: PackedW4, cfg: DecodeConfig, pdl: bool, device: torch.device, device_name: str,
-                    timed: dict | None, instead: str = "the Triton kernel") -> bool | None:
+                    timed: dict | None, instead: str = "the Triton kernel", dtype: torch.dtype = torch.bfloat16
+                    ) -> bool | None:
     """Whether the table's config `cfg`, timed compiled to `timed` (None: not recorded, nothing to hold it to), lost
     that residency (`residency_problem`), warned the first time, naming what runs `instead`; None while that is not
-    known (not launched yet: the caller runs it, which records what it compiled to). The verdict is kept once its
-    compiled kernel is known (its registers do not change in a process), so later calls cost a dict lookup, not the
-    table's record and the residency arithmetic again."""
+    known (neither compiled ahead on this CUDA device, `_compile_ahead`, nor launched yet: the caller runs it, which
+    records what it compiled to). The verdict is kept once its compiled kernel is known (its registers do not change
+    in a process), so later calls cost a dict lookup, not the table's record and the residency arithmetic again."""
     key = (cfg, m, w.n, w.k, pdl, w.layout, device_name)
     if (lost := _RESIDENCY_LOST.get(key)) is not None:
         return lost
-    if timed is not None and _compile_key(cfg, m, w.k, pdl, w.layout is Layout.SPANS) not in _COMPILED:
+    compile_key = _compile_key(cfg, m, w.k, pdl, w.layout is Layout.SPANS)
+    if timed is not None and compile_key not in _COMPILED and device.type == "cuda":
+        _compile_ahead(m, w, cfg, pdl, dtype, device)
+    if timed is not None and compile_key not in _COMPILED:
         return None
     why = None if timed is None else residency_problem(m, w, cfg, pdl, timed, sm_count(device))
     if why:
@@ -1247,27 +1255,65 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
     if cfg.wgmma and _cuda_info(x.device)[2] != (9, 0):
         raise ValueError(f"DecodeConfig.wgmma needs an sm_90 GPU (Hopper's warpgroup MMA), got {cfg} on "
                          f"{torch.cuda.get_device_name(x.device)}")
-    n = w.n
-    if n == 0:
+    if w.n == 0:
         return out  # nothing to launch (a grid of zero programs is an error)
-    chunks = k // MMA_CHUNK
-    stride_wn, stride_wc = w.word_strides()
+    stride_wn, _ = w.word_strides()
     if stride_wn != MMA_CHUNK // 8 or w.scale.stride(-1) != 1:
         raise ValueError("the decode kernel needs contiguous chunk-major words (as `prepack` makes them) and scales")
-    launch = {"launch_pdl": True} if pdl else {}
-    key = _compile_key(cfg, m, k, pdl, w.layout is Layout.SPANS)
-    if cfg.split:
-        _remember(key, _launch_xshared(x, w, out, cfg, pdl, stride_wc, launch, probe))
-        return out
-    kernel = _decode_kernel[(-(-n // cfg.rows),)](
-        x, w.qweight, w.scale, out, m, n, x.stride(0), stride_wc, w.scale.stride(0), out.stride(0),
-        CPW=chunks // cfg.warps, W=cfg.warps, R=cfg.rows, TOK=decode_tokens(m), D=min(cfg.depth, chunks // cfg.warps),
-        BF16=x.dtype == torch.bfloat16, XB=m == 1, XS=m == 1 and cfg.x_smem, SP=w.layout is Layout.SPANS, PDL=pdl,
-        PDL_EARLY=pdl and cfg.pdl_early,
-        PROBE=probe, num_warps=cfg.warps, **launch,
-    )  # fmt: skip
-    _remember(key, kernel)
+    fn, grid, args, kwargs = _launch_args(x, w, out, cfg, pdl, probe)
+    _remember(_compile_key(cfg, m, k, pdl, w.layout is Layout.SPANS), fn[grid](*args, **kwargs))
     return out
+
+
+def _launch_args(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeConfig, pdl: bool, probe: int = 0
+                 ) -> tuple:
+    """(kernel, grid, arguments, keywords) of `decode_matmul`'s launch: launched there, compiled without a launch by
+    `_compile_ahead`. `decode_matmul`'s checks hold."""
+    m, k = x.shape
+    _, stride_wc = w.word_strides()
+    launch = {"launch_pdl": True} if pdl else {}
+    spans = w.layout is Layout.SPANS
+    if cfg.split:
+        blocks = -(-w.n // (cfg.warps * cfg.rows))
+        if cfg.split > 1:
+            scratch = torch.empty(cfg.split, m, w.n, dtype=torch.float32, device=x.device)  # fp32 partials
+            tickets = _tickets(x.device, blocks)
+        else:
+            scratch = tickets = out  # not dereferenced without SPLIT
+        args = (x, w.qweight, w.scale, out, scratch, tickets, m, w.n, x.stride(0), stride_wc, w.scale.stride(0),
+                out.stride(0))
+        consts = _xshared_args(m, k // MMA_CHUNK, cfg, x.dtype == torch.bfloat16, spans, pdl, probe)
+        return _xshared_kernel, (blocks, cfg.split), args, {**consts, "num_warps": cfg.warps, **launch}
+    cpw = k // MMA_CHUNK // cfg.warps
+    args = (x, w.qweight, w.scale, out, m, w.n, x.stride(0), stride_wc, w.scale.stride(0), out.stride(0))
+    consts = dict(CPW=cpw, W=cfg.warps, R=cfg.rows, TOK=decode_tokens(m), D=min(cfg.depth, cpw),
+                  BF16=x.dtype == torch.bfloat16, XB=m == 1, XS=m == 1 and cfg.x_smem, SP=spans, PDL=pdl,
+                  PDL_EARLY=pdl and cfg.pdl_early, PROBE=probe)
+    return _decode_kernel, (-(-w.n // cfg.rows),), args, {**consts, "num_warps": cfg.warps, **launch}
+
+
+def _compile_ahead(m: int, w: PackedW4, cfg: DecodeConfig, pdl: bool, dtype: torch.dtype, device: torch.device
+                   ) -> object | None:
+    """Compile `cfg`'s kernel for a call at M tokens without launching it (Triton's `warmup`), load it and record
+    its registers and shared memory (`_remember`), so that `choose` knows whether a table config kept its residency
+    before its first launch: the ladder settles in the first call, and a CUDA graph captured on the first call holds
+    what it settles on (before, each config given up cost one launch of it first). The launch that follows finds
+    the kernel in Triton's cache. Where this Triton cannot (no `warmup`, a compile error), nothing is recorded and
+    the config is launched to learn it, as before; the launch then meets any error itself. Returns Triton's handle
+    of the compiled kernel, or None."""
+    x = torch.empty(m, w.k, dtype=dtype, device=device)
+    out = torch.empty(m, w.n, dtype=dtype, device=device)
+    fn, grid, args, kwargs = _launch_args(x, w, out, cfg, pdl and pdl_supported(device))
+    try:
+        with torch.cuda.device(device):  # (Triton compiles for, and loads on, the current device)
+            kernel = fn.warmup(*args, grid=grid, **kwargs)
+            kernel._init_handles()  # (loads the module: what gives Triton's handle its registers)
+    except Exception as e:  # noqa: BLE001 - any failure leaves the old way: learn it from the launch
+        log.debug("w4a16: compiling %s ahead of its launch failed (%s: %s); its launch will tell", cfg,
+                  type(e).__name__, e)
+        return None
+    _remember(_compile_key(cfg, m, w.k, pdl, w.layout is Layout.SPANS), kernel)
+    return kernel
 
 
 def decode_tokens(m: int) -> int:
@@ -1286,23 +1332,6 @@ def _xshared_args(m: int, chunks: int, cfg: DecodeConfig, bf16: bool, spans: boo
                 STEP=cfg.step, WS=cfg.w_smem, WG=cfg.wgmma, SA=cfg.scaled_a, BF16=bf16, SP=spans, SPLIT=cfg.split > 1,
                 PDL=pdl,
                 PROBE=probe)
-
-
-def _launch_xshared(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeConfig, pdl: bool, stride_wc: int,
-                    launch: dict, probe: int = 0):
-    """Launch the shared-x kernel; returns Triton's handle of the compiled kernel."""
-    m, k = x.shape
-    blocks = -(-w.n // (cfg.warps * cfg.rows))
-    if cfg.split > 1:
-        scratch = torch.empty(cfg.split, m, w.n, dtype=torch.float32, device=x.device)  # fp32 partials
-        tickets = _tickets(x.device, blocks)
-    else:
-        scratch = tickets = out  # not dereferenced without SPLIT
-    return _xshared_kernel[(blocks, cfg.split)](
-        x, w.qweight, w.scale, out, scratch, tickets, m, w.n, x.stride(0), stride_wc, w.scale.stride(0), out.stride(0),
-        **_xshared_args(m, k // MMA_CHUNK, cfg, x.dtype == torch.bfloat16, w.layout is Layout.SPANS, pdl, probe),
-        num_warps=cfg.warps, **launch,
-    )  # fmt: skip
 
 
 def compile_sm90(cfg: DecodeConfig, chunks: int, tok: int = 8, bf16: bool = True, xb: bool = True,

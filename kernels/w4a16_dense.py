@@ -1536,7 +1536,7 @@ def w4a16_matmul_packed(
                              "(a CUDA GPU of sm_80 or later with Triton's Gluon, not the interpreter)")
         decode = config
     else:
-        decode = None if config is not None else DK.choose(m, w, x.device, device_name(x.device), pdl)
+        decode = None if config is not None else DK.choose(m, w, x.device, device_name(x.device), pdl, x.dtype)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if decode is not None:
         return DK.decode_matmul(x, w, out, decode, pdl=pdl and pdl_supported(x.device))

@@ -3,7 +3,7 @@
 The device image has Triton 3.6 (torch 2.11's), while glmq's own torch range (<2.14) reaches torch 2.13, which ships
 Triton 3.9; a Triton install is ~1 GB, past what a device call can carry. So the other Triton compiles here, for
 sm_90, to cubins (`--build`, no GPU needed), and the device loads them with CuPy and launches them with the same
-arguments as `w4a16_decode._launch_xshared` (`--time`), beside the installed Triton's build of the same config and
+arguments as `w4a16_decode._launch_args` (`--time`), beside the installed Triton's build of the same config and
 cuBLAS fp16, in one process, alternating rounds, each timed as `bench_kernels.Bench` times (CUDA-graph replay, weights
 rotated past L2). Every cubin's output is first compared with the installed build's and with the float reference.
 
@@ -65,7 +65,7 @@ def build(out: Path, tags: list[str], shapes: list[tuple[int, int]], ms: list[in
 
 
 class CubinLaunch:
-    """One built kernel, launched as `w4a16_decode._launch_xshared` launches the installed build."""
+    """One built kernel, launched as `w4a16_decode._launch_args` launches the installed build."""
 
     def __init__(self, meta: dict, cubin: Path):
         import cupy as cp

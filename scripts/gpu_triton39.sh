@@ -7,12 +7,16 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 -d /tmp/t39whl triton==3.9.0 && python3 -m zipfile -e /tmp/t39whl/*.whl X
 #   strip --strip-unneeded X/triton/_C/libtriton.so && xz -9 -c X/triton/_C/libtriton.so > .t39/a     (477 -> 38 MB)
+#   rm X/triton/backends/nvidia/bin/ptxas
 #   tar -C X --exclude=triton/_C/libtriton.so --exclude=triton/_C/libproton.so --exclude=triton/backends/amd \
-#       --exclude='triton/backends/nvidia/lib/cupti*' --exclude=triton/backends/nvidia/bin/ptxas-blackwell \
+#       --exclude='triton/backends/nvidia/lib/cupti*' \
 #       --exclude=triton/backends/nvidia/bin/nvdisasm --exclude=triton/instrumentation --exclude=triton/plugins \
 #       --exclude=triton/FileCheck --exclude=triton/include -cf - triton triton-3.9.0.dist-info | xz -9 > .t39/b
 # and is unpacked to /tmp/t39, put first on PYTHONPATH for the "3.9" runs only. (Strip removes debug information
-# only; ptxas, libdevice and the CUDA headers the launcher is built with stay.)
+# only; libdevice and the CUDA headers the launcher is built with stay. Triton 3.9 compiles sm_90 and later with
+# ptxas-blackwell, its `get_ptxas(arch)`, so that one travels, and the plain ptxas, for arch < 90 only, is a link to
+# it here: both do not fit in a call's 64 MiB. The .t39 of sessions 49's first calls had it the other way round,
+# and every 3.9 compile failed "Cannot find ptxas-blackwell".)
 #
 # Steps, each clipped to TOTAL_S: (1) with .cubins present, scripts/ab_triton.py --time (cubins built by Triton 3.9
 # here, launched with CuPy beside the installed build); (2) scripts/bench_kernels.py on BENCH_ARGS, ROUNDS times under
@@ -36,11 +40,7 @@ if [[ -n ${REQUIRE-H200} && $G != *${REQUIRE-H200}* ]]; then echo "not an ${REQU
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/glmq
 export PYTHONUNBUFFERED=1
 BASE=/tmp/pkg:/tmp/site
-if [[ -f .t39/a && ! -f /tmp/t39/triton/_C/libtriton.so ]]; then
-  mkdir -p /tmp/t39 && xz -dc .t39/b | tar -C /tmp/t39 -xf - && xz -dc .t39/a > /tmp/t39/triton/_C/libtriton.so
-fi
-# (a wheel unpacked by zipfile keeps no mode bits: without this, every 3.9 compile fails "Permission denied: ptxas")
-chmod +x /tmp/t39/triton/backends/nvidia/bin/* 2>/dev/null
+source scripts/unpack_t39.sh
 PYTHONPATH=$BASE python3 -c 'import torch, triton; print("installed: torch", torch.__version__, "triton", triton.__version__)'
 # (its backends are found in its own tree: the installed Triton's entry points name an AMD backend not shipped here)
 T39="env TRITON_BACKENDS_IN_TREE=1 PYTHONPATH=/tmp/t39:$BASE"

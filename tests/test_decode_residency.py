@@ -233,45 +233,83 @@ def test_sass_digest_alternates_and_their_record():
     assert "plain" not in again["decode"]["6144,512,128"]["16"].get("alternates", {})
 
 
+SM90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                          reason="the shared-x kernel's launch table is sm_90's")
+
+
+def _gpu_weight(n, k, dev):
+    gen = torch.Generator().manual_seed(0)
+    wp = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, generator=gen).to(dev)
+    ws = (torch.rand(n, k // 128, generator=gen) * 0.01 + 0.002).to(torch.bfloat16).to(dev)
+    return wp, ws, D.prepack(wp, ws, 128)
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="the shared-x kernel's launch table is sm_90's")
+@SM90
 def test_a_pick_that_lost_its_residency_gives_way_on_the_gpu(tmp_path, monkeypatch, caplog):
-    # A table claiming its pick was timed at 64 registers (8 programs an SM: 768 programs in one wave on 132 SMs); the
-    # real build needs ~150-165, three an SM, two waves. The first call runs the pick and records what it compiled to;
-    # from the second the Triton kernel runs, with one warning. Both give the reference's result.
+    # A table claiming its pick was timed at 8 registers and no shared memory (16 programs an SM, the most of 4 warps:
+    # its 3072 programs in two waves on 132 SMs); any real build needs far more (Triton 3.6: ~150, 3.9: ~80), so more
+    # waves. The first call already compiles the pick (without launching it), finds that out and runs the Triton
+    # kernel, with one warning; every call gives the reference's result.
     dev = torch.device("cuda")
     cfg = DK.DecodeConfig(rows=16, warps=4, depth=3, split=8, ring=4)
-    n, k, m = 6144, 4096, 16
+    n, k, m = 24576, 4096, 16
     name = torch.cuda.get_device_name(dev)
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"device": name, "layout": "pairs", "triton": "test", "decode": {f"{n},{k},128": {
-        str(m): {"plain": cfg.to_dict(), "pdl": None, "compiled": {"plain": {"registers": 64, "shared": 16384}}}}}}))
+        str(m): {"plain": cfg.to_dict(), "pdl": None, "compiled": {"plain": {"registers": 8, "shared": 0}}}}}}))
     monkeypatch.setattr(DK, "TUNED_PATHS", {D.Layout.PAIRS: path})
     monkeypatch.setattr(DK, "_COMPILED", {})
     monkeypatch.setattr(DK, "_RESIDENCY_LOST", {})
     monkeypatch.setattr(DK, "_SETTLED", {})
+    launched, decode_matmul = [], DK.decode_matmul
+    monkeypatch.setattr(DK, "decode_matmul", lambda *a, **kw: (launched.append(a[3]), decode_matmul(*a, **kw))[1])
     DK._table.cache_clear()
     try:
-        gen = torch.Generator().manual_seed(0)
-        wp = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, generator=gen).to(dev)
-        ws = (torch.rand(n, k // 128, generator=gen) * 0.01 + 0.002).to(torch.bfloat16).to(dev)
-        w = D.prepack(wp, ws, 128)
-        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(dev)
+        wp, ws, w = _gpu_weight(n, k, dev)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(dev)
         from glmq.kernels import reference as R
 
         ref = x.double() @ R.dequantize_packed(wp, ws, 128).double().T
-        assert DK.choose(m, w, dev, name, False) == cfg
         with caplog.at_level(logging.WARNING, logger="glmq.kernels.w4a16_decode"):
             for _ in range(3):
                 y = D.w4a16_matmul_packed(x, w)
                 assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-2
         got = DK._COMPILED[DK._compile_key(cfg, m, k, False, False)]
-        assert DK.programs_per_sm(*got, 4) < 8  # what this Triton built
+        assert DK.programs_per_sm(*got, 4) < 16  # what this Triton built
+        assert launched == []  # the pick was compiled, never launched
         assert DK.choose(m, w, dev, name, False) is None
         assert sum("the Triton kernel runs instead" in r.getMessage() for r in caplog.records) == 1
     finally:
         DK._table.cache_clear()
+
+
+@pytest.mark.gpu
+@SM90
+@pytest.mark.parametrize("cfg, m, pdl", [
+    (DK.DecodeConfig(rows=16, warps=4, depth=3, split=4, ring=4, wgmma=True), 16, False),
+    (DK.DecodeConfig(rows=16, warps=4, depth=3, split=4, ring=4, wgmma=True), 16, True),
+    (DK.DecodeConfig(rows=16, warps=4, depth=2, split=1, ring=4), 8, False),
+    (DK.DecodeConfig(rows=16, warps=4, depth=2), 1, True),
+])
+def test_compiling_ahead_records_what_the_launch_builds(cfg, m, pdl, monkeypatch):
+    """`_compile_ahead` (Triton's warmup) compiles the kernel the launch runs: the launch after it gets the same
+    compiled kernel from Triton's cache (no second compile), and it records the same registers and shared memory."""
+    dev = torch.device("cuda")
+    n, k = 2048, 4096
+    _, _, w = _gpu_weight(n, k, dev)
+    key = DK._compile_key(cfg, m, k, pdl, False)
+    monkeypatch.setattr(DK, "_COMPILED", {})
+    ahead = DK._compile_ahead(m, w, cfg, pdl, torch.bfloat16, dev)
+    assert ahead is not None and DK._COMPILED[key][0] > 0
+    recorded = DK._COMPILED.pop(key)
+    handles = []
+    remember = DK._remember
+    monkeypatch.setattr(DK, "_remember", lambda kk, kernel: (handles.append(kernel), remember(kk, kernel)))
+    x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+    DK.decode_matmul(x, w, torch.empty(m, n, dtype=torch.bfloat16, device=dev), cfg, pdl=pdl)
+    assert handles == [ahead] and handles[0] is ahead
+    assert DK._COMPILED[key] == recorded
 
 
 def test_sass_digest_ladder_settles_as_choose_does():
