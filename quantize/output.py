@@ -89,7 +89,12 @@ class OutputLock:
                     log.warning("%s: cannot lock the output folder (%s); make sure no other glmq run writes into it",
                                 self.out, e.strerror or e)
                 else:
+                    readers = _only_readers(fd, fcntl)
                     os.close(fd)
+                    if readers:  # `glmq validate` or `glmq upload` (validate.driver.reading)
+                        raise OutputDirError(
+                            f"{self.out}: a glmq validate or upload is reading this folder (it holds the folder's "
+                            f"shared lock); re-run once it has ended, or choose another --output") from None
                     raise OutputDirError(
                         f"{self.out}: another glmq process is writing into this folder (it holds the folder's lock); "
                         f"wait for it to end (or stop it), then re-run to resume, or choose another --output") from None
@@ -112,6 +117,17 @@ class OutputLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _only_readers(fd: int, fcntl) -> bool:
+    """Whether the folder's lock, which refused an exclusive hold, is held shared only (readers), probed with a shared
+    lock of `fd` that is dropped again."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return True
 
 
 def plan_identity(plan: Plan, calibration: dict | None = None) -> dict:

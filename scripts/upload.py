@@ -226,7 +226,7 @@ def gate(folder: Path, o: UploadOptions) -> dict:
         rep = v.validate(folder, sample=o.sample, device=o.device, tp=o.tp, serving=True)
     except v.CannotValidate as e:
         if isinstance(e, v.BeingWritten):  # not even with --allow-invalid: the files are not all there yet
-            raise UploadError(f"{folder}: {e}; nothing was uploaded", 2) from e
+            raise UploadError(f"{e}; nothing was uploaded", 2) from e
         if not o.allow_invalid:
             raise UploadError(f"{folder}: glmq validate could not run ({e}); fix that (a --device this machine "
                               f"has, say), or pass --allow-invalid to upload it unvalidated", 2) from e
@@ -523,10 +523,21 @@ def _print_listing(files: dict[str, int], skipped: list[str], o: UploadOptions, 
 
 
 def upload(o: UploadOptions) -> None:
-    """Steps 1-6 of the module docstring. Raises UploadError with the exit code."""
-    from huggingface_hub import HfApi
+    """Steps 1-6 of the module docstring, holding the folder's read lock. Raises UploadError with the exit code."""
+    from glmq.quantize.validate import BeingWritten
+    from glmq.quantize.validate.driver import reading
 
     folder = check_arguments(o)
+    try:
+        with reading(folder):  # from the gate to the end of the push: no glmq quantize rewrites the folder meanwhile
+            _upload(folder, o)
+    except BeingWritten as e:  # (raised by `reading` itself, before the gate)
+        raise UploadError(f"{e}; nothing was uploaded", 2) from None
+
+
+def _upload(folder: Path, o: UploadOptions) -> None:
+    from huggingface_hub import HfApi
+
     evaluation = read_eval(folder, o.eval_report)  # before the gate: a wrong report is refused before a full validate
     card = make_card(folder, o, gate(folder, o), evaluation)
     action = card_action(folder, o.no_card)

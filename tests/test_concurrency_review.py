@@ -1,4 +1,5 @@
-"""Several processes on one output folder: `glmq validate` of a folder that a `glmq quantize` is still writing.
+"""Several processes on one output folder: `glmq validate` of a folder that a `glmq quantize` is still writing, and a
+`glmq quantize` started into a folder that `glmq validate` or `glmq upload` is reading.
 
 The run's lock (quantize/output.OutputLock, an flock on the folder) conflicts between two open descriptions even in
 one process, so the other process is played here by this one: the run is stopped at a chosen point by a hook and
@@ -95,6 +96,69 @@ def test_upload_refuses_a_folder_being_written_even_with_allow_invalid(make_ckpt
         main, ["upload", str(out), "--repo-id", "org/x", "--tp", "1", "--allow-invalid", "--dry-run"]))
     assert r.exit_code == 2 and "is writing into this folder" in r.output and "nothing was uploaded" in r.output, \
         r.output
+
+
+READING = "a glmq validate or upload is reading this folder"
+
+
+def _finished(make_ckpt, tmp_path) -> Path:
+    out = tmp_path / "out"
+    stream.run(_plan(make_ckpt), out, progress=False)
+    return out
+
+
+def _quantize_refused(make_ckpt, out: Path) -> str:
+    """Start the same conversion into `out` (a finished folder: it would resume) and return why it was refused."""
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    with pytest.raises(output_mod.OutputDirError) as e:
+        stream.run(_plan(make_ckpt), out, progress=False)
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before  # nothing touched
+    return str(e.value)
+
+
+def test_quantize_is_refused_while_validate_reads_the_folder(make_ckpt, tmp_path, monkeypatch):
+    """validate holds the folder's shared lock until its verdict: a quantize started meanwhile (one that would
+    rewrite files: a changed source shard) used to delete and rewrite them under the scan, which still said VALID.
+    Now the quantize is refused, naming the reader, and the verdict stands."""
+    from glmq.quantize.validate import driver
+
+    out = _finished(make_ckpt, tmp_path)
+    refused = []
+    scan = driver.scan_shards
+
+    def scanning(*a, **kw):
+        refused.append(_quantize_refused(make_ckpt, out))  # mid-scan
+        return scan(*a, **kw)
+
+    monkeypatch.setattr(driver, "scan_shards", scanning)
+    assert v.validate(out).exit_code == 0
+    assert len(refused) == 1 and READING in refused[0], refused
+    monkeypatch.setattr(driver, "scan_shards", scan)
+    stream.run(_plan(make_ckpt), out, progress=False)  # the lock is gone with the validate: the rerun resumes
+    assert v.validate(out).exit_code == 0
+
+
+def test_quantize_is_refused_while_upload_reads_the_folder(make_ckpt, tmp_path, monkeypatch):
+    """glmq upload holds the shared lock from its gate to the end of its push (here: the dry run's listing), so the
+    files it sends are the ones its gate validated."""
+    from click.testing import CliRunner
+
+    from glmq.scripts import upload
+    from glmq.scripts.cli import main
+
+    out = _finished(make_ckpt, tmp_path)
+    refused = []
+    listing = upload._print_listing
+
+    def listing_then_quantize(*a, **kw):
+        listing(*a, **kw)
+        refused.append(_quantize_refused(make_ckpt, out))
+
+    monkeypatch.setattr(upload, "_print_listing", listing_then_quantize)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    r = CliRunner().invoke(main, ["upload", str(out), "--repo-id", "org/x", "--tp", "1", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert len(refused) == 1 and READING in refused[0], refused
 
 
 if __name__ == "__main__":

@@ -57,7 +57,13 @@ def validate(checkpoint: str | Path, source: str | Path | None = None, *, sample
     t0 = time.perf_counter()
     _check_arguments(source, sample, device, tp)
     root = Path(checkpoint)
-    _check_not_being_written(root)
+    with reading(root):
+        return _validate(root, source, sample, device, tp, seed, serving, workers, sha256, t0)
+
+
+def _validate(root: Path, source, sample: float, device: str, tp: int, seed: int, serving: bool, workers: int | None,
+              sha256: bool, t0: float) -> Report:
+    """`validate`'s checks, with the folder's read lock held."""
     ck = load_checkpoint(root)
     # compressed-tensors takes seconds to import (transformers); only the checks after the read need it
     # sysconfig fills its config vars lazily and not thread-safely (CPython 3.11): a thread that reads them while
@@ -148,29 +154,38 @@ def _check_arguments(source, sample: float, device: str, tp: int) -> None:
                                  f"FP8 or BF16 checkpoint the output was converted from") from e
 
 
-def _check_not_being_written(root: Path) -> None:
-    """A folder that a `glmq quantize` is writing (it holds the folder's `flock`, quantize/output.OutputLock) is no
-    checkpoint yet, whatever it holds at this instant: config.json is written before the manifest says complete, so
-    the checks would call it INVALID ("re-run the same glmq quantize", which the lock then refuses) instead of saying
-    that they cannot run. Probed with a shared lock that is dropped at once, so that validation never blocks a run.
+@contextlib.contextmanager
+def reading(root: Path):
+    """Hold a shared `flock` on the folder while it is read (`validate`; `glmq upload` from its gate to the end of the
+    push), so that a `glmq quantize` cannot start to rewrite it meanwhile: its exclusive lock (quantize/output.
+    OutputLock) is refused, naming the reader. Before, the lock was only probed, and a quantize started a second into a
+    validate deleted and rewrote files under it, which still ended VALID (or in a traceback in upload's gate).
 
     Raises:
-        BeingWritten (a CannotValidate): a glmq process holds the folder's lock.
+        BeingWritten (a CannotValidate): a glmq quantize holds the folder's lock: it is no checkpoint yet, whatever it
+            holds at this instant (config.json is written before the manifest says complete, so the checks would call
+            it INVALID, "re-run the same glmq quantize", which the lock then refuses, instead of saying that they
+            cannot run).
     """
     try:
         import fcntl
     except ImportError:  # no flock (Windows): quantize takes no lock there either
+        yield
         return
     try:
         fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:  # missing or not a folder: load_checkpoint says so
+        yield
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
-            raise BeingWritten(f"{root}: a glmq process is writing into this folder (it holds the folder's lock), "
-                                 f"so it is not a finished checkpoint; validate it once that run has ended") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                raise BeingWritten(f"{root}: a glmq process is writing into this folder (it holds the folder's lock), "
+                                   f"so it is not a finished checkpoint; validate it once that run has ended") from None
+            # (another error, e.g. NFS without lock support: read unguarded, as quantize then writes unguarded)
+        yield
     finally:
         os.close(fd)  # drops the shared lock
 
