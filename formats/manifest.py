@@ -5,7 +5,9 @@ checksums). Once the run is finished it holds nothing time-dependent, so an inte
 writes the same bytes as an uninterrupted one; timings go to `glmq_report.json`. While it is unfinished it
 also holds each source shard's modification time (`source_mtime_ns`), the resume's check for a shard edited
 in place; finished or not, a digest of a sample of each shard's data (`source_samples`), the check for a shard
-downloaded again (its files are converted again) or another model of the same layout (refused).
+downloaded again (its files are converted again) or another model of the same layout (refused). A finished run keeps
+its times beside it instead, in `.glmq-source-times.json` (`SOURCE_TIMES_NAME`, a local working file: never uploaded),
+so that a rerun into the finished folder also sees a shard edited in place outside the sampled bytes.
 
 Each finished output file is recorded as
     {"source_shard": ..., "bytes": file size,
@@ -41,6 +43,7 @@ from glmq.formats.safetensors_io import SHA256, XXH3_128, atomic_write_text
 MANIFEST_NAME = "glmq_manifest.json"
 REPORT_NAME = "glmq_report.json"
 FRAGMENT_GLOB = "glmq_manifest.rank*.json"
+SOURCE_TIMES_NAME = ".glmq-source-times.json"  # a finished run's source shard times (module docstring)
 
 
 # the key of each checksum's {tensor: hex} record in a file record ("tensors" predates the fast checksum)
@@ -65,6 +68,24 @@ def remove(out_dir: Path, name: str) -> None:
     and removes; a journal left without its manifest would be matched by nothing and stay in the checkpoint."""
     (out_dir / journal_name(name)).unlink(missing_ok=True)
     (out_dir / name).unlink(missing_ok=True)
+
+
+def save_source_times(out_dir: Path, times: dict[str, int | None]) -> None:
+    """Record a finished run's source shard modification times (`SOURCE_TIMES_NAME`) beside its manifest."""
+    atomic_write_text(out_dir / SOURCE_TIMES_NAME,
+                      json.dumps({"source_mtime_ns": dict(sorted(times.items()))}, indent=1) + "\n")
+
+
+def load_source_times(out_dir: Path) -> dict[str, int]:
+    """A finished run's recorded source shard times; {} where none are (glmq before them, or an unreadable file:
+    nothing to compare, as before)."""
+    try:
+        times = json.loads((out_dir / SOURCE_TIMES_NAME).read_text()).get("source_mtime_ns")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if not isinstance(times, dict):
+        return {}
+    return {s: t for s, t in times.items() if isinstance(s, str) and type(t) is int}
 
 
 def fragment_name(rank: int) -> str:

@@ -276,7 +276,9 @@ def _prepare_output(plan: Plan, out: Path, lock: OutputLock, identity: dict) -> 
             f"{out / MANIFEST_NAME}: this folder holds a glmq run of another source: the data of every source shard "
             f"differs from that run's (the same config.json and headers: another model of this layout, e.g. a "
             f"fine-tune); use a new --output folder, or remove this one to start over")
-    changed = changed_shards(man.source_mtime_ns, times)
+    finished = man.complete  # (a finished run's times are beside its manifest: manifest.SOURCE_TIMES_NAME)
+    recorded = man.source_mtime_ns or (manifest.load_source_times(out) if finished else {})
+    changed = changed_shards(recorded, times)
     gptq = plan.recipe.spec.method is Method.GPTQ
     if resampled and gptq:
         raise OutputDirError(
@@ -284,11 +286,11 @@ def _prepare_output(plan: Plan, out: Path, lock: OutputLock, identity: dict) -> 
             f"{_in_all(resampled)}): the layers calibrated so far rest on its old contents; use a new --output "
             f"folder, or remove this one to start over")
     if changed and gptq:
-        raise OutputDirError(_changed_under_gptq(out, plan, changed))
+        raise OutputDirError(_changed_under_gptq(out, plan, changed, finished))
     for shard, (was, now) in changed.items():
-        log.warning("%s: modified since the interrupted run in %s began (its modification time moved from %s to %s); "
-                    "the output files read from it are converted again", plan.source.path(shard), out, _when(was),
-                    _when(now))
+        log.warning("%s: modified since the %s in %s (its modification time moved from %s to %s); the output files "
+                    "read from it are converted again", plan.source.path(shard),
+                    "run that finished" if finished else "interrupted run began", out, _when(was), _when(now))
     for shard in resampled:
         if shard not in changed:
             log.warning("%s: its data differs from the run's in %s (a sample of its bytes); the output files read "
@@ -381,7 +383,8 @@ def changed_shards(recorded: dict[str, int], times: dict[str, int | None]) -> di
     The run's identity covers the source's config, headers and sizes, and the manifest a sample of every shard's
     data, not every byte (reading the whole source again to resume would cost as much as converting it); a shard edited in place
     elsewhere between a crash and the resume would have left files of its old contents beside files of its new.
-    The time is the check for that. A manifest of a finished run or of glmq before this check records none."""
+    The time is the check for that. A finished run keeps its times beside its manifest (manifest.SOURCE_TIMES_NAME);
+    a folder of glmq before that records none."""
     # (a recorded name the source does not have was hand-edited in: the source's shard names are in the identity)
     return {s: (t, times[s]) for s, t in sorted(recorded.items()) if s in times and times[s] != t}
 
@@ -420,7 +423,8 @@ def moved_during_run(plan: Plan, out: Path) -> str | None:
             f"source stays unchanged, {again}")
 
 
-def _changed_under_gptq(out: Path, plan: Plan, changed: dict[str, tuple[int, int | None]]) -> str:
+def _changed_under_gptq(out: Path, plan: Plan, changed: dict[str, tuple[int, int | None]], finished: bool = False
+                        ) -> str:
     """The refusal of a GPTQ resume over a changed source shard: each calibrated layer's input came from every layer
     before it, so the files of that shard are not all that would have to be redone, and a shard that was only copied
     (its times not kept) is not worth hours of calibration: the user says which it is."""
@@ -429,9 +433,16 @@ def _changed_under_gptq(out: Path, plan: Plan, changed: dict[str, tuple[int, int
         restore = "; ".join(f"touch -m -d @{_seconds(t)} {shlex.quote(str(plan.source.path(s)))}"
                             for s, (t, _) in changed.items())
     else:  # e.g. a whole source copied: one command for every shard, from the times the manifest keeps
+        times = out / (manifest.SOURCE_TIMES_NAME if finished else MANIFEST_NAME)
         code = (f"import json, os; r = {json.dumps(str(plan.source.root))}; [os.utime(os.path.join(r, s), ns=(t, t)) "
-                f"for s, t in json.load(open({json.dumps(str(out / MANIFEST_NAME))}))[\"source_mtime_ns\"].items()]")
+                f"for s, t in json.load(open({json.dumps(str(times))}))[\"source_mtime_ns\"].items()]")
         restore = f"python3 -c {shlex.quote(code)}"
+    if finished:
+        return (f"{plan.source.path(first)}: modified since the GPTQ run that finished in {out} (its modification "
+                f"time moved from {_when(was)} to {_when(now)}{_in_all(changed)}); that checkpoint, left as it is, "
+                f"was calibrated on its old contents. If its contents changed, convert into a new --output folder. If "
+                f"they did not (the source was copied without its file times; cp -a and rsync -a keep them), restore "
+                f"the times and run the same command again: {restore}")
     return (f"{plan.source.path(first)}: modified since the interrupted GPTQ run in {out} began (its modification "
             f"time moved from {_when(was)} to {_when(now)}{_in_all(changed)}); the layers calibrated so far may rest "
             f"on its old contents. If its contents changed, use a new --output folder or remove this one to start "
@@ -600,12 +611,14 @@ def finish_checkpoint(plan: Plan, out: Path, man: Manifest, quantization_config:
     for name in plan.source.side_files:  # fsynced like the shards: config.json must not outlive an empty tokenizer
         with replaced_atomically(out / name) as tmp, open(plan.source.root / name, "rb") as fi, open(tmp, "wb") as fo:
             shutil.copyfileobj(fi, fo, 1 << 20)
+    if man.source_mtime_ns:  # (empty: a rerun that found every file finished keeps the times recorded before)
+        manifest.save_source_times(out, man.source_mtime_ns)
     weight_map = {o.name: f.name for f in plan.files for it in f.items for o in it.outputs}
     index = {"metadata": {"total_size": sum(f.nbytes for f in plan.files)}, "weight_map": dict(sorted(weight_map.items()))}
     atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
     atomic_write_text(out / "config.json", json.dumps(output_config(plan, quantization_config), indent=2) + "\n")
     man.complete = True
-    man.source_mtime_ns = {}  # a finished manifest holds nothing time-dependent
+    man.source_mtime_ns = {}  # a finished manifest holds nothing time-dependent (its times: the file just saved)
     try:
         man.save(out)
     except BaseException:  # (a full disk): no config.json beside an incomplete manifest, a folder vLLM would load,

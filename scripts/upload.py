@@ -79,14 +79,16 @@ def ignore_patterns() -> list[str]:
     """glmq's working files, which never belong on the Hub: the GPTQ cache folder (calibration/cache.py),
     half-written files (safetensors_io.TMP_SUFFIX; `*.tmp` activation files of the GPTQ engine), the
     manifest's journal and the ranks' fragments (formats/manifest.py), which a rerun of a finished
-    distributed job leaves beside the complete manifest if it is stopped, and the eval report the card is
+    distributed job leaves beside the complete manifest if it is stopped, a finished run's source shard times
+    (manifest.SOURCE_TIMES_NAME: local file times), and the eval report the card is
     made from (EVAL_NAME: the card has its table; the file holds the local paths of the source, of every
     checkpoint evaluated and of the text)."""
     from glmq.calibration.cache import CACHE_DIR
-    from glmq.formats.manifest import FRAGMENT_GLOB, journal_name
+    from glmq.formats.manifest import FRAGMENT_GLOB, SOURCE_TIMES_NAME, journal_name
     from glmq.formats.safetensors_io import TMP_SUFFIX
 
-    return [f"{CACHE_DIR}/*", f"*{TMP_SUFFIX}", "*.tmp", FRAGMENT_GLOB, journal_name("glmq_manifest*.json"), EVAL_NAME]
+    return [f"{CACHE_DIR}/*", f"*{TMP_SUFFIX}", "*.tmp", FRAGMENT_GLOB, journal_name("glmq_manifest*.json"), EVAL_NAME,
+            SOURCE_TIMES_NAME]
 
 
 def local_patterns(folder: Path, eval_report: Path | None) -> list[str]:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from glmq import recipes
-from glmq.formats.manifest import REPORT_NAME
+from glmq.formats.manifest import REPORT_NAME, SOURCE_TIMES_NAME
 from glmq.formats.source import open_source
 from glmq.quantize import stream
 from glmq.quantize.plan import make_plan
@@ -33,7 +33,7 @@ main()
 
 
 def _files(root: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(root.iterdir()) if p.name != REPORT_NAME}
+    return {p.name: p.read_bytes() for p in sorted(root.iterdir()) if p.name not in (REPORT_NAME, SOURCE_TIMES_NAME)}
 
 
 def test_kill_and_resume_is_byte_identical(make_ckpt, tmp_path):
@@ -250,6 +250,84 @@ def test_the_touch_command_restores_the_exact_time(tmp_path):
     for ns in (-1, -1_999_999_999, 0, 1, 1_700_000_000_123_456_789):
         subprocess.run(["touch", "-m", "-d", f"@{_seconds(ns)}", str(f)], check=True)
         assert os.stat(f).st_mtime_ns == ns
+
+
+def test_a_rerun_into_a_finished_folder_redoes_the_files_of_a_source_shard_edited_since(make_ckpt, tmp_path):
+    """A source shard edited in place after the run finished (downloaded again, say), where neither its header, its
+    size nor the sampled windows see it: a rerun into the finished folder converted nothing ("7 resumed") and kept the
+    old tensors, since the finished manifest keeps no times. The times now wait beside it, in a local file the upload
+    leaves out, so the files read from that shard are converted again, as after an interrupted run."""
+    import fnmatch
+    import json
+    import shutil
+
+    from glmq.formats.manifest import MANIFEST_NAME, SOURCE_TIMES_NAME
+    from glmq.quantize.plan import Action
+    from glmq.scripts.upload import ignore_patterns
+
+    src = tmp_path / "src"
+    shutil.copytree(make_ckpt("glm_moe_dsa", "fp8-block"), src)
+    before = open_source(src)
+    plan = make_plan(before, recipes.load("int4-w4a16"), 300_000)
+    out = tmp_path / "out"
+    stream.run(plan, out, progress=False)
+    assert json.loads((out / SOURCE_TIMES_NAME).read_text())["source_mtime_ns"] == before.shard_mtime_ns
+    assert "source_mtime_ns" not in json.loads((out / MANIFEST_NAME).read_text())
+    assert any(fnmatch.fnmatch(SOURCE_TIMES_NAME, p) for p in ignore_patterns())  # never uploaded
+    victim = next(f for f in plan.files if any(i.action is Action.QUANTIZE and i.src.dtype == "F8_E4M3"
+                                               for i in f.items))
+    edited = _edit_unsampled_byte(src, victim)
+    after = open_source(src)
+    assert after.header_digest == before.header_digest and after.shard_samples == before.shard_samples  # unseen
+    ref = tmp_path / "ref"
+    stream.run(make_plan(after, recipes.load("int4-w4a16"), 300_000), ref, progress=False)
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(10**9), str(src), str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"{src / edited}: modified since the run that finished in {out}" in r.stderr
+    redone = {f.name for f in plan.files if edited in f.source_shards()}
+    assert json.loads((out / REPORT_NAME).read_text())["files_skipped_resumed"] == len(plan.files) - len(redone)
+    assert _files(out) == _files(ref)
+    assert json.loads((out / SOURCE_TIMES_NAME).read_text())["source_mtime_ns"] == after.shard_mtime_ns
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(10**9), str(src), str(out)], capture_output=True, text=True)
+    assert r.returncode == 0 and "modified since" not in r.stderr  # the new times were kept: nothing more to redo
+
+
+def test_a_gptq_rerun_into_a_finished_folder_over_a_touched_source_is_refused_with_the_restore(make_ckpt, tmp_path):
+    """The finished GPTQ checkpoint is left as it is, and the one command printed restores the times kept beside it,
+    after which the rerun goes on."""
+    import os
+    import re
+    import shutil
+
+    import pytest
+
+    from glmq.formats import manifest
+    from glmq.formats.manifest import Manifest
+    from glmq.quantize.output import OutputDirError, OutputLock, prepare_output
+    from glmq.recipes import load
+
+    src = tmp_path / "src"
+    shutil.copytree(make_ckpt("glm_moe_dsa", "fp8-block"), src)
+    gptq = load("int4-w4a16").with_method("gptq")
+    out = tmp_path / "out"
+    with OutputLock(out) as lock:
+        prepare_output(make_plan(open_source(src), gptq, 300_000), out, lock)
+    man = Manifest.load(out)  # finished as finish_checkpoint leaves it
+    times = man.source_mtime_ns
+    manifest.save_source_times(out, times)
+    man.complete, man.source_mtime_ns = True, {}
+    man.save(out)
+    for shard in times:
+        st = (src / shard).stat()
+        os.utime(src / shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(OutputDirError) as e, OutputLock(out) as lock:
+        prepare_output(make_plan(open_source(src), gptq, 300_000), out, lock)
+    msg = str(e.value)
+    assert f"modified since the GPTQ run that finished in {out}" in msg and "left as it is" in msg, msg
+    subprocess.run(re.search(r"run the same command again: (python3 -c .*)$", msg).group(1), shell=True, check=True)
+    assert {s: (src / s).stat().st_mtime_ns for s in times} == times
+    with OutputLock(out) as lock:
+        prepare_output(make_plan(open_source(src), gptq, 300_000), out, lock)
 
 
 def test_the_gptq_refusal_over_many_changed_shards_gives_one_command_that_restores_them_all(make_ckpt, tmp_path):
@@ -551,7 +629,6 @@ def test_a_finished_folder_is_not_taken_apart_for_a_shard_that_became_corrupt(ma
     """A finished folder whose source shard changed is converted again for that shard's files; when the new data held
     a NaN, the run deleted config.json, the index and those files first and then stopped on the NaN: a valid
     checkpoint lost, nothing in its place. Now the changed shards are scanned first and the folder is left as it is."""
-    import os
     import shutil
 
     import pytest
@@ -569,11 +646,11 @@ def test_a_finished_folder_is_not_taken_apart_for_a_shard_that_became_corrupt(ma
     with pytest.raises(OutputDirError, match=rf"{shard.name}: tensor .* holds NaN or Inf .* which is left as it is"):
         stream.run(edited, out, progress=False)
     assert {p.name: p.read_bytes() for p in sorted(out.iterdir())} == before
-    shard.write_bytes(good)  # downloaded again: the folder is finished for this source as it was
-    mtime = shard.stat().st_mtime_ns
-    os.utime(shard, ns=(mtime, mtime))
+    shard.write_bytes(good)  # downloaded again: the same data as the finished folder's, at a new time
     report = stream.run(make_plan(open_source(src), recipes.load("int4-w4a16"), 300_000), out, progress=False)
-    assert report["files_skipped_resumed"] == len(plan.files)
+    # (its time moved since the run finished: its files are converted again, to the same bytes)
+    assert report["files_skipped_resumed"] == sum(shard.name not in f.source_shards() for f in plan.files)
+    assert _files(out) == {n: b for n, b in before.items() if n in _files(out)} and len(_files(out)) == len(before) - 2
 
 
 def test_a_resume_refused_for_another_recipe_names_the_setting_and_both_values(make_ckpt, tmp_path):

@@ -353,7 +353,8 @@ def test_dry_run_lists_exactly_the_files_and_sizes_and_calls_nothing(ckpt, hub, 
     for dirpath, dirs, files in os.walk(ckpt):
         dirs[:] = [d for d in dirs if d not in (".glmq-gptq", ".cache")]
         for f in files:
-            if not f.endswith((".glmq-tmp", ".tmp", ".journal.jsonl")) and not f.startswith("glmq_manifest.rank"):
+            if not f.endswith((".glmq-tmp", ".tmp", ".journal.jsonl")) and not f.startswith("glmq_manifest.rank") \
+                    and f != ".glmq-source-times.json":
                 p = Path(dirpath) / f
                 expected[p.relative_to(ckpt).as_posix()] = p.stat().st_size
     card = r.stdout.split("--- README.md (would be written) ---\n", 1)[1][:-1]  # echo's own newline off
@@ -366,7 +367,7 @@ def test_dry_run_lists_exactly_the_files_and_sizes_and_calls_nothing(ckpt, hub, 
     assert f"{sum(expected.values()):,d}  total" in r.stdout
     for skipped in (".glmq-gptq/calibration.json", "model-00002-of-00006.safetensors.glmq-tmp", "hidden-00001.tmp",
                     "glmq_manifest.rank00001.json", "glmq_manifest.rank00001.journal.jsonl",
-                    "glmq_manifest.journal.jsonl"):
+                    "glmq_manifest.journal.jsonl", ".glmq-source-times.json"):
         assert f"skipped  {skipped}" in r.stdout
     assert yaml_block(card)["tags"][0] == "compressed-tensors"
     assert hub == [] and not (ckpt / "README.md").exists()
@@ -381,7 +382,8 @@ def test_real_upload_sends_what_the_dry_run_listed(ckpt, hub):
     assert dry.exit_code == 0 and real.exit_code == 0, real.output
     files, skipped = upload.split_files(ckpt)  # what the Hub client's own filter keeps, after the card is written
     files = upload.published_sizes(files, upload.public_report(ckpt / "glmq_report.json"))
-    assert listing(dry.stdout) == listing(real.stdout) == files and skipped == [".glmq-gptq/report.json"]
+    assert listing(dry.stdout) == listing(real.stdout) == files
+    assert skipped == [".glmq-gptq/report.json", ".glmq-source-times.json"]  # (local file times: manifest.py)
     sent = [call for name, call in hub if name == "upload_file"]
     assert [len(c["path_or_fileobj"]) for c in sent] == [files["glmq_report.json"]]  # listed as sent
 
@@ -396,7 +398,7 @@ def test_upload_calls_the_hub_with_repo_private_revision_and_patterns(ckpt, hub)
     assert method == upload.upload_method(HfApi(), None)
     assert call["repo_id"] == REPO and Path(call["folder_path"]) == ckpt and call["revision"] is None
     assert upload.ignore_patterns() == [".glmq-gptq/*", "*.glmq-tmp", "*.tmp", "glmq_manifest.rank*.json",
-                                        "glmq_manifest*.journal.jsonl", "glmq_eval.json"]
+                                        "glmq_manifest*.journal.jsonl", "glmq_eval.json", ".glmq-source-times.json"]
     assert call["ignore_patterns"] == upload.ignore_patterns() + ["glmq_report.json"]  # sent on its own, below
     assert call["repo_type"] == "model"
     # the run report without the uploader's folders (the source's path, here a pytest folder)
