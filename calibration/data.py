@@ -8,7 +8,8 @@ Sources (`spec`):
   field "text"), read through the `datasets` package when it is installed (needs network or a local HF cache).
 
 Packing: documents are tokenized without special tokens and joined into one stream, separated by the
-tokenizer's EOS token when it has one; the stream is cut into non-overlapping windows of `seq_len`
+tokenizer's EOS token when it has one (a long document, such as a plain text file, in pieces of about PIECE_CHARS
+characters cut where its tokens do not change: `_pieces`); the stream is cut into non-overlapping windows of `seq_len`
 tokens, and `samples` of them are drawn without replacement by a `torch.Generator` seeded with `seed`
 (same inputs, same tensor). A stream shorter than `samples` windows is an error, not a silent reuse.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import torch
@@ -26,6 +28,14 @@ FILE_SUFFIXES = (".txt", ".text", ".md", ".jsonl", ".json", ".parquet")  # a spe
 # Datasets are read document by document until the stream holds this many times the tokens needed,
 # so that the windows are drawn from more than the first few documents.
 DATASET_TOKEN_FACTOR = 4
+# A document longer than twice this is tokenized in pieces of about this many characters (`_pieces`): a tokenizer's
+# call keeps ~600 bytes a token (its offsets, token strings and Python ints), so one call on a 20 MB text file took
+# 3.7 GB, and a 500 MB one would have needed ~75 GB before any calibration work.
+PIECE_CHARS = 1 << 20
+_CUT_CONTEXT = 256  # characters on each side of a cut that `_safe_cut` tokenizes together and apart
+_CUT_TRIES = 8  # line starts `_safe_cut` checks before it gives up cutting a document (a tokenizer that never splits)
+_LINE_START = re.compile(r"\n(?=\w)")
+_SURROGATE = re.compile("[\ud800-\udfff]")  # JSON's "\ud83d" escape alone (half of an emoji cut off): no text
 
 
 class CalibrationDataError(ValueError):
@@ -83,7 +93,7 @@ def calibration_tokens(checkpoint: str | Path, spec: str, samples: int = 128, se
     tok = tokenizer or load_tokenizer(checkpoint, trust_remote_code)
     need = samples * seq_len
     path = Path(spec)
-    if path.is_file():
+    if path.exists() and not path.is_dir():  # a file, or a pipe (`--calibration <(zcat corpus.txt.gz)`)
         docs = iter_file(path)
         budget = None  # a local file is used whole
     elif path.suffix.lower() in FILE_SUFFIXES and not path.exists():  # a mistyped file, not a dataset name for the Hub
@@ -117,22 +127,60 @@ def check_token_ids(ids: torch.Tensor, model_dir: str | Path, config: dict,
                     f"and tokenizer_config.json from the original model into it")
 
 
-def token_stream(tok, docs, budget: int | None) -> torch.Tensor:
-    """Tokenize `docs` into one int64 stream (EOS between documents), stopping past `budget` tokens."""
-    eos = tok.eos_token_id
-    parts: list[list[int]] = []
+def token_stream(tok, docs, budget: int | None, prefix: int | None = None) -> torch.Tensor:
+    """Tokenize `docs` into one int64 stream (EOS between documents), stopping at the end of the document that
+    brings it past `budget` tokens, or, with `prefix`, once it holds that many (the stream's first `prefix` tokens
+    are the same either way: `glmq eval` reads the first windows of its text only)."""
+    eos = None if tok.eos_token_id is None else torch.tensor([tok.eos_token_id], dtype=torch.int64)
+    parts: list[torch.Tensor] = []
     total = 0
     for doc in docs:
-        ids = tok(doc, add_special_tokens=False, verbose=False)["input_ids"]
-        if not ids:
-            continue
-        if parts and eos is not None:
-            ids = [eos, *ids]
-        parts.append(ids)
-        total += len(ids)
+        first = True
+        for ids in _pieces(tok, doc):
+            if not ids.numel():
+                continue
+            if first and parts and eos is not None:
+                parts.append(eos)
+                total += 1
+            first = False
+            parts.append(ids)
+            total += ids.numel()
+            if prefix is not None and total >= prefix:
+                return torch.cat(parts)
         if budget is not None and total >= budget:
             break
-    return torch.tensor([i for p in parts for i in p], dtype=torch.int64)
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def _encode(tok, text: str) -> torch.Tensor:
+    return torch.tensor(tok(text, add_special_tokens=False, verbose=False)["input_ids"], dtype=torch.int64)
+
+
+def _pieces(tok, doc: str):
+    """`doc`'s token ids, as one call on it would give them, in pieces of about PIECE_CHARS characters where it is
+    longer than twice that (hand-written: tokenizers has no streaming encode, and a tokenizer's call on a whole
+    text file kept ~600 bytes a token). Each cut is one `_safe_cut` found; where none is, the rest is one call."""
+    start = 0
+    while len(doc) - start > 2 * PIECE_CHARS and (cut := _safe_cut(tok, doc, start + PIECE_CHARS)) is not None:
+        yield _encode(tok, doc[start:cut])
+        start = cut
+    yield _encode(tok, doc[start:])
+
+
+def _safe_cut(tok, doc: str, near: int) -> int | None:
+    """A position in `doc` at or after `near` where its tokens split: a line start at a letter or digit whose
+    `_CUT_CONTEXT` characters on each side tokenize to the same ids together as apart. Byte-level BPE tokenizers
+    (GLM, DeepSeek, Kimi) split words there, so the pieces' ids are the whole text's; a tokenizer that marks the
+    start of every text it is given (SentencePiece's "▁") fails the check, and after `_CUT_TRIES` line starts that
+    fail it the document is not cut (None)."""
+    for tries, m in enumerate(_LINE_START.finditer(doc, near, near + PIECE_CHARS)):
+        if tries == _CUT_TRIES:
+            break
+        cut = m.end()
+        left, right = doc[max(0, cut - _CUT_CONTEXT):cut], doc[cut:cut + _CUT_CONTEXT]
+        if torch.equal(_encode(tok, left + right), torch.cat([_encode(tok, left), _encode(tok, right)])):
+            return cut
+    return None
 
 
 def iter_file(path: Path):
@@ -168,7 +216,7 @@ def _jsonl(path: Path):
             if not isinstance(row, dict) or not isinstance(row.get(TEXT_FIELD), str):
                 raise CalibrationDataError(f"{path}:{n}: each line must be an object with a string "
                                            f"{TEXT_FIELD!r} field")
-            yield row[TEXT_FIELD]
+            yield _unicode(row[TEXT_FIELD], f"{path}:{n}")
 
 
 def _json(path: Path):
@@ -183,7 +231,7 @@ def _json(path: Path):
             raise CalibrationDataError(f"{path}: neither one JSON object nor JSON Lines ({e})") from e
         if not isinstance(row, dict) or not isinstance(row.get(TEXT_FIELD), str):
             raise CalibrationDataError(f"{path}: the object must have a string {TEXT_FIELD!r} field")
-        yield row[TEXT_FIELD]
+        yield _unicode(row[TEXT_FIELD], str(path))
         return
     if not first.startswith(b"["):
         yield from _jsonl(path)
@@ -196,7 +244,17 @@ def _json(path: Path):
         if not isinstance(row, dict) or not isinstance(row.get(TEXT_FIELD), str):
             raise CalibrationDataError(f"{path}: item {n} of the array must be an object with a string "
                                        f"{TEXT_FIELD!r} field")
-        yield row[TEXT_FIELD]
+        yield _unicode(row[TEXT_FIELD], f"{path}: item {n}")
+
+
+def _unicode(text: str, where: str) -> str:
+    """`text` unless it holds a lone surrogate (a JSON "\\ud83d" escape without its pair: half an emoji, cut off by a
+    scraper), which no tokenizer takes (a TypeError traceback from the tokenizer, exit 1, before this check)."""
+    if m := _SURROGATE.search(text):
+        raise CalibrationDataError(f"{where}: the text holds a lone surrogate, \\u{ord(m.group()):04x} at "
+                                   f"character {m.start()}, which is no Unicode character (half of an escaped pair, "
+                                   f"e.g. an emoji cut off); fix or drop that record")
+    return text
 
 
 def _one_object(path: Path) -> bool:
@@ -234,6 +292,10 @@ def iter_dataset(name: str, seed: int):
     try:
         import datasets
     except ImportError:
+        if Path(name).is_dir():
+            raise CalibrationDataError(f"{name} is a folder: give one text file (.txt, .jsonl, .json or .parquet), or "
+                                       f"install the `datasets` package (pip install datasets) to read the folder as "
+                                       f"a Hugging Face dataset") from None
         raise CalibrationDataError(f"{name!r} is not a file, and reading it as a Hugging Face dataset needs "
                                    f"the `datasets` package (pip install datasets); or give a local file") from None
     repo, _, config = name.partition(":")

@@ -7,6 +7,7 @@ is needed and every format goes through the same forward code.
 
 from __future__ import annotations
 
+import logging
 import math
 import tempfile
 from dataclasses import dataclass
@@ -75,14 +76,21 @@ def token_windows(tokenizer_dir: str | Path, text_file: str | Path, seq_len: int
     tok = load_tokenizer(tokenizer_dir, trust_remote_code, error=CheckpointError,
                          fix="the text is tokenized with the source checkpoint's tokenizer: copy tokenizer.json and "
                              "tokenizer_config.json from the original model into it")
-    ids = token_stream(tok, iter_file(Path(text_file)), None)
+    ids = token_stream(tok, iter_file(Path(text_file)), None, prefix=count * seq_len)  # (only what the windows need)
     config = Path(tokenizer_dir) / "config.json"
     cfg = read_json_object(config, "", "re-download it") if config.is_file() else {}
+    tokens = ids.numel()
+    n = min(count, tokens // seq_len)
+    ids = ids[: n * seq_len]
     check_token_ids(ids, tokenizer_dir, cfg, CheckpointError)
-    n = min(count, ids.numel() // seq_len)
     if n == 0:
-        raise ValueError(f"{text_file}: shorter than one window of {seq_len} tokens")
-    return ids[: n * seq_len].view(n, seq_len)
+        raise ValueError(f"{text_file}: {tokens} tokens, shorter than one window of {seq_len} tokens; give more text "
+                         f"or a shorter --seq-len")
+    if n < count:
+        logging.getLogger("glmq").warning("%s: %d tokens make %d windows of %d, fewer than the %d asked for "
+                                          "(--windows); the figures are over those %d", text_file, tokens, n, seq_len,
+                                          count, n)
+    return ids.view(n, seq_len)
 
 
 @torch.no_grad()
