@@ -229,6 +229,8 @@ def output_folder_problem(out: Path) -> str | None:
 def _prepare_output(plan: Plan, out: Path, lock: OutputLock, identity: dict) -> Manifest:
     if (why := output_folder_problem(out)) is not None:
         raise OutputDirError(f"{out}: {why}; choose another --output")
+    if out.exists() and os.path.samefile(out, plan.source.root):  # (was: "not empty and holds no interrupted run")
+        raise OutputDirError(f"{out}: is the source checkpoint itself ({plan.source.root}); choose another --output")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # e.g. no permission

@@ -219,6 +219,18 @@ def test_header_length_beyond_file(ckpt, tmp_path):
     assert_fails(glmq("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress"), out, shard)
 
 
+def test_output_that_is_the_source_itself(ckpt, tmp_path):
+    """--output naming the source (also through a link): refused naming that, nothing touched; before, the generic
+    "not empty and holds no interrupted glmq run"."""
+    link = tmp_path / "link"
+    link.symlink_to(ckpt, target_is_directory=True)
+    before = {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()}
+    for out in (ckpt, link):
+        r = glmq("quantize", "-m", str(ckpt), "-o", str(out), "--no-progress")
+        assert r.returncode == 1 and f"{out}: is the source checkpoint itself" in r.stderr, r.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()} == before
+
+
 def test_output_whose_parent_is_a_file(ckpt, tmp_path):
     (tmp_path / "afile").write_text("mine")
     out = tmp_path / "afile" / "out"
