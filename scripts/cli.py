@@ -6,6 +6,7 @@ import functools
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -887,6 +888,11 @@ def eval_cmd(source, quantized, text, seq_len, windows, json_out, plot, trust_re
     from glmq.calibration.compare import compare, format_table, json_ready, non_finite, plot_layer_errors
     from glmq.formats.safetensors_io import CheckpointError
 
+    seen: dict[str, str] = {}
+    for q in quantized:  # (each is loaded whole and evaluated: the same folder twice cost its time twice, same row)
+        if (real := os.path.realpath(q)) in seen:
+            _fail(f"{q}: the same folder as {seen[real]}, given twice; give each quantized checkpoint once", code=2)
+        seen[real] = q
     try:
         result = compare(source, list(quantized), text, seq_len, windows, trust_remote_code=trust_remote_code)
     except (CheckpointError, ValueError, OSError) as e:  # could not run: 2, as click's own usage errors, not a

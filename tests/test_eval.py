@@ -340,3 +340,19 @@ def test_perplexity_past_a_floats_range_is_inf():
     assert non_finite(result) == ["a: perplexity inf", "b: kl_to_source nan", "b: layer_rel_error[2] nan"]
     assert json_ready(result)["models"][1]["layer_rel_error"] == [0.1, None, None]
     assert " - " in format_table(json_ready(result))  # a null figure prints as "-", not a TypeError
+
+
+def test_eval_refuses_a_quantized_folder_given_twice(make_ckpt, tmp_path):
+    """The same folder twice (`rtn rtn/`, or through a link) was loaded and evaluated twice, one identical row each:
+    its time twice for nothing. Refused before any work (exit 2), naming both spellings."""
+    from glmq.scripts.cli import main
+
+    q = tmp_path / "q"
+    q.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(q, target_is_directory=True)
+    (tmp_path / "t.txt").write_text("text")
+    for again in (f"{q}/", str(link)):
+        r = CliRunner().invoke(main, ["eval", str(make_ckpt("glm4_moe")), str(q), again, "--text",
+                                      str(tmp_path / "t.txt")])
+        assert r.exit_code == 2 and f"{again}: the same folder as {q}, given twice" in r.output, r.output
