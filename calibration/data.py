@@ -17,11 +17,14 @@ tokens, and `samples` of them are drawn without replacement by a `torch.Generato
 from __future__ import annotations
 
 import json
+import logging
 import random
 import re
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger("glmq")
 
 TEXT_FIELD = "text"
 FILE_SUFFIXES = (".txt", ".text", ".md", ".jsonl", ".json", ".parquet")  # a spec ending so names a local file
@@ -33,8 +36,9 @@ DATASET_TOKEN_FACTOR = 4
 # 3.7 GB, and a 500 MB one would have needed ~75 GB before any calibration work.
 PIECE_CHARS = 1 << 20
 _CUT_CONTEXT = 256  # characters on each side of a cut that `_safe_cut` tokenizes together and apart
-_CUT_TRIES = 8  # line starts `_safe_cut` checks before it gives up cutting a document (a tokenizer that never splits)
-_LINE_START = re.compile(r"\n(?=\w)")
+_CUT_SEARCH = 4096  # characters after the wanted cut in which `_safe_cut` looks for a pre-token boundary
+_CUT_TRIES = 8  # pre-token boundaries `_safe_cut` checks before it gives up cutting a document
+_UNCUT_SAID: list = []  # `_pieces` warned once that a long document stays one call
 _SURROGATE = re.compile("[\ud800-\udfff]")  # JSON's "\ud83d" escape alone (half of an emoji cut off): no text
 
 
@@ -111,6 +115,16 @@ def calibration_tokens(checkpoint: str | Path, spec: str, samples: int = 128, se
     return stream[: windows * seq_len].view(windows, seq_len)[pick].clone()
 
 
+def check_every_rank_reads(spec: str) -> None:
+    """Raise CalibrationDataError where each rank of a distributed run cannot read `spec` whole for itself: a pipe
+    (`--calibration <(zcat corpus.gz)`) would be split between the ranks, and torchrun's ranks do not inherit the
+    shell's /dev/fd/N at all (it was then taken for a dataset name)."""
+    path = Path(spec)
+    if spec.startswith("/dev/fd/") or (path.exists() and not path.is_dir() and not path.is_file()):
+        raise CalibrationDataError(f"{spec}: not a regular file (a pipe?), which the ranks of a distributed run "
+                                   f"cannot each read whole; write the text to a file and pass that")
+
+
 def check_token_ids(ids: torch.Tensor, model_dir: str | Path, config: dict,
                     error: type[Exception] = CalibrationDataError) -> None:
     """Raise `error` when a token id has no row in the model's embeddings (config.json's vocab_size): a tokenizer of
@@ -161,26 +175,46 @@ def _pieces(tok, doc: str):
     longer than twice that (hand-written: tokenizers has no streaming encode, and a tokenizer's call on a whole
     text file kept ~600 bytes a token). Each cut is one `_safe_cut` found; where none is, the rest is one call."""
     start = 0
-    while len(doc) - start > 2 * PIECE_CHARS and (cut := _safe_cut(tok, doc, start + PIECE_CHARS)) is not None:
+    while len(doc) - start > 2 * PIECE_CHARS:
+        if (cut := _safe_cut(tok, doc, start + PIECE_CHARS)) is None:
+            if not _UNCUT_SAID:
+                _UNCUT_SAID.append(True)
+                log.warning("a calibration or evaluation document of %d characters is tokenized in one call (~600 "
+                            "bytes of memory a token): no cut was found where this tokenizer's ids stay the same",
+                            len(doc) - start)
+            break
         yield _encode(tok, doc[start:cut])
         start = cut
     yield _encode(tok, doc[start:])
 
 
 def _safe_cut(tok, doc: str, near: int) -> int | None:
-    """A position in `doc` at or after `near` where its tokens split: a line start at a letter or digit whose
-    `_CUT_CONTEXT` characters on each side tokenize to the same ids together as apart. Byte-level BPE tokenizers
-    (GLM, DeepSeek, Kimi) split words there, so the pieces' ids are the whole text's; a tokenizer that marks the
-    start of every text it is given (SentencePiece's "▁") fails the check, and after `_CUT_TRIES` line starts that
-    fail it the document is not cut (None)."""
-    for tries, m in enumerate(_LINE_START.finditer(doc, near, near + PIECE_CHARS)):
-        if tries == _CUT_TRIES:
-            break
-        cut = m.end()
+    """A position in `doc` at or after `near` where its ids split: a boundary between two of the tokenizer's own
+    pre-tokens (its pre-tokenizer run on the text around it; BPE, WordPiece and Unigram models never merge across
+    one), whose `_CUT_CONTEXT` characters on each side also tokenize to the same ids together as apart (what a
+    normalizer, or a mark the tokenizer puts at the start of every text, SentencePiece's "▁", would change). None
+    where the tokenizer has no pre-tokenizer to ask (a slow tokenizer; or a BPE without a word-splitting one merges
+    across any cut, so nothing local shows a cut safe), or where none of the first `_CUT_TRIES` boundaries holds."""
+    pre = getattr(getattr(tok, "backend_tokenizer", None), "pre_tokenizer", None)
+    if pre is None:
+        return None
+    lo = max(0, near - _CUT_CONTEXT)
+    window = doc[lo:near + _CUT_SEARCH]
+    ends = [lo + end for end in _pre_token_ends(pre, window) if lo + end >= near and end <= len(window) - _CUT_CONTEXT]
+    for cut in ends[:_CUT_TRIES]:
         left, right = doc[max(0, cut - _CUT_CONTEXT):cut], doc[cut:cut + _CUT_CONTEXT]
-        if torch.equal(_encode(tok, left + right), torch.cat([_encode(tok, left), _encode(tok, right)])):
+        if len(left) in _pre_token_ends(pre, left + right) and \
+                torch.equal(_encode(tok, left + right), torch.cat([_encode(tok, left), _encode(tok, right)])):
             return cut
     return None
+
+
+def _pre_token_ends(pre, text: str) -> list[int]:
+    """Where the pre-tokens of `text` end (character offsets), by the tokenizer's own pre-tokenizer; [] if it fails."""
+    try:
+        return [end for _, (_, end) in pre.pre_tokenize_str(text)]
+    except Exception:  # noqa: BLE001 - a pre-tokenizer that cannot run alone: no cut, one call
+        return []
 
 
 def iter_file(path: Path):

@@ -261,6 +261,10 @@ def run_gptq_from_text(plan: Plan, out: str | Path, settings: CalibrationSetting
         # not after; the run takes the lock for good later (`run_gptq`)
         with OutputLock(Path(out)) as probe:
             probe.acquire()
+    if world is not None:  # every rank reads the text itself
+        from glmq.calibration.data import check_every_rank_reads
+
+        check_every_rank_reads(settings.calibration)
     tokens = calibration_tokens(plan.source.root, settings.calibration, settings.samples, settings.seq_len,
                                 settings.seed, trust_remote_code=settings.trust_remote_code)
     return run_gptq(plan, out, tokens, settings, device, progress, world)

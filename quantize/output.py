@@ -613,8 +613,11 @@ def finish_checkpoint(plan: Plan, out: Path, man: Manifest, quantization_config:
     for name in plan.source.side_files:  # fsynced like the shards: config.json must not outlive an empty tokenizer
         with replaced_atomically(out / name) as tmp, open(plan.source.root / name, "rb") as fi, open(tmp, "wb") as fo:
             shutil.copyfileobj(fi, fo, 1 << 20)
-    if man.source_mtime_ns:  # (empty: a rerun that found every file finished keeps the times recorded before)
-        manifest.save_source_times(out, man.source_mtime_ns)
+    # the times this run started with; a rerun that found every file finished keeps the file, or, in a folder of a glmq
+    # before it, records the times it found
+    times = man.source_mtime_ns or ({} if (out / manifest.SOURCE_TIMES_NAME).exists() else plan.source.shard_mtime_ns)
+    if times:
+        manifest.save_source_times(out, times)
     weight_map = {o.name: f.name for f in plan.files for it in f.items for o in it.outputs}
     index = {"metadata": {"total_size": sum(f.nbytes for f in plan.files)}, "weight_map": dict(sorted(weight_map.items()))}
     atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")

@@ -77,12 +77,48 @@ def test_a_long_text_in_pieces_has_the_ids_of_one_call(monkeypatch):
     assert torch.equal(ids, whole)
 
 
-def test_a_tokenizer_that_marks_each_texts_start_is_never_cut(monkeypatch):
+def test_a_tokenizer_that_marks_each_texts_start_is_cut_only_where_the_mark_is_there(monkeypatch):
+    """SentencePiece-style: a text given alone gets "▁" in front, so a cut before a word with no space before it would
+    change the ids (the local check refuses it); a cut before a space (which becomes that "▁") keeps them."""
     tok = _metaspace()
     text = _text(20_000)
     assert not torch.equal(data._encode(tok, "a\nb"), torch.cat([data._encode(tok, "a\n"), data._encode(tok, "b")]))
     ids, pieces = _pieces(tok, text, monkeypatch, 1000)
-    assert pieces == 1 and torch.equal(ids, data._encode(tok, text))
+    assert pieces > 1 and torch.equal(ids, data._encode(tok, text))
+
+
+def test_a_bpe_that_splits_no_words_is_never_cut(monkeypatch, caplog):
+    """Without a word-splitting pre-tokenizer, merges reach across any cut: here "a\n" pairs merge left to right, so
+    a cut after an odd number of them passes a local ids check and yet shifts every pair after it (a reviewer's
+    counterexample: 550001 ids in pieces against 550000). Such a tokenizer is never cut; one call, one warning."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"a": 0, "\n": 1, "a\n": 2, "a\na\n": 3, "<eos>": 4}
+    for pre in (None, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)):
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "\n"), ("a\n", "a\n")])) if pre is None else None
+        if tok is None:
+            from tokenizers import trainers
+
+            tok = Tokenizer(models.BPE())
+            tok.pre_tokenizer = pre
+            tok.train_from_iterator(["a\n" * 1000], trainers.BpeTrainer(
+                vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        tok = _fast(tok)
+        text = "a\n" * 3001
+        monkeypatch.setattr(data, "_UNCUT_SAID", [])
+        with caplog.at_level(logging.WARNING, logger="glmq"):
+            ids, pieces = _pieces(tok, text, monkeypatch, 1001)
+        assert pieces == 1 and torch.equal(ids, data._encode(tok, text))
+        assert "is tokenized in one call" in caplog.text
+
+
+def test_lines_that_start_with_markup_are_cut_too(monkeypatch):
+    """Cuts are at the tokenizer's own pre-token boundaries, not only at a line starting with a letter: HTML, code
+    and Markdown lists are cut as well."""
+    tok = _byte_level_bpe()
+    text = "\n".join(f"<li>- {w} (x) #{i}</li>" for i, w in enumerate(_text(30_000).split()))
+    ids, pieces = _pieces(tok, text, monkeypatch, 1000)
+    assert pieces >= 20 and torch.equal(ids, data._encode(tok, text))
 
 
 def test_the_shared_models_tokenizer_in_pieces_gives_its_ids(shared_model, monkeypatch):
@@ -167,3 +203,16 @@ def test_eval_windows_come_from_the_texts_first_tokens(tmp_path, monkeypatch, ca
     assert f"{n} tokens make {n // 1000} windows of 1000, fewer than the 500 asked for" in caplog.text
     with pytest.raises(ValueError, match=rf"{f}: {n} tokens, shorter than one window of {n + 1} tokens"):
         evaluate.token_windows(tmp_path, f, n + 1, 1)
+
+
+def test_a_pipe_is_refused_for_a_distributed_run(tmp_path):
+    """Each rank reads the calibration text itself: a pipe would be split between them, and a shell's /dev/fd/N does
+    not reach torchrun's ranks (it was taken for a dataset name)."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for spec in (str(fifo), "/dev/fd/63"):
+        with pytest.raises(data.CalibrationDataError, match=f"{spec}: not a regular file"):
+            data.check_every_rank_reads(spec)
+    (tmp_path / "t.txt").write_text("x")
+    data.check_every_rank_reads(str(tmp_path / "t.txt"))
+    data.check_every_rank_reads("org/dataset")  # a dataset name: each rank loads it

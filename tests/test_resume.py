@@ -290,6 +290,10 @@ def test_a_rerun_into_a_finished_folder_redoes_the_files_of_a_source_shard_edite
     assert json.loads((out / SOURCE_TIMES_NAME).read_text())["source_mtime_ns"] == after.shard_mtime_ns
     r = subprocess.run([sys.executable, "-c", _CHILD, str(10**9), str(src), str(out)], capture_output=True, text=True)
     assert r.returncode == 0 and "modified since" not in r.stderr  # the new times were kept: nothing more to redo
+    # a finished folder of a glmq before the file: its first rerun records the times it finds
+    (out / SOURCE_TIMES_NAME).unlink()
+    stream.run(make_plan(open_source(src), recipes.load("int4-w4a16"), 300_000), out, progress=False)
+    assert json.loads((out / SOURCE_TIMES_NAME).read_text())["source_mtime_ns"] == open_source(src).shard_mtime_ns
 
 
 def test_a_gptq_rerun_into_a_finished_folder_over_a_touched_source_is_refused_with_the_restore(make_ckpt, tmp_path):

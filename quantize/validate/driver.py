@@ -170,11 +170,14 @@ def reading(root: Path):
     try:
         import fcntl
     except ImportError:  # no flock (Windows): quantize takes no lock there either
-        yield
-        return
-    try:
-        fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:  # missing or not a folder: load_checkpoint says so
+        fcntl = None
+    fd = None
+    if fcntl is not None:
+        try:
+            fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError:  # missing or not a folder: load_checkpoint says so
+            pass
+    if fd is None:  # (yielded out here, not in the except blocks: the body's errors would carry theirs as context)
         yield
         return
     try:
