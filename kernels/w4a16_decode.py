@@ -1260,35 +1260,44 @@ def decode_matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeCo
     stride_wn, _ = w.word_strides()
     if stride_wn != MMA_CHUNK // 8 or w.scale.stride(-1) != 1:
         raise ValueError("the decode kernel needs contiguous chunk-major words (as `prepack` makes them) and scales")
-    fn, grid, args, kwargs = _launch_args(x, w, out, cfg, pdl, probe)
+    fn, grid, args, kwargs = _launch_args(m, x.dtype, w, cfg, pdl, probe, x, out)
     _remember(_compile_key(cfg, m, k, pdl, w.layout is Layout.SPANS), fn[grid](*args, **kwargs))
     return out
 
 
-def _launch_args(x: torch.Tensor, w: PackedW4, out: torch.Tensor, cfg: DecodeConfig, pdl: bool, probe: int = 0
-                 ) -> tuple:
-    """(kernel, grid, arguments, keywords) of `decode_matmul`'s launch: launched there, compiled without a launch by
-    `_compile_ahead`. `decode_matmul`'s checks hold."""
-    m, k = x.shape
+def _launch_args(m: int, dtype: torch.dtype, w: PackedW4, cfg: DecodeConfig, pdl: bool, probe: int = 0,
+                 x: torch.Tensor | None = None, out: torch.Tensor | None = None) -> tuple:
+    """(kernel, grid, arguments, keywords) of `decode_matmul`'s launch of `x` [M, K] into `out`; `decode_matmul`'s
+    checks hold. Without x and out, those of a compile for M tokens of `dtype` (`_compile_ahead`): every tensor the
+    launch would take or allocate is then passed as its dtype (Triton's warmup takes a dtype for a pointer, as an
+    aligned one), x's and out's row strides as a contiguous launch has them, so nothing is allocated (nor captured
+    into a CUDA graph being recorded)."""
+    ahead = x is None
+    k = w.k
+    x_arg, out_arg = (dtype, dtype) if ahead else (x, out)
+    stride_xm, stride_om = (k, w.n) if ahead else (x.stride(0), out.stride(0))
     _, stride_wc = w.word_strides()
     launch = {"launch_pdl": True} if pdl else {}
     spans = w.layout is Layout.SPANS
+    bf16 = dtype == torch.bfloat16
     if cfg.split:
         blocks = -(-w.n // (cfg.warps * cfg.rows))
-        if cfg.split > 1:
+        if cfg.split == 1:
+            scratch = tickets = out_arg  # not dereferenced without SPLIT
+        elif ahead:
+            scratch, tickets = torch.float32, torch.int32
+        else:
             scratch = torch.empty(cfg.split, m, w.n, dtype=torch.float32, device=x.device)  # fp32 partials
             tickets = _tickets(x.device, blocks)
-        else:
-            scratch = tickets = out  # not dereferenced without SPLIT
-        args = (x, w.qweight, w.scale, out, scratch, tickets, m, w.n, x.stride(0), stride_wc, w.scale.stride(0),
-                out.stride(0))
-        consts = _xshared_args(m, k // MMA_CHUNK, cfg, x.dtype == torch.bfloat16, spans, pdl, probe)
+        args = (x_arg, w.qweight, w.scale, out_arg, scratch, tickets, m, w.n, stride_xm, stride_wc, w.scale.stride(0),
+                stride_om)
+        consts = _xshared_args(m, k // MMA_CHUNK, cfg, bf16, spans, pdl, probe)
         return _xshared_kernel, (blocks, cfg.split), args, {**consts, "num_warps": cfg.warps, **launch}
     cpw = k // MMA_CHUNK // cfg.warps
-    args = (x, w.qweight, w.scale, out, m, w.n, x.stride(0), stride_wc, w.scale.stride(0), out.stride(0))
-    consts = dict(CPW=cpw, W=cfg.warps, R=cfg.rows, TOK=decode_tokens(m), D=min(cfg.depth, cpw),
-                  BF16=x.dtype == torch.bfloat16, XB=m == 1, XS=m == 1 and cfg.x_smem, SP=spans, PDL=pdl,
-                  PDL_EARLY=pdl and cfg.pdl_early, PROBE=probe)
+    args = (x_arg, w.qweight, w.scale, out_arg, m, w.n, stride_xm, stride_wc, w.scale.stride(0), stride_om)
+    consts = dict(CPW=cpw, W=cfg.warps, R=cfg.rows, TOK=decode_tokens(m), D=min(cfg.depth, cpw), BF16=bf16,
+                  XB=m == 1, XS=m == 1 and cfg.x_smem, SP=spans, PDL=pdl, PDL_EARLY=pdl and cfg.pdl_early,
+                  PROBE=probe)
     return _decode_kernel, (-(-w.n // cfg.rows),), args, {**consts, "num_warps": cfg.warps, **launch}
 
 
@@ -1301,10 +1310,8 @@ def _compile_ahead(m: int, w: PackedW4, cfg: DecodeConfig, pdl: bool, dtype: tor
     the kernel in Triton's cache. Where this Triton cannot (no `warmup`, a compile error), nothing is recorded and
     the config is launched to learn it, as before; the launch then meets any error itself. Returns Triton's handle
     of the compiled kernel, or None."""
-    x = torch.empty(m, w.k, dtype=dtype, device=device)
-    out = torch.empty(m, w.n, dtype=dtype, device=device)
-    fn, grid, args, kwargs = _launch_args(x, w, out, cfg, pdl and pdl_supported(device))
     try:
+        fn, grid, args, kwargs = _launch_args(m, dtype, w, cfg, pdl and pdl_supported(device))
         with torch.cuda.device(device):  # (Triton compiles for, and loads on, the current device)
             kernel = fn.warmup(*args, grid=grid, **kwargs)
             kernel._init_handles()  # (loads the module: what gives Triton's handle its registers)
