@@ -8,13 +8,14 @@ OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 G=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "$G"
 T0=$SECONDS; P="python3 -m pytest -q -p no:cacheprovider"
 if [[ $G == *H200* ]]; then  # the owed bench first, then only the GPU residency tests under both Tritons
-  BENCH_BUDGET=60 ROUNDS=3 TOTAL_S=${BENCH_TOTAL_S:-480} ONLY="dense 12288->6144" \
+  BENCH_BUDGET=60 ROUNDS=${BENCH_ROUNDS:-3} TOTAL_S=${BENCH_TOTAL_S:-480} ONLY="dense 12288->6144" \
     BENCH_ARGS="--skip-moe --no-planes --no-spans --m 16" TUNE="--only 12288 --m 16" TUNE_TRITONS=3.9 \
     bash scripts/gpu_triton39.sh 2>&1 | grep -v "nanobind\|leaked\|^ - " | tail -60
   export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
   for T in "" "TRITON_BACKENDS_IN_TREE=1 PYTHONPATH=/tmp/t39:/tmp/pkg:/tmp/site"; do
     env $T timeout 60 $P -m gpu tests/test_decode_residency.py 2>&1 | grep -E "passed|failed|FAILED|Error" | head -5
   done
+  [[ -n ${H200_KERNEL_TESTS:-} ]] && timeout 200 $P -n 14 tests/test_kernels.py 2>&1 | tail -4
   exit
 fi
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
