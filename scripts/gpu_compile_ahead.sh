@@ -7,6 +7,7 @@
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 G=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "$G"
 T0=$SECONDS; P="python3 -m pytest -q -p no:cacheprovider"
+ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 if [[ $G == *H200* ]]; then  # the owed bench first, then only the GPU residency tests under both Tritons
   BENCH_BUDGET=60 ROUNDS=${BENCH_ROUNDS:-3} TOTAL_S=${BENCH_TOTAL_S:-480} ONLY="dense 12288->6144" \
     BENCH_ARGS="--skip-moe --no-planes --no-spans --m 16" TUNE="--only 12288 --m 16" TUNE_TRITONS=3.9 \
@@ -18,7 +19,6 @@ if [[ $G == *H200* ]]; then  # the owed bench first, then only the GPU residency
   [[ -n ${H200_KERNEL_TESTS:-} ]] && timeout 200 $P -n 14 tests/test_kernels.py 2>&1 | tail -4
   exit
 fi
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/glmq; export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
 if [[ ${PARTS:-36 39} == *36* ]]; then
   timeout 90 $P -m gpu tests/test_decode_residency.py 2>&1 | grep -E "passed|failed|FAILED|Error" | head -5
