@@ -67,7 +67,7 @@ def test_json_file_is_read_as_json_lines_or_an_array(tok_src, tmp_path):
 
 def test_a_folder_or_non_utf8_jsonl_is_a_clear_error(tok_src, tmp_path):
     (tmp_path / "texts").mkdir()
-    with pytest.raises(CalibrationDataError, match="is not a file"):
+    with pytest.raises(CalibrationDataError, match="texts is a folder: give one text file"):
         calibration_tokens(tok_src, str(tmp_path / "texts"), samples=1, seq_len=2)
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')  # latin-1 on line 2
