@@ -330,3 +330,27 @@ def test_sass_digest_ladder_settles_as_choose_does():
     digest["entries"]["6144,512|16|pdl"] = lost
     digest["entries"]["6144,512|16|pdl|alt0"] = {"error": "boom"}  # unknown: taken as it comes
     assert sass_digest.ladder(table, digest, 132) == {"6144,512|16|plain": "triton", "6144,512|16|pdl": "alt0 R16W4D3S4G4"}
+
+
+@pytest.mark.parametrize("cfg", [DK.DecodeConfig(rows=16, warps=4, depth=3, split=4, ring=4, wgmma=True),
+                                 DK.DecodeConfig(rows=16, warps=4, depth=2, split=1, ring=4),
+                                 DK.DecodeConfig(rows=32, warps=8, depth=1, x_smem=True, pdl_early=True)])
+@pytest.mark.parametrize("m, pdl, dtype", [(1, True, torch.bfloat16), (16, False, torch.float16)])
+def test_a_compile_ahead_passes_what_the_launch_passes(cfg, m, pdl, dtype):
+    """`_compile_ahead`'s arguments are the launch's (kernel, grid, constants, every integer), with each tensor the
+    launch takes or allocates (x, out, the split-K scratch and tickets) as its dtype, which Triton's warmup takes for a
+    pointer: so the compile matches the launch's without allocating anything (the GPU tests check the compiled kernel
+    is the one the launch then gets from the cache)."""
+    n, k = 2048, 4096
+    w = D.prepack(torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32),
+                  torch.rand(n, k // 128).to(torch.bfloat16), 128)
+    x, out = torch.randn(m, k).to(dtype), torch.empty(m, n, dtype=dtype)
+    fn, grid, args, kw = DK._launch_args(m, dtype, w, cfg, pdl, 0, x, out)
+    fn2, grid2, ahead, kw2 = DK._launch_args(m, dtype, w, cfg, pdl)
+    assert (fn2, grid2, kw2) == (fn, grid, kw) and len(ahead) == len(args)
+    assert args[0] is x and args[3] is out
+    for a, b in zip(args, ahead):
+        if isinstance(a, torch.Tensor):
+            assert b is a if a is w.qweight or a is w.scale else b == a.dtype
+        else:
+            assert b == a
